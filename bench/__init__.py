@@ -1,0 +1,1 @@
+"""Benchmarks and demos; each writes JSON under bench/results/."""

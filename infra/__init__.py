@@ -1,0 +1,1 @@
+"""Deployment: Dockerfiles, compose config and the local process stack."""

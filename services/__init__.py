@@ -1,0 +1,1 @@
+"""One package per service; services never import each other."""

@@ -1,0 +1,312 @@
+"""The Redis streams transport every service uses (redis-py asyncio).
+
+Delivery guarantee: **at-least-once**. A consumer acknowledges an entry only after `handler` returned, i.e.
+after its effect is durable; so a crash between effect and ack re-delivers the entry, and every handler must
+be idempotent (natural keys make duplicates harmless). Specifically:
+
+- `publish` appends with an approximate MAXLEN cap (a safety bound; producers apply backpressure so the cap is
+  not reached in normal operation) and `trim_acknowledged` trims only entries every group has acknowledged.
+- A consumer that dies leaves its entries pending; any consumer of the group claims them with XAUTOCLAIM once
+  they are idle for `claim_idle_ms`.
+- An entry whose handler raised is retried (XCLAIM to self) after `retry_delay_s`; after `max_deliveries`
+  failures, or deliveries by consumers that died, it goes to `<stream>.dlq` with the reason, and is acked.
+- An entry that does not decode is dead-lettered at once; it never reaches the handler or crashes the loop.
+
+Not guaranteed: ordering across consumers, exactly-once effects (that is the handlers' idempotency), and
+durability beyond what Redis itself gives (AOF in compose). Postgres is the source of truth; the controller
+re-dispatches work whose result never arrived.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import traceback
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+from prometheus_client import Counter
+from redis.exceptions import ResponseError
+
+from shared.messages.codec import Message, MessageDecodeError, decode, encode
+from shared.streams import dead_letter
+
+MESSAGES_PUBLISHED = Counter("bus_messages_published_total", "Stream entries appended", ["stream"])
+MESSAGES_ACKED = Counter("bus_messages_acked_total", "Stream entries acknowledged", ["stream", "group"])
+MESSAGES_RECLAIMED = Counter("bus_messages_reclaimed_total", "Entries claimed from dead consumers", ["stream", "group"])
+MESSAGES_DEAD_LETTERED = Counter(
+    "bus_messages_dead_lettered_total", "Entries moved to the dead-letter stream", ["stream", "group", "cause"]
+)
+HANDLER_FAILURES = Counter("bus_handler_failures_total", "Handler exceptions", ["stream", "group"])
+
+DEFAULT_MAXLEN = 1_000_000
+
+
+def connect(url: str) -> aioredis.Redis:
+    """One client per process; socket timeouts long enough for blocking reads."""
+    return aioredis.from_url(url, decode_responses=False, health_check_interval=30, socket_keepalive=True)
+
+
+@dataclass
+class Delivery:
+    """One entry handed to a handler. `deliveries` counts how often the group handed it out."""
+
+    id: bytes
+    message: Message
+    deliveries: int
+    fields: dict[bytes, bytes]
+
+
+class StreamBus:
+    """Producer side and stream housekeeping."""
+
+    def __init__(self, redis: aioredis.Redis):
+        self.redis = redis
+
+    async def publish(self, stream: str, msg: Message, *, maxlen: int = DEFAULT_MAXLEN) -> bytes:
+        entry_id = await self.redis.xadd(stream, encode(msg), maxlen=maxlen, approximate=True)
+        MESSAGES_PUBLISHED.labels(stream).inc()
+        return entry_id
+
+    async def publish_many(self, stream: str, msgs: Sequence[Message], *, maxlen: int = DEFAULT_MAXLEN) -> list[bytes]:
+        """One round trip for many entries (MULTI/EXEC: all or none are appended)."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            for m in msgs:
+                pipe.xadd(stream, encode(m), maxlen=maxlen, approximate=True)
+            ids = await pipe.execute()
+        MESSAGES_PUBLISHED.labels(stream).inc(len(msgs))
+        return ids
+
+    async def ensure_group(self, stream: str, group: str, start_id: str = "0") -> None:
+        """Create the group (and the stream) if missing. start_id "0": a new group sees the whole backlog."""
+        try:
+            await self.redis.xgroup_create(stream, group, id=start_id, mkstream=True)
+        except ResponseError as e:
+            if "BUSYGROUP" not in str(e):
+                raise
+
+    async def trim_acknowledged(self, stream: str) -> int:
+        """Drop entries that every consumer group has acknowledged. Returns how many were removed.
+
+        For each group the oldest entry it still needs is its oldest pending entry, or the first entry after
+        its last-delivered id. A stream without groups is left alone (its producer's MAXLEN bounds it)."""
+        try:
+            groups = await self.redis.xinfo_groups(stream)
+        except ResponseError:
+            return 0
+        if not groups:
+            return 0
+        floor: tuple[int, int] | None = None
+        for g in groups:
+            need = _next_id(_parse_id(g["last-delivered-id"]))
+            if g["pending"]:
+                summary = await self.redis.xpending(stream, g["name"])
+                need = min(need, _parse_id(summary["min"]))
+            floor = need if floor is None else min(floor, need)
+        assert floor is not None
+        return await self.redis.xtrim(stream, minid=f"{floor[0]}-{floor[1]}", approximate=False)
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+
+Handler = Callable[[list[Delivery]], Awaitable[None]]
+DeadLetterHook = Callable[[Delivery | None, bytes, str], Awaitable[None]]
+
+
+class StreamConsumer:
+    """Consumer-group reader with reclaim, retry and dead-lettering. See the module docstring for guarantees.
+
+    The handler receives a batch of deliveries and must make their effects durable before returning; then
+    the whole batch is acked. If a batch handler raises, each delivery is retried alone so that one poison
+    entry cannot hold back the others.
+    """
+
+    def __init__(
+        self,
+        bus: StreamBus,
+        stream: str,
+        group: str,
+        consumer: str,
+        *,
+        expect: type[Message] | None = None,
+        max_deliveries: int = 5,
+        claim_idle_ms: int = 30_000,
+        retry_delay_s: float = 1.0,
+        batch_size: int = 64,
+        block_ms: int = 1000,
+        on_dead_letter: DeadLetterHook | None = None,
+    ):
+        self.bus, self.redis = bus, bus.redis
+        self.stream, self.group, self.consumer = stream, group, consumer
+        self.expect = expect
+        self.max_deliveries = max_deliveries
+        self.claim_idle_ms = claim_idle_ms
+        self.retry_delay_s = retry_delay_s
+        self.batch_size = batch_size
+        self.block_ms = block_ms
+        self.on_dead_letter = on_dead_letter
+        self._failures_key = f"bus:failures:{stream}:{group}"
+        self._retry_at: dict[bytes, float] = {}  # own failed entries -> when to try again
+        self._claim_cursor = b"0-0"
+
+    async def start(self) -> None:
+        await self.bus.ensure_group(self.stream, self.group)
+
+    # -- reading ---------------------------------------------------------------------------------------------
+    async def read(self) -> list[Delivery]:
+        """Due retries first, then entries of dead consumers, then new entries (blocking up to block_ms)."""
+        raw = await self._claim_due_retries()
+        raw += await self._reclaim_idle()
+        if not raw:
+            block = self.block_ms if not self._retry_at else min(self.block_ms, int(self.retry_delay_s * 1000))
+            resp = await self.redis.xreadgroup(
+                self.group, self.consumer, {self.stream: ">"}, count=self.batch_size, block=block
+            )
+            raw = [(eid, fields, 1) for _, entries in resp for eid, fields in entries]
+        return await self._decode_all(raw)
+
+    async def _claim_due_retries(self) -> list[tuple[bytes, dict, int]]:
+        now = time.monotonic()
+        due = [eid for eid, t in self._retry_at.items() if t <= now]
+        if not due:
+            return []
+        for eid in due:
+            del self._retry_at[eid]
+        claimed = await self.redis.xclaim(self.stream, self.group, self.consumer, 0, due)
+        return await self._with_counts([(eid, f) for eid, f in claimed if f is not None])
+
+    async def _reclaim_idle(self) -> list[tuple[bytes, dict, int]]:
+        resp = await self.redis.xautoclaim(
+            self.stream, self.group, self.consumer, self.claim_idle_ms, start_id=self._claim_cursor,
+            count=self.batch_size,
+        )
+        self._claim_cursor = resp[0]
+        claimed = [(eid, f) for eid, f in resp[1] if f is not None]
+        deleted = resp[2] if len(resp) > 2 else []
+        if deleted:  # trimmed while pending: nothing to deliver, release them
+            await self.redis.xack(self.stream, self.group, *deleted)
+        if not claimed:
+            return []
+        MESSAGES_RECLAIMED.labels(self.stream, self.group).inc(len(claimed))
+        return await self._with_counts(claimed)
+
+    async def _with_counts(self, entries: list[tuple[bytes, dict]]) -> list[tuple[bytes, dict, int]]:
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for eid, _ in entries:
+                pipe.xpending_range(self.stream, self.group, min=eid, max=eid, count=1)
+            infos = await pipe.execute()
+        out = []
+        for (eid, fields), info in zip(entries, infos, strict=True):
+            out.append((eid, fields, info[0]["times_delivered"] if info else 1))
+        return out
+
+    async def _decode_all(self, raw: list[tuple[bytes, dict, int]]) -> list[Delivery]:
+        out: list[Delivery] = []
+        for eid, fields, count in raw:
+            try:
+                msg = decode(fields, self.expect)
+            except MessageDecodeError as e:
+                await self._dead_letter(None, eid, fields, count, f"undecodable: {e}", "undecodable")
+                continue
+            delivery = Delivery(eid, msg, count, fields)
+            # More deliveries than allowed without a recorded failure: consumers died holding it (a poison
+            # entry that crashes the process, say). Stop the crash loop.
+            if count > self.max_deliveries:
+                await self._dead_letter(
+                    delivery, eid, fields, count, f"delivered {count} times without being acknowledged", "redelivered"
+                )
+                continue
+            out.append(delivery)
+        return out
+
+    # -- outcomes --------------------------------------------------------------------------------------------
+    async def ack(self, deliveries: Sequence[Delivery]) -> None:
+        if not deliveries:
+            return
+        ids = [d.id for d in deliveries]
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.xack(self.stream, self.group, *ids)
+            pipe.hdel(self._failures_key, *ids)
+            await pipe.execute()
+        MESSAGES_ACKED.labels(self.stream, self.group).inc(len(ids))
+
+    async def fail(self, delivery: Delivery, error: BaseException | str) -> None:
+        """Record a handler failure: retry later, or dead-letter once max_deliveries failures are reached."""
+        HANDLER_FAILURES.labels(self.stream, self.group).inc()
+        reason = error if isinstance(error, str) else "".join(traceback.format_exception(error))[-4000:]
+        failures = await self.redis.hincrby(self._failures_key, delivery.id, 1)
+        if failures >= self.max_deliveries:
+            await self._dead_letter(
+                delivery, delivery.id, delivery.fields, delivery.deliveries,
+                f"handler failed {failures} times; last error: {reason}", "handler",
+            )
+        else:
+            self._retry_at[delivery.id] = time.monotonic() + self.retry_delay_s * failures
+
+    async def _dead_letter(
+        self, delivery: Delivery | None, eid: bytes, fields: dict, count: int, reason: str, cause: str
+    ) -> None:
+        entry = dict(fields)
+        entry.update({
+            b"dlq_reason": reason.encode(), b"dlq_stream": self.stream.encode(), b"dlq_group": self.group.encode(),
+            b"dlq_id": eid, b"dlq_consumer": self.consumer.encode(), b"dlq_deliveries": str(count).encode(),
+            b"dlq_at": repr(time.time()).encode(),
+        })
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.xadd(dead_letter(self.stream), entry, maxlen=100_000, approximate=True)
+            pipe.xack(self.stream, self.group, eid)
+            pipe.hdel(self._failures_key, eid)
+            await pipe.execute()
+        self._retry_at.pop(eid, None)
+        MESSAGES_DEAD_LETTERED.labels(self.stream, self.group, cause).inc()
+        if self.on_dead_letter is not None:
+            await self.on_dead_letter(delivery, eid, reason)
+
+    # -- loop ------------------------------------------------------------------------------------------------
+    async def process(self, handler: Handler, deliveries: list[Delivery]) -> None:
+        """Run the handler on a batch and ack; on failure isolate each delivery and retry it alone."""
+        if not deliveries:
+            return
+        try:
+            await handler(deliveries)
+        except Exception as batch_error:
+            if len(deliveries) == 1:
+                await self.fail(deliveries[0], batch_error)
+                return
+            for d in deliveries:
+                try:
+                    await handler([d])
+                except Exception as e:
+                    await self.fail(d, e)
+                else:
+                    await self.ack([d])
+            return
+        await self.ack(deliveries)
+
+    async def run(self, handler: Handler, stop: asyncio.Event) -> None:
+        """Read, handle, ack until `stop` is set. Redis outages are waited out, not fatal."""
+        await self.start()
+        while not stop.is_set():
+            try:
+                deliveries = await self.read()
+            except (ConnectionError, OSError, TimeoutError, aioredis.ConnectionError, aioredis.TimeoutError):
+                await asyncio.sleep(1.0)
+                continue
+            except ResponseError as e:
+                if "NOGROUP" in str(e):  # stream deleted under us (Redis lost its data): recreate
+                    await self.start()
+                    continue
+                raise
+            await self.process(handler, deliveries)
+
+
+def _parse_id(value: bytes | str) -> tuple[int, int]:
+    s = value.decode() if isinstance(value, bytes) else value
+    ms, _, seq = s.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def _next_id(id_: tuple[int, int]) -> tuple[int, int]:
+    return (id_[0], id_[1] + 1)

@@ -1,0 +1,1 @@
+"""Postgres: models (the schema) and engine/session factories."""

@@ -1,0 +1,24 @@
+"""Engine and session factories. Services build one engine in `main`; nothing connects at import."""
+
+from __future__ import annotations
+
+from sqlalchemy import Engine, create_engine
+from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
+from sqlalchemy.orm import sessionmaker
+
+
+def make_engine(url: str, **kw) -> Engine:
+    return create_engine(url, pool_pre_ping=True, future=True, **kw)
+
+
+def make_async_engine(url: str, **kw) -> AsyncEngine:
+    # psycopg 3 serves both sync and async under the same `postgresql+psycopg` URL.
+    return create_async_engine(url, pool_pre_ping=True, **kw)
+
+
+def session_factory(engine: Engine) -> sessionmaker:
+    return sessionmaker(engine, expire_on_commit=False)
+
+
+def async_session_factory(engine: AsyncEngine) -> async_sessionmaker:
+    return async_sessionmaker(engine, expire_on_commit=False)

@@ -1,0 +1,17 @@
+"""Versioned stream messages. One module per stream; `codec` turns any of them into compact bytes.
+
+    from shared.messages import RolloutTask, encode, decode
+    fields = encode(task)            # {b"t": b"rollout_task", b"v": b"1", b"d": <msgpack>}
+    task = decode(fields)            # -> RolloutTask, or raises MessageDecodeError
+"""
+
+from shared.messages.codec import MESSAGE_TYPES, Message, MessageDecodeError, decode, encode
+from shared.messages.env import EnvReply, EnvRequest
+from shared.messages.rollout import RolloutTask
+from shared.messages.trajectory import EpisodeResult, StepRecord, TrajectoryRecord
+from shared.messages.weights import WeightsPublished
+
+__all__ = [
+    "MESSAGE_TYPES", "EnvReply", "EnvRequest", "EpisodeResult", "Message", "MessageDecodeError",
+    "RolloutTask", "StepRecord", "TrajectoryRecord", "WeightsPublished", "decode", "encode",
+]

@@ -1,0 +1,88 @@
+"""Wire format: each stream entry has three fields, `t` (message type), `v` (schema version) and `d`
+(msgpack of the model). Token ids and logprobs are packed binary arrays (`TokenIds`, `Logprobs`), never
+per-token JSON. A new field must be optional so older readers and writers keep working; a breaking change
+bumps `SCHEMA_VERSION` of that type, and readers reject versions they do not know (dead-lettered)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, ClassVar
+
+import msgpack
+import numpy as np
+from pydantic import BaseModel, BeforeValidator, ConfigDict, PlainSerializer, ValidationError
+
+
+class MessageDecodeError(ValueError):
+    """The entry is not a message this reader understands; the reason says why. Dead-letter it."""
+
+
+def _ids_in(v: Any) -> list[int]:
+    if isinstance(v, bytes | bytearray | memoryview):
+        return np.frombuffer(v, dtype="<i4").tolist()
+    return list(v)
+
+
+def _floats_in(v: Any) -> list[float]:
+    if isinstance(v, bytes | bytearray | memoryview):
+        return np.frombuffer(v, dtype="<f4").tolist()
+    return list(v)
+
+
+def _ids_out(v: list[int]) -> bytes:
+    return np.asarray(v, dtype="<i4").tobytes()
+
+
+def _floats_out(v: list[float]) -> bytes:
+    return np.asarray(v, dtype="<f4").tobytes()
+
+
+# Lists in Python, little-endian int32 / float32 bytes on the wire.
+TokenIds = Annotated[list[int], BeforeValidator(_ids_in), PlainSerializer(_ids_out, return_type=bytes)]
+Logprobs = Annotated[list[float], BeforeValidator(_floats_in), PlainSerializer(_floats_out, return_type=bytes)]
+
+
+class Message(BaseModel):
+    """Base of every stream message. Subclasses set TYPE and SCHEMA_VERSION."""
+
+    model_config = ConfigDict(extra="ignore")  # newer writers may add optional fields
+    TYPE: ClassVar[str] = ""
+    SCHEMA_VERSION: ClassVar[int] = 1
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if cls.TYPE:
+            MESSAGE_TYPES[cls.TYPE] = cls
+
+
+MESSAGE_TYPES: dict[str, type[Message]] = {}
+
+
+def encode(msg: Message) -> dict[bytes, bytes]:
+    body = msgpack.packb(msg.model_dump(mode="python"), use_bin_type=True)
+    return {b"t": msg.TYPE.encode(), b"v": str(msg.SCHEMA_VERSION).encode(), b"d": body}
+
+
+def decode(fields: dict[bytes, bytes], expect: type[Message] | None = None) -> Message:
+    try:
+        mtype = fields[b"t"].decode()
+        version = int(fields[b"v"])
+        body = fields[b"d"]
+    except (KeyError, ValueError, UnicodeDecodeError, AttributeError) as e:
+        raise MessageDecodeError(f"entry lacks the t/v/d fields of a message: {e!r}") from e
+    cls = MESSAGE_TYPES.get(mtype)
+    if cls is None:
+        raise MessageDecodeError(f"unknown message type {mtype!r}")
+    if expect is not None and cls is not expect:
+        raise MessageDecodeError(f"expected {expect.TYPE!r} on this stream, got {mtype!r}")
+    if version != cls.SCHEMA_VERSION:
+        raise MessageDecodeError(f"{mtype} schema version {version} unsupported (reader has {cls.SCHEMA_VERSION})")
+    try:
+        data = msgpack.unpackb(body, raw=False, strict_map_key=False)
+    except Exception as e:  # msgpack raises several unrelated types for corrupt input
+        raise MessageDecodeError(f"body is not valid msgpack: {e!r}") from e
+    if not isinstance(data, dict):
+        raise MessageDecodeError(f"body must be a map, got {type(data).__name__}")
+    try:
+        return cls.model_validate(data)
+    except ValidationError as e:
+        raise MessageDecodeError(f"{mtype} failed validation: {e}") from e

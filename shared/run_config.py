@@ -1,0 +1,162 @@
+"""The typed run config: the body of `POST /v1/runs`, stored in `runs.config`, read by every service.
+
+Every field says its unit. Unknown fields are rejected (`extra="forbid"`) so a typo fails with the field's
+name instead of silently using a default. Cross-field checks raise ValueError saying how to fix the config.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from shared.registry import REGISTRIES, import_path_for, resolve
+
+# verl 0.9.1 names (verl.trainer.ppo.core_algos registries); checked here so a typo is a 4xx, not a trainer crash.
+ADV_ESTIMATORS = (
+    "gae", "grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "rloo", "opo",
+    "grpo_passk", "gpg",
+)
+POLICY_LOSSES = ("vanilla", "gspo", "sapo", "cispo", "clip_cov", "kl_cov", "dppo_tv", "dppo_kl")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline", "opo", "grpo_passk", "gpg")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ComponentSpec(_Strict):
+    """An agent, env or workflow: a registered name (`math`) or an import path (`my_pkg.envs:MyEnv`)."""
+
+    name: str
+    args: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for the constructor")
+
+
+class EngineConfig(_Strict):
+    type: Literal["hf", "vllm", "openai"] = "hf"
+    base_url: str | None = Field(None, description="OpenAI-compatible server, e.g. http://host:8000/v1 (openai)")
+    api_key_env: str | None = Field(None, description="name of the env var holding the server's API key")
+    device: str = Field("cpu", description="hf: torch device")
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    max_batch_size: int = Field(32, ge=1, description="hf: requests batched into one generate call")
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="vllm")
+    tensor_parallel_size: int = Field(1, ge=1, description="vllm")
+    request_timeout_s: float = Field(120.0, gt=0, description="one generation request")
+    max_retries: int = Field(3, ge=0, description="transient inference errors retried before INFRA_ERROR")
+
+
+class SamplingConfig(_Strict):
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, description="-1 disables")
+    stop: list[str] = Field(default_factory=list)
+
+
+class AlgorithmConfig(_Strict):
+    adv_estimator: str = "grpo"
+    policy_loss: str = "vanilla"
+    loss_agg_mode: str = "token-mean"
+    norm_adv_by_std_in_grpo: bool = True
+    gamma: float = Field(1.0, ge=0, le=1)
+    lam: float = Field(1.0, ge=0, le=1, description="GAE lambda")
+    clip_ratio_low: float = Field(0.2, ge=0)
+    clip_ratio_high: float = Field(0.2, ge=0)
+    clip_ratio_c: float = Field(3.0, gt=1, description="dual-clip PPO lower bound")
+    kl_coef: float = Field(0.0, ge=0, description="KL-to-reference loss weight; 0 disables the reference model")
+    kl_penalty: str = "low_var_kl"
+    entropy_coeff: float = Field(0.0, ge=0)
+    lr: float = Field(1e-6, gt=0, description="actor learning rate")
+    critic_lr: float = Field(1e-5, gt=0, description="critic learning rate (gae only)")
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(1.0, gt=0)
+    ppo_epochs: int = Field(1, ge=1)
+    ppo_mini_batches: int = Field(1, ge=1, description="optimizer steps per batch = ppo_epochs * mini batches")
+    is_cap: float = Field(2.0, gt=0, description="truncated importance-sampling cap on behaviour/current ratio")
+    dynamic_sampling: bool = Field(False, description="drop groups whose rewards are all equal and refill")
+
+    @field_validator("adv_estimator")
+    @classmethod
+    def _est(cls, v: str) -> str:
+        if v not in ADV_ESTIMATORS:
+            raise ValueError(f"unknown advantage estimator {v!r}; choose one of {', '.join(ADV_ESTIMATORS)}")
+        return v
+
+    @field_validator("policy_loss")
+    @classmethod
+    def _loss(cls, v: str) -> str:
+        if v not in POLICY_LOSSES:
+            raise ValueError(f"unknown policy loss {v!r}; choose one of {', '.join(POLICY_LOSSES)}")
+        return v
+
+    @field_validator("loss_agg_mode")
+    @classmethod
+    def _agg(cls, v: str) -> str:
+        if v not in LOSS_AGG_MODES:
+            raise ValueError(f"unknown loss_agg_mode {v!r}; choose one of {', '.join(LOSS_AGG_MODES)}")
+        return v
+
+
+class RunConfig(_Strict):
+    schema_version: Literal[1] = 1
+    name: str = Field(..., min_length=1, max_length=200)
+    kind: Literal["train", "eval"] = "train"
+    model: str = Field(..., min_length=1, description="local HF model folder or hub id")
+    tokenizer: str | None = Field(None, description="defaults to `model`")
+    dataset: str = Field(..., min_length=1, description="registered dataset name")
+    dataset_split: str = "train"
+    max_tasks: int | None = Field(None, ge=1, description="use only the first N rows of the dataset")
+    agent: ComponentSpec
+    env: ComponentSpec
+    workflow: ComponentSpec | None = Field(None, description="multi-agent episodes; replaces the agent loop")
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    samples_per_task: int = Field(1, ge=1, le=1024, description="n rollouts per task (group size)")
+    tasks_per_batch: int = Field(8, ge=1, description="tasks per optimizer batch (train)")
+    max_prompt_tokens: int = Field(1024, ge=1, description="prompt budget per model call, tokens")
+    max_response_tokens: int = Field(512, ge=1, description="generation budget per model call, tokens")
+    max_trajectory_tokens: int | None = Field(None, ge=1, description="prompt + all turns, tokens")
+    max_steps: int = Field(1, ge=1, description="agent turns per trajectory")
+    trajectory_timeout_s: float = Field(600.0, gt=0)
+    env_step_timeout_s: float = Field(30.0, gt=0)
+    max_staleness: int = Field(0, ge=0, description="policy versions rollouts may run ahead; 0 = on-policy")
+    stale_policy: Literal["drop", "downweight"] = "drop"
+    max_in_flight: int = Field(256, ge=1, description="rollout tasks dispatched and not yet finished")
+    max_attempts: int = Field(3, ge=1, description="attempts per (task, sample) on infrastructure failure")
+    epochs: int = Field(1, ge=1)
+    total_steps: int | None = Field(None, ge=1, description="stop after this many optimizer steps")
+    seed: int = 0
+
+    @field_validator("agent", "env", "workflow")
+    @classmethod
+    def _component(cls, v: ComponentSpec | None, info) -> ComponentSpec | None:
+        if v is None:
+            return v
+        import_path_for(info.field_name, v.name)
+        if v.name not in REGISTRIES[info.field_name]:  # a user import path must resolve now, not in a worker
+            resolve(info.field_name, v.name)
+        return v
+
+    @model_validator(mode="after")
+    def _cross(self) -> RunConfig:
+        est = self.algorithm.adv_estimator
+        if self.kind == "train" and est in GROUP_ESTIMATORS and self.samples_per_task < 2:
+            raise ValueError(
+                f"samples_per_task: {est} compares samples of the same task, so it needs samples_per_task >= 2 "
+                f"(got {self.samples_per_task})"
+            )
+        if self.engine.type == "openai" and not self.engine.base_url:
+            raise ValueError("engine.base_url: the openai engine needs the server URL, e.g. http://host:8000/v1")
+        if self.max_in_flight < self.samples_per_task:
+            raise ValueError(
+                f"max_in_flight ({self.max_in_flight}) must be >= samples_per_task ({self.samples_per_task}) "
+                "or a task's group can never be in flight at once"
+            )
+        if self.max_trajectory_tokens is not None and self.max_trajectory_tokens < self.max_prompt_tokens:
+            raise ValueError("max_trajectory_tokens must be >= max_prompt_tokens")
+        return self
+
+    @property
+    def tokenizer_path(self) -> str:
+        return self.tokenizer or self.model

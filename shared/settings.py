@@ -1,0 +1,42 @@
+"""Process settings from the environment (pydantic-settings). Secrets and URLs come only from here."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class ServiceSettings(BaseSettings):
+    """What every service reads at start. Build it in `main`, never at import."""
+
+    model_config = SettingsConfigDict(env_file=None, extra="ignore")
+
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis for streams, heartbeats and Celery")
+    database_url: str = Field(
+        "postgresql+psycopg://postgres@127.0.0.1:5432/postgres", description="SQLAlchemy URL (psycopg 3)"
+    )
+    data_dir: Path = Field(Path(".data"), description="Local state: checkpoints, caches, logs")
+    service_name: str = Field("flywheel", description="Name used in logs, metrics and heartbeats")
+    worker_id: str | None = Field(None, description="Stable consumer name; defaults to <host>-<pid>")
+    log_format: str = Field("auto", description="'json', 'text', or 'auto' (json when not a TTY)")
+    log_level: str = Field("INFO")
+    health_port: int = Field(0, description="Port for /healthz and /metrics; 0 picks a free port")
+    heartbeat_interval_s: float = Field(2.0, gt=0)
+
+    @field_validator("database_url")
+    @classmethod
+    def _psycopg3(cls, v: str) -> str:
+        # Users paste plain postgres:// URLs; SQLAlchemy would pick psycopg2, which is not installed.
+        for prefix in ("postgresql://", "postgres://"):
+            if v.startswith(prefix):
+                return "postgresql+psycopg://" + v[len(prefix):]
+        return v
+
+    @field_validator("log_format")
+    @classmethod
+    def _fmt(cls, v: str) -> str:
+        if v not in ("json", "text", "auto"):
+            raise ValueError(f"LOG_FORMAT must be json, text or auto, got {v!r}")
+        return v

