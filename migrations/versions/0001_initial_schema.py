@@ -6,8 +6,8 @@ Revises:
 Create Date: 2026-11-20 22:11:58.744248
 """
 
-from alembic import op
 import sqlalchemy as sa
+from alembic import op
 from sqlalchemy.dialects import postgresql
 
 revision = "0001"

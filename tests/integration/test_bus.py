@@ -1,0 +1,214 @@
+"""Bus semantics against a real Redis: at-least-once with ack-after-durable, reclaim from a killed consumer,
+poison messages dead-lettered with the reason, idempotent consumers under re-delivery, safe trimming."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from shared.bus import StreamBus, StreamConsumer
+from shared.messages import RolloutTask, decode
+from shared.streams import dead_letter
+
+STREAM, GROUP = "test.tasks", "workers"
+
+
+def _task(i: int) -> RolloutTask:
+    return RolloutTask(run_id="r1", task_id=f"t{i}", sample_idx=0, task={"i": i}, dispatched_at=time.time())
+
+
+async def _drain(consumer: StreamConsumer, handler, until, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not until():
+        assert time.monotonic() < deadline, "consumer did not reach the expected state in time"
+        await consumer.process(handler, await consumer.read())
+
+
+async def test_ack_only_after_handler_succeeds(redis_client):
+    bus = StreamBus(redis_client)
+    await bus.ensure_group(STREAM, GROUP)
+    await bus.publish_many(STREAM, [_task(i) for i in range(3)])
+    consumer = StreamConsumer(bus, STREAM, GROUP, "c1", expect=RolloutTask, retry_delay_s=0.05, block_ms=50)
+    seen: list[str] = []
+    attempts = {"t1": 0}
+
+    async def handler(batch):  # transactional: all of the batch's effects, or none
+        for d in batch:
+            if d.message.task_id == "t1" and attempts["t1"] < 2:
+                attempts["t1"] += 1
+                raise RuntimeError("transient")
+        seen.extend(d.message.task_id for d in batch)
+
+    await _drain(consumer, handler, lambda: len(seen) >= 3)
+    assert sorted(seen) == ["t0", "t1", "t2"]
+    assert attempts["t1"] == 2  # failed twice, stayed pending, then succeeded
+    assert (await redis_client.xpending(STREAM, GROUP))["pending"] == 0
+    assert await redis_client.xlen(dead_letter(STREAM)) == 0
+
+
+async def test_poison_message_dead_lettered_with_reason(redis_client):
+    bus = StreamBus(redis_client)
+    await bus.ensure_group(STREAM, GROUP)
+    await redis_client.xadd(STREAM, {b"garbage": b"\x00\x01"})  # not a message at all
+    await redis_client.xadd(STREAM, {b"t": b"rollout_task", b"v": b"99", b"d": b"\x80"})  # unknown version
+    await bus.publish(STREAM, _task(7))  # decodes, but its handler always fails
+    await bus.publish(STREAM, _task(8))  # healthy
+    consumer = StreamConsumer(bus, STREAM, GROUP, "c1", expect=RolloutTask, max_deliveries=3,
+                              retry_delay_s=0.01, block_ms=50)
+    handled: list[str] = []
+
+    async def handler(batch):
+        for d in batch:
+            if d.message.task_id == "t7":
+                raise ValueError("bad task payload")
+        handled.extend(d.message.task_id for d in batch)
+
+    await _drain(consumer, handler, lambda: "t8" in handled)
+    await _drain(consumer, handler, lambda: False if consumer._retry_at else True)
+    dlq = await redis_client.xrange(dead_letter(STREAM))
+    reasons = [fields[b"dlq_reason"].decode() for _, fields in dlq]
+    assert len(dlq) == 3
+    assert any("lacks the t/v/d fields" in r for r in reasons)
+    assert any("schema version 99 unsupported" in r for r in reasons)
+    assert any("handler failed 3 times" in r and "bad task payload" in r for r in reasons)
+    poison = [f for _, f in dlq if b"d" in f and f[b"v"] == b"1"][0]
+    assert decode(poison).task_id == "t7"  # the original entry is kept intact for inspection
+    assert handled.count("t8") == 1
+    assert (await redis_client.xpending(STREAM, GROUP))["pending"] == 0
+
+
+CONSUMER_SCRIPT = textwrap.dedent("""
+    import asyncio, sys, os
+    from shared.bus import StreamBus, StreamConsumer, connect
+    from shared.messages import RolloutTask
+
+    async def main():
+        bus = StreamBus(connect(sys.argv[1]))
+        c = StreamConsumer(bus, sys.argv[2], sys.argv[3], "doomed", expect=RolloutTask, block_ms=100)
+        await c.start()
+        while True:
+            batch = await c.read()
+            if batch:
+                print("GOT", len(batch), flush=True)
+                await asyncio.sleep(3600)  # "working": killed before it can ack
+    asyncio.run(main())
+""")
+
+
+async def test_killed_consumer_messages_reclaimed_by_another(redis_client, redis_url):
+    bus = StreamBus(redis_client)
+    await bus.ensure_group(STREAM, GROUP)
+    await bus.publish_many(STREAM, [_task(i) for i in range(5)])
+    proc = subprocess.Popen([sys.executable, "-c", CONSUMER_SCRIPT, redis_url, STREAM, GROUP],
+                            stdout=subprocess.PIPE, text=True, env=os.environ.copy())
+    try:
+        line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 30)
+        assert line.startswith("GOT 5")
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    pending = await redis_client.xpending_range(STREAM, GROUP, min="-", max="+", count=10)
+    assert {p["consumer"] for p in pending} == {b"doomed"} and len(pending) == 5
+
+    survivor = StreamConsumer(bus, STREAM, GROUP, "survivor", expect=RolloutTask, claim_idle_ms=200, block_ms=50)
+    got: list[tuple[str, int]] = []
+
+    async def handler(batch):
+        got.extend((d.message.task_id, d.deliveries) for d in batch)
+
+    await _drain(survivor, handler, lambda: len(got) >= 5)
+    assert sorted(t for t, _ in got) == [f"t{i}" for i in range(5)]
+    assert all(n == 2 for _, n in got)  # second delivery: the dead consumer's was the first
+    assert (await redis_client.xpending(STREAM, GROUP))["pending"] == 0
+
+
+async def test_redelivery_past_limit_goes_to_dead_letter(redis_client):
+    """A message that keeps killing its consumers (never acked, never failed) stops after max_deliveries."""
+    bus = StreamBus(redis_client)
+    await bus.ensure_group(STREAM, GROUP)
+    await bus.publish(STREAM, _task(1))
+    for name in ("a", "b", "c"):  # three consumers each take it and "die" (never ack)
+        c = StreamConsumer(bus, STREAM, GROUP, name, expect=RolloutTask, claim_idle_ms=0, block_ms=20,
+                           max_deliveries=2)
+        batch = await c.read()
+        if name == "c":
+            assert batch == []  # third delivery exceeds the limit: dead-lettered instead of handed out
+        else:
+            assert len(batch) == 1
+    dlq = await redis_client.xrange(dead_letter(STREAM))
+    assert len(dlq) == 1 and b"without being acknowledged" in dlq[0][1][b"dlq_reason"]
+
+
+async def test_idempotent_consumer_under_redelivery(redis_client):
+    """Crash after the effect but before the ack: the entry comes back, and a natural-key write absorbs it."""
+    bus = StreamBus(redis_client)
+    await bus.ensure_group(STREAM, GROUP)
+    await bus.publish_many(STREAM, [_task(i) for i in range(4)])
+    store_key = "test:effects"
+
+    async def durable_effect(batch):  # HSETNX on the natural key: the second write is a no-op
+        for d in batch:
+            await redis_client.hsetnx(store_key, f"{d.message.run_id}/{d.message.task_id}", d.id)
+
+    first = StreamConsumer(bus, STREAM, GROUP, "first", expect=RolloutTask, block_ms=50)
+    batch = await first.read()
+    await durable_effect(batch)  # effect done ... and the process dies before ack
+    second = StreamConsumer(bus, STREAM, GROUP, "second", expect=RolloutTask, claim_idle_ms=0, block_ms=50)
+    redelivered = await second.read()
+    assert len(redelivered) == 4
+    await second.process(durable_effect, redelivered)
+    assert await redis_client.hlen(store_key) == 4
+    assert (await redis_client.xpending(STREAM, GROUP))["pending"] == 0
+
+
+async def test_trim_keeps_unacknowledged_entries(redis_client):
+    bus = StreamBus(redis_client)
+    await bus.ensure_group(STREAM, GROUP)
+    await bus.ensure_group(STREAM, "slow")
+    await bus.publish_many(STREAM, [_task(i) for i in range(10)])
+    fast = StreamConsumer(bus, STREAM, GROUP, "f", expect=RolloutTask, block_ms=20, batch_size=100)
+    await fast.process(lambda b: asyncio.sleep(0), await fast.read())
+    slow = StreamConsumer(bus, STREAM, "slow", "s", expect=RolloutTask, block_ms=20, batch_size=4)
+    taken = await slow.read()
+    await slow.ack(taken[:2])  # slow group acked t0, t1; t2, t3 pending; t4.. undelivered
+    removed = await bus.trim_acknowledged(STREAM)
+    assert removed == 2
+    left = [decode(f).task_id for _, f in await redis_client.xrange(STREAM)]
+    assert left == [f"t{i}" for i in range(2, 10)]
+    await slow.ack(taken[2:])
+    assert await bus.trim_acknowledged(STREAM) == 2
+
+
+async def test_consumer_run_loop_survives_bad_entries_and_stops(redis_client):
+    bus = StreamBus(redis_client)
+    consumer = StreamConsumer(bus, STREAM, GROUP, "loop", expect=RolloutTask, block_ms=20)
+    stop = asyncio.Event()
+    seen: list[str] = []
+
+    async def handler(batch):
+        seen.extend(d.message.task_id for d in batch)
+        if len(seen) >= 2:
+            stop.set()
+
+    runner = asyncio.create_task(consumer.run(handler, stop))
+    await asyncio.sleep(0.05)
+    await redis_client.xadd(STREAM, {b"t": b"weights_published", b"v": b"1", b"d": b"\x80"})  # wrong type
+    await bus.publish(STREAM, _task(1))
+    await bus.publish(STREAM, _task(2))
+    await asyncio.wait_for(runner, 10)
+    assert seen == ["t1", "t2"]
+    assert await redis_client.xlen(dead_letter(STREAM)) == 1
+
+
+@pytest.mark.parametrize("n", [1, 50])
+async def test_publish_many_is_atomic_batch(redis_client, n):
+    bus = StreamBus(redis_client)
+    ids = await bus.publish_many(STREAM, [_task(i) for i in range(n)])
+    assert len(ids) == n and await redis_client.xlen(STREAM) == n

@@ -1,0 +1,113 @@
+"""Round trip of every message type through the wire codec, and rejection of bad entries."""
+
+from __future__ import annotations
+
+import time
+
+import msgpack
+import pytest
+
+from shared.messages import (
+    MESSAGE_TYPES,
+    EnvReply,
+    EnvRequest,
+    EpisodeResult,
+    MessageDecodeError,
+    RolloutTask,
+    StepRecord,
+    TrajectoryRecord,
+    WeightsPublished,
+    decode,
+    encode,
+)
+from shared.types import Step, TerminationReason, TokenSequence, Trajectory
+
+NOW = time.time()
+SAMPLES = {
+    "rollout_task": RolloutTask(run_id="r", task_id="t1", sample_idx=3, attempt=1, task={"question": "1+1"},
+                                batch_idx=2, dispatch_version=5, greedy=True, dispatched_at=NOW),
+    "env_request": EnvRequest(request_id="q", op="step", session_id="s", run_id="r", env="math",
+                              action={"tool": [1, 2]}, reply_to="env.replies.w", sent_at=NOW),
+    "env_reply": EnvReply(request_id="q", session_id="s", env_worker_id="e1", ok=False, observation={"a": [1]},
+                          error="Traceback ...", error_kind="user", final_reward=1.0),
+    "episode_result": EpisodeResult(
+        run_id="r", task_id="t1", sample_idx=0, status="completed", termination_reason=TerminationReason.ENV_DONE,
+        reward=1.0, trajectories=[TrajectoryRecord(
+            uid="u", prompt_ids=[1, 2, 3], response_ids=[4, 5, 6, 7], loss_mask=[1, 1, 0, 1],
+            logprobs=[-0.25, -1.5, 0.0, -3.0], versions=[2, 2, -1, 3],
+            steps=[StepRecord(prompt_ids=[1, 2, 3], response_ids=[4, 5], logprobs=[-0.25, -1.5], weight_version=2,
+                              chat_completions=[{"role": "user", "content": "hi"}], reward=1.0, done=True)],
+        )],
+    ),
+    "weights_published": WeightsPublished(run_id="r", version=3, uri="http://ws/r/v3", path="/w/r/v3",
+                                          sha256="ab" * 32, bytes=1234, created_at=NOW),
+}
+
+
+def test_every_message_type_has_a_sample():
+    assert set(SAMPLES) == set(MESSAGE_TYPES)
+
+
+@pytest.mark.parametrize("name", sorted(SAMPLES))
+def test_round_trip(name):
+    msg = SAMPLES[name]
+    fields = encode(msg)
+    assert set(fields) == {b"t", b"v", b"d"}
+    back = decode(fields, type(msg))
+    assert back == msg
+
+
+def test_token_arrays_are_binary_not_per_token_text():
+    ids = list(range(50_000, 51_000))
+    rec = TrajectoryRecord(uid="u", response_ids=ids, logprobs=[-0.5] * 1000)
+    body = msgpack.unpackb(encode(EpisodeResult(run_id="r", task_id="t", sample_idx=0, status="completed",
+                                                termination_reason="env_done", trajectories=[rec]))[b"d"])
+    wire = body["trajectories"][0]
+    assert isinstance(wire["response_ids"], bytes) and len(wire["response_ids"]) == 4000
+    assert isinstance(wire["logprobs"], bytes) and len(wire["logprobs"]) == 4000
+
+
+def test_logprobs_survive_as_float32():
+    rec = TrajectoryRecord(uid="u", logprobs=[-0.1234567891])
+    back = decode(encode(EpisodeResult(run_id="r", task_id="t", sample_idx=0, status="completed",
+                                       termination_reason="env_done", trajectories=[rec])))
+    assert back.trajectories[0].logprobs[0] == pytest.approx(-0.1234567891, rel=1e-6)
+
+
+@pytest.mark.parametrize("fields, reason", [
+    ({b"x": b"1"}, "lacks the t/v/d"),
+    ({b"t": b"nope", b"v": b"1", b"d": b""}, "unknown message type"),
+    ({b"t": b"rollout_task", b"v": b"2", b"d": b""}, "schema version 2 unsupported"),
+    ({b"t": b"rollout_task", b"v": b"1", b"d": b"\xc1"}, "not valid msgpack"),
+    ({b"t": b"rollout_task", b"v": b"1", b"d": msgpack.packb([1, 2])}, "must be a map"),
+    ({b"t": b"rollout_task", b"v": b"1", b"d": msgpack.packb({"run_id": "r"})}, "failed validation"),
+    ({b"t": b"rollout_task", b"v": b"x", b"d": b""}, "lacks the t/v/d"),
+])
+def test_bad_entries_raise_decode_error_with_reason(fields, reason):
+    with pytest.raises(MessageDecodeError, match=reason):
+        decode(fields)
+
+
+def test_wrong_type_for_stream_rejected():
+    with pytest.raises(MessageDecodeError, match="expected 'rollout_task'"):
+        decode(encode(SAMPLES["weights_published"]), RolloutTask)
+
+
+def test_newer_writer_extra_fields_are_ignored():
+    body = msgpack.unpackb(encode(SAMPLES["rollout_task"])[b"d"])
+    body["added_in_a_later_release"] = 1
+    fields = {b"t": b"rollout_task", b"v": b"1", b"d": msgpack.packb(body, use_bin_type=True)}
+    assert decode(fields).task_id == "t1"
+
+
+def test_trajectory_record_from_dataclass():
+    traj = Trajectory(name="solver", steps=[Step(prompt_ids=[1], response_ids=[2, 3], logprobs=[-1.0, -2.0],
+                                                 reward=0.5, weight_version=4),
+                                            Step(reward=0.25, weight_version=6)],
+                      termination_reason=TerminationReason.MAX_STEPS,
+                      tokens=TokenSequence(prompt_ids=[1], response_ids=[2, 3], loss_mask=[1, 1]))
+    rec = TrajectoryRecord.from_trajectory(traj)
+    assert rec.reward == 0.75  # sum of step rewards when no trajectory reward is set
+    assert rec.policy_versions == (4, 6)
+    assert rec.termination_reason is TerminationReason.MAX_STEPS
+    assert rec.steps[0].logprobs == [-1.0, -2.0]
