@@ -1,0 +1,270 @@
+"""TrajectoryStore: writes EpisodeResults (stream `trajectories`, group "store") into Postgres.
+
+    store = TrajectoryStore(make_engine(url))
+    outcome = store.write(results)   # one transaction; ack the stream entries after it returns
+
+Guarantees:
+- One transaction per batch: episodes, trajectories, steps, token arrays AND the ledger rows (`rollout_tasks`)
+  commit together, so the ledger never says "completed" for something not stored, nor the reverse.
+- Idempotent: ids are derived from the natural key (uuid5 of run/task/sample/attempt), every insert is
+  ON CONFLICT DO NOTHING, and a result whose ledger row already ended is not applied again. Re-delivering
+  the same message changes nothing.
+- Acceptance rule (exactly-once accounting): a result is applied only if its ledger row is live
+  (status "dispatched"). A result from an attempt the controller marked lost / cancelled, or one already
+  ended differently, is recorded once as a `late_result` run event and not stored as a trajectory.
+- `status="failed"` results mark the ledger row failed with the error and store the episode row (no
+  trajectories: they are never trained on); the controller re-dispatches attempt+1 while attempts remain.
+
+Ledger rows are locked (SELECT ... FOR UPDATE, in key order) so two store consumers never both apply
+results for the same attempt. Rows go in with a binary COPY into temp tables then INSERT ... SELECT ... ON
+CONFLICT DO NOTHING (`method="copy"`, the default: measured faster in bench/rollout.py), or with multi-row
+INSERT ... VALUES (`method="values"`).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+from psycopg.types.json import Jsonb
+from sqlalchemy import Engine
+
+from shared.messages.trajectory import EpisodeResult, TrajectoryRecord
+
+_ID_NAMESPACE = uuid.UUID("5b0c4cf0-6f5e-4c1d-9a56-6a1f0f8f4f10")
+_MAX_PARAMS = 60_000  # Postgres caps bind parameters per statement at 65535
+
+# (table, [(column, postgres type)]); the order is the row tuples' order.
+TABLES: dict[str, list[tuple[str, str]]] = {
+    "episodes": [
+        ("id", "uuid"), ("run_id", "uuid"), ("task_id", "text"), ("sample_idx", "int4"), ("attempt", "int4"),
+        ("status", "text"), ("termination_reason", "text"), ("is_correct", "bool"), ("reward", "float8"),
+        ("greedy", "bool"), ("batch_idx", "int4"), ("policy_version_min", "int4"), ("policy_version_max", "int4"),
+        ("task", "jsonb"), ("metrics", "jsonb"), ("info", "jsonb"), ("error", "text"), ("worker_id", "text"),
+        ("started_at", "timestamptz"), ("finished_at", "timestamptz"),
+    ],
+    "trajectories": [
+        ("id", "uuid"), ("episode_id", "uuid"), ("run_id", "uuid"), ("task_id", "text"), ("sample_idx", "int4"),
+        ("attempt", "int4"), ("traj_idx", "int4"), ("uid", "text"), ("name", "text"), ("reward", "float8"),
+        ("termination_reason", "text"), ("num_steps", "int4"), ("prompt_tokens", "int4"),
+        ("response_tokens", "int4"), ("policy_version_min", "int4"), ("policy_version_max", "int4"),
+        ("mismatch", "bool"), ("info", "jsonb"),
+    ],
+    "steps": [
+        ("trajectory_id", "uuid"), ("step_idx", "int4"), ("chat_completions", "jsonb"), ("observation", "jsonb"),
+        ("thought", "text"), ("action", "jsonb"), ("model_response", "text"), ("reward", "float8"),
+        ("done", "bool"), ("mc_return", "float8"), ("info", "jsonb"), ("weight_version", "int4"),
+        ("prompt_tokens", "int4"), ("response_tokens", "int4"), ("gen_ms", "float8"), ("env_ms", "float8"),
+    ],
+    "token_arrays": [
+        ("trajectory_id", "uuid"), ("step_idx", "int4"), ("prompt_ids", "int4[]"), ("response_ids", "int4[]"),
+        ("logprobs", "float4[]"), ("loss_mask", "int2[]"), ("versions", "int4[]"),
+    ],
+}
+
+Key = tuple[str, str, int, int]  # (run_id, task_id, sample_idx, attempt)
+
+
+@dataclass
+class StoreOutcome:
+    """What one `write` did. `late` holds the keys recorded as late_result events."""
+
+    stored: int = 0  # completed results stored with their trajectories
+    failed: int = 0  # failed results recorded (ledger row failed)
+    duplicates: int = 0  # re-deliveries of results already applied
+    late: list[Key] = field(default_factory=list)
+    rows: int = 0  # rows inserted across the four trajectory tables
+
+
+def episode_id(key: Key) -> uuid.UUID:
+    return uuid.uuid5(_ID_NAMESPACE, "/".join(map(str, key)))
+
+
+def trajectory_id(ep_id: uuid.UUID, traj_idx: int) -> uuid.UUID:
+    return uuid.uuid5(ep_id, str(traj_idx))
+
+
+class TrajectoryStore:
+    def __init__(self, engine: Engine, method: Literal["copy", "values"] = "copy"):
+        if method not in ("copy", "values"):
+            raise ValueError(f"TrajectoryStore method must be 'copy' or 'values', got {method!r}")
+        self.engine = engine
+        self.method = method
+
+    def write(self, results: Sequence[EpisodeResult]) -> StoreOutcome:
+        """Apply a batch in one transaction (see the module docstring). Safe to call again with the same batch."""
+        outcome = StoreOutcome()
+        if not results:
+            return outcome
+        with self.engine.begin() as conn:
+            cur = conn.connection.driver_connection.cursor()
+            ledger = _lock_ledger(cur, [r.key for r in results])
+            accepted, late = _classify(results, ledger, outcome)
+            rows = build_rows(accepted)
+            outcome.rows = sum(len(v) for v in rows.values())
+            insert = _copy_insert if self.method == "copy" else _values_insert
+            for table, table_rows in rows.items():
+                insert(cur, table, table_rows)
+            _finish_ledger(cur, accepted)
+            _record_late(cur, late)
+        return outcome
+
+
+# -- acceptance -------------------------------------------------------------------------------------------------
+def _lock_ledger(cur, keys: list[Key]) -> dict[Key, str]:
+    cur.execute(
+        """SELECT t.run_id::text, t.task_id, t.sample_idx, t.attempt, t.status FROM rollout_tasks t
+           JOIN unnest(%s::uuid[], %s::text[], %s::int[], %s::int[]) AS k(run_id, task_id, sample_idx, attempt)
+             USING (run_id, task_id, sample_idx, attempt)
+           ORDER BY 1, 2, 3, 4 FOR UPDATE OF t""",
+        [list(col) for col in zip(*sorted(set(keys)), strict=True)],
+    )
+    return {(r[0], r[1], r[2], r[3]): r[4] for r in cur.fetchall()}
+
+
+def _classify(
+    results: Sequence[EpisodeResult], ledger: dict[Key, str], outcome: StoreOutcome
+) -> tuple[list[EpisodeResult], list[tuple[EpisodeResult, str | None]]]:
+    accepted, late, seen = [], [], set()
+    for r in results:
+        status = ledger.get(r.key)
+        if r.key in seen or status == r.status:  # same message again (in this batch or already applied)
+            outcome.duplicates += 1
+        elif status == "dispatched":
+            accepted.append(r)
+            outcome.stored += r.status == "completed"
+            outcome.failed += r.status == "failed"
+        else:  # lost, cancelled, ended otherwise, or never dispatched by a controller
+            late.append((r, status))
+            outcome.late.append(r.key)
+        seen.add(r.key)
+    return accepted, late
+
+
+def _finish_ledger(cur, accepted: list[EpisodeResult]) -> None:
+    if not accepted:
+        return
+    cols = list(zip(*[(*r.key, r.status, r.worker_id, _text(r.error)) for r in accepted], strict=True))
+    cur.execute(
+        """UPDATE rollout_tasks t SET status = v.status, worker_id = v.worker_id, error = v.error,
+               finished_at = now()
+           FROM unnest(%s::uuid[], %s::text[], %s::int[], %s::int[], %s::text[], %s::text[], %s::text[])
+             AS v(run_id, task_id, sample_idx, attempt, status, worker_id, error)
+           WHERE (t.run_id, t.task_id, t.sample_idx, t.attempt) = (v.run_id, v.task_id, v.sample_idx, v.attempt)""",
+        [list(c) for c in cols],
+    )
+
+
+def _record_late(cur, late: list[tuple[EpisodeResult, str | None]]) -> None:
+    """One late_result event per (attempt, result status): a re-delivered late result adds nothing."""
+    for r, ledger_status in late:
+        data = {"task_id": r.task_id, "sample_idx": r.sample_idx, "attempt": r.attempt, "result_status": r.status}
+        cur.execute(
+            """INSERT INTO run_events (run_id, kind, message, data)
+               SELECT %(run)s, 'late_result', %(msg)s, %(data)s
+               WHERE EXISTS (SELECT 1 FROM runs WHERE id = %(run)s)
+                 AND NOT EXISTS (SELECT 1 FROM run_events WHERE run_id = %(run)s AND kind = 'late_result'
+                                 AND data @> %(data)s)""",
+            {
+                "run": uuid.UUID(r.run_id), "data": Jsonb({**data}), "msg":
+                f"result of {r.task_id}/{r.sample_idx} attempt {r.attempt} arrived after the ledger row was "
+                f"{ledger_status or 'never dispatched'}; not stored",
+            },
+        )
+
+
+# -- rows -------------------------------------------------------------------------------------------------------
+def build_rows(results: Sequence[EpisodeResult]) -> dict[str, list[tuple]]:
+    """Row tuples per table, in TABLES column order. Failed results get an episode row only."""
+    rows: dict[str, list[tuple]] = {t: [] for t in TABLES}
+    for r in results:
+        ep_id = episode_id(r.key)
+        rows["episodes"].append(_episode_row(ep_id, r))
+        if r.status != "completed":
+            continue
+        for traj_idx, traj in enumerate(r.trajectories):
+            tid = trajectory_id(ep_id, traj_idx)
+            rows["trajectories"].append(_trajectory_row(tid, ep_id, r, traj_idx, traj))
+            for step_idx, s in enumerate(traj.steps):
+                rows["steps"].append((
+                    tid, step_idx, _json(s.chat_completions), _json(s.observation), _text(s.thought),
+                    _json(s.action), _text(s.model_response), s.reward, s.done, s.mc_return, _json(s.info),
+                    s.weight_version, len(s.prompt_ids), len(s.response_ids), s.gen_ms, s.env_ms,
+                ))
+                rows["token_arrays"].append((tid, step_idx, s.prompt_ids, s.response_ids, s.logprobs, None, None))
+            rows["token_arrays"].append(
+                (tid, -1, traj.prompt_ids, traj.response_ids, traj.logprobs, traj.loss_mask, traj.versions)
+            )
+    return rows
+
+
+def _episode_row(ep_id: uuid.UUID, r: EpisodeResult) -> tuple:
+    vmin, vmax = r.policy_versions
+    return (
+        ep_id, uuid.UUID(r.run_id), r.task_id, r.sample_idx, r.attempt, r.status, r.termination_reason.value,
+        r.is_correct, r.reward, r.greedy, r.batch_idx, vmin, vmax, _json(r.task), _json(r.metrics),
+        _json(r.info), _text(r.error), r.worker_id, _ts(r.started_at), _ts(r.finished_at),
+    )
+
+
+def _trajectory_row(tid: uuid.UUID, ep_id: uuid.UUID, r: EpisodeResult, idx: int, t: TrajectoryRecord) -> tuple:
+    vmin, vmax = t.policy_versions
+    prompt_tokens = len(t.prompt_ids) or sum(len(s.prompt_ids) for s in t.steps[:1])
+    response_tokens = sum(t.loss_mask) if t.loss_mask else sum(len(s.response_ids) for s in t.steps)
+    return (
+        tid, ep_id, uuid.UUID(r.run_id), r.task_id, r.sample_idx, r.attempt, idx, t.uid[:64], t.name[:100],
+        t.reward, t.termination_reason.value, len(t.steps), prompt_tokens, response_tokens, vmin, vmax,
+        t.mismatch, _json(t.info),
+    )
+
+
+def _dumps(obj: Any) -> str:
+    # Postgres text and jsonb reject NUL characters, which a random-init model can produce.
+    return json.dumps(obj, default=str).replace("\\u0000", "")
+
+
+def _json(obj: Any) -> Jsonb | None:
+    return None if obj is None else Jsonb(obj, dumps=_dumps)
+
+
+def _text(s: str | None) -> str | None:
+    return None if s is None else s.replace("\x00", "")
+
+
+def _ts(t: float) -> datetime | None:
+    return datetime.fromtimestamp(t, UTC) if t else None
+
+
+# -- insert methods ---------------------------------------------------------------------------------------------
+def _copy_insert(cur, table: str, rows: list[tuple]) -> None:
+    """Binary COPY into a session temp table, then INSERT ... SELECT ... ON CONFLICT DO NOTHING."""
+    if not rows:
+        return
+    cols = ", ".join(c for c, _ in TABLES[table])
+    tmp = f"_store_{table}"
+    cur.execute(
+        f"CREATE TEMP TABLE IF NOT EXISTS {tmp} AS SELECT {cols} FROM {table} WITH NO DATA; TRUNCATE {tmp}"
+    )
+    with cur.copy(f"COPY {tmp} ({cols}) FROM STDIN (FORMAT BINARY)") as copy:
+        copy.set_types([t for _, t in TABLES[table]])
+        for row in rows:
+            copy.write_row(row)
+    cur.execute(f"INSERT INTO {table} ({cols}) SELECT {cols} FROM {tmp} ON CONFLICT DO NOTHING")
+
+
+def _values_insert(cur, table: str, rows: list[tuple]) -> None:
+    """Multi-row INSERT ... VALUES (...), (...) ON CONFLICT DO NOTHING, chunked under the parameter cap."""
+    if not rows:
+        return
+    spec = TABLES[table]
+    cols = ", ".join(c for c, _ in spec)
+    one = "(" + ", ".join(f"%s::{t}" for _, t in spec) + ")"
+    per = max(1, _MAX_PARAMS // len(spec))
+    for i in range(0, len(rows), per):
+        chunk = rows[i:i + per]
+        sql = f"INSERT INTO {table} ({cols}) VALUES " + ", ".join([one] * len(chunk)) + " ON CONFLICT DO NOTHING"
+        cur.execute(sql, [v for row in chunk for v in row])

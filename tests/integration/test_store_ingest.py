@@ -1,0 +1,134 @@
+"""TrajectoryStore over a real migrated Postgres: idempotency, batches, the acceptance rule, the ledger."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+from sqlalchemy import insert, select, text, update
+
+from shared.db.models import RolloutTaskRow, Run, RunEvent
+from shared.db.session import make_engine
+from shared.ledger import ledger_summary
+from shared.messages import EpisodeResult, StepRecord, TrajectoryRecord, decode, encode
+from shared.store import TrajectoryStore
+
+
+@pytest.fixture(scope="module")
+def engine(database_url):
+    eng = make_engine(database_url)
+    yield eng
+    eng.dispose()
+
+
+def new_run(engine) -> str:
+    run_id = uuid.uuid4()
+    with engine.begin() as c:
+        c.execute(insert(Run).values(id=run_id, name="t", kind="eval", status="running", config={}))
+    return str(run_id)
+
+
+def dispatch(engine, run_id: str, keys: list[tuple[str, int, int]]) -> None:
+    rows = [dict(run_id=uuid.UUID(run_id), task_id=t, sample_idx=s, attempt=a, status="dispatched", batch_idx=0,
+                 epoch=0, greedy=False, dispatch_version=0) for t, s, a in keys]
+    with engine.begin() as c:
+        c.execute(insert(RolloutTaskRow), rows)
+
+
+def result(run_id: str, task_id: str, sample_idx: int = 0, attempt: int = 0, *, status="completed",
+           steps: int = 2) -> EpisodeResult:
+    step_records = [
+        StepRecord(prompt_ids=[1, 2, 3], response_ids=[4, 5], logprobs=[-0.5, -0.25], observation={"q": "1+1"},
+                   action="\\boxed{2}", model_response="ok\x00", reward=1.0, done=i == steps - 1, weight_version=3)
+        for i in range(steps)
+    ]
+    traj = TrajectoryRecord(uid=uuid.uuid4().hex, reward=1.0, termination_reason="env_done", steps=step_records,
+                            prompt_ids=[1, 2, 3], response_ids=[4, 5, 9, 4, 5], loss_mask=[1, 1, 0, 1, 1],
+                            logprobs=[-0.5, -0.25, 0.0, -0.5, -0.25], versions=[3, 3, -1, 3, 3])
+    msg = EpisodeResult(run_id=run_id, task_id=task_id, sample_idx=sample_idx, attempt=attempt, status=status,
+                        termination_reason="env_done" if status == "completed" else "infra_error", is_correct=True,
+                        reward=1.0, task={"question": "1+1"}, trajectories=[traj] if status == "completed" else [],
+                        error=None if status == "completed" else "env session lost", worker_id="w1")
+    return decode(encode(msg))  # exactly what a consumer gets off the wire
+
+
+def counts(engine, run_id: str) -> dict[str, int]:
+    q = {
+        "episodes": "SELECT count(*) FROM episodes WHERE run_id = :r",
+        "trajectories": "SELECT count(*) FROM trajectories WHERE run_id = :r",
+        "steps": "SELECT count(*) FROM steps s JOIN trajectories t ON t.id = s.trajectory_id WHERE t.run_id = :r",
+        "token_arrays": "SELECT count(*) FROM token_arrays a JOIN trajectories t ON t.id = a.trajectory_id "
+                        "WHERE t.run_id = :r",
+        "late": "SELECT count(*) FROM run_events WHERE run_id = :r AND kind = 'late_result'",
+    }
+    with engine.connect() as c:
+        return {k: c.execute(text(v), {"r": run_id}).scalar_one() for k, v in q.items()}
+
+
+@pytest.mark.parametrize("method", ["copy", "values"])
+def test_redelivery_stores_one_set_of_rows(engine, method):
+    store = TrajectoryStore(engine, method=method)
+    run = new_run(engine)
+    dispatch(engine, run, [("t0", 0, 0)])
+    msg = result(run, "t0")
+    first = store.write([msg])
+    assert (first.stored, first.rows) == (1, 1 + 1 + 2 + 3)
+    again = store.write([msg, msg])  # re-delivered twice, even within one batch
+    assert again.stored == 0 and again.duplicates == 2 and again.rows == 0
+    assert counts(engine, run) == {"episodes": 1, "trajectories": 1, "steps": 2, "token_arrays": 3, "late": 0}
+    with engine.connect() as c:
+        row = c.execute(text("SELECT a.response_ids, a.loss_mask, a.logprobs, s.model_response FROM token_arrays a "
+                             "JOIN trajectories t ON t.id = a.trajectory_id JOIN steps s ON s.trajectory_id = t.id "
+                             "AND s.step_idx = 0 WHERE t.run_id = :r AND a.step_idx = -1"), {"r": run}).one()
+    assert row[0] == [4, 5, 9, 4, 5] and row[1] == [1, 1, 0, 1, 1] and row[2][0] == pytest.approx(-0.5)
+    assert row[3] == "ok"  # NUL stripped: Postgres text cannot hold it
+
+
+@pytest.mark.parametrize("method", ["copy", "values"])
+def test_batch_of_many_episodes(engine, method):
+    store = TrajectoryStore(engine, method=method)
+    run = new_run(engine)
+    keys = [(f"t{i}", s, 0) for i in range(100) for s in range(3)]
+    dispatch(engine, run, keys)
+    out = store.write([result(run, t, s, a, steps=3) for t, s, a in keys])
+    assert out.stored == 300 and out.rows == 300 * (1 + 1 + 3 + 4)
+    assert counts(engine, run) == {"episodes": 300, "trajectories": 300, "steps": 900, "token_arrays": 1200,
+                                   "late": 0}
+    with engine.connect() as c:
+        assert ledger_summary(c, run) == {"dispatched": 300, "in_flight": 0, "completed": 300, "failed": 0,
+                                          "lost": 0, "cancelled": 0, "finished": 300}
+
+
+def test_late_result_is_an_event_not_a_trajectory(engine):
+    store = TrajectoryStore(engine)
+    run = new_run(engine)
+    dispatch(engine, run, [("t0", 0, 0), ("t0", 0, 1)])
+    with engine.begin() as c:  # the controller gave up on attempt 0 and re-dispatched attempt 1
+        c.execute(update(RolloutTaskRow).where(RolloutTaskRow.attempt == 0,
+                                               RolloutTaskRow.run_id == uuid.UUID(run)).values(status="lost"))
+    assert store.write([result(run, "t0", 0, 1)]).stored == 1
+    late = store.write([result(run, "t0", 0, 0)])
+    assert late.stored == 0 and late.late == [(run, "t0", 0, 0)]
+    store.write([result(run, "t0", 0, 0)])  # the late message re-delivered: still one event
+    never = store.write([result(run, "t9", 0, 0)])  # no ledger row at all
+    assert never.late == [(run, "t9", 0, 0)]
+    assert counts(engine, run) == {"episodes": 1, "trajectories": 1, "steps": 2, "token_arrays": 3, "late": 2}
+    with engine.connect() as c:
+        kinds = c.execute(select(RunEvent.data).where(RunEvent.run_id == uuid.UUID(run))).scalars().all()
+    assert {"task_id": "t0", "sample_idx": 0, "attempt": 0, "result_status": "completed"} in kinds
+
+
+def test_failed_result_marks_ledger_failed(engine):
+    store = TrajectoryStore(engine)
+    run = new_run(engine)
+    dispatch(engine, run, [("t0", 0, 0), ("t1", 0, 0)])
+    out = store.write([result(run, "t0", status="failed"), result(run, "t1")])
+    assert (out.failed, out.stored) == (1, 1)
+    with engine.connect() as c:
+        err = c.execute(select(RolloutTaskRow.error).where(RolloutTaskRow.task_id == "t0",
+                                                           RolloutTaskRow.run_id == uuid.UUID(run))).scalar_one()
+        summary = ledger_summary(c, run)
+    assert err == "env session lost"
+    assert summary == {"dispatched": 2, "in_flight": 0, "completed": 1, "failed": 1, "lost": 0, "cancelled": 0,
+                       "finished": 2}
+    assert counts(engine, run)["trajectories"] == 1  # the failed attempt's episode row only, no trajectory
