@@ -1,0 +1,307 @@
+"""The controller's loops. One process drives many runs; each run is driven by whichever controller holds
+its lease on the runs row. Four loops, each short:
+
+- drive: renew leases and read run status / policy version (every poll_interval_s), then per run: pick up
+  ended ledger rows, flip lifecycle status, dispatch into the window (ledger row first, then XADD).
+  Woken early whenever the store commits results, so dispatch keeps up with completions.
+- store: group "store" on `trajectories` -> TrajectoryStore, ack after commit (any controller stores any run).
+  Every reconcile_interval_s it also marks dispatched tasks whose lease expired as lost (re-dispatched as
+  attempt+1 while attempts remain, which also covers Redis losing its data).
+- reconcile: dead-lettered rollout tasks -> failed attempts, recorded as run events.
+- trim: acknowledged entries of `rollout.tasks` and `trajectories`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from prometheus_client import Counter, Gauge, Histogram
+from pydantic import ValidationError
+from redis.exceptions import RedisError, ResponseError
+from sqlalchemy import Engine
+from sqlalchemy.exc import SQLAlchemyError
+
+from services.controller import ledger
+from services.controller.config import ControllerConfig
+from services.controller.run import RunDriver
+from shared.bus import Delivery, StreamBus, StreamConsumer
+from shared.db.models import TERMINAL_RUN_STATUSES
+from shared.ledger import ledger_summary
+from shared.logs import get_logger
+from shared.messages import EpisodeResult, MessageDecodeError, RolloutTask, decode
+from shared.passk import pass_at_k_table
+from shared.run_config import RunConfig
+from shared.store import TrajectoryStore
+from shared.streams import GROUP_STORE, GROUP_TRAIN, ROLLOUT_TASKS, TRAJECTORIES, dead_letter
+
+log = get_logger(__name__)
+
+DISPATCHED = Counter("controller_tasks_dispatched_total", "Rollout tasks put on rollout.tasks")
+STORED = Counter("controller_results_stored_total", "Completed results stored")
+FAILED = Counter("controller_results_failed_total", "Failed attempts recorded")
+LOST = Counter("controller_tasks_lost_total", "Dispatched tasks whose lease expired without a result")
+LATE = Counter("controller_late_results_total", "Results from attempts no longer live (not stored)")
+FINAL_FAILURES = Counter("controller_final_failures_total", "(task, sample) slots out of attempts")
+IN_FLIGHT = Gauge("controller_in_flight", "Dispatched and unfinished tasks", ["run_id"])
+DISPATCH_LATENCY = Histogram("controller_dispatch_latency_seconds", "Ledger insert + XADD of one dispatch pass")
+DLQ_GROUP = "controller"
+
+
+class Controller:
+    def __init__(self, cfg: ControllerConfig, worker_id: str, engine: Engine, bus: StreamBus):
+        self.cfg, self.worker_id, self.engine, self.bus = cfg, worker_id, engine, bus
+        self.store = TrajectoryStore(engine, cfg.store_method)
+        self.drivers: dict[str, RunDriver] = {}
+        self.wake = asyncio.Event()
+        self.status: dict = {}
+
+    def loops(self, stop: asyncio.Event) -> list:
+        return [self.drive(stop), self.store_results(stop), self.reconcile(stop), self.trim(stop)]
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self._tx, ledger.release_runs, self.worker_id)
+
+    def _tx(self, fn, *args, **kw):
+        with self.engine.begin() as conn:
+            return fn(conn, *args, **kw)
+
+    # -- drive ---------------------------------------------------------------------------------------------------
+    async def drive(self, stop: asyncio.Event) -> None:
+        next_poll = next_expire = 0.0
+        while not stop.is_set():
+            if time.monotonic() >= next_poll:
+                await self.poll_runs()
+                next_poll = time.monotonic() + self.cfg.poll_interval_s
+            if time.monotonic() >= next_expire:
+                for driver in list(self.drivers.values()):
+                    await asyncio.to_thread(self._tx, self._expire, driver)
+                next_expire = time.monotonic() + self.cfg.reconcile_interval_s
+            for driver in list(self.drivers.values()):
+                await self.step(driver)
+            self.wake.clear()
+            try:
+                await asyncio.wait_for(self.wake.wait(), self.cfg.dispatch_interval_s)
+            except TimeoutError:
+                pass
+
+    async def poll_runs(self) -> None:
+        """Renew/take leases; runs no longer returned (lease lost, finished elsewhere) are dropped."""
+        rows = await asyncio.to_thread(
+            self._tx, ledger.lease_runs, self.worker_id, self.cfg.run_lease_s, self.cfg.max_runs
+        )
+        seen = set()
+        for row in rows:
+            seen.add(row.id)
+            driver = self.drivers.get(row.id)
+            if driver is None:
+                await self.take_run(row)
+            else:
+                driver.status, driver.policy_version = row.status, row.policy_version
+        for run_id in set(self.drivers) - seen:
+            self._drop(run_id)
+        self.status["runs"] = self.health()
+
+    def _drop(self, run_id: str) -> None:
+        self.drivers.pop(run_id, None)
+        try:
+            IN_FLIGHT.remove(run_id)
+        except KeyError:
+            pass
+
+    async def take_run(self, row: ledger.RunRow) -> None:
+        """Build a driver from config + dataset + ledger; a config that cannot run fails the run."""
+        try:
+            cfg = RunConfig.model_validate(row.config)
+            driver = await asyncio.to_thread(self._tx, self._build_driver, row, cfg)
+        except (ValidationError, ValueError) as e:
+            log.warning("run %s cannot start: %s", row.id, e, extra={"run_id": row.id})
+            await asyncio.to_thread(self._tx, ledger.set_status, row.id, row.status, "failed", error=str(e))
+            return
+        if cfg.kind == "train":  # created before any trimming, so the trainer never misses an entry
+            await self.bus.ensure_group(TRAJECTORIES, GROUP_TRAIN)
+        self.drivers[row.id] = driver
+        IN_FLIGHT.labels(row.id).set(len(driver.in_flight))
+        log.info("driving run %s (%s, %d in flight, %d completed)", row.id, row.status, len(driver.in_flight),
+                 driver.num_completed, extra={"run_id": row.id})
+
+    def _build_driver(self, conn, row: ledger.RunRow, cfg: RunConfig) -> RunDriver:
+        tasks = ledger.load_tasks(conn, cfg.dataset, cfg.dataset_split, cfg.max_tasks)
+        driver = RunDriver(row, cfg, tasks)
+        driver.rebuild(ledger.ledger_rows(conn, row.id))
+        return driver
+
+    async def step(self, d: RunDriver) -> None:
+        started = time.perf_counter()
+        try:
+            tasks = await asyncio.to_thread(self._tx, self._step_sync, d)
+        except SQLAlchemyError as e:  # the transaction rolled back: our in-memory view may be ahead of it
+            log.warning("dispatch pass failed, rebuilding from the ledger: %r", e, extra={"run_id": d.run_id})
+            self._drop(d.run_id)
+            return
+        if d.status in TERMINAL_RUN_STATUSES or d.stale:
+            self._drop(d.run_id)  # finished, or the ledger changed under us: rebuilt at the next poll
+        if tasks:
+            try:
+                await self.bus.publish_many(ROLLOUT_TASKS, tasks)
+            except RedisError as e:  # ledger rows stay dispatched; reconciliation re-dispatches them
+                log.warning("publish of %d tasks failed: %r", len(tasks), e, extra={"run_id": d.run_id})
+                return
+            DISPATCHED.inc(len(tasks))
+            DISPATCH_LATENCY.observe(time.perf_counter() - started)
+        IN_FLIGHT.labels(d.run_id).set(len(d.in_flight))
+
+    def _step_sync(self, conn, d: RunDriver) -> list[RolloutTask]:
+        for task_id, sample_idx, attempt, status in ledger.ended_among(conn, d.run_id, d.in_flight_keys()):
+            self._ended(conn, d, task_id, sample_idx, attempt, status)
+        if d.status == "pending" and ledger.set_status(conn, d.run_id, "pending", "running"):
+            d.status = "running"
+        if d.status == "stopping":
+            self._stopping(conn, d)
+        if d.status != "running":
+            return []
+        if d.is_done:
+            self._complete(conn, d)
+            return []
+        return self._dispatch(conn, d)
+
+    def _ended(self, conn, d: RunDriver, task_id: str, sample_idx: int, attempt: int, status: str) -> None:
+        if d.apply(task_id, sample_idx, attempt, status):
+            FINAL_FAILURES.inc()
+            ledger.add_event(conn, d.run_id, "final_failure",
+                             f"{task_id}/{sample_idx} failed {attempt + 1} attempts; last: {status}",
+                             {"task_id": task_id, "sample_idx": sample_idx, "attempt": attempt}, once=True)
+
+    def _dispatch(self, conn, d: RunDriver) -> list[RolloutTask]:
+        items = d.next_items(d.cfg.max_in_flight - len(d.in_flight))
+        if not items:
+            return []
+        lease_s = d.cfg.trajectory_timeout_s + self.cfg.ledger_lease_margin_s
+        inserted = ledger.insert_dispatched(conn, d.run_id, items, d.policy_version, lease_s)
+        d.mark_dispatched(items, inserted)
+        if len(inserted) < len(items):  # someone else dispatched some of these: re-read the ledger next poll
+            log.warning("%d slots were already in the ledger", len(items) - len(inserted), extra={"run_id": d.run_id})
+            d.stale = True
+        now = time.time()
+        return [
+            RolloutTask(run_id=d.run_id, task_id=s.task_id, sample_idx=s.sample_idx, attempt=a,
+                        task=d.task_data[s.task_id], batch_idx=s.batch_idx, dispatch_version=d.policy_version,
+                        greedy=s.greedy, dispatched_at=now, deadline_s=d.cfg.trajectory_timeout_s)
+            for s, a in items if (s.task_id, s.sample_idx, a) in inserted
+        ]
+
+    def _stopping(self, conn, d: RunDriver) -> None:
+        """Stop dispatching; wait for in-flight tasks up to stop_timeout_s, then cancel and record them."""
+        d.stopping_since = d.stopping_since or time.monotonic()
+        if d.in_flight and time.monotonic() - d.stopping_since < self.cfg.stop_timeout_s:
+            return
+        cancelled = ledger.cancel_in_flight(conn, d.run_id)
+        if cancelled:
+            ledger.add_event(conn, d.run_id, "cancelled", f"{cancelled} in-flight tasks cancelled at stop",
+                             {"count": cancelled})
+        if ledger.set_status(conn, d.run_id, "stopping", "stopped"):
+            d.status = "stopped"
+
+    def _complete(self, conn, d: RunDriver) -> None:
+        summary = {"ledger": ledger_summary(conn, d.run_id), "final_failures": len(d.final_failed)}
+        metrics: dict[str, float] = {}
+        if d.plan.is_eval:
+            table = pass_at_k_table(ledger.eval_samples(conn, d.run_id, d.cfg.dataset, d.cfg.dataset_split))
+            summary.update(table)
+            metrics = {f"eval/pass@{k}": v for k, v in table["pass@k"].items()}
+            for src, t in table["by_source"].items():
+                metrics.update({f"eval/pass@{k}/{src}": v for k, v in t["pass@k"].items()})
+        ledger.write_summary(conn, d.run_id, summary, metrics)
+        if ledger.set_status(conn, d.run_id, "running", "completed"):
+            d.status = "completed"
+
+    # -- store ---------------------------------------------------------------------------------------------------
+    async def store_results(self, stop: asyncio.Event) -> None:
+        consumer = StreamConsumer(
+            self.bus, TRAJECTORIES, GROUP_STORE, self.worker_id, expect=EpisodeResult,
+            batch_size=self.cfg.store_batch_size, claim_idle_ms=self.cfg.store_claim_idle_ms,
+            on_dead_letter=self._store_dead_letter,
+        )
+        await consumer.run(self._store_batch, stop)
+
+    async def _store_batch(self, deliveries: list[Delivery]) -> None:
+        out = await asyncio.to_thread(self.store.write, [d.message for d in deliveries])
+        STORED.inc(out.stored)
+        FAILED.inc(out.failed)
+        LATE.inc(len(out.late))
+        self.wake.set()
+
+    async def _store_dead_letter(self, delivery: Delivery | None, entry_id: bytes, reason: str) -> None:
+        if delivery is None or not isinstance(delivery.message, EpisodeResult):
+            log.error("undecodable trajectories entry %s dead-lettered: %s", entry_id, reason)
+            return
+        msg = delivery.message
+        await asyncio.to_thread(
+            self._tx, ledger.add_event, msg.run_id, "dead_lettered",
+            f"trajectories entry {entry_id.decode()} could not be stored: {reason[-2000:]}",
+            {"stream": TRAJECTORIES, "task_id": msg.task_id, "sample_idx": msg.sample_idx, "attempt": msg.attempt},
+        )
+
+    # -- reconcile -----------------------------------------------------------------------------------------------
+    async def reconcile(self, stop: asyncio.Event) -> None:
+        """Dead-lettered rollout tasks (lease expiry runs inside the drive loop, which owns the drivers)."""
+        await self.bus.ensure_group(dead_letter(ROLLOUT_TASKS), DLQ_GROUP)
+        while not stop.is_set():
+            try:
+                await self._drain_task_dead_letters()
+            except RedisError as e:
+                log.warning("dead-letter scan failed: %r", e)
+            await _sleep(stop, self.cfg.reconcile_interval_s)
+
+    def _expire(self, conn, d: RunDriver) -> None:
+        lost = ledger.expire_leases(conn, d.run_id)
+        if not lost:
+            return
+        LOST.inc(len(lost))
+        ledger.add_event(conn, d.run_id, "lost", f"{len(lost)} dispatched tasks had no result before their lease",
+                         {"count": len(lost), "keys": [list(k) for k in lost[:100]]})
+        for key in lost:
+            self._ended(conn, d, *key, "lost")
+        self.wake.set()
+
+    async def _drain_task_dead_letters(self) -> None:
+        """Rollout tasks the rollout workers dead-lettered: that attempt failed (retried while attempts remain)."""
+        stream = dead_letter(ROLLOUT_TASKS)
+        resp = await self.bus.redis.xreadgroup(DLQ_GROUP, self.worker_id, {stream: ">"}, count=100)
+        for _, entries in resp:
+            for entry_id, fields in entries:
+                await asyncio.to_thread(self._tx, self._record_task_dead_letter, fields)
+                await self.bus.redis.xack(stream, DLQ_GROUP, entry_id)
+
+    def _record_task_dead_letter(self, conn, fields: dict) -> None:
+        reason = fields.get(b"dlq_reason", b"").decode(errors="replace")
+        try:
+            task = decode(fields, RolloutTask)
+        except MessageDecodeError:
+            log.error("undecodable rollout task dead-lettered: %s", reason)
+            return
+        if ledger.fail_dispatched(conn, task.run_id, (task.task_id, task.sample_idx, task.attempt), reason):
+            ledger.add_event(conn, task.run_id, "dead_lettered", f"rollout task dead-lettered: {reason[-2000:]}",
+                             {"stream": ROLLOUT_TASKS, "task_id": task.task_id, "sample_idx": task.sample_idx,
+                              "attempt": task.attempt})
+
+    # -- trim ----------------------------------------------------------------------------------------------------
+    async def trim(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            await _sleep(stop, self.cfg.trim_interval_s)
+            for stream in (ROLLOUT_TASKS, TRAJECTORIES):
+                try:
+                    await self.bus.trim_acknowledged(stream)
+                except (RedisError, ResponseError) as e:
+                    log.warning("trim of %s failed: %r", stream, e)
+
+    def health(self) -> dict:
+        return {rid: {"status": d.status, "in_flight": len(d.in_flight), "completed": d.num_completed,
+                      "policy_version": d.policy_version} for rid, d in self.drivers.items()}
+
+
+async def _sleep(stop: asyncio.Event, seconds: float) -> None:
+    try:
+        await asyncio.wait_for(stop.wait(), seconds)
+    except TimeoutError:
+        pass

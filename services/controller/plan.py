@@ -1,0 +1,72 @@
+"""What a run dispatches, as a deterministic function of its config and dataset (so a restarted controller
+recomputes the same plan and diffs it against the ledger).
+
+A slot is one (task, sample) of the plan. Eval: every task x samples_per_task, one batch. Train: batch b
+holds `tasks_per_batch` tasks of epoch b // batches_per_epoch, in a seeded per-epoch shuffle, each with
+samples_per_task samples plus, for ReMax, one greedy baseline sample (s = samples_per_task). sample_idx is
+unique within the run: epoch * slots_per_task + s, so epoch 0 has sample_idx = s.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from functools import lru_cache
+
+from shared.run_config import RunConfig
+
+
+@dataclass(frozen=True)
+class Slot:
+    task_id: str
+    sample_idx: int
+    batch_idx: int
+    epoch: int
+    greedy: bool
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.task_id, self.sample_idx)
+
+
+class Plan:
+    def __init__(self, cfg: RunConfig, task_ids: list[str]):
+        if not task_ids:
+            raise ValueError(f"dataset {cfg.dataset!r} split {cfg.dataset_split!r} has no rows to dispatch")
+        self.cfg, self.task_ids = cfg, task_ids
+        self.is_eval = cfg.kind == "eval"
+        self.greedy = not self.is_eval and cfg.algorithm.adv_estimator == "remax"
+        self.slots_per_task = cfg.samples_per_task + int(self.greedy)
+        self.batches_per_epoch = 1 if self.is_eval else math.ceil(len(task_ids) / cfg.tasks_per_batch)
+        self.num_batches = 1 if self.is_eval else (cfg.total_steps or cfg.epochs * self.batches_per_epoch)
+        self.batch = lru_cache(maxsize=64)(self._batch)
+        self._epoch_order = lru_cache(maxsize=2)(self._epoch_order)
+
+    @property
+    def planned_steps(self) -> int:
+        """Optimizer steps after which a training run is complete (one policy version per batch)."""
+        return self.num_batches
+
+    def window_end(self, policy_version: int) -> int:
+        """Batches [0, window_end) may be dispatched now: b - policy_version <= max_staleness."""
+        if self.is_eval:
+            return 1
+        return min(self.num_batches, policy_version + self.cfg.max_staleness + 1)
+
+    def _batch(self, b: int) -> list[Slot]:
+        if self.is_eval:
+            return [Slot(t, s, 0, 0, False) for t in self.task_ids for s in range(self.cfg.samples_per_task)]
+        epoch, i = divmod(b, self.batches_per_epoch)
+        tpb = self.cfg.tasks_per_batch
+        chosen = self._epoch_order(epoch)[i * tpb:(i + 1) * tpb]
+        base = epoch * self.slots_per_task
+        return [
+            Slot(self.task_ids[t], base + s, b, epoch, s == self.cfg.samples_per_task)
+            for t in chosen for s in range(self.slots_per_task)
+        ]
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.task_ids)))
+        random.Random(f"{self.cfg.seed}:{epoch}").shuffle(order)
+        return order

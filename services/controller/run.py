@@ -1,0 +1,112 @@
+"""One run's dispatch state: which slots (task, sample) are in flight, done, to retry or finally failed.
+
+Built from the ledger when a controller takes the run (so a restarted controller redoes nothing stored and
+skips nothing lost), then kept current from ledger rows that ended. Pure bookkeeping: no I/O here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.controller.ledger import LedgerRow, RunRow
+from services.controller.plan import Plan, Slot
+from shared.run_config import RunConfig
+
+BAD = ("failed", "lost")  # attempts that count against max_attempts
+SlotKey = tuple[str, int]
+
+
+@dataclass
+class SlotState:
+    slot: Slot
+    attempt: int  # latest attempt
+    status: str  # ledger status of the latest attempt
+    bad: int = 0  # failed or lost attempts so far
+
+
+class RunDriver:
+    def __init__(self, run: RunRow, cfg: RunConfig, tasks: list[tuple[str, dict, str]]):
+        self.run_id, self.cfg = run.id, cfg
+        self.status, self.policy_version = run.status, run.policy_version
+        self.plan = Plan(cfg, [t[0] for t in tasks])
+        self.task_data = {t[0]: t[1] for t in tasks}
+        self.states: dict[SlotKey, SlotState] = {}
+        self.in_flight: set[SlotKey] = set()
+        self.retry: dict[SlotKey, None] = {}  # insertion-ordered set
+        self.final_failed: set[SlotKey] = set()
+        self.num_completed = 0
+        self.cursor = (0, 0)  # (batch, index within batch) of the next never-dispatched slot
+        self.stopping_since: float | None = None
+        self.stale = False  # the ledger has rows this driver did not put there: rebuild
+
+    # -- ledger -> state ----------------------------------------------------------------------------------------
+    def rebuild(self, rows: list[LedgerRow]) -> None:
+        """Rows ordered by attempt: the last row seen for a slot is its latest attempt."""
+        for r in rows:
+            st = self.states.setdefault(
+                (r.task_id, r.sample_idx),
+                SlotState(Slot(r.task_id, r.sample_idx, r.batch_idx, r.epoch, r.greedy), r.attempt, r.status),
+            )
+            st.attempt, st.status = r.attempt, r.status
+            st.bad += r.status in BAD
+        for key, st in self.states.items():
+            self._settle(key, st)
+
+    def apply(self, task_id: str, sample_idx: int, attempt: int, status: str) -> bool:
+        """A ledger row ended. Returns True when that made the slot a final failure."""
+        key = (task_id, sample_idx)
+        st = self.states.get(key)
+        if st is None or st.attempt != attempt or st.status != "dispatched":
+            return False
+        st.status = status
+        st.bad += status in BAD
+        self.in_flight.discard(key)
+        return self._settle(key, st)
+
+    def _settle(self, key: SlotKey, st: SlotState) -> bool:
+        if st.status == "dispatched":
+            self.in_flight.add(key)
+        elif st.status == "completed":
+            self.num_completed += 1
+        elif st.status == "cancelled" or (st.status in BAD and st.bad < self.cfg.max_attempts):
+            self.retry[key] = None  # cancelled: re-run only if a stopped run is resumed
+        else:
+            self.final_failed.add(key)
+            return True
+        return False
+
+    # -- what to dispatch ---------------------------------------------------------------------------------------
+    def next_items(self, limit: int) -> list[tuple[Slot, int]]:
+        """Up to `limit` (slot, attempt) pairs: retries first, then new slots inside the staleness window."""
+        items = [(self.states[k].slot, self.states[k].attempt + 1) for k in list(self.retry)[:limit]]
+        end = self.plan.window_end(self.policy_version)
+        b, i = self.cursor
+        while len(items) < limit and b < end:
+            batch = self.plan.batch(b)
+            if i >= len(batch):
+                b, i = b + 1, 0
+                continue
+            if batch[i].key not in self.states:
+                items.append((batch[i], 0))
+            i += 1
+        self.cursor = (b, i)
+        return items
+
+    def mark_dispatched(self, items: list[tuple[Slot, int]], inserted: set[tuple[str, int, int]]) -> None:
+        for slot, attempt in items:
+            if (slot.task_id, slot.sample_idx, attempt) not in inserted:
+                continue
+            prev = self.states.get(slot.key)
+            self.states[slot.key] = SlotState(slot, attempt, "dispatched", prev.bad if prev else 0)
+            self.retry.pop(slot.key, None)
+            self.in_flight.add(slot.key)
+
+    def in_flight_keys(self) -> list[tuple[str, int, int]]:
+        return [(k[0], k[1], self.states[k].attempt) for k in self.in_flight]
+
+    @property
+    def is_done(self) -> bool:
+        """Eval: every slot completed or finally failed. Train: the trainer reached the planned steps."""
+        if self.plan.is_eval:
+            return self.num_completed + len(self.final_failed) == len(self.plan.batch(0))
+        return self.policy_version >= self.plan.planned_steps

@@ -1,0 +1,83 @@
+"""The dispatch plan and the per-run bookkeeping (pure: no Redis, no Postgres)."""
+
+from __future__ import annotations
+
+from services.controller.ledger import LedgerRow, RunRow
+from services.controller.plan import Plan
+from services.controller.run import RunDriver
+from shared.run_config import RunConfig
+
+
+def config(**kw) -> RunConfig:
+    base = dict(name="r", model="m", dataset="d", agent={"name": "math"}, env={"name": "math"})
+    return RunConfig.model_validate({**base, **kw})
+
+
+def tasks(n: int) -> list[tuple[str, dict, str]]:
+    return [(f"t{i}", {"i": i}, "src") for i in range(n)]
+
+
+def test_eval_plan_is_every_task_times_samples():
+    plan = Plan(config(kind="eval", samples_per_task=3), [f"t{i}" for i in range(4)])
+    slots = plan.batch(0)
+    assert {(s.task_id, s.sample_idx) for s in slots} == {(f"t{i}", s) for i in range(4) for s in range(3)}
+    assert plan.window_end(0) == 1 and plan.num_batches == 1
+
+
+def test_train_plan_epochs_cover_each_task_once_and_are_seeded():
+    cfg = config(samples_per_task=2, tasks_per_batch=3, epochs=2, seed=7)
+    plan = Plan(cfg, [f"t{i}" for i in range(7)])
+    assert plan.batches_per_epoch == 3 and plan.planned_steps == 6
+    for epoch in range(2):
+        slots = [s for b in range(epoch * 3, epoch * 3 + 3) for s in plan.batch(b)]
+        assert sorted({s.task_id for s in slots}) == sorted(f"t{i}" for i in range(7))
+        assert len(slots) == 7 * 2 and {s.epoch for s in slots} == {epoch}
+        assert {s.sample_idx for s in slots} == {epoch * 2, epoch * 2 + 1}  # unique across epochs
+    again = Plan(cfg, [f"t{i}" for i in range(7)])
+    assert [again.batch(b) for b in range(6)] == [plan.batch(b) for b in range(6)]
+    other = Plan(config(samples_per_task=2, tasks_per_batch=3, epochs=2, seed=8), [f"t{i}" for i in range(7)])
+    assert [other.batch(b) for b in range(6)] != [plan.batch(b) for b in range(6)]
+
+
+def test_total_steps_overrides_epochs_and_window_follows_staleness():
+    plan = Plan(config(samples_per_task=2, tasks_per_batch=2, total_steps=5, max_staleness=2), ["a", "b"])
+    assert plan.planned_steps == 5 and plan.batch(4)[0].epoch == 4
+    assert [plan.window_end(v) for v in (0, 1, 3, 9)] == [3, 4, 5, 5]
+
+
+def test_remax_adds_one_greedy_sample_per_task():
+    plan = Plan(config(samples_per_task=2, tasks_per_batch=2, algorithm={"adv_estimator": "remax"}), ["a", "b"])
+    slots = plan.batch(0)
+    greedy = [s for s in slots if s.greedy]
+    assert len(slots) == 6 and {(s.task_id, s.sample_idx) for s in greedy} == {("a", 2), ("b", 2)}
+
+
+def test_driver_respects_in_flight_limit_and_window():
+    driver = RunDriver(RunRow("r1", "running", {}, 0), config(samples_per_task=2, tasks_per_batch=2,
+                                                             max_staleness=0, max_in_flight=4), tasks(4))
+    first = driver.next_items(10)
+    assert {s.batch_idx for s, _ in first} == {0} and len(first) == 4  # batch 1 waits for version 1
+    driver.mark_dispatched(first, {(s.task_id, s.sample_idx, a) for s, a in first})
+    assert driver.next_items(10) == [] and len(driver.in_flight) == 4
+    driver.policy_version = 1
+    assert {s.batch_idx for s, _ in driver.next_items(10)} == {1}
+
+
+def test_driver_rebuild_retries_lost_and_stops_at_max_attempts():
+    cfg = config(kind="eval", samples_per_task=1, max_attempts=2)
+    rows = [
+        LedgerRow("t0", 0, 0, "completed", 0, 0, False),
+        LedgerRow("t1", 0, 0, "lost", 0, 0, False),
+        LedgerRow("t2", 0, 0, "failed", 0, 0, False), LedgerRow("t2", 0, 1, "failed", 0, 0, False),
+        LedgerRow("t3", 0, 0, "dispatched", 0, 0, False),
+    ]
+    driver = RunDriver(RunRow("r1", "running", {}, 0), cfg, tasks(5))
+    driver.rebuild(rows)
+    assert driver.num_completed == 1 and driver.final_failed == {("t2", 0)} and driver.in_flight == {("t3", 0)}
+    items = [(s.task_id, s.sample_idx, a) for s, a in driver.next_items(10)]
+    assert items == [("t1", 0, 1), ("t4", 0, 0)]  # the lost one as attempt 1, the never-dispatched one fresh
+    assert not driver.is_done
+    driver.mark_dispatched(driver_items := [(driver.states[("t1", 0)].slot, 1)], {("t1", 0, 1)})
+    assert driver_items and driver.apply("t1", 0, 1, "lost") is True  # second bad attempt: final
+    assert driver.apply("t3", 0, 0, "completed") is False and driver.apply("t3", 0, 0, "completed") is False
+    assert driver.num_completed == 2
