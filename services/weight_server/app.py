@@ -1,0 +1,94 @@
+"""HTTP routes of the weight server (mounted on the ServiceRuntime's app, next to /healthz and /metrics).
+
+    PUT  /v1/runs/{run}/versions/{v}/files/{name}?sha256=<hex>   streamed upload of one file (remote trainer)
+    POST /v1/runs/{run}/versions/{v}/publish                       make the version durable and announce it
+    GET  /v1/runs/{run}/versions                                   available versions
+    GET  /v1/runs/{run}/versions/{v}/{name}                        streamed download (MANIFEST.json first)
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from fastapi import APIRouter, HTTPException, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import FileResponse
+from prometheus_client import Counter, Histogram
+from pydantic import BaseModel, Field
+
+from services.weight_server.store import CheckpointStore, PublishError, check_name
+from shared.weights import ChecksumError
+
+PUBLISHED = Counter("weight_server_published_total", "Checkpoint versions published")
+REJECTED = Counter("weight_server_rejected_total", "Publishes or uploads rejected", ["reason"])
+PUBLISH_SECONDS = Histogram("weight_server_publish_seconds", "Publish request duration")
+BYTES_SERVED = Counter("weight_server_bytes_served_total", "Checkpoint bytes requested for download")
+
+
+class PublishRequest(BaseModel):
+    files: dict[str, str] = Field(description="file name -> sha256 ('' lets the server hash it)")
+    metrics: dict[str, float] = Field(default_factory=dict)
+    staging_path: str | None = Field(None, description="co-located trainer: folder on the shared volume")
+    best_metric: str | None = Field(None, description="metric that picks the 'best' version kept by retention")
+
+
+def _run(run_id: str) -> str:
+    try:
+        return str(uuid.UUID(run_id))
+    except ValueError:
+        raise HTTPException(422, f"run id {run_id!r} is not a UUID") from None
+
+
+def build_router(store: CheckpointStore) -> APIRouter:
+    router = APIRouter(prefix="/v1/runs/{run_id}/versions")
+
+    @router.put("/{version}/files/{name}")
+    async def upload(run_id: str, version: int, name: str, request: Request, sha256: str | None = None) -> dict:
+        try:
+            upload = store.open_upload(_run(run_id), version, name)
+        except PublishError as e:
+            REJECTED.labels("bad_request").inc()
+            raise HTTPException(422, str(e)) from None
+        try:
+            async for chunk in request.stream():
+                await run_in_threadpool(upload.write, chunk)  # disk writes off the event loop
+        except BaseException:
+            upload.abort()
+            raise
+        try:
+            size = await run_in_threadpool(upload.finish, sha256)
+        except PublishError as e:
+            REJECTED.labels("checksum").inc()
+            raise HTTPException(422, str(e)) from None
+        return {"name": name, "bytes": size}
+
+    @router.post("/{version}/publish")
+    async def publish(run_id: str, version: int, body: PublishRequest) -> dict:
+        try:
+            with PUBLISH_SECONDS.time():
+                msg = await run_in_threadpool(store.publish, _run(run_id), version, body.files, body.metrics,
+                                              body.staging_path, body.best_metric)
+        except (PublishError, ChecksumError) as e:
+            REJECTED.labels("checksum" if "sha256" in str(e) else "bad_request").inc()
+            raise HTTPException(422, str(e)) from None
+        PUBLISHED.inc()
+        return msg.model_dump(mode="json")
+
+    @router.get("")
+    async def versions(run_id: str) -> list[dict]:
+        return await run_in_threadpool(store.list_versions, _run(run_id))
+
+    @router.get("/{version}/{name}")
+    async def download(run_id: str, version: int, name: str) -> FileResponse:
+        if name != "MANIFEST.json":
+            try:
+                check_name(name)
+            except PublishError as e:
+                raise HTTPException(422, str(e)) from None
+        path = store.folder(_run(run_id), version) / name
+        if not path.is_file():
+            raise HTTPException(404, f"run {run_id} version {version} has no file {name}")
+        BYTES_SERVED.inc(path.stat().st_size)
+        return FileResponse(path, media_type="application/octet-stream")
+
+    return router

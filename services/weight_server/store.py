@@ -1,0 +1,244 @@
+"""Versioned checkpoint storage: WEIGHTS_DIR/<run_id>/v<version>/ (HF files + MANIFEST.json).
+
+Publish order (each step durable before the next): files land in a temp folder next to the target (uploaded
+over HTTP, or moved from a staging folder on the same volume), every file is fsynced and checked against the
+sha256 the publisher sent, MANIFEST.json is written, the folder is renamed into place, the `checkpoints` row
+is inserted, and only then `WeightsPublished` is appended to the `weights` stream. A reader that sees the
+announcement therefore always finds a complete folder. A crash between rename and announcement is repaired at
+start-up (`reconcile`): folders on disk without a row are registered and announced then.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import time
+import uuid
+from pathlib import Path
+
+import redis
+from sqlalchemy import Engine, select, update
+from sqlalchemy.dialects.postgresql import insert
+
+from shared.db.models import Checkpoint
+from shared.logs import get_logger
+from shared.messages import WeightsPublished, encode
+from shared.streams import WEIGHTS
+from shared.weights import MANIFEST, CheckpointManifest, ChecksumError, FileEntry, read_manifest, sha256_file
+
+log = get_logger(__name__)
+
+
+class PublishError(ValueError):
+    """The publish request is wrong (missing file, bad name, checksum mismatch); the message says which."""
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+def check_name(name: str) -> str:
+    """File names are flat (no folders): refuse anything that could escape the checkpoint folder."""
+    if not name or name in (".", "..", MANIFEST) or "/" in name or "\\" in name or name.startswith("."):
+        raise PublishError(f"bad file name {name!r}: use a plain file name such as model.safetensors")
+    return name
+
+
+class Upload:
+    """One file arriving over HTTP: written and hashed chunk by chunk, checked against the declared sha256."""
+
+    def __init__(self, path: Path):
+        self.path, self.hash, self.size = path, hashlib.sha256(), 0
+        self.file = open(path, "wb")  # noqa: SIM115 (closed in finish/abort)
+
+    def write(self, chunk: bytes) -> None:
+        self.hash.update(chunk)
+        self.file.write(chunk)
+        self.size += len(chunk)
+
+    def finish(self, expected_sha256: str | None) -> int:
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+        if expected_sha256 and self.hash.hexdigest() != expected_sha256:
+            self.path.unlink()
+            raise PublishError(
+                f"{self.path.name}: received sha256 {self.hash.hexdigest()} but the publisher declared {expected_sha256}"
+            )
+        return self.size
+
+    def abort(self) -> None:
+        self.file.close()
+        self.path.unlink(missing_ok=True)
+
+
+class CheckpointStore:
+    def __init__(self, root: Path, engine: Engine, redis_client: redis.Redis, public_url: str,
+                 keep_last: int = 3, announce_path: bool = True):
+        self.root, self.engine, self.redis = root, engine, redis_client
+        self.public_url, self.keep_last, self.announce_path = public_url, keep_last, announce_path
+        root.mkdir(parents=True, exist_ok=True)
+
+    # -- paths ------------------------------------------------------------------------------------------------
+    def folder(self, run_id: str, version: int) -> Path:
+        return self.root / str(uuid.UUID(run_id)) / f"v{version}"
+
+    def upload_dir(self, run_id: str, version: int) -> Path:
+        """Where HTTP uploads of one version collect until publish."""
+        path = self.root / str(uuid.UUID(run_id)) / f".upload-v{version}"
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def uri(self, run_id: str, version: int) -> str:
+        return f"{self.public_url}/v1/runs/{run_id}/versions/{version}"
+
+    # -- upload -----------------------------------------------------------------------------------------------
+    def open_upload(self, run_id: str, version: int, name: str) -> Upload:
+        return Upload(self.upload_dir(run_id, version) / check_name(name))
+
+    # -- publish ----------------------------------------------------------------------------------------------
+    def publish(self, run_id: str, version: int, files: dict[str, str], metrics: dict[str, float],
+                staging_path: str | None = None, best_metric: str | None = None) -> WeightsPublished:
+        """Make version `version` of `run_id` durable and announce it. Idempotent for the same version."""
+        existing = self._row(run_id, version)
+        if existing is not None and self.folder(run_id, version).is_dir():
+            return self._message(existing)
+        source = Path(staging_path) if staging_path else self.upload_dir(run_id, version)
+        if not source.is_dir():
+            raise PublishError(f"staging folder {source} does not exist on the weight server's volume")
+        tmp = self._assemble(run_id, version, source, files)
+        final = self.folder(run_id, version)
+        if final.exists():  # a previous attempt renamed but crashed before the row: replace it
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(final.parent)
+        msg = self._register(run_id, version, final, metrics)
+        self.apply_retention(run_id, best_metric)
+        return msg
+
+    def _assemble(self, run_id: str, version: int, source: Path, files: dict[str, str]) -> Path:
+        tmp = self.root / str(uuid.UUID(run_id)) / f".tmp-v{version}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir(parents=True)
+        try:
+            for name in files:
+                src = source / check_name(name)
+                if not src.is_file():
+                    raise PublishError(f"{name}: declared by the publisher but not in {source}")
+                os.replace(src, tmp / name) if _same_volume(src, tmp) else shutil.copyfile(src, tmp / name)
+            entries = self._verify_and_sync(tmp, files)
+            _write_manifest(tmp, CheckpointManifest(run_id=run_id, version=version, files=entries))
+            _fsync_dir(tmp)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        _remove_if_empty(source)  # files were moved out: the staging folder is spent
+        return tmp
+
+    def _verify_and_sync(self, folder: Path, files: dict[str, str]) -> dict[str, FileEntry]:
+        """Hash each file once (for the manifest and against what the publisher declared) and fsync it."""
+        entries = {}
+        for name, expected in sorted(files.items()):
+            actual = sha256_file(folder / name)
+            if expected and actual != expected:
+                raise PublishError(f"{name}: sha256 {actual} on disk differs from the declared {expected}")
+            _fsync_file(folder / name)
+            entries[name] = FileEntry(sha256=actual, bytes=(folder / name).stat().st_size)
+        return entries
+
+    def _register(self, run_id: str, version: int, folder: Path, metrics: dict[str, float]) -> WeightsPublished:
+        manifest_sha = hashlib.sha256((folder / MANIFEST).read_bytes()).hexdigest()
+        manifest = read_manifest(folder, manifest_sha)
+        row = dict(run_id=uuid.UUID(run_id), version=version, uri=self.uri(run_id, version), path=str(folder),
+                   sha256=manifest_sha, bytes=manifest.total_bytes, metrics=metrics, status="available")
+        with self.engine.begin() as c:
+            c.execute(insert(Checkpoint).values(**row).on_conflict_do_update(
+                index_elements=["run_id", "version"], set_={k: row[k] for k in ("uri", "path", "sha256", "bytes")}))
+        msg = self._message(row)
+        self.redis.xadd(WEIGHTS, encode(msg), maxlen=10_000, approximate=True)
+        log.info("published run %s v%d (%d bytes)", run_id, version, manifest.total_bytes)
+        return msg
+
+    def _message(self, row) -> WeightsPublished:
+        get = row.get if isinstance(row, dict) else lambda k: getattr(row, k)
+        return WeightsPublished(
+            run_id=str(get("run_id")), version=get("version"), uri=get("uri"),
+            path=get("path") if self.announce_path else None, sha256=get("sha256"), bytes=get("bytes"),
+            created_at=time.time(),
+        )
+
+    def _row(self, run_id: str, version: int):
+        with self.engine.connect() as c:
+            return c.execute(select(Checkpoint).where(
+                Checkpoint.run_id == uuid.UUID(run_id), Checkpoint.version == version,
+                Checkpoint.status == "available")).first()
+
+    # -- retention --------------------------------------------------------------------------------------------
+    def apply_retention(self, run_id: str, best_metric: str | None) -> list[int]:
+        """Keep the last `keep_last` versions and the best by `best_metric` (higher is better)."""
+        with self.engine.connect() as c:
+            rows = c.execute(select(Checkpoint.version, Checkpoint.metrics).where(
+                Checkpoint.run_id == uuid.UUID(run_id), Checkpoint.status == "available")
+                .order_by(Checkpoint.version)).all()
+        keep = {v for v, _ in rows[-self.keep_last:]}
+        scored = [(m[best_metric], v) for v, m in rows if best_metric and best_metric in (m or {})]
+        if scored:
+            keep.add(max(scored)[1])
+        doomed = [v for v, _ in rows if v not in keep]
+        for v in doomed:
+            with self.engine.begin() as c:
+                c.execute(update(Checkpoint).where(Checkpoint.run_id == uuid.UUID(run_id), Checkpoint.version == v)
+                          .values(status="deleted"))
+            shutil.rmtree(self.folder(run_id, v), ignore_errors=True)
+        return doomed
+
+    # -- restart ----------------------------------------------------------------------------------------------
+    def reconcile(self) -> int:
+        """Remove half-written temp folders; register and announce complete folders that lack a row."""
+        fixed = 0
+        for run_dir in (p for p in self.root.iterdir() if p.is_dir()):
+            for tmp in run_dir.glob(".tmp-v*"):
+                shutil.rmtree(tmp, ignore_errors=True)
+            for folder in run_dir.glob("v*"):
+                if (folder / MANIFEST).is_file() and self._row(run_dir.name, int(folder.name[1:])) is None:
+                    try:
+                        self._register(run_dir.name, int(folder.name[1:]), folder, {})
+                        fixed += 1
+                    except (ChecksumError, ValueError) as e:
+                        log.error("cannot register %s: %s", folder, e)
+        return fixed
+
+    def list_versions(self, run_id: str) -> list[dict]:
+        with self.engine.connect() as c:
+            rows = c.execute(select(Checkpoint).where(Checkpoint.run_id == uuid.UUID(run_id),
+                                                      Checkpoint.status == "available")
+                             .order_by(Checkpoint.version)).all()
+        return [dict(version=r.version, uri=r.uri, path=r.path, sha256=r.sha256, bytes=r.bytes, metrics=r.metrics)
+                for r in rows]
+
+
+def _write_manifest(folder: Path, manifest: CheckpointManifest) -> None:
+    with open(folder / MANIFEST, "wb") as f:
+        f.write(manifest.model_dump_json(indent=1).encode())
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _remove_if_empty(folder: Path) -> None:
+    try:
+        folder.rmdir()
+    except OSError:
+        pass
+
+
+def _same_volume(a: Path, b: Path) -> bool:
+    return os.stat(a).st_dev == os.stat(b).st_dev

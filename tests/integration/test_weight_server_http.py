@@ -1,0 +1,180 @@
+"""The weight server as a real process over HTTP: atomic publish, checksum rejection, download, retention,
+restart. Talks to it only over the wire (and reads Postgres/Redis to check what it recorded)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+from sqlalchemy import create_engine, select
+
+from shared.db.models import Checkpoint, Run
+from shared.messages import WeightsPublished, decode
+from shared.streams import WEIGHTS
+from shared.weights import MANIFEST, fetch_checkpoint, verify_folder
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class WeightServer:
+    def __init__(self, redis_url: str, database_url: str, weights_dir: Path, keep_last: int = 2):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.env = {**os.environ, "REDIS_URL": redis_url, "DATABASE_URL": database_url,
+                    "WEIGHTS_DIR": str(weights_dir), "WEIGHT_SERVER_PORT": str(self.port),
+                    "KEEP_LAST": str(keep_last), "LOG_FORMAT": "text"}
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> WeightServer:
+        self.proc = subprocess.Popen([sys.executable, "-m", "services.weight_server.main"], cwd=REPO, env=self.env)
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            try:
+                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            assert self.proc.poll() is None, "weight server exited during start-up"
+            time.sleep(0.2)
+        raise TimeoutError("weight server did not become healthy")
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(15)
+
+
+@pytest.fixture
+def run_id(database_url) -> str:
+    engine = create_engine(database_url)
+    rid = uuid.uuid4()
+    with engine.begin() as c:
+        c.execute(Run.__table__.insert().values(id=rid, name="ws-test", kind="train", status="running",
+                                                config={}, policy_version=0, summary={}))
+    engine.dispose()
+    return str(rid)
+
+
+@pytest.fixture
+def server(redis_url, database_url, tmp_path):
+    redis.Redis.from_url(redis_url).delete(WEIGHTS)
+    ws = WeightServer(redis_url, database_url, tmp_path / "weights").start()
+    yield ws
+    ws.stop()
+
+
+def _files(n: int = 2, size: int = 300_000) -> dict[str, bytes]:
+    files = {f"model-{i}.safetensors": os.urandom(size) for i in range(n)}
+    files["config.json"] = b'{"model_type": "qwen2"}'
+    return files
+
+
+def _upload(url: str, run_id: str, version: int, files: dict[str, bytes], wrong: str | None = None) -> list[int]:
+    codes = []
+    for name, data in files.items():
+        digest = "0" * 64 if name == wrong else hashlib.sha256(data).hexdigest()
+        r = httpx.put(f"{url}/v1/runs/{run_id}/versions/{version}/files/{name}", params={"sha256": digest},
+                      content=iter([data[i:i + 65536] for i in range(0, len(data), 65536)]), timeout=30)
+        codes.append(r.status_code)
+    return codes
+
+
+def _publish(url: str, run_id: str, version: int, files: dict[str, bytes], **extra) -> httpx.Response:
+    body = {"files": {n: hashlib.sha256(d).hexdigest() for n, d in files.items()}, **extra}
+    return httpx.post(f"{url}/v1/runs/{run_id}/versions/{version}/publish", json=body, timeout=60)
+
+
+def _announced(redis_url: str) -> list[WeightsPublished]:
+    return [decode(f) for _, f in redis.Redis.from_url(redis_url).xrange(WEIGHTS)]
+
+
+def test_upload_publish_download_roundtrip(server, run_id, redis_url, database_url, tmp_path):
+    files = _files()
+    assert _upload(server.url, run_id, 1, files) == [200] * len(files)
+    r = _publish(server.url, run_id, 1, files, metrics={"reward_mean": 0.5})
+    assert r.status_code == 200, r.text
+    msg = WeightsPublished.model_validate(r.json())
+    assert msg.version == 1 and msg.bytes == sum(len(d) for d in files.values())
+
+    announced = _announced(redis_url)
+    assert [m.version for m in announced] == [1] and announced[0].sha256 == msg.sha256
+    with create_engine(database_url).connect() as c:
+        row = c.execute(select(Checkpoint).where(Checkpoint.run_id == uuid.UUID(run_id))).one()
+    assert row.sha256 == msg.sha256 and row.metrics == {"reward_mean": 0.5}
+
+    remote = msg.model_copy(update={"path": None})  # force the HTTP download path
+    local = fetch_checkpoint(remote, tmp_path / "cache")
+    verify_folder(local, msg.sha256, full=True)
+    assert {p.name for p in local.iterdir()} == {*files, MANIFEST}
+    assert (local / "model-0.safetensors").read_bytes() == files["model-0.safetensors"]
+
+
+def test_checksum_mismatch_on_upload_is_rejected_and_nothing_is_announced(server, run_id, redis_url):
+    files = _files()
+    codes = _upload(server.url, run_id, 1, files, wrong="model-1.safetensors")
+    assert codes == [200, 422, 200]
+    r = _publish(server.url, run_id, 1, files)
+    assert r.status_code == 422 and "model-1.safetensors" in r.json()["detail"]
+    assert _announced(redis_url) == []
+    assert httpx.get(f"{server.url}/v1/runs/{run_id}/versions").json() == []
+
+
+def test_staging_publish_with_wrong_declared_sha_is_rejected(server, run_id, redis_url, tmp_path):
+    staging = tmp_path / "weights" / "staging-1"
+    staging.mkdir(parents=True)
+    files = _files(1)
+    for name, data in files.items():
+        (staging / name).write_bytes(data)
+    bad = {"files": {n: "f" * 64 for n in files}, "staging_path": str(staging)}
+    r = httpx.post(f"{server.url}/v1/runs/{run_id}/versions/1/publish", json=bad, timeout=30)
+    assert r.status_code == 422 and "sha256" in r.json()["detail"]
+    assert _announced(redis_url) == []
+    assert not (tmp_path / "weights" / run_id / "v1").exists()
+
+
+def test_staging_publish_retention_and_restart(server, run_id, redis_url, tmp_path):
+    rewards = {1: 0.9, 2: 0.1, 3: 0.2, 4: 0.3}
+    for v, reward in rewards.items():
+        staging = tmp_path / "weights" / f"staging-{v}"
+        staging.mkdir(parents=True)
+        files = _files(1, 1000)
+        for name, data in files.items():
+            (staging / name).write_bytes(data)
+        r = _publish(server.url, run_id, v, files, staging_path=str(staging), metrics={"reward_mean": reward},
+                     best_metric="reward_mean")
+        assert r.status_code == 200, r.text
+        assert not staging.exists()  # moved, not copied
+    kept = [v["version"] for v in httpx.get(f"{server.url}/v1/runs/{run_id}/versions").json()]
+    assert kept == [1, 3, 4]  # last two plus the best (v1)
+    assert not (tmp_path / "weights" / run_id / "v2").exists()
+
+    # A crash after the rename but before the row: the folder is registered and announced on restart.
+    server.stop()
+    orphan = tmp_path / "weights" / run_id / "v7"
+    orphan.mkdir()
+    (orphan / "config.json").write_bytes(b"{}")
+    from shared.weights import write_manifest
+    write_manifest(orphan, run_id, 7)
+    (tmp_path / "weights" / run_id / ".tmp-v8-deadbeef").mkdir()
+    server.start()
+    kept = [v["version"] for v in httpx.get(f"{server.url}/v1/runs/{run_id}/versions").json()]
+    assert kept == [1, 3, 4, 7]
+    assert 7 in [m.version for m in _announced(redis_url)]
+    assert not (tmp_path / "weights" / run_id / ".tmp-v8-deadbeef").exists()
+    r = httpx.get(f"{server.url}/v1/runs/{run_id}/versions/4/{MANIFEST}")
+    assert r.status_code == 200 and r.json()["version"] == 4
