@@ -1,0 +1,16 @@
+# The GPU rollout image: vLLM 0.33 (CUDA wheels; brings its own torch 2.14 and transformers pins, which is
+# why it is separate from the trainer image). Runs rollout workers with engine.type = vllm.
+#   docker build -f infra/docker/rollout-gpu.Dockerfile -t flywheel-rollout-gpu .
+FROM python:3.11-slim
+
+ENV PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    DATA_DIR=/data WEIGHTS_DIR=/weights LOG_FORMAT=json
+WORKDIR /app
+
+COPY . .
+# No constraints file: vLLM chooses torch; the hf extra's bounds are loose enough to follow it.
+RUN pip install -e ".[vllm,envs,hf]" \
+    && useradd --create-home --uid 1000 flywheel \
+    && mkdir -p /data /weights && chown flywheel /data /weights
+USER flywheel
+CMD ["flywheel-rollout-worker"]
