@@ -1,0 +1,86 @@
+"""Bearer-token auth. A token is API_TOKEN (every scope) or a row of `api_tokens` (sha256 of the token, scopes).
+
+Scopes nest: admin > write > read. The scope a route needs follows from its method (GET/HEAD: read, others:
+write) unless its endpoint is marked with `@needs(scope)`; so a new route is protected without anyone
+remembering to."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+from dataclasses import dataclass
+
+from fastapi import HTTPException, Request
+from sqlalchemy import select
+
+from shared.db.models import ApiToken
+
+SCOPES = ("read", "write", "admin")
+_RANK = {s: i for i, s in enumerate(SCOPES)}
+
+
+def needs(scope: str):
+    """Mark an endpoint whose scope its method does not tell (a read-only POST, admin routes)."""
+    assert scope in SCOPES
+
+    def mark(endpoint):
+        endpoint.required_scope = scope
+        return endpoint
+
+    return mark
+
+
+@dataclass(frozen=True)
+class Principal:
+    name: str
+    scopes: frozenset[str]
+
+    def can(self, scope: str) -> bool:
+        return any(_RANK[s] >= _RANK[scope] for s in self.scopes if s in _RANK)
+
+
+def hash_token(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def new_token() -> str:
+    return "fw_" + secrets.token_urlsafe(32)
+
+
+def required_scope(request: Request) -> str:
+    marked = getattr(request.scope.get("endpoint"), "required_scope", None)
+    if marked:
+        return marked
+    return "read" if request.method in ("GET", "HEAD", "OPTIONS") else "write"
+
+
+def _bearer(request: Request) -> str:
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise HTTPException(401, "missing bearer token: send 'Authorization: Bearer <token>'",
+                            headers={"WWW-Authenticate": "Bearer"})
+    return token.strip()
+
+
+def principal_for(request: Request, token: str) -> Principal | None:
+    admin_token = request.app.state.config.api_token
+    if admin_token and hmac.compare_digest(token.encode(), admin_token.encode()):
+        return Principal("API_TOKEN", frozenset({"admin"}))
+    with request.app.state.sessions() as s:
+        row = s.execute(
+            select(ApiToken.name, ApiToken.scopes)
+            .where(ApiToken.token_sha256 == hash_token(token), ApiToken.revoked_at.is_(None))
+        ).first()
+    return Principal(row.name, frozenset(row.scopes)) if row else None
+
+
+def authorize(request: Request) -> Principal:
+    """Router dependency of every /v1 route: 401 without a valid token, 403 without the route's scope."""
+    principal = principal_for(request, _bearer(request))
+    if principal is None:
+        raise HTTPException(401, "invalid or revoked token", headers={"WWW-Authenticate": "Bearer"})
+    scope = required_scope(request)
+    if not principal.can(scope):
+        raise HTTPException(403, f"token {principal.name!r} lacks the {scope!r} scope this route needs")
+    return principal

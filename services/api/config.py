@@ -1,0 +1,30 @@
+"""API settings (environment variables; see ServiceSettings for REDIS_URL, DATABASE_URL, DATA_DIR, ...)."""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+
+from shared.settings import ServiceSettings
+
+
+class ApiConfig(ServiceSettings):
+    service_name: str = "api"
+    api_host: str = Field("0.0.0.0", description="interface uvicorn binds")
+    api_port: int = Field(8000, ge=0, le=65535, description="HTTP port (API_PORT); 0 picks a free port")
+    api_token: str | None = Field(
+        None, description="API_TOKEN: one bearer token with every scope (local/dev); others live in api_tokens"
+    )
+    sql_timeout_s: float = Field(30.0, gt=0, le=600, description="statement timeout of POST /v1/sql, seconds")
+    sql_database_url: str | None = Field(
+        None, description="SQL_DATABASE_URL: a LOGIN role that is a member of flywheel_reader, used for POST /v1/sql"
+        " (safest for untrusted users); unset: DATABASE_URL's user switches to flywheel_reader (SET ROLE)",
+    )
+    sql_max_rows: int = Field(10_000, ge=1, description="rows returned by POST /v1/sql at most")
+    max_upload_mb: int = Field(200, ge=1, description="largest dataset upload, MiB")
+    page_limit_max: int = Field(1000, ge=1, description="largest `limit` a list route accepts")
+
+    @model_validator(mode="after")
+    def _token(self) -> ApiConfig:
+        if self.api_token is not None and len(self.api_token) < 8:
+            raise ValueError("API_TOKEN must be at least 8 characters (or unset it and create tokens with the CLI)")
+        return self

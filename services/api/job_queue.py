@@ -1,0 +1,37 @@
+"""Submitting background jobs: a `jobs` row first (so the job is visible even before a worker takes it),
+then the Celery task by name (services/jobs runs it; the API never imports that package)."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from fastapi import HTTPException
+from kombu.exceptions import OperationalError
+from sqlalchemy import update
+from sqlalchemy.orm import Session
+
+from shared.db.models import Job
+from shared.jobs import JOB_TASKS
+
+
+def submit_job(session: Session, celery, kind: str, params: dict[str, Any], run_id: uuid.UUID | None = None) -> dict:
+    job = Job(kind=kind, status="queued", params=params, result={}, run_id=run_id)
+    session.add(job)
+    session.commit()
+    try:
+        celery.send_task(JOB_TASKS[kind], args=[str(job.id)], task_id=str(job.id))
+    except OperationalError as e:
+        session.execute(update(Job).where(Job.id == job.id).values(status="failed", error=f"broker: {e}"))
+        session.commit()
+        raise HTTPException(503, f"the job queue (Redis) is unreachable: {e}") from e
+    return job_out(job)
+
+
+def job_out(job: Job) -> dict[str, Any]:
+    return {
+        "id": str(job.id), "kind": job.kind, "status": job.status, "params": job.params, "result": job.result,
+        "error": job.error, "run_id": str(job.run_id) if job.run_id else None,
+        "created_at": job.created_at.isoformat() if job.created_at else None,
+        "finished_at": job.finished_at.isoformat() if job.finished_at else None,
+    }

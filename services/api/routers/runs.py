@@ -1,0 +1,213 @@
+"""Runs: create (training or evaluation), list, show, pause/resume/stop, and the run's data: trajectories,
+metrics, checkpoints, events, reward by policy version, export."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, HTTPException, Query, Request
+from sqlalchemy import func, select, update
+
+from services.api.deps import DB, Config
+from services.api.job_queue import submit_job
+from services.api.progress import (
+    expected_samples, latest_metrics, ledger, pass_at_k, reward_by_version, run_out, stored_trajectories,
+)
+from shared.datasets import count_rows
+from shared.db.models import RUN_STATUSES, Checkpoint, Metric, Run, RunEvent, TrajectoryRow
+from shared.run_config import RunConfig
+from shared.types import TerminationReason
+
+router = APIRouter(prefix="/runs", tags=["runs"])
+INT32 = 2**31 - 1
+Limit = Annotated[int, Query(ge=1, le=1000)]
+Offset = Annotated[int, Query(ge=0, le=INT32)]
+RunStatus = Literal[RUN_STATUSES]  # type: ignore[valid-type]
+# user request -> (statuses it is allowed from, status it sets)
+TRANSITIONS = {
+    "pause": (("running",), "paused"),
+    "resume": (("paused",), "running"),
+    "stop": (("pending", "running", "paused"), "stopping"),
+}
+
+
+def get_run(session, run_id: uuid.UUID) -> Run:
+    run = session.get(Run, run_id)
+    if run is None:
+        raise HTTPException(404, f"run {run_id} does not exist")
+    return run
+
+
+def _check_dataset(request: Request, cfg: RunConfig) -> int:
+    num_rows = count_rows(request.app.state.engine, cfg.dataset, cfg.dataset_split)
+    if num_rows is None:
+        raise HTTPException(422, [{
+            "loc": ["body", "dataset"], "type": "dataset_not_found",
+            "msg": f"dataset {cfg.dataset!r} split {cfg.dataset_split!r} does not exist; upload it with "
+                   "POST /v1/datasets or `flywheel datasets import`",
+        }])
+    return num_rows
+
+
+@router.post("", status_code=201)
+def create_run(cfg: RunConfig, request: Request, session: DB) -> dict:
+    """Start a training or evaluation run (`kind`). The controller picks it up while it is `pending`."""
+    num_rows = _check_dataset(request, cfg)
+    run = Run(name=cfg.name, kind=cfg.kind, status="pending", config=cfg.model_dump(mode="json"),
+              policy_version=0, summary={})
+    session.add(run)
+    session.flush()
+    session.add(RunEvent(run_id=run.id, kind="created", message=f"{cfg.kind} run created", data={"rows": num_rows}))
+    session.commit()
+    return run_out(run)
+
+
+@router.get("")
+def list_runs(session: DB, status: RunStatus | None = None, kind: Literal["train", "eval"] | None = None,
+              limit: Limit = 50, offset: Offset = 0) -> dict:
+    q = select(Run)
+    if status:
+        q = q.where(Run.status == status)
+    if kind:
+        q = q.where(Run.kind == kind)
+    total = session.execute(select(func.count()).select_from(q.subquery())).scalar_one()
+    runs = session.execute(q.order_by(Run.created_at.desc()).limit(limit).offset(offset)).scalars()
+    return {"items": [run_out(r) for r in runs], "total": total, "limit": limit, "offset": offset}
+
+
+@router.get("/{run_id}")
+def show_run(run_id: uuid.UUID, request: Request, session: DB) -> dict:
+    """Status, progress from the ledger, current policy version, latest metrics (and pass@k for evals)."""
+    run = get_run(session, run_id)
+    cfg = run.config
+    num_rows = count_rows(request.app.state.engine, cfg.get("dataset", ""), cfg.get("dataset_split", "train"))
+    expected, done = expected_samples(cfg, num_rows), stored_trajectories(session, run_id)
+    out = run_out(run) | {
+        "ledger": ledger(session, run_id), "latest_metrics": latest_metrics(session, run_id),
+        "progress": {"trajectories": done, "expected": expected,
+                     "fraction": min(1.0, done / expected) if expected else None},
+    }
+    if run.kind == "eval":
+        out["pass_at_k"] = pass_at_k(session, run_id, cfg.get("samples_per_task"))
+    return out
+
+
+def _transition(session, run_id: uuid.UUID, action: str) -> dict:
+    allowed, new = TRANSITIONS[action]
+    changed = session.execute(
+        update(Run).where(Run.id == run_id, Run.status.in_(allowed)).values(status=new).returning(Run.id)
+    ).first()
+    if changed is None:
+        run = get_run(session, run_id)
+        raise HTTPException(409, f"cannot {action} a run that is {run.status}; {action} needs status "
+                                 f"{' or '.join(allowed)}")
+    session.add(RunEvent(run_id=run_id, kind="status_changed", message=f"{action} requested", data={"to": new}))
+    session.commit()
+    return run_out(get_run(session, run_id))
+
+
+@router.post("/{run_id}/pause")
+def pause_run(run_id: uuid.UUID, session: DB) -> dict:
+    return _transition(session, run_id, "pause")
+
+
+@router.post("/{run_id}/resume")
+def resume_run(run_id: uuid.UUID, session: DB) -> dict:
+    return _transition(session, run_id, "resume")
+
+
+@router.post("/{run_id}/stop")
+def stop_run(run_id: uuid.UUID, session: DB) -> dict:
+    """Graceful stop: the run goes to `stopping`; the controller finishes or cancels in-flight work."""
+    return _transition(session, run_id, "stop")
+
+
+@router.get("/{run_id}/trajectories")
+def list_trajectories(
+    run_id: uuid.UUID, session: DB, policy_version: Annotated[int | None, Query(ge=0, le=INT32)] = None,
+    min_reward: Annotated[float | None, Query(allow_inf_nan=False)] = None,
+    max_reward: Annotated[float | None, Query(allow_inf_nan=False)] = None,
+    termination_reason: TerminationReason | None = None, task_id: Annotated[str | None, Query(max_length=200)] = None,
+    limit: Limit = 50, offset: Offset = 0,
+) -> dict:
+    """Trajectories of a run, newest first. `policy_version` matches trajectories generated (partly) by it."""
+    get_run(session, run_id)
+    q = select(TrajectoryRow).where(TrajectoryRow.run_id == run_id)
+    if policy_version is not None:
+        q = q.where(TrajectoryRow.policy_version_min <= policy_version,
+                    TrajectoryRow.policy_version_max >= policy_version)
+    if min_reward is not None:
+        q = q.where(TrajectoryRow.reward >= min_reward)
+    if max_reward is not None:
+        q = q.where(TrajectoryRow.reward <= max_reward)
+    if termination_reason is not None:
+        q = q.where(TrajectoryRow.termination_reason == termination_reason.value)
+    if task_id is not None:
+        q = q.where(TrajectoryRow.task_id == task_id)
+    total = session.execute(select(func.count()).select_from(q.subquery())).scalar_one()
+    rows = session.execute(q.order_by(TrajectoryRow.created_at.desc(), TrajectoryRow.id).limit(limit)
+                           .offset(offset)).scalars()
+    return {"items": [trajectory_out(t) for t in rows], "total": total, "limit": limit, "offset": offset}
+
+
+def trajectory_out(t: TrajectoryRow) -> dict:
+    return {
+        "id": str(t.id), "run_id": str(t.run_id), "episode_id": str(t.episode_id), "task_id": t.task_id,
+        "sample_idx": t.sample_idx, "attempt": t.attempt, "traj_idx": t.traj_idx, "name": t.name,
+        "reward": t.reward, "termination_reason": t.termination_reason, "num_steps": t.num_steps,
+        "prompt_tokens": t.prompt_tokens, "response_tokens": t.response_tokens,
+        "policy_version_min": t.policy_version_min, "policy_version_max": t.policy_version_max,
+        "mismatch": t.mismatch, "created_at": t.created_at.isoformat(),
+    }
+
+
+@router.get("/{run_id}/metrics")
+def run_metrics(run_id: uuid.UUID, session: DB,
+                name: Annotated[list[str] | None, Query(max_length=100)] = None,
+                since_step: Annotated[int, Query(ge=0, le=INT32)] = 0,
+                limit: Annotated[int, Query(ge=1, le=100_000)] = 10_000) -> dict:
+    """Time series by metric name: [{step, value, ts}], step = policy version for training metrics."""
+    get_run(session, run_id)
+    q = select(Metric).where(Metric.run_id == run_id, Metric.step >= since_step)
+    if name:
+        q = q.where(Metric.name.in_(name))
+    series: dict[str, list] = {}
+    for m in session.execute(q.order_by(Metric.name, Metric.step, Metric.id).limit(limit)).scalars():
+        series.setdefault(m.name, []).append({"step": m.step, "value": m.value, "ts": m.ts.isoformat()})
+    return {"run_id": str(run_id), "series": series}
+
+
+@router.get("/{run_id}/rewards")
+def run_rewards(run_id: uuid.UUID, session: DB) -> dict:
+    """Mean reward and count of trajectories per policy version (what `flywheel runs watch` prints)."""
+    get_run(session, run_id)
+    return {"run_id": str(run_id), "items": reward_by_version(session, run_id)}
+
+
+@router.get("/{run_id}/checkpoints")
+def run_checkpoints(run_id: uuid.UUID, session: DB) -> dict:
+    get_run(session, run_id)
+    rows = session.execute(select(Checkpoint).where(Checkpoint.run_id == run_id).order_by(Checkpoint.version))
+    return {"items": [
+        {"version": c.version, "uri": c.uri, "path": c.path, "sha256": c.sha256, "bytes": c.bytes,
+         "metrics": c.metrics, "status": c.status, "created_at": c.created_at.isoformat()}
+        for c in rows.scalars()
+    ]}
+
+
+@router.get("/{run_id}/events")
+def run_events(run_id: uuid.UUID, session: DB, after_id: Annotated[int, Query(ge=0, le=2**62)] = 0,
+               limit: Limit = 100) -> dict:
+    """Events in order; poll with `after_id` = the last id seen."""
+    get_run(session, run_id)
+    q = select(RunEvent).where(RunEvent.run_id == run_id, RunEvent.id > after_id).order_by(RunEvent.id).limit(limit)
+    return {"items": [{"id": e.id, "ts": e.ts.isoformat(), "kind": e.kind, "message": e.message, "data": e.data}
+                      for e in session.execute(q).scalars()]}
+
+
+@router.post("/{run_id}/export", status_code=202)
+def export_run(run_id: uuid.UUID, request: Request, session: DB, config: Config) -> dict:
+    """Queue an export of the run's trajectories to parquet (a job; poll GET /v1/jobs/{id})."""
+    get_run(session, run_id)
+    return submit_job(session, request.app.state.celery, "export", {"run_id": str(run_id)}, run_id=run_id)

@@ -1,0 +1,1 @@
+"""Celery worker for discrete background jobs: dataset import, checkpoint evaluation, parquet export, GC."""

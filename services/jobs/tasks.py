@@ -1,0 +1,227 @@
+"""The jobs themselves. Each takes the worker context and the job's params and returns the job's result
+(a JSON object). Each is idempotent, since a job whose worker died is delivered again (acks_late)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Engine, select, update
+from sqlalchemy.orm import Session
+
+from shared import streams
+from shared.datasets import DatasetError, DatasetRegistry, count_rows, load_rows
+from shared.db.models import (
+    TERMINAL_RUN_STATUSES, Checkpoint, EpisodeRow, Job, Run, RunEvent, StepRow, TokenArrayRow, TrajectoryRow,
+)
+from shared.logs import get_logger
+from shared.run_config import RunConfig
+
+from services.jobs.config import JobsConfig
+
+log = get_logger(__name__)
+TRIMMED_STREAMS = (streams.ROLLOUT_TASKS, streams.ENV_REQUESTS, streams.TRAJECTORIES, streams.RUN_EVENTS)
+
+
+class JobInputError(ValueError):
+    """The job's params are wrong: recorded as the job's error, never retried."""
+
+
+@dataclass
+class JobContext:
+    config: JobsConfig
+    engine: Engine
+
+
+# ---- dataset import -----------------------------------------------------------------------------------------
+
+
+def import_dataset(ctx: JobContext, job: Job) -> dict[str, Any]:
+    p = job.params
+    try:
+        if p.get("generator"):
+            rows, source = _generated_rows(p["generator"], int(p.get("n", 100)), int(p.get("seed", 0)))
+        else:
+            rows, source = load_rows(p["path"], p.get("format")), f"file:{p['path']}"
+        return DatasetRegistry(ctx.engine).register(p["name"], rows, p.get("split", "train"), source=source,
+                                                    info={"job_id": str(job.id)})
+    except DatasetError as e:
+        raise JobInputError(str(e)) from e
+
+
+def _generated_rows(name: str, n: int, seed: int) -> tuple[list[dict], str]:
+    try:
+        from shared.builtin.datasets import generate
+    except ImportError as e:
+        raise JobInputError("built-in dataset generators are not installed (shared/builtin/datasets.py)") from e
+    try:
+        return list(generate(name, n, seed)), f"generator:{name}?n={n}&seed={seed}"
+    except (KeyError, ValueError) as e:
+        raise JobInputError(f"generator {name!r}: {e}") from e
+
+
+# ---- evaluation of a checkpoint -----------------------------------------------------------------------------
+
+
+def evaluate(ctx: JobContext, job: Job) -> dict[str, Any]:
+    """Create an eval run (the controller drives it). The run id is stored on the job in the same
+    transaction, so a redelivered job finds it instead of creating a second run."""
+    if job.run_id is not None:
+        return {"run_id": str(job.run_id)}
+    config = dict(job.params["config"], kind="eval")
+    with Session(ctx.engine) as s:
+        if job.params.get("checkpoint_run_id"):
+            ckpt = _checkpoint(s, job.params["checkpoint_run_id"], job.params.get("checkpoint_version"))
+            config["model"] = ckpt.path or ckpt.uri
+            config["name"] = f"{config['name']}@v{ckpt.version}"
+        try:
+            cfg = RunConfig.model_validate(config)
+        except ValueError as e:
+            raise JobInputError(f"run config: {e}") from e
+        if count_rows(ctx.engine, cfg.dataset, cfg.dataset_split) is None:
+            raise JobInputError(f"dataset {cfg.dataset!r} split {cfg.dataset_split!r} does not exist")
+        run = Run(name=cfg.name, kind="eval", status="pending", config=cfg.model_dump(mode="json"),
+                  policy_version=0, summary={})
+        s.add(run)
+        s.flush()
+        s.add(RunEvent(run_id=run.id, kind="created", message=f"eval run created by job {job.id}"))
+        s.execute(update(Job).where(Job.id == job.id).values(run_id=run.id))
+        s.commit()
+        return {"run_id": str(run.id), "model": cfg.model}
+
+
+def _checkpoint(s: Session, run_id: str, version: int | None) -> Checkpoint:
+    q = select(Checkpoint).where(Checkpoint.run_id == uuid.UUID(run_id), Checkpoint.status == "available")
+    q = q.where(Checkpoint.version == version) if version is not None else q.order_by(Checkpoint.version.desc())
+    ckpt = s.execute(q.limit(1)).scalar_one_or_none()
+    if ckpt is None:
+        raise JobInputError(f"run {run_id} has no available checkpoint" + (f" v{version}" if version else ""))
+    return ckpt
+
+
+# ---- export to parquet --------------------------------------------------------------------------------------
+
+
+def export_trajectories(ctx: JobContext, job: Job) -> dict[str, Any]:
+    """One row per trajectory: summary columns, the steps as JSON text, and the assembled token arrays.
+    Written to a temp file and renamed, so a reader never sees half a file. Load with
+    `datasets.Dataset.from_parquet(path)`."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    run_id = uuid.UUID(job.params["run_id"])
+    with Session(ctx.engine) as s:
+        if s.get(Run, run_id) is None:
+            raise JobInputError(f"run {run_id} does not exist")
+        records = [_export_record(s, t, e) for t, e in s.execute(
+            select(TrajectoryRow, EpisodeRow).join(EpisodeRow, EpisodeRow.id == TrajectoryRow.episode_id)
+            .where(TrajectoryRow.run_id == run_id).order_by(TrajectoryRow.task_id, TrajectoryRow.sample_idx)
+        ).all()]
+    out_dir = ctx.config.resolved_exports_dir()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"run-{run_id}-job-{job.id}.parquet"
+    tmp = path.with_suffix(".parquet.tmp")
+    table = pa.Table.from_pylist(records, schema=_export_schema())
+    pq.write_table(table, tmp)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    tmp.rename(path)
+    return {"path": str(path), "num_rows": len(records), "bytes": path.stat().st_size}
+
+
+def _export_schema():
+    import pyarrow as pa
+
+    return pa.schema([
+        ("trajectory_id", pa.string()), ("run_id", pa.string()), ("task_id", pa.string()),
+        ("sample_idx", pa.int32()), ("attempt", pa.int32()), ("traj_idx", pa.int32()), ("name", pa.string()),
+        ("reward", pa.float64()), ("is_correct", pa.bool_()), ("termination_reason", pa.string()),
+        ("num_steps", pa.int32()), ("prompt_tokens", pa.int32()), ("response_tokens", pa.int32()),
+        ("policy_version_min", pa.int32()), ("policy_version_max", pa.int32()), ("task", pa.string()),
+        ("steps", pa.string()), ("prompt_ids", pa.list_(pa.int32())), ("response_ids", pa.list_(pa.int32())),
+        ("logprobs", pa.list_(pa.float32())), ("loss_mask", pa.list_(pa.int8())),
+    ])
+
+
+def _export_record(s: Session, t: TrajectoryRow, e: EpisodeRow) -> dict[str, Any]:
+    steps = s.execute(select(StepRow).where(StepRow.trajectory_id == t.id).order_by(StepRow.step_idx)).scalars()
+    tokens = s.get(TokenArrayRow, (t.id, -1))
+    return {
+        "trajectory_id": str(t.id), "run_id": str(t.run_id), "task_id": t.task_id, "sample_idx": t.sample_idx,
+        "attempt": t.attempt, "traj_idx": t.traj_idx, "name": t.name, "reward": t.reward,
+        "is_correct": e.is_correct, "termination_reason": t.termination_reason, "num_steps": t.num_steps,
+        "prompt_tokens": t.prompt_tokens, "response_tokens": t.response_tokens,
+        "policy_version_min": t.policy_version_min, "policy_version_max": t.policy_version_max,
+        "task": json.dumps(e.task), "steps": json.dumps([_step_record(st) for st in steps]),
+        "prompt_ids": tokens.prompt_ids if tokens else [], "response_ids": tokens.response_ids if tokens else [],
+        "logprobs": tokens.logprobs if tokens else [], "loss_mask": (tokens.loss_mask or []) if tokens else [],
+    }
+
+
+def _step_record(st: StepRow) -> dict[str, Any]:
+    return {"step_idx": st.step_idx, "chat_completions": st.chat_completions, "observation": st.observation,
+            "action": st.action, "model_response": st.model_response, "reward": st.reward, "done": st.done}
+
+
+# ---- retention ----------------------------------------------------------------------------------------------
+
+
+def gc(ctx: JobContext, job: Job) -> dict[str, Any]:
+    keep = int(job.params.get("keep_checkpoints", ctx.config.keep_checkpoints))
+    result = _gc_checkpoints(ctx, keep)
+    if job.params.get("trim_streams", True):
+        result["trimmed"] = asyncio.run(_trim_streams(ctx.config.redis_url))
+    return result
+
+
+def _gc_checkpoints(ctx: JobContext, keep: int) -> dict[str, Any]:
+    """Of each finished run keep the newest `keep` checkpoints; delete older files inside WEIGHTS_DIR."""
+    root = ctx.config.resolved_weights_dir()
+    deleted, kept_files = [], []
+    with Session(ctx.engine) as s:
+        finished = select(Run.id).where(Run.status.in_(TERMINAL_RUN_STATUSES))
+        rows = s.execute(select(Checkpoint).where(Checkpoint.run_id.in_(finished), Checkpoint.status == "available")
+                         .order_by(Checkpoint.run_id, Checkpoint.version.desc())).scalars().all()
+        seen: dict[uuid.UUID, int] = {}
+        for c in rows:
+            seen[c.run_id] = seen.get(c.run_id, 0) + 1
+            if seen[c.run_id] <= keep:
+                continue
+            (deleted if _remove_inside(root, c.path) else kept_files).append(f"{c.run_id}/v{c.version}")
+            c.status = "deleted"
+        s.commit()
+    return {"deleted_checkpoints": deleted, "files_left_outside_weights_dir": kept_files}
+
+
+def _remove_inside(root: Path, path: str | None) -> bool:
+    """Delete `path` only when it lies inside `root` (never a user's folder elsewhere)."""
+    if not path:
+        return False
+    target = Path(path).resolve()
+    if not target.is_relative_to(root) or target == root:
+        return False
+    if target.is_dir():
+        shutil.rmtree(target, ignore_errors=True)
+    elif target.exists():
+        target.unlink()
+    return True
+
+
+async def _trim_streams(redis_url: str) -> dict[str, int]:
+    from shared.bus import StreamBus, connect
+
+    redis = connect(redis_url)
+    try:
+        bus = StreamBus(redis)
+        return {name: await bus.trim_acknowledged(name) for name in TRIMMED_STREAMS}
+    finally:
+        await redis.aclose()
+
+
+JOBS = {"import_dataset": import_dataset, "evaluate": evaluate, "export": export_trajectories, "gc": gc}

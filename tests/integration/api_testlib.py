@@ -1,0 +1,172 @@
+"""Helpers for the control-plane tests (test_api_*, test_jobs_*, test_cli_*, test_sql_*): start the real API
+and jobs worker as subprocesses against the test Postgres/Redis, and store runs the way the controller and
+trainer would (rows in runs, episodes, trajectories, steps, token arrays, metrics, checkpoints)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+from sqlalchemy import create_engine
+from sqlalchemy.orm import Session
+
+from shared.db.models import (
+    Checkpoint, EpisodeRow, Metric, RolloutTaskRow, Run, RunEvent, StepRow, TokenArrayRow, TrajectoryRow,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+ADMIN_TOKEN = "test-admin-token-0123456789"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def service_env(database_url: str, redis_url: str, data_dir: Path, **extra: str) -> dict[str, str]:
+    env = dict(os.environ, DATABASE_URL=database_url, REDIS_URL=redis_url, DATA_DIR=str(data_dir),
+               LOG_FORMAT="text", PYTHONUNBUFFERED="1")
+    env.update(extra)
+    return env
+
+
+@dataclass
+class LiveApi:
+    url: str
+    token: str
+    proc: subprocess.Popen
+
+    def client(self, token: str | None = "default") -> httpx.Client:
+        token = self.token if token == "default" else token
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        return httpx.Client(base_url=self.url, headers=headers, timeout=30)
+
+
+def wait_http(url: str, proc: subprocess.Popen, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args} exited with {proc.returncode}")
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"{url} not up after {timeout_s}s")
+
+
+def start_api(database_url: str, redis_url: str, data_dir: Path, **extra: str) -> LiveApi:
+    port = free_port()
+    env = service_env(database_url, redis_url, data_dir, API_PORT=str(port), API_TOKEN=ADMIN_TOKEN,
+                      API_HOST="127.0.0.1", **extra)
+    proc = subprocess.Popen([sys.executable, "-m", "services.api.main"], cwd=REPO, env=env)
+    url = f"http://127.0.0.1:{port}"
+    wait_http(url + "/healthz", proc)
+    return LiveApi(url, ADMIN_TOKEN, proc)
+
+
+def start_jobs(database_url: str, redis_url: str, data_dir: Path, **extra: str) -> subprocess.Popen:
+    env = service_env(database_url, redis_url, data_dir, JOBS_POOL="threads", JOBS_CONCURRENCY="2",
+                      HEALTH_PORT="0", **extra)
+    return subprocess.Popen([sys.executable, "-m", "services.jobs.main"], cwd=REPO, env=env)
+
+
+def stop(proc: subprocess.Popen, timeout_s: float = 15) -> int:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
+def wait_for(fn, timeout_s: float = 60, interval_s: float = 0.2):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = fn()
+        if value:
+            return value
+        time.sleep(interval_s)
+    raise TimeoutError(f"condition not met within {timeout_s}s")
+
+
+def run_config(dataset: str, **over) -> dict:
+    cfg = {"name": "test-run", "kind": "train", "model": "tiny-model", "dataset": dataset,
+           "agent": {"name": "math"}, "env": {"name": "math"}, "samples_per_task": 2, "tasks_per_batch": 2}
+    cfg.update(over)
+    return cfg
+
+
+REASONS = ("env_done", "max_steps", "response_truncation", "env_done")
+
+
+def seed_run(database_url: str, *, name: str = "seeded", kind: str = "train", status: str = "running",
+             num_tasks: int = 4, samples: int = 2, versions: int = 3, dataset: str = "seed-ds") -> uuid.UUID:
+    """Store a run as the controller/trainer would have: per version, every (task, sample) as an episode with
+    one two-step trajectory, plus ledger rows, metrics per version and a checkpoint per version."""
+    engine = create_engine(database_url)
+    with Session(engine) as s:
+        run = Run(name=name, kind=kind, status=status, policy_version=versions - 1, summary={},
+                  config=run_config(dataset, name=name, kind=kind, samples_per_task=samples))
+        s.add(run)
+        s.flush()
+        for v in range(versions):
+            _seed_version(s, run.id, v, num_tasks, samples)
+            for metric, value in (("reward/mean", 0.2 + 0.2 * v), ("actor/kl", 0.01 * v),
+                                  ("actor/entropy", 1.0 - 0.1 * v), ("throughput/traj_per_s", 3.0 + v)):
+                s.add(Metric(run_id=run.id, name=metric, step=v, value=value))
+            s.add(Checkpoint(run_id=run.id, version=v, uri=f"file:///weights/{run.id}/v{v}", path=None,
+                             sha256="0" * 64, bytes=1000, metrics={}, status="available"))
+        s.add(RunEvent(run_id=run.id, kind="status_changed", message="running", data={}))
+        s.commit()
+        run_id = run.id
+    engine.dispose()
+    return run_id
+
+
+def _seed_version(s: Session, run_id: uuid.UUID, v: int, num_tasks: int, samples: int) -> None:
+    for t in range(num_tasks):
+        for k in range(samples):
+            correct = (t + k + v) % 2 == 0 or v == 2
+            reason = REASONS[(t + k) % len(REASONS)]
+            ep = EpisodeRow(run_id=run_id, task_id=f"task-{t}", sample_idx=k + v * samples, attempt=0,
+                            status="completed", termination_reason=reason, is_correct=correct,
+                            reward=1.0 if correct else 0.0, batch_idx=v, policy_version_min=v,
+                            policy_version_max=v, task={"question": f"What is {t}+{t}?", "answer": str(2 * t)},
+                            metrics={}, info={}, worker_id="w1")
+            s.add(ep)
+            s.flush()
+            s.add(RolloutTaskRow(run_id=run_id, task_id=f"task-{t}", sample_idx=k + v * samples, attempt=0,
+                                 status="completed", batch_idx=v, dispatch_version=v))
+            _seed_trajectory(s, run_id, ep, reason, correct, v)
+
+
+def _seed_trajectory(s: Session, run_id, ep: EpisodeRow, reason: str, correct: bool, v: int) -> None:
+    traj = TrajectoryRow(episode_id=ep.id, run_id=run_id, task_id=ep.task_id, sample_idx=ep.sample_idx,
+                         attempt=0, traj_idx=0, uid=uuid.uuid4().hex, name="solver", reward=ep.reward,
+                         termination_reason=reason, num_steps=2, prompt_tokens=30, response_tokens=12 + v,
+                         policy_version_min=v, policy_version_max=v, mismatch=False, info={})
+    s.add(traj)
+    s.flush()
+    answer = ep.task["answer"] if correct else "7"
+    for i in range(2):
+        msgs = [{"role": "user", "content": ep.task["question"]},
+                {"role": "assistant", "content": f"step {i}: the answer is \\boxed{{{answer}}}"}]
+        s.add(StepRow(trajectory_id=traj.id, step_idx=i, chat_completions=msgs, observation=ep.task["question"],
+                      thought="", action=answer, model_response=msgs[-1]["content"],
+                      reward=ep.reward if i == 1 else 0.0, done=i == 1, mc_return=ep.reward, info={},
+                      weight_version=v, prompt_tokens=15, response_tokens=6, gen_ms=5.0, env_ms=1.0))
+    s.add(TokenArrayRow(trajectory_id=traj.id, step_idx=-1, prompt_ids=[1, 2, 3], response_ids=[4, 5, 6],
+                        logprobs=[-0.1, -0.2, -0.3], loss_mask=[1, 1, 1], versions=[v, v, v]))
