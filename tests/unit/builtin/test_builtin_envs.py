@@ -1,0 +1,163 @@
+"""Every built-in env driven through the registry, the way an env worker builds it: from_dict(task | args)."""
+
+import json
+
+import pytest
+
+from shared.builtin.agents import CodeAgent, FrozenLakeAgent, MathAgent, ToolAgent, parse_tool_calls
+from shared.builtin.datasets import generate
+from shared.registry import resolve
+
+
+def build(name: str, task: dict, **args):
+    return resolve("env", name).from_dict({**task, **args})
+
+
+def test_math_env_single_turn():
+    task = generate("arithmetic", 1, seed=3)[0]
+    env = build("math", task)
+    obs, _ = env.reset()
+    assert obs["question"] == task["question"]
+    _, reward, done, info = env.step(f"\\boxed{{{task['ground_truth']}}}")
+    assert (reward, done, info["is_correct"]) == (1.0, True, True)
+    assert build("math", task).step("\\boxed{nonsense}")[1] == 0.0
+
+
+def test_math_env_rejects_task_without_reference():
+    with pytest.raises(ValueError, match="ground_truth"):
+        build("math", {"question": "1+1?"})
+
+
+def test_countdown_env_grades_a_generated_task():
+    task = generate("countdown", 1, seed=0)[0]
+    expr = f"{task['nums'][0]} + {task['nums'][1]} + {task['nums'][2]}"
+    env = build("countdown", {**task, "target": sum(task["nums"])})
+    env.reset()
+    assert env.step(f"\\boxed{{{expr}}}")[1] == 1.0
+
+
+def test_frozenlake_reaches_goal_and_counts_invalid_moves():
+    env = build("frozenlake", {"map": ["SF", "FG"], "seed": 0})
+    obs, _ = env.reset()
+    assert obs["grid"].startswith("P")
+    obs, reward, done, info = env.step("Jump")
+    assert info["invalid"] and not done and reward == 0.0
+    _, reward, done, _ = env.step("Right")
+    assert not done
+    _, reward, done, info = env.step("Down")
+    assert (reward, done, info["is_correct"]) == (1.0, True, True)
+
+
+def test_frozenlake_hole_ends_episode_without_reward():
+    env = build("frozenlake", {"map": ["SH", "FG"]})
+    env.reset()
+    _, reward, done, _ = env.step("Right")
+    assert done and reward == 0.0
+
+
+def test_frozenlake_generated_maps_have_start_and_goal():
+    rows = generate("frozenlake", 3, seed=1)
+    assert all(r["map"][0][0] == "S" and r["map"][-1][-1] == "G" for r in rows)
+    assert rows == generate("frozenlake", 3, seed=1)
+
+
+def test_tool_env_runs_python_tool_then_grades_answer():
+    env = build("tool", {"question": "What is 6*7?", "ground_truth": "42"})
+    obs, _ = env.reset()
+    assert obs["tools"][0]["function"]["name"] == "python"
+    obs, reward, done, _ = env.step({"tool_calls": [{"name": "python", "arguments": {"code": "print(6*7)"}}]})
+    assert obs["tool_outputs"][0]["content"].strip() == "42" and not done
+    obs, _, _, _ = env.step({"tool_calls": [{"name": "python", "arguments": {"code": "while True: pass"}}]})
+    assert obs["tool_outputs"][0]["content"].startswith("Error")
+    obs, _, _, _ = env.step({"tool_calls": [{"name": "rm", "arguments": {}}]})
+    assert "unknown tool" in obs["tool_outputs"][0]["content"]
+    _, reward, done, _ = env.step("so \\boxed{42}")
+    assert (reward, done) == (1.0, True)
+
+
+def test_code_env_passes_and_fails_with_feedback():
+    task = {"question": "Write add(a, b).", "tests": "assert add(1, 2) == 3\nassert add(-1, 1) == 0"}
+    good = "```python\ndef add(a, b):\n    return a + b\n```"
+    bad = "```python\ndef add(a, b):\n    return a - b\n```"
+    env = build("code", task)
+    env.reset()
+    assert env.step(good)[1:3] == (1.0, True)
+    env = build("code", task, max_turns=2)
+    env.reset()
+    obs, reward, done, _ = env.step(bad)
+    assert reward == 0.0 and not done and "AssertionError" in obs["feedback"]
+    assert env.step(good)[1] == 1.0
+
+
+def test_code_env_survives_hostile_solution():
+    env = build("code", {"tests": "assert True"})
+    env.reset()
+    _, reward, done, info = env.step("```python\nimport os\nwhile True: os.fork()\n```")
+    assert (reward, done) == (0.0, True) and "not allowed" in info["error"]
+
+
+CORPUS = [
+    {"title": "Eiffel Tower", "text": "The Eiffel Tower is in Paris and was completed in 1889."},
+    {"title": "Big Ben", "text": "Big Ben is the nickname of the great bell in London."},
+    {"title": "Colosseum", "text": "The Colosseum is an amphitheatre in Rome."},
+]
+
+
+def test_search_env_bm25_and_em_reward(tmp_path):
+    env = build("search", {"question": "Where is the Colosseum?", "answer": "Rome", "corpus": CORPUS})
+    obs, _ = env.reset()
+    assert obs["tools"][0]["function"]["name"] == "search" and "corpus" not in obs
+    obs, _, done, _ = env.step({"tool_calls": [{"name": "search", "arguments": {"query": "Colosseum"}}]})
+    assert "Rome" in obs["tool_outputs"][0]["content"].split("\n")[0] and not done
+    assert env.step("<answer>Rome</answer>")[1] == 1.0
+    path = tmp_path / "corpus.jsonl"
+    path.write_text("\n".join(json.dumps(d) for d in CORPUS))
+    env = build("search", {"question": "q", "answer": "the great bell"}, corpus_path=str(path), metric="f1")
+    env.reset()
+    assert 0 < env.step("<answer>great bell London</answer>")[1] < 1
+
+
+def test_math_agent_builds_messages_and_steps():
+    agent = MathAgent()
+    agent.update_from_env({"question": "1+1?"}, 0.0, False, {})
+    assert agent.chat_completions[-1]["role"] == "user" and "\\boxed{}" in agent.chat_completions[-1]["content"]
+    action = agent.update_from_model("<think>easy</think> \\boxed{2}")
+    assert action.action.endswith("\\boxed{2}") and agent.trajectory.steps[-1].thought == "<think>easy"
+    agent.update_from_env({}, 0.0, False, {})
+    assert "mistake" in agent.chat_completions[-1]["content"]
+
+
+def test_tool_agent_parses_qwen_tool_calls():
+    text = 'ok <tool_call>\n{"name": "python", "arguments": {"code": "print(1)"}}\n</tool_call>' \
+           '<tool_call>{not json}</tool_call>'
+    calls = parse_tool_calls(text)
+    assert calls[0] == {"name": "python", "arguments": {"code": "print(1)"}}
+    assert calls[1]["name"] == "invalid_tool_call"
+    agent = ToolAgent()
+    agent.update_from_env({"question": "q", "tools": [{"type": "function", "function": {"name": "python"}}]},
+                          0, False, {})
+    assert "<tools>" in agent.chat_completions[0]["content"]
+    assert agent.update_from_model(text).action["tool_calls"][0]["name"] == "python"
+    agent.update_from_env({"tool_outputs": [{"name": "python", "content": "1"}]}, 0, False, {})
+    assert agent.chat_completions[-1] == {"role": "tool", "content": "1"}
+    assert agent.update_from_model("\\boxed{1}").action == "\\boxed{1}"
+
+
+def test_frozenlake_and_code_agents_parse_actions():
+    agent = FrozenLakeAgent()
+    agent.update_from_env({"grid": "PF\nFG"}, 0, False, {})
+    assert agent.update_from_model("I go \\boxed{down}").action == "Down"
+    assert agent.update_from_model("hmm").action == "invalid"
+    code = CodeAgent()
+    code.update_from_env({"question": "add"}, 0, False, {})
+    code.update_from_env({"feedback": "failed"}, 0, False, {})
+    assert code.chat_completions[-1]["content"].startswith("failed")
+
+
+def test_generators_are_deterministic_and_checked():
+    assert generate("arithmetic", 5, seed=1) == generate("arithmetic", 5, seed=1)
+    assert generate("arithmetic", 5, seed=1) != generate("arithmetic", 5, seed=2)
+    row = generate("countdown", 1, seed=4)[0]
+    assert eval(" + ".join(map(str, row["nums"]))) is not None and "target" in row
+    with pytest.raises(ValueError, match="unknown built-in dataset"):
+        generate("nope", 1)
