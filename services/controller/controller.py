@@ -129,6 +129,8 @@ class Controller:
         tasks = ledger.load_tasks(conn, cfg.dataset, cfg.dataset_split, cfg.max_tasks)
         driver = RunDriver(row, cfg, tasks)
         driver.rebuild(ledger.ledger_rows(conn, row.id))
+        for task_id, sample_idx in driver.final_failed:  # in case we crashed before recording them
+            self._final_failure_event(conn, driver, task_id, sample_idx, driver.states[(task_id, sample_idx)].attempt)
         return driver
 
     async def step(self, d: RunDriver) -> None:
@@ -168,9 +170,11 @@ class Controller:
     def _ended(self, conn, d: RunDriver, task_id: str, sample_idx: int, attempt: int, status: str) -> None:
         if d.apply(task_id, sample_idx, attempt, status):
             FINAL_FAILURES.inc()
-            ledger.add_event(conn, d.run_id, "final_failure",
-                             f"{task_id}/{sample_idx} failed {attempt + 1} attempts; last: {status}",
-                             {"task_id": task_id, "sample_idx": sample_idx, "attempt": attempt}, once=True)
+            self._final_failure_event(conn, d, task_id, sample_idx, attempt)
+
+    def _final_failure_event(self, conn, d: RunDriver, task_id: str, sample_idx: int, attempt: int) -> None:
+        ledger.add_event(conn, d.run_id, "final_failure", f"{task_id}/{sample_idx} is out of attempts ({attempt + 1})",
+                         {"task_id": task_id, "sample_idx": sample_idx, "attempt": attempt}, once=True)
 
     def _dispatch(self, conn, d: RunDriver) -> list[RolloutTask]:
         items = d.next_items(d.cfg.max_in_flight - len(d.in_flight))

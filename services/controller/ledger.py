@@ -69,9 +69,10 @@ def set_status(conn: Connection, run_id: str, old: str, new: str, *, error: str 
 def add_event(conn: Connection, run_id: str, kind: str, message: str, data: dict[str, Any],
               *, once: bool = False) -> None:
     """Append a run event; `once` skips it if an event of this kind with the same data exists (idempotent)."""
-    guard = " WHERE NOT EXISTS (SELECT 1 FROM run_events WHERE run_id = :r AND kind = :k AND data @> :d)" if once else ""
+    guard = " WHERE NOT EXISTS (SELECT 1 FROM run_events WHERE run_id = CAST(:r AS uuid) AND kind = CAST(:k AS varchar) AND data @> CAST(:d AS jsonb))" if once else ""
     conn.execute(text(
-        f"INSERT INTO run_events (run_id, kind, message, data) SELECT :r, :k, :m, :d{guard}"
+        "INSERT INTO run_events (run_id, kind, message, data) "
+        f"SELECT CAST(:r AS uuid), CAST(:k AS varchar), CAST(:m AS text), CAST(:d AS jsonb){guard}"
     ), {"r": run_id, "k": kind, "m": message, "d": _jsonb(data)})
 
 

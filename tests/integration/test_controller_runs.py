@@ -1,0 +1,324 @@
+"""The controller as a real process over real Redis/Postgres. The test plays the rollout worker over the
+wire: it consumes `rollout.tasks` in group "rollout" and answers with EpisodeResults on `trajectories`."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+
+import pytest
+from sqlalchemy import insert, select, text, update
+from sqlalchemy.orm import Session
+
+from shared.bus import StreamBus
+from shared.db.models import Dataset, DatasetRow, Run, RunEvent
+from shared.db.session import make_engine
+from shared.ledger import ledger_summary
+from shared.messages import EpisodeResult, RolloutTask, TrajectoryRecord, decode, encode
+from shared.passk import pass_at_k_table
+from shared.streams import GROUP_ROLLOUT, ROLLOUT_TASKS, TRAJECTORIES
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def engine(database_url):
+    eng = make_engine(database_url)
+    yield eng
+    eng.dispose()
+
+
+@pytest.fixture
+def start_controller(redis_url, database_url, tmp_path):
+    procs: list[subprocess.Popen] = []
+
+    def start(**env) -> subprocess.Popen:
+        full = {**os.environ, "REDIS_URL": redis_url, "DATABASE_URL": database_url, "HEALTH_PORT": "0",
+                "WORKER_ID": f"ctl-{len(procs)}", "LOG_FORMAT": "text", "POLL_INTERVAL_S": "0.2",
+                "RUN_LEASE_S": "2", "RECONCILE_INTERVAL_S": "0.3", "LEDGER_LEASE_MARGIN_S": "0",
+                "STORE_CLAIM_IDLE_MS": "1000", "STOP_TIMEOUT_S": "5", **env}
+        log = open(tmp_path / f"controller-{len(procs)}.log", "w")
+        procs.append(subprocess.Popen([sys.executable, "-m", "services.controller.main"], cwd=REPO, env=full,
+                                      stdout=log, stderr=subprocess.STDOUT))
+        return procs[-1]
+
+    yield start
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def add_dataset(engine, n: int, sources=("a", "b")) -> str:
+    name, ds = f"ds-{uuid.uuid4().hex[:8]}", uuid.uuid4()
+    with engine.begin() as c:
+        c.execute(insert(Dataset).values(id=ds, name=name, split="train", source="test", num_rows=n, info={}))
+        c.execute(insert(DatasetRow), [dict(dataset_id=ds, idx=i, task_id=f"t{i}", data={"i": i},
+                                            data_source=sources[i % len(sources)]) for i in range(n)])
+    return name
+
+
+def add_run(engine, dataset: str, **cfg) -> str:
+    config = dict(name="r", model="m", dataset=dataset, agent={"name": "math"}, env={"name": "math"}, **cfg)
+    run_id = uuid.uuid4()
+    with engine.begin() as c:
+        c.execute(insert(Run).values(id=run_id, name="r", kind=config.get("kind", "train"), status="pending",
+                                     config=config))
+    return str(run_id)
+
+
+def run_row(engine, run_id: str) -> Run:
+    with Session(engine) as s:
+        return s.get(Run, uuid.UUID(run_id))
+
+
+def set_run(engine, run_id: str, **values) -> None:
+    with engine.begin() as c:
+        c.execute(update(Run).where(Run.id == uuid.UUID(run_id)).values(**values))
+
+
+def events(engine, run_id: str, kind: str) -> list[dict]:
+    with engine.connect() as c:
+        return list(c.execute(select(RunEvent.data).where(RunEvent.run_id == uuid.UUID(run_id),
+                                                          RunEvent.kind == kind)).scalars())
+
+
+async def wait_until(pred: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+class FakeRolloutWorker:
+    """Consumes rollout.tasks over the wire and answers with EpisodeResults. `answer(task)` returns
+    "correct", "wrong", "failed" or None (never answer: the task is lost). Tracks tasks outstanding."""
+
+    def __init__(self, redis, run_id: str, answer: Callable[[RolloutTask], str | None], hold_s: float = 0.0):
+        self.redis, self.bus, self.run_id = redis, StreamBus(redis), run_id
+        self.answer, self.hold_s = answer, hold_s
+        self.received: list[RolloutTask] = []
+        self.outstanding = 0
+        self.max_outstanding = 0
+        self.paused = False
+        self.task: asyncio.Task | None = None
+
+    async def __aenter__(self):
+        await self.bus.ensure_group(ROLLOUT_TASKS, GROUP_ROLLOUT)
+        self.task = asyncio.create_task(self._loop())
+        return self
+
+    async def __aexit__(self, *exc):
+        self.task.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
+
+    async def _loop(self) -> None:
+        while True:
+            resp = await self.redis.xreadgroup(GROUP_ROLLOUT, "fake", {ROLLOUT_TASKS: ">"}, count=1000, block=100)
+            entries = [(eid, decode(f)) for _, es in resp for eid, f in es]
+            mine = [(eid, t) for eid, t in entries if t.run_id == self.run_id]
+            self.received += [t for _, t in mine]
+            self.outstanding += len(mine)
+            self.max_outstanding = max(self.max_outstanding, self.outstanding)
+            if self.hold_s:  # give the controller a chance to over-dispatch, if it would
+                await asyncio.sleep(self.hold_s)
+            while self.paused:
+                await asyncio.sleep(0.05)
+            results = [r for _, t in mine if (r := self.result(t)) is not None]
+            if results:
+                await self.bus.publish_many(TRAJECTORIES, results)
+            self.outstanding -= len(mine)
+            if entries:
+                await self.redis.xack(ROLLOUT_TASKS, GROUP_ROLLOUT, *[eid for eid, _ in entries])
+
+    def result(self, t: RolloutTask) -> EpisodeResult | None:
+        verdict = self.answer(t)
+        if verdict is None:
+            return None
+        ok = verdict == "correct"
+        return episode_result(t, status="failed" if verdict == "failed" else "completed", correct=ok)
+
+    def keys(self) -> list[tuple[str, int, int]]:
+        return [(t.task_id, t.sample_idx, t.attempt) for t in self.received]
+
+
+def episode_result(t: RolloutTask, status: str = "completed", correct: bool = True) -> EpisodeResult:
+    traj = TrajectoryRecord(uid=uuid.uuid4().hex, reward=float(correct), termination_reason="env_done",
+                            prompt_ids=[1, 2], response_ids=[3, 4], loss_mask=[1, 1], logprobs=[-0.1, -0.2])
+    return EpisodeResult(
+        run_id=t.run_id, task_id=t.task_id, sample_idx=t.sample_idx, attempt=t.attempt, status=status,
+        termination_reason="env_done" if status == "completed" else "infra_error", is_correct=correct,
+        reward=float(correct), task=t.task, trajectories=[traj] if status == "completed" else [],
+        error=None if status == "completed" else "env session lost", worker_id="fake", batch_idx=t.batch_idx,
+        greedy=t.greedy, started_at=time.time(), finished_at=time.time())
+
+
+def stored_keys(engine, run_id: str) -> list[tuple[str, int]]:
+    with engine.connect() as c:
+        return [tuple(r) for r in c.execute(text(
+            "SELECT task_id, sample_idx FROM episodes WHERE run_id = :r AND status = 'completed'"), {"r": run_id})]
+
+
+# -- eval: backpressure, completion, pass@k ----------------------------------------------------------------------
+async def test_eval_run_backpressure_completion_and_passk(engine, redis_client, start_controller):
+    run = add_run(engine, add_dataset(engine, 12), kind="eval", samples_per_task=3, max_in_flight=5)
+
+    def answer(t: RolloutTask) -> str:
+        i = int(t.task_id[1:])
+        return "correct" if (i % 3 == 0 or (i % 3 == 1 and t.sample_idx == 0)) else "wrong"
+
+    start_controller()
+    async with FakeRolloutWorker(redis_client, run, answer, hold_s=0.15) as worker:
+        await wait_until(lambda: run_row(engine, run).status == "completed", what="eval run completed")
+    assert 0 < worker.max_outstanding <= 5
+    assert sorted(worker.keys()) == sorted((f"t{i}", s, 0) for i in range(12) for s in range(3))
+    row = run_row(engine, run)
+    samples = [(t.task_id, "ab"[int(t.task_id[1:]) % 2], answer(t) == "correct") for t in worker.received]
+    expected = pass_at_k_table(samples)
+    assert row.summary["n"] == 3 and row.summary["num_tasks"] == 12
+    for k in ("1", "2", "3"):
+        assert row.summary["pass@k"][k] == pytest.approx(expected["pass@k"][k])
+        for src in ("a", "b"):
+            assert row.summary["by_source"][src]["pass@k"][k] == pytest.approx(expected["by_source"][src]["pass@k"][k])
+    assert row.started_at is not None and row.finished_at is not None
+    with engine.connect() as c:
+        assert ledger_summary(c, run)["completed"] == 36
+        metric = c.execute(text("SELECT value FROM metrics WHERE run_id = :r AND name = 'eval/pass@1'"),
+                           {"r": run}).scalar_one()
+    assert metric == pytest.approx(expected["pass@k"]["1"])
+
+
+# -- lost and failed attempts -------------------------------------------------------------------------------------
+async def test_lost_task_is_redispatched_and_its_late_result_not_stored(engine, redis_client, start_controller):
+    run = add_run(engine, add_dataset(engine, 3), kind="eval", samples_per_task=1, trajectory_timeout_s=1.0)
+    held: list[RolloutTask] = []
+
+    def answer(t: RolloutTask) -> str | None:
+        if (t.task_id, t.attempt) == ("t0", 0):
+            held.append(t)
+            return None  # never answered: its lease expires
+        return "correct"
+
+    start_controller()
+    async with FakeRolloutWorker(redis_client, run, answer) as worker:
+        await wait_until(lambda: run_row(engine, run).status == "completed", what="run completed after a loss")
+        assert ("t0", 0, 1) in worker.keys()
+        await StreamBus(redis_client).publish(TRAJECTORIES, episode_result(held[0]))  # the straggler arrives
+        await wait_until(lambda: events(engine, run, "late_result"), what="late_result event")
+    assert sorted(stored_keys(engine, run)) == [("t0", 0), ("t1", 0), ("t2", 0)]
+    with engine.connect() as c:
+        attempts = c.execute(text("SELECT attempt FROM episodes WHERE run_id = :r AND task_id = 't0'"),
+                             {"r": run}).scalars().all()
+        assert attempts == [1] and ledger_summary(c, run)["lost"] == 1
+    assert events(engine, run, "lost")
+
+
+async def test_failed_attempt_retried_until_final_failure(engine, redis_client, start_controller):
+    run = add_run(engine, add_dataset(engine, 3), kind="eval", samples_per_task=1, max_attempts=3)
+    start_controller()
+    async with FakeRolloutWorker(redis_client, run, lambda t: "failed" if t.task_id == "t1" else "correct") as w:
+        await wait_until(lambda: run_row(engine, run).status == "completed", what="run completed")
+    assert sorted(k for k in w.keys() if k[0] == "t1") == [("t1", 0, 0), ("t1", 0, 1), ("t1", 0, 2)]
+    assert events(engine, run, "final_failure") == [{"task_id": "t1", "sample_idx": 0, "attempt": 2}]
+    summary = run_row(engine, run).summary
+    assert summary["final_failures"] == 1 and summary["ledger"]["failed"] == 3
+    assert sorted(stored_keys(engine, run)) == [("t0", 0), ("t2", 0)]
+
+
+# -- lifecycle ----------------------------------------------------------------------------------------------------
+async def test_pause_stops_dispatch_resume_continues_stop_stops(engine, redis_client, start_controller):
+    run = add_run(engine, add_dataset(engine, 40), kind="eval", samples_per_task=1, max_in_flight=2)
+    start_controller()
+    async with FakeRolloutWorker(redis_client, run, lambda t: "correct", hold_s=0.05) as worker:
+        await wait_until(lambda: len(worker.received) >= 4, what="first dispatches")
+        set_run(engine, run, status="paused")
+        await asyncio.sleep(0.6)  # the controller reads the runs table every 0.2 s
+        frozen = len(worker.received)
+        await asyncio.sleep(1.0)
+        assert len(worker.received) == frozen < 40
+        set_run(engine, run, status="running")
+        await wait_until(lambda: len(worker.received) >= frozen + 4, what="dispatch after resume")
+        set_run(engine, run, status="stopping")
+        await wait_until(lambda: run_row(engine, run).status == "stopped", what="stopped")
+        count = len(worker.received)
+        await asyncio.sleep(0.6)
+        assert len(worker.received) == count < 40
+    assert run_row(engine, run).finished_at is not None
+    with engine.connect() as c:
+        assert ledger_summary(c, run)["in_flight"] == 0
+
+
+async def test_stop_cancels_in_flight_after_timeout(engine, redis_client, start_controller):
+    run = add_run(engine, add_dataset(engine, 4), kind="eval", samples_per_task=1, max_in_flight=4)
+    start_controller(STOP_TIMEOUT_S="0.5")
+    async with FakeRolloutWorker(redis_client, run, lambda t: None) as worker:  # never answers
+        await wait_until(lambda: len(worker.received) == 4, what="dispatch")
+        set_run(engine, run, status="stopping")
+        await wait_until(lambda: run_row(engine, run).status == "stopped", what="stopped")
+    with engine.connect() as c:
+        assert ledger_summary(c, run)["cancelled"] == 4
+    assert events(engine, run, "cancelled") == [{"count": 4}]
+
+
+async def test_missing_dataset_fails_the_run(engine, redis_client, start_controller):
+    run = add_run(engine, "no-such-dataset", kind="eval")
+    start_controller()
+    await wait_until(lambda: run_row(engine, run).status == "failed", what="failed")
+    assert "no-such-dataset" in run_row(engine, run).error
+    assert events(engine, run, "status_changed")[-1] == {"from": "pending", "to": "failed"}
+
+
+# -- training: staleness window, ReMax ----------------------------------------------------------------------------
+async def test_staleness_window_and_remax_greedy_samples(engine, redis_client, start_controller):
+    run = add_run(engine, add_dataset(engine, 6), kind="train", samples_per_task=2, tasks_per_batch=2,
+                  max_staleness=1, algorithm={"adv_estimator": "remax"})
+    version = 0
+    violations: list[tuple[int, int]] = []
+
+    def answer(t: RolloutTask) -> str:
+        if t.batch_idx - version > 1:
+            violations.append((t.batch_idx, version))
+        return "correct"
+
+    start_controller()
+    async with FakeRolloutWorker(redis_client, run, answer) as worker:
+        await wait_until(lambda: len(worker.received) == 12, what="batches 0 and 1")
+        await asyncio.sleep(0.6)
+        assert {t.batch_idx for t in worker.received} == {0, 1}  # batch 2 waits for policy version 1
+        version = 1
+        set_run(engine, run, policy_version=1)
+        await wait_until(lambda: len(worker.received) == 18, what="batch 2")
+        assert run_row(engine, run).status == "running"
+        set_run(engine, run, policy_version=3)
+        await wait_until(lambda: run_row(engine, run).status == "completed", what="completed at version 3")
+    assert not violations
+    greedy = [t for t in worker.received if t.greedy]
+    assert len(greedy) == 6 and all(t.sample_idx == 2 for t in greedy)
+    assert sorted({t.task_id for t in worker.received}) == [f"t{i}" for i in range(6)]
+
+
+# -- crash resume -------------------------------------------------------------------------------------------------
+async def test_controller_sigkill_and_restart_loses_and_doubles_nothing(engine, redis_client, start_controller):
+    run = add_run(engine, add_dataset(engine, 60), kind="eval", samples_per_task=2, max_in_flight=8)
+    first = start_controller()
+    async with FakeRolloutWorker(redis_client, run, lambda t: "correct", hold_s=0.02) as worker:
+        await wait_until(lambda: len(stored_keys(engine, run)) >= 30, what="some results stored")
+        first.send_signal(signal.SIGKILL)
+        first.wait(10)
+        killed_at = len(worker.received)
+        start_controller()  # takes over once the dead controller's run lease expires
+        await wait_until(lambda: run_row(engine, run).status == "completed", what="completed after restart")
+    assert killed_at < 120
+    keys = stored_keys(engine, run)
+    assert sorted(keys) == sorted((f"t{i}", s) for i in range(60) for s in range(2))  # none lost, none doubled
+    assert run_row(engine, run).summary["pass@k"]["1"] == 1.0
