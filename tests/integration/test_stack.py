@@ -110,12 +110,16 @@ def test_unknown_service_is_refused(tmp_path):
 def test_embedded_servers_keep_data_across_restarts(tmp_path, monkeypatch):
     monkeypatch.delenv("REDIS_URL", raising=False)
     monkeypatch.delenv("DATABASE_URL", raising=False)
+    # The probe, and the Celery worker: kombu reaches Redis over the unix socket only through its own URL form.
+    specs = {"probe": PROBE, "jobs": SERVICES["jobs"]}
 
-    with LocalStack(tmp_path, specs={"probe": PROBE}) as stack:
+    with LocalStack(tmp_path, specs=specs) as stack:
         stack.start()
-        stack.wait_healthy(30)
+        stack.wait_healthy(60)
         assert stack.redis_url.startswith("unix://") and "host=" in stack.database_url
-        redis.Redis.from_url(stack.redis_url).xadd("survivor", {"k": "v"})
+        client = redis.Redis.from_url(stack.redis_url)
+        assert wait_heartbeats(client, ["probe", "jobs"]) == {"probe", "jobs"}
+        client.xadd("survivor", {"k": "v"})
         engine = create_engine(stack.database_url)
         with Session(engine) as s, s.begin():
             s.add(Dataset(name="survivor", split="train"))
