@@ -6,7 +6,10 @@ comes back on restart, stop() leaves no process behind, and the embedded servers
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
+import sys
 import time
 
 import psutil
@@ -137,3 +140,25 @@ def test_embedded_servers_keep_data_across_restarts(tmp_path, monkeypatch):
             assert s.scalar(select(Dataset.name).where(Dataset.name == "survivor")) == "survivor"
         engine.dispose()
     assert (tmp_path / "logs" / "probe-0.log").exists()
+
+
+def test_console_entry_stops_everything_on_ctrl_c(redis_url, database_url, tmp_path):
+    env = {**os.environ, "REDIS_URL": redis_url, "DATABASE_URL": database_url, "DATA_DIR": str(tmp_path)}
+    cmd = [sys.executable, "-m", "infra.local_stack", "--services", "controller"]
+    stack = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    try:
+        for line in stack.stdout:
+            lines.append(line)
+            if "all services healthy" in line:
+                break
+        children = psutil.Process(stack.pid).children(recursive=True)
+        assert any("services.controller.main" in " ".join(p.cmdline()) for p in children), "".join(lines)
+        stack.send_signal(signal.SIGINT)
+        rest, _ = stack.communicate(timeout=60)
+    finally:
+        stack.kill()
+    assert stack.returncode == 0, "".join(lines) + rest
+    assert "controller-0 " in "".join(lines)  # service output is echoed with its name
+    assert_all_gone(children)
+    assert (tmp_path / "logs" / "controller-0.log").read_text()
