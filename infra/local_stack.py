@@ -20,6 +20,7 @@ Reusable from tests, the demo and the chaos suite:
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import signal
@@ -245,6 +246,7 @@ class LocalStack:
         from shared.settings import ServiceSettings
 
         upgrade(ServiceSettings(database_url=self.database_url).database_url)
+        log.info("database migrated to head")
 
     def _base_env(self) -> dict[str, str]:
         weight_server = next((i for i in self.instances if i.name == "weight-server"), None)
@@ -406,6 +408,7 @@ def main() -> None:
         from shared.logs import setup_logging
 
         setup_logging("stack", fmt=os.environ.get("LOG_FORMAT", "text"))
+        logging.getLogger("alembic").setLevel(logging.WARNING)  # its per-plugin INFO lines drown the console
         env = {k: os.environ.get(k, d) for k, d in (("API_PORT", "8000"), ("WEIGHT_SERVER_PORT", "8001"))}
         stack = LocalStack(env=env, echo=True)
         signal.signal(signal.SIGTERM, _interrupt)  # `kill <stack pid>` stops cleanly, like Ctrl-C
@@ -413,7 +416,8 @@ def main() -> None:
             names = [s.strip() for s in services.split(",") if s.strip()]
             stack.start(names, counts={"rollout-worker": rollout_workers, "env-worker": env_workers})
             stack.wait_healthy(health_timeout_s)
-            log.info("all services healthy; API at %s; Ctrl-C stops everything", _api_or_none(stack))
+            api = next((f"; API at {stack.api_url}" for i in stack.instances if i.name == "api"), "")
+            log.info("all services healthy%s; Ctrl-C stops everything", api)
             _watch(stack)
         except KeyboardInterrupt:
             log.info("stopping")
@@ -425,13 +429,6 @@ def main() -> None:
 
 def _interrupt(*_) -> None:
     raise KeyboardInterrupt
-
-
-def _api_or_none(stack: LocalStack) -> str | None:
-    try:
-        return stack.api_url
-    except KeyError:
-        return None
 
 
 def _watch(stack: LocalStack) -> None:
