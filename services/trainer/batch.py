@@ -1,0 +1,186 @@
+"""From stream messages to the tensors verl trains on. Pure: no Redis, Postgres or verl here.
+
+A *sample* is one trajectory of one accepted episode; a *group* is every sample of one task in one batch
+(`samples_per_task` of them, plus ReMax's greedy baseline sample when the estimator needs it). Training
+batches are made of whole groups, so group-relative estimators (GRPO, RLOO, ...) always see full groups.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from shared.messages import EpisodeResult
+from shared.types import TerminationReason
+
+SampleKey = tuple[str, str, int]  # (run_id, task_id, sample_idx): the acceptance rule's identity
+GroupKey = tuple[str, int, str]  # (task_id, batch_idx, trajectory name)
+
+
+@dataclass
+class Sample:
+    key: SampleKey
+    attempt: int
+    group: GroupKey
+    prompt_ids: list[int]
+    response_ids: list[int]
+    loss_mask: list[int]
+    logprobs: list[float]
+    reward: float
+    min_version: int
+    greedy: bool = False
+    weight: float = 1.0  # stale samples may be down-weighted
+
+    @property
+    def uid(self) -> str:
+        return "/".join(map(str, self.group))
+
+
+def excluded_reason(result: EpisodeResult) -> str | None:
+    """Why a result is never trained on (it is still recorded as consumed), or None if it is trainable."""
+    if result.status != "completed":
+        return "failed"
+    if not TerminationReason(result.termination_reason).trainable:
+        return str(TerminationReason(result.termination_reason).value)
+    if not any(t.response_ids for t in result.trajectories):
+        return "empty"
+    return None
+
+
+def samples_from_result(result: EpisodeResult) -> list[Sample]:
+    """One sample per trajectory. A user-env ERROR keeps its reward in the group but contributes no loss."""
+    masked = result.termination_reason == TerminationReason.ERROR
+    out = []
+    for traj in result.trajectories:
+        if not traj.response_ids:
+            continue
+        mask = [0] * len(traj.response_ids) if masked or traj.mismatch else list(traj.loss_mask)
+        logprobs = list(traj.logprobs) or [0.0] * len(traj.response_ids)
+        out.append(Sample(
+            key=(result.run_id, result.task_id, result.sample_idx), attempt=result.attempt,
+            group=(result.task_id, result.batch_idx, traj.name), prompt_ids=list(traj.prompt_ids),
+            response_ids=list(traj.response_ids), loss_mask=mask, logprobs=logprobs, reward=float(traj.reward),
+            min_version=_min_version(traj.versions, mask, traj.policy_versions[0]), greedy=result.greedy,
+        ))
+    return out
+
+
+def _min_version(versions: list[int], mask: list[int], fallback: int | None) -> int:
+    trained = [v for v, m in zip(versions, mask, strict=False) if m and v >= 0]
+    if trained:
+        return min(trained)
+    known = [v for v in versions if v >= 0]
+    return min(known) if known else (fallback or 0)
+
+
+@dataclass
+class Group:
+    key: GroupKey
+    samples: dict[int, Sample] = field(default_factory=dict)  # sample_idx -> sample
+    greedy: Sample | None = None
+
+    @property
+    def rewards(self) -> list[float]:
+        return [s.reward for s in self.samples.values()]
+
+    def complete(self, n: int, need_greedy: bool) -> bool:
+        return len(self.samples) >= n and (self.greedy is not None or not need_greedy)
+
+    def all_samples(self) -> list[Sample]:
+        return list(self.samples.values()) + ([self.greedy] if self.greedy else [])
+
+
+class GroupBuffer:
+    """Collects samples into groups; hands out complete groups in arrival order."""
+
+    def __init__(self, samples_per_task: int, need_greedy: bool):
+        self.n, self.need_greedy = samples_per_task, need_greedy
+        self.groups: dict[GroupKey, Group] = {}
+
+    def add(self, sample: Sample) -> None:
+        group = self.groups.setdefault(sample.group, Group(sample.group))
+        if sample.greedy:
+            group.greedy = group.greedy or sample
+        else:
+            group.samples.setdefault(sample.key[2], sample)
+
+    def complete_groups(self) -> list[Group]:
+        return [g for g in self.groups.values() if g.complete(self.n, self.need_greedy)]
+
+    def remove(self, groups: list[Group]) -> None:
+        for g in groups:
+            self.groups.pop(g.key, None)
+
+
+def select_groups(
+    groups: list[Group], num_groups: int, *, dynamic_sampling: bool, version: int, max_staleness: int,
+    stale_policy: str,
+) -> tuple[list[Group], dict[str, list[Group]]]:
+    """Pick up to `num_groups` groups for the next step, in order; return (chosen, dropped by reason).
+
+    A group older than `max_staleness` versions (its oldest token's version) is dropped, or kept with each
+    stale sample's weight scaled by 1 / (1 + versions beyond the bound) under `stale_policy="downweight"`.
+    With `dynamic_sampling`, groups whose rewards are all equal (no learning signal) are dropped and later
+    groups fill their places."""
+    chosen: list[Group] = []
+    dropped: dict[str, list[Group]] = defaultdict(list)
+    for g in groups:
+        if len(chosen) == num_groups:
+            break
+        excess = version - min(s.min_version for s in g.samples.values()) - max_staleness
+        if excess > 0 and stale_policy == "drop":
+            dropped["stale"].append(g)
+            continue
+        if dynamic_sampling and len(set(g.rewards)) <= 1:
+            dropped["filtered"].append(g)
+            continue
+        for s in g.samples.values():
+            s.weight = 1.0 / (1 + max(0, version - s.min_version - max_staleness))
+        chosen.append(g)
+    return chosen, dropped
+
+
+def staleness(samples: list[Sample], version: int) -> list[int]:
+    return [version - s.min_version for s in samples]
+
+
+def build_tensors(groups: list[Group], pad_id: int) -> dict:
+    """Left-padded prompts, right-padded responses, masks, outcome rewards on the last trained token,
+    behaviour logprobs, the group index (`uid`) and ReMax's greedy baseline reward per row."""
+    rows = [s for g in groups for s in g.samples.values()]
+    baselines = [g.greedy.reward if g.greedy else 0.0 for g in groups for _ in g.samples]
+    P = max(len(s.prompt_ids) for s in rows)
+    R = max(len(s.response_ids) for s in rows)
+    B = len(rows)
+    prompts = torch.full((B, P), pad_id, dtype=torch.long)
+    responses = torch.full((B, R), pad_id, dtype=torch.long)
+    attention = torch.zeros((B, P + R), dtype=torch.long)
+    response_mask = torch.zeros((B, R), dtype=torch.long)
+    behaviour = torch.zeros((B, R), dtype=torch.float32)
+    rewards = torch.zeros((B, R), dtype=torch.float32)
+    for i, s in enumerate(rows):
+        p, r = len(s.prompt_ids), len(s.response_ids)
+        prompts[i, P - p:] = torch.tensor(s.prompt_ids)
+        responses[i, :r] = torch.tensor(s.response_ids)
+        attention[i, P - p:P + r] = 1
+        response_mask[i, :r] = torch.tensor(s.loss_mask[:r])
+        behaviour[i, :r] = torch.tensor(s.logprobs[:r])
+        rewards[i, _last_trained(s.loss_mask, r)] = s.reward
+    return {
+        "prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], 1),
+        "attention_mask": attention, "position_ids": (attention.cumsum(-1) - 1).clamp(min=0),
+        "response_mask": response_mask, "behaviour_log_probs": behaviour * response_mask,
+        "token_level_rewards": rewards, "reward_baselines": torch.tensor(baselines, dtype=torch.float32),
+        "sample_weights": torch.tensor([s.weight for s in rows], dtype=torch.float32),
+        "uid": np.array([s.uid for s in rows], dtype=object),
+    }
+
+
+def _last_trained(mask: list[int], length: int) -> int:
+    for i in range(length - 1, -1, -1):
+        if mask[i]:
+            return i
+    return length - 1

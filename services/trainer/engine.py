@@ -1,0 +1,171 @@
+"""The policy (and optional KL reference) as verl FSDP2 engines, driven through verl's `TrainingWorker`.
+
+verl does the forward/backward, the PPO loss (`verl.workers.utils.losses.ppo_loss`), gradient clipping, the
+optimizer step and the sharded checkpoints. This module only converts our padded tensors into verl's
+no-padding TensorDict and back. On CPU it first selects the CPU platform and creates the gloo process group
+(FACTS.md: verl would otherwise ask for CUDA and build a duplicate `cpu:gloo` backend); on GPU verl creates
+its own process group (`torchrun` sets RANK/WORLD_SIZE for multi-GPU).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from shared.logs import get_logger
+from shared.run_config import AlgorithmConfig
+
+log = get_logger(__name__)
+TENSOR_KEYS = ("prompts", "responses", "input_ids", "attention_mask", "position_ids", "response_mask")
+
+
+def setup_distributed(device: str) -> None:
+    """Single-process defaults for RANK/WORLD_SIZE/MASTER_*; on CPU also the CPU platform and gloo group."""
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
+        os.environ.setdefault(key, value)
+    if "MASTER_PORT" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    if device == "cpu":
+        from services.trainer.cpu_platform import use_cpu_platform
+
+        use_cpu_platform()
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+
+
+class PolicyEngine:
+    """One policy under training (plus a frozen reference when kl_coef > 0)."""
+
+    def __init__(self, model_path: str, algo: AlgorithmConfig, *, device: str = "cpu", dtype: str = "fp32",
+                 micro_batch_size: int = 8, group_size: int = 1, temperature: float = 1.0,
+                 lr_warmup_steps: int = 0):
+        setup_distributed(device)
+        from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig
+
+        from services.trainer.algorithm import actor_config
+
+        self.algo, self.temperature = algo, temperature or 1.0
+        self.engine_config = FSDPEngineConfig(
+            strategy="fsdp2", model_dtype=dtype, dtype="float32" if dtype == "fp32" else "bfloat16",
+            mixed_precision={"param_dtype": dtype, "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
+            use_torch_compile=False, use_dynamic_bsz=False, micro_batch_size_per_gpu=micro_batch_size,
+            infer_micro_batch_size_per_gpu=micro_batch_size)
+        self.optim_config = FSDPOptimizerConfig(lr=algo.lr, weight_decay=algo.weight_decay, clip_grad=algo.grad_clip,
+                                                lr_warmup_steps=lr_warmup_steps)
+        self.actor_config = actor_config(algo, self.engine_config, self.optim_config, batch_size=micro_batch_size,
+                                         micro_batch_size=micro_batch_size, group_size=group_size)
+        self.model_config = _model_config(model_path)
+        self.actor = self._worker(self.model_config, forward_only=False)
+        self.ref = self._worker(_model_config(model_path), forward_only=True) if algo.kl_coef > 0 else None
+
+    def _worker(self, model_config, *, forward_only: bool):
+        from copy import deepcopy
+
+        from verl.workers.config import TrainingWorkerConfig
+        from verl.workers.config.checkpoint import CheckpointConfig
+        from verl.workers.engine_workers import TrainingWorker
+        from verl.workers.utils.losses import ppo_loss
+
+        engine_config = deepcopy(self.engine_config)
+        engine_config.forward_only = forward_only
+        worker = TrainingWorker(TrainingWorkerConfig(
+            model_type="language_model", model_config=model_config, engine_config=engine_config,
+            optimizer_config=None if forward_only else self.optim_config,
+            checkpoint_config=CheckpointConfig(save_contents=["model", "optimizer", "extra"],
+                                               load_contents=["model", "optimizer", "extra"])))
+        worker.reset()
+        worker.set_loss_fn(partial(ppo_loss, self.actor_config))
+        return worker
+
+    # -- tensors ----------------------------------------------------------------------------------------------
+    def _tensordict(self, t: dict, extra: dict | None = None, **meta):
+        from tensordict import TensorDict
+        from verl.utils import tensordict_utils as tu
+        from verl.workers.utils.padding import left_right_2_no_padding
+
+        td = TensorDict({k: t[k] for k in TENSOR_KEYS} | (extra or {}), batch_size=[t["input_ids"].shape[0]])
+        td = left_right_2_no_padding(td)
+        tu.assign_non_tensor(td, temperature=self.temperature, calculate_entropy=True, **meta)
+        return td
+
+    def _response_values(self, nested: torch.Tensor, t: dict) -> torch.Tensor:
+        from tensordict import TensorDict
+        from verl.workers.utils.padding import no_padding_2_padding
+
+        view = TensorDict({k: t[k] for k in ("prompts", "responses", "attention_mask")},
+                          batch_size=[t["input_ids"].shape[0]])
+        return no_padding_2_padding(nested, view).float() * t["response_mask"]
+
+    # -- verl calls -------------------------------------------------------------------------------------------
+    def log_probs(self, t: dict, *, reference: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token log-probs and entropies of the responses under the current (or reference) policy."""
+        worker = self.ref if reference else self.actor
+        out = worker.infer_batch(self._tensordict(t, compute_loss=False))
+        return self._response_values(out["log_probs"], t), self._response_values(out["entropy"], t)
+
+    def update(self, t: dict, old_log_probs: torch.Tensor, advantages: torch.Tensor, is_weights: torch.Tensor,
+               ref_log_probs: torch.Tensor | None = None, seed: int = 0) -> dict[str, float]:
+        """ppo_epochs x ppo_mini_batches optimizer steps of verl's PPO loss on this batch; verl's metrics."""
+        from verl.utils import tensordict_utils as tu
+
+        batch_size = t["input_ids"].shape[0]
+        minis = self.algo.ppo_mini_batches if batch_size % self.algo.ppo_mini_batches == 0 else 1
+        extra = {"old_log_probs": old_log_probs, "advantages": advantages, "rollout_is_weights": is_weights}
+        if ref_log_probs is not None:
+            extra["ref_log_prob"] = ref_log_probs
+        td = self._tensordict(t, extra, compute_loss=True, global_batch_size=batch_size // minis,
+                              mini_batch_size=batch_size // minis, epochs=self.algo.ppo_epochs, seed=seed,
+                              dataloader_kwargs={"shuffle": False})
+        out = self.actor.train_mini_batch(td)
+        return {k: _mean(v) for k, v in tu.get(out, "metrics").items()}
+
+    # -- state ------------------------------------------------------------------------------------------------
+    def save(self, folder: Path, step: int) -> None:
+        self.actor.save_checkpoint(str(folder), global_step=step)
+
+    def load(self, folder: Path) -> None:
+        self.actor.load_checkpoint(str(folder))
+
+    def export_hf(self, folder: Path) -> None:
+        """HF folder (model.safetensors + config + tokenizer) with the current weights; flat file names."""
+        from safetensors.torch import save_file
+
+        folder.mkdir(parents=True, exist_ok=True)
+        gen, _ = self.actor.engine.get_per_tensor_param()
+        hf_config = self.model_config.hf_config
+        tied = getattr(hf_config, "tie_word_embeddings", False)
+        dtype = torch.float32 if self.engine_config.model_dtype == "fp32" else torch.bfloat16
+        state = {name: p.detach().to("cpu", dtype).contiguous() for name, p in gen
+                 if not (tied and name == "lm_head.weight")}
+        if dist.get_rank() != 0:
+            return
+        save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        hf_config.save_pretrained(folder)
+        self.model_config.tokenizer.save_pretrained(folder)
+        if self.model_config.generation_config is not None:
+            self.model_config.generation_config.save_pretrained(folder)
+
+    @property
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.actor.engine.module.parameters())
+
+
+def _model_config(path: str):
+    from verl.workers.config import HFModelConfig
+
+    return HFModelConfig(path=path, override_config={"attn_implementation": "sdpa"}, use_remove_padding=True,
+                         enable_gradient_checkpointing=False)
+
+
+def _mean(v) -> float:
+    if isinstance(v, list):
+        vals = [float(getattr(x, "value", x)) for x in v]
+        return sum(vals) / max(1, len(vals))
+    return float(getattr(v, "value", v))
