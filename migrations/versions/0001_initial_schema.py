@@ -74,6 +74,19 @@ def upgrade() -> None:
         sa.PrimaryKeyConstraint("run_id", "version"),
     )
     op.create_table(
+        "train_samples",
+        sa.Column("run_id", sa.UUID(), nullable=False),
+        sa.Column("task_id", sa.String(length=200), nullable=False),
+        sa.Column("sample_idx", sa.Integer(), nullable=False),
+        sa.Column("attempt", sa.Integer(), nullable=False),
+        sa.Column("version", sa.Integer(), nullable=False),
+        sa.Column("status", sa.String(length=16), nullable=False),
+        sa.Column("generated_version", sa.Integer(), nullable=True),
+        sa.Column("created_at", sa.DateTime(timezone=True), server_default=sa.text("now()"), nullable=False),
+        sa.ForeignKeyConstraint(["run_id"], ["runs.id"], ondelete="CASCADE"),
+        sa.PrimaryKeyConstraint("run_id", "task_id", "sample_idx"),
+    )
+    op.create_table(
         "dataset_rows",
         sa.Column("dataset_id", sa.UUID(), nullable=False),
         sa.Column("idx", sa.Integer(), nullable=False),
@@ -251,6 +264,7 @@ def downgrade() -> None:
     op.drop_table("episodes")
     op.drop_table("dataset_rows")
     op.drop_table("checkpoints")
+    op.drop_table("train_samples")
     op.drop_index(op.f("ix_runs_status"), table_name="runs")
     op.drop_table("runs")
     op.drop_table("datasets")

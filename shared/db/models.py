@@ -269,3 +269,20 @@ class Job(Base):
     created_at: Mapped[datetime] = _now()
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
+
+class TrainSample(Base):
+    """What the trainer consumed: each accepted (run, task, sample) once, with the policy version whose step
+    used it (`status="used"`) or why it was not trained on (stale, filtered, excluded). The primary key is the
+    acceptance rule's identity, so no sample can be trained on twice, even across trainer restarts."""
+
+    __tablename__ = "train_samples"
+
+    run_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    task_id: Mapped[str] = mapped_column(String(200), primary_key=True)
+    sample_idx: Mapped[int] = mapped_column(Integer, primary_key=True)
+    attempt: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
+    version: Mapped[int] = mapped_column(Integer, nullable=False)  # the policy version the step produced
+    status: Mapped[str] = mapped_column(String(16), nullable=False)  # used | stale | filtered | excluded
+    generated_version: Mapped[int | None] = mapped_column(Integer)  # oldest policy version in the sample
+    created_at: Mapped[datetime] = _now()
+
