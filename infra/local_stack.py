@@ -215,18 +215,22 @@ class LocalStack:
     # ---- lifecycle
 
     def start(self, services: list[str] | None = None, counts: dict[str, int] | None = None) -> LocalStack:
-        """Start backing servers, migrate, then launch `counts[name]` (default 1) processes per service."""
+        """Start backing servers, migrate, then launch `counts[name]` (default 1) processes per service.
+        Called again on a running stack, it adds processes (e.g. a third rollout worker) after the existing."""
         names = list(self.specs) if services is None else services
         unknown = [n for n in names if n not in self.specs]
         if unknown:
             raise ValueError(f"unknown service(s) {unknown}; choose from {', '.join(self.specs)}")
-        self._stopped = False
-        (self.data_dir / "logs").mkdir(parents=True, exist_ok=True)
-        self._start_backing_servers()
-        self._migrate()
-        for name in names:
-            for i in range((counts or {}).get(name, 1)):
-                self._spawn(self._new_instance(name, i))
+        if self._stopped:
+            self._stopped = False
+            self.instances = []
+            (self.data_dir / "logs").mkdir(parents=True, exist_ok=True)
+            self._start_backing_servers()
+            self._migrate()
+        for name in sorted(names, key=list(self.specs).index):  # weight-server first: others get its URL
+            first = sum(1 for i in self.instances if i.name == name)
+            for index in range(first, first + (counts or {}).get(name, 1)):
+                self._spawn(self._new_instance(name, index))
         return self
 
     def _start_backing_servers(self) -> None:

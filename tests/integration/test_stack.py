@@ -95,8 +95,10 @@ def test_kill_restart_and_idempotent_stop(redis_url, database_url, tmp_path):
         assert stack.instance("probe", 0).alive and not stack.instance("probe", 1).alive
 
         stack.restart("probe", 1)
+        stack.start(["probe"])  # scale out on a running stack
         stack.wait_healthy(30)
-        assert [i.port for i in stack.instances] == ports  # same address after restart
+        assert [i.label for i in stack.instances] == ["probe-0", "probe-1", "probe-2"]
+        assert [i.port for i in stack.instances][:2] == ports  # same address after restart
         procs = process_tree(stack)
     finally:
         stack.stop()
