@@ -6,7 +6,7 @@ import math
 import uuid
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import case, func, select
 from sqlalchemy.orm import Session
 
 from shared.db.models import EpisodeRow, Metric, RolloutTaskRow, Run, TrajectoryRow
@@ -92,11 +92,13 @@ def pass_at_k(session: Session, run_id: uuid.UUID, max_k: int | None = None) -> 
 def reward_by_version(session: Session, run_id: uuid.UUID) -> list[dict[str, Any]]:
     rows = session.execute(
         select(TrajectoryRow.policy_version_max.label("version"), func.count().label("n"),
-               func.avg(TrajectoryRow.reward).label("mean_reward"))
-        .where(TrajectoryRow.run_id == run_id).group_by(TrajectoryRow.policy_version_max)
+               func.avg(TrajectoryRow.reward).label("mean_reward"),
+               func.avg(case((EpisodeRow.is_correct, 1.0), else_=0.0)).label("pass_rate"))
+        .join(EpisodeRow, EpisodeRow.id == TrajectoryRow.episode_id).where(TrajectoryRow.run_id == run_id).group_by(TrajectoryRow.policy_version_max)
         .order_by(TrajectoryRow.policy_version_max)
     ).all()
-    return [{"policy_version": r.version, "num_trajectories": r.n, "mean_reward": r.mean_reward} for r in rows]
+    return [{"policy_version": r.version, "num_trajectories": r.n, "mean_reward": r.mean_reward,
+             "pass_rate": r.pass_rate} for r in rows]
 
 
 def run_out(run: Run) -> dict[str, Any]:
