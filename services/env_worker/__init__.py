@@ -1,0 +1,1 @@
+"""env-worker: hosts environment instances as sticky sessions (see worker.py)."""

@@ -1,0 +1,139 @@
+"""env-worker loop: read `env.requests` (first reset, group "env", shared by all env workers) and this
+worker's own inbox `env.inbox.<id>` (step/close of its sticky sessions) in one blocking XREADGROUP; handle
+each request as its own task; write the EnvReply to `reply_to` and XACK the request in one pipelined round
+trip (ack after the reply is written). Undecodable requests are dead-lettered; no request kills the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+
+from services.env_worker.config import EnvWorkerConfig
+from services.env_worker.sessions import SessionHost
+from shared.bus import StreamBus
+from shared.logs import get_logger
+from shared.messages import EnvReply, EnvRequest, MessageDecodeError, decode, encode
+from shared.streams import ENV_REQUESTS, GROUP_ENV, dead_letter, env_inbox
+
+log = get_logger(__name__)
+REDIS_ERRORS = (ConnectionError, OSError, TimeoutError, aioredis.ConnectionError, aioredis.TimeoutError)
+
+
+class EnvWorker:
+    def __init__(self, cfg: EnvWorkerConfig, worker_id: str, redis: aioredis.Redis):
+        self.cfg, self.worker_id, self.redis = cfg, worker_id, redis
+        self.inbox = env_inbox(worker_id)
+        self.host = SessionHost(worker_id, cfg.env_threads, cfg.max_sessions)
+        self.inflight: set[asyncio.Task] = set()
+        self.status: dict = {}
+
+    async def start(self) -> None:
+        bus = StreamBus(self.redis)
+        await bus.ensure_group(ENV_REQUESTS, GROUP_ENV, start_id="$")  # old resets have been given up on
+        await bus.ensure_group(self.inbox, GROUP_ENV, start_id="0")
+
+    def loops(self, stop: asyncio.Event) -> list:
+        return [self.read_loop(stop), self.sweep_loop(stop), self.reclaim_loop(stop)]
+
+    async def read_loop(self, stop: asyncio.Event) -> None:
+        await self.start()
+        streams = {ENV_REQUESTS: ">", self.inbox: ">"}
+        while not stop.is_set():
+            try:
+                resp = await self.redis.xreadgroup(GROUP_ENV, self.worker_id, streams, count=self.cfg.read_count,
+                                                   block=self.cfg.read_block_ms)
+            except REDIS_ERRORS:
+                await asyncio.sleep(0.5)
+                continue
+            except ResponseError as e:
+                if "NOGROUP" not in str(e):
+                    raise
+                await self.start()
+                continue
+            for stream, entries in resp or []:
+                for entry_id, fields in entries:
+                    self.spawn(stream.decode(), entry_id, fields)
+        await self.drain()
+
+    def spawn(self, stream: str, entry_id: bytes, fields: dict) -> None:
+        task = asyncio.create_task(self.serve_one(stream, entry_id, fields))
+        self.inflight.add(task)
+        task.add_done_callback(self.inflight.discard)
+
+    async def serve_one(self, stream: str, entry_id: bytes, fields: dict) -> None:
+        try:
+            req = decode(fields, EnvRequest)
+        except MessageDecodeError as e:
+            await self.dead_letter(stream, entry_id, fields, str(e))
+            return
+        reply = await self.host.handle(req)
+        await self.send(stream, entry_id, req.reply_to, reply)
+
+    async def send(self, stream: str, entry_id: bytes, reply_to: str, reply: EnvReply) -> None:
+        try:
+            body = encode(reply)
+        except (TypeError, ValueError) as e:  # the env returned something msgpack cannot carry
+            reply = self.host.error_from_reply(reply, f"env returned a value that cannot be sent: {e}")
+            body = encode(reply)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.xadd(reply_to, body, maxlen=self.cfg.reply_maxlen, approximate=True)
+            pipe.xack(stream, GROUP_ENV, entry_id)
+            await pipe.execute()
+
+    async def dead_letter(self, stream: str, entry_id: bytes, fields: dict, reason: str) -> None:
+        log.warning("undecodable env request %s on %s: %s", entry_id, stream, reason)
+        entry = {**fields, b"dlq_reason": reason.encode(), b"dlq_stream": stream.encode()}
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.xadd(dead_letter(stream), entry, maxlen=100_000, approximate=True)
+            pipe.xack(stream, GROUP_ENV, entry_id)
+            await pipe.execute()
+
+    async def sweep_loop(self, stop: asyncio.Event) -> None:
+        """Close sessions idle past their TTL (their trajectory ended without a close, or its worker died)."""
+        while not await _wait(stop, self.cfg.sweep_interval_s):
+            self.host.expire_idle()
+            self.status["sessions"] = len(self.host.sessions)
+
+    async def reclaim_loop(self, stop: asyncio.Event) -> None:
+        """Resets left pending by a dead env worker: serve those still wanted, drop those given up on."""
+        while not await _wait(stop, self.cfg.reclaim_interval_s):
+            try:
+                await self.reclaim_once()
+            except REDIS_ERRORS:
+                continue
+
+    async def reclaim_once(self) -> None:
+        resp = await self.redis.xautoclaim(ENV_REQUESTS, GROUP_ENV, self.worker_id, self.cfg.reclaim_idle_ms,
+                                           start_id="0-0", count=self.cfg.read_count)
+        for entry_id, fields in resp[1]:
+            if fields is None:
+                continue
+            try:
+                req = decode(fields, EnvRequest)
+            except MessageDecodeError as e:
+                await self.dead_letter(ENV_REQUESTS, entry_id, fields, str(e))
+                continue
+            if time.time() - req.sent_at > req.timeout_s:  # the rollout worker stopped waiting
+                await self.redis.xack(ENV_REQUESTS, GROUP_ENV, entry_id)
+                continue
+            self.spawn(ENV_REQUESTS, entry_id, fields)
+
+    async def drain(self) -> None:
+        if self.inflight:
+            await asyncio.wait(list(self.inflight), timeout=10)
+
+    async def close(self) -> None:
+        self.host.shutdown()
+
+
+async def _wait(stop: asyncio.Event, seconds: float) -> bool:
+    """Sleep up to `seconds`; True when stop was set."""
+    try:
+        await asyncio.wait_for(stop.wait(), seconds)
+        return True
+    except TimeoutError:
+        return False
