@@ -54,7 +54,7 @@ class ServiceSpec:
         return cls(("-m", name), port_env)
 
 
-# Start order matters only for readability of the console: every service tolerates the others being absent.
+# Services start in this order; only the first matters: the weight server's port goes into the others' env.
 SERVICES: dict[str, ServiceSpec] = {
     "weight-server": ServiceSpec.module("services.weight_server.main", "WEIGHT_SERVER_PORT"),
     "env-worker": ServiceSpec.module("services.env_worker.main"),
