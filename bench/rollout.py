@@ -37,7 +37,7 @@ from sqlalchemy import create_engine, insert, text
 from shared.db.models import Dataset, DatasetRow, RolloutTaskRow, Run
 from shared.db.session import make_engine
 from shared.messages import EnvReply, EnvRequest, EpisodeResult, decode, encode
-from shared.store import TABLES, TrajectoryStore, build_rows
+from shared.store import TABLES, TrajectoryStore, build_rows, copy_rows
 from shared.streams import ENV_REQUESTS, TRAJECTORIES, env_inbox, env_replies
 
 REPO = Path(__file__).resolve().parents[1]
@@ -241,7 +241,7 @@ def measure_ingest(db_url: str, results: list[EpisodeResult], batch: int) -> dic
         for i in range(0, len(fresh), batch):
             for table, table_rows in build_rows(fresh[i:i + batch]).items():
                 rows += len(table_rows)
-                _raw_copy(cur, table, table_rows)
+                copy_rows(cur, table, TABLES[table], table_rows)  # same encoding the store uses
     out["raw"] = rows / (time.perf_counter() - t0)
     engine.dispose()
     return out
@@ -255,14 +255,6 @@ def _rekeyed(engine, results: list[EpisodeResult]) -> list[EpisodeResult]:
                                                 attempt=r.attempt, status="dispatched", batch_idx=0, epoch=0,
                                                 greedy=False, dispatch_version=0) for r in results])
     return [r.model_copy(update={"run_id": str(run_id)}) for r in results]
-
-
-def _raw_copy(cur, table: str, rows: list[tuple]) -> None:
-    cols = ", ".join(c for c, _ in TABLES[table])
-    with cur.copy(f"COPY {table} ({cols}) FROM STDIN (FORMAT BINARY)") as copy:
-        copy.set_types([t for _, t in TABLES[table]])
-        for row in rows:
-            copy.write_row(row)
 
 
 def read_results(redis_url: str, run_id: str) -> list[EpisodeResult]:

@@ -30,6 +30,9 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Literal
 
+import numpy as np
+from psycopg.adapt import Dumper
+from psycopg.pq import Format
 from psycopg.types.json import Jsonb
 from sqlalchemy import Engine
 
@@ -249,11 +252,41 @@ def _copy_insert(cur, table: str, rows: list[tuple]) -> None:
     cur.execute(
         f"CREATE TEMP TABLE IF NOT EXISTS {tmp} AS SELECT {cols} FROM {table} WITH NO DATA; TRUNCATE {tmp}"
     )
-    with cur.copy(f"COPY {tmp} ({cols}) FROM STDIN (FORMAT BINARY)") as copy:
-        copy.set_types([t for _, t in TABLES[table]])
+    copy_rows(cur, tmp, TABLES[table], rows)
+    cur.execute(f"INSERT INTO {table} ({cols}) SELECT {cols} FROM {tmp} ON CONFLICT DO NOTHING")
+
+
+def copy_rows(cur, table: str, spec: list[tuple[str, str]], rows: list[tuple]) -> None:
+    """Binary COPY of row tuples; token arrays packed with numpy (psycopg's list dumper is pure Python and
+    was half of the store's time in a profile)."""
+    for dumper in _ARRAY_DUMPERS:
+        cur.adapters.register_dumper(None, dumper)  # by oid only: affects this cursor's COPY of array columns
+    with cur.copy(f"COPY {table} ({', '.join(c for c, _ in spec)}) FROM STDIN (FORMAT BINARY)") as copy:
+        copy.set_types([t for _, t in spec])
         for row in rows:
             copy.write_row(row)
-    cur.execute(f"INSERT INTO {table} ({cols}) SELECT {cols} FROM {tmp} ON CONFLICT DO NOTHING")
+
+
+def _array_dumper(array_oid: int, elem_oid: int, code: str, size: int) -> type[Dumper]:
+    """Postgres binary array: ndim, has-null flag, element oid, (length, lower bound), then (size, value)*."""
+    item = np.dtype([("size", ">i4"), ("value", code)])
+    empty = np.array([0, 0, elem_oid], dtype=">i4").tobytes()
+
+    class PackedArrayDumper(Dumper):
+        format = Format.BINARY
+        oid = array_oid
+
+        def dump(self, obj) -> bytes:
+            if len(obj) == 0:
+                return empty
+            items = np.empty(len(obj), dtype=item)
+            items["size"], items["value"] = size, obj
+            return np.array([1, 0, elem_oid, len(obj), 1], dtype=">i4").tobytes() + items.tobytes()
+
+    return PackedArrayDumper
+
+
+_ARRAY_DUMPERS = [_array_dumper(1007, 23, ">i4", 4), _array_dumper(1021, 700, ">f4", 4), _array_dumper(1005, 21, ">i2", 2)]
 
 
 def _values_insert(cur, table: str, rows: list[tuple]) -> None:
