@@ -2,38 +2,21 @@
 
 from __future__ import annotations
 
-import math
 import uuid
 from typing import Any
 
 from sqlalchemy import case, func, select
 from sqlalchemy.orm import Session
 
-from shared.db.models import EpisodeRow, Metric, RolloutTaskRow, Run, TrajectoryRow
+from shared.db.models import EpisodeRow, Metric, Run, TrajectoryRow
+from shared.ledger import ledger_summary
+from shared.passk import pass_at_k as pass_at_k_one
 from shared.run_config import RunConfig
 
 
 def ledger(session: Session, run_id: uuid.UUID) -> dict[str, int]:
-    """Counts of ledger rows by status plus `in_flight`; uses the controller's shared helper when present."""
-    try:
-        from shared.ledger import ledger_summary  # written by the controller's engineer
-    except ImportError:
-        ledger_summary = None
-    if ledger_summary is not None:
-        try:
-            summary = dict(ledger_summary(session, run_id))
-            summary.setdefault("in_flight", summary.get("dispatched", 0))
-            return {k: v for k, v in summary.items() if isinstance(v, int | float)}
-        except Exception:  # a helper with another shape must not break run pages
-            session.rollback()
-    rows = session.execute(
-        select(RolloutTaskRow.status, func.count()).where(RolloutTaskRow.run_id == run_id)
-        .group_by(RolloutTaskRow.status)
-    ).all()
-    counts = {"dispatched": 0, "completed": 0, "failed": 0, "lost": 0} | {s: n for s, n in rows}
-    counts["in_flight"] = counts["dispatched"]
-    counts["total"] = sum(n for s, n in rows)
-    return counts
+    """{dispatched (attempts), in_flight, completed, failed, lost, cancelled, finished} from the ledger."""
+    return ledger_summary(session, run_id)
 
 
 def expected_samples(config: dict[str, Any], num_rows: int | None) -> int | None:
@@ -69,13 +52,6 @@ def latest_metrics(session: Session, run_id: uuid.UUID) -> dict[str, dict[str, A
     return {r.name: {"step": r.step, "value": r.value, "ts": r.ts.isoformat()} for r in rows}
 
 
-def pass_at_k_estimate(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k (Chen et al. 2021): 1 - C(n-c, k) / C(n, k)."""
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
-
-
 def pass_at_k(session: Session, run_id: uuid.UUID, max_k: int | None = None) -> dict[str, float]:
     """Mean over tasks of pass@k for k = 1, 2, 4, ... up to the fewest samples any task has."""
     rows = session.execute(
@@ -86,7 +62,7 @@ def pass_at_k(session: Session, run_id: uuid.UUID, max_k: int | None = None) -> 
         return {}
     n_min = min(n for _, n, _ in rows)
     ks = [k for k in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024) if k <= min(n_min, max_k or n_min)]
-    return {f"pass@{k}": sum(pass_at_k_estimate(n, c, k) for _, n, c in rows) / len(rows) for k in ks}
+    return {f"pass@{k}": sum(pass_at_k_one(n, c, k) for _, n, c in rows) / len(rows) for k in ks}
 
 
 def reward_by_version(session: Session, run_id: uuid.UUID) -> list[dict[str, Any]]:

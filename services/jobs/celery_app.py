@@ -61,7 +61,7 @@ def _job_task(ctx: JobContext, kind: str, fn: Callable) -> Callable[[str], None]
 
 
 def _start(ctx: JobContext, job_id: uuid.UUID) -> Job | None:
-    with Session(ctx.engine) as s:
+    with Session(ctx.engine, expire_on_commit=False) as s:
         job = s.get(Job, job_id)
         if job is None:
             log.warning("job %s has no row; dropped", job_id)
@@ -74,7 +74,7 @@ def _start(ctx: JobContext, job_id: uuid.UUID) -> Job | None:
 
 
 def _finish(ctx: JobContext, job_id: uuid.UUID, status: str, result: dict | None = None, error: str | None = None):
-    with Session(ctx.engine) as s:
+    with Session(ctx.engine, expire_on_commit=False) as s:
         s.execute(update(Job).where(Job.id == job_id).values(
             status=status, result=result or {}, error=error, finished_at=func.now()))
         s.commit()
@@ -93,7 +93,7 @@ def _add_periodic_tasks(app: Celery, ctx: JobContext) -> None:
 
 def _run_scheduled(ctx: JobContext, app: Celery, kind: str, params: dict) -> None:
     """Periodic work gets a jobs row like API-triggered work, so it shows in GET /v1/jobs."""
-    with Session(ctx.engine) as s:
+    with Session(ctx.engine, expire_on_commit=False) as s:
         job = Job(kind=kind, status="queued", params=params, result={})
         s.add(job)
         s.commit()
@@ -112,5 +112,5 @@ def _schedule(config: JobsConfig) -> dict:
 
 def active_run_ids(ctx: JobContext) -> list[str]:
     live = [s for s in RUN_STATUSES if s not in ("stopped", "completed", "failed")]
-    with Session(ctx.engine) as s:
+    with Session(ctx.engine, expire_on_commit=False) as s:
         return [str(r) for r in s.execute(select(Run.id).where(Run.status.in_(live))).scalars()]

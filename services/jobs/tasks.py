@@ -75,7 +75,7 @@ def evaluate(ctx: JobContext, job: Job) -> dict[str, Any]:
     if job.run_id is not None:
         return {"run_id": str(job.run_id)}
     config = dict(job.params["config"], kind="eval")
-    with Session(ctx.engine) as s:
+    with Session(ctx.engine, expire_on_commit=False) as s:
         if job.params.get("checkpoint_run_id"):
             ckpt = _checkpoint(s, job.params["checkpoint_run_id"], job.params.get("checkpoint_version"))
             config["model"] = ckpt.path or ckpt.uri
@@ -116,7 +116,7 @@ def export_trajectories(ctx: JobContext, job: Job) -> dict[str, Any]:
     import pyarrow.parquet as pq
 
     run_id = uuid.UUID(job.params["run_id"])
-    with Session(ctx.engine) as s:
+    with Session(ctx.engine, expire_on_commit=False) as s:
         if s.get(Run, run_id) is None:
             raise JobInputError(f"run {run_id} does not exist")
         records = [_export_record(s, t, e) for t, e in s.execute(
@@ -184,7 +184,7 @@ def _gc_checkpoints(ctx: JobContext, keep: int) -> dict[str, Any]:
     """Of each finished run keep the newest `keep` checkpoints; delete older files inside WEIGHTS_DIR."""
     root = ctx.config.resolved_weights_dir()
     deleted, kept_files = [], []
-    with Session(ctx.engine) as s:
+    with Session(ctx.engine, expire_on_commit=False) as s:
         finished = select(Run.id).where(Run.status.in_(TERMINAL_RUN_STATUSES))
         rows = s.execute(select(Checkpoint).where(Checkpoint.run_id.in_(finished), Checkpoint.status == "available")
                          .order_by(Checkpoint.run_id, Checkpoint.version.desc())).scalars().all()

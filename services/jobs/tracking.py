@@ -52,7 +52,7 @@ def sync_tracking(ctx: JobContext, job: Job) -> dict[str, Any]:
     r = redis.Redis.from_url(ctx.config.redis_url)
     run_id = uuid.UUID(job.params["run_id"])
     sent = {}
-    with Session(ctx.engine) as s:
+    with Session(ctx.engine, expire_on_commit=False) as s:
         run = s.get(Run, run_id)
         if run is None:
             raise JobInputError(f"run {run_id} does not exist")

@@ -53,8 +53,8 @@
       <div class="cards" id="ledger">
         <div class="card">policy version<b>${run.policy_version}</b></div>
         <div class="card">trajectories<b>${p.trajectories}${p.expected ? " / " + p.expected : ""}</b></div>
-        <div class="card">dispatched<b>${l.total ?? (l.dispatched + l.completed + l.failed + (l.lost || 0))}</b></div>
-        <div class="card">finished<b>${l.completed}</b></div>
+        <div class="card">dispatched<b>${l.dispatched}</b></div>
+        <div class="card">finished<b>${l.finished ?? l.completed}</b></div>
         <div class="card">failed<b>${l.failed}</b></div>
         <div class="card">in flight<b>${l.in_flight}</b></div>
         ${Object.entries(run.pass_at_k || {}).map(([k, v]) => `<div class="card">${esc(k)}<b>${num(v)}</b></div>`).join("")}

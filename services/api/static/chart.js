@@ -35,7 +35,8 @@
     const X = x => PAD.l + (x - xs.lo) / (xs.hi - xs.lo) * (w - PAD.l - PAD.r);
     const Y = y => h - PAD.b - (y - ys.lo) / (ys.hi - ys.lo) * (h - PAD.t - PAD.b);
     drawAxes(ctx, xs, ys, X, Y, w, h, opts);
-    series.forEach((s, i) => drawSeries(ctx, s, X, Y, i));
+    let legendX = PAD.l + 8;
+    series.forEach((s, i) => { legendX = drawSeries(ctx, s, X, Y, i, legendX); });
   }
 
   function drawAxes(ctx, xs, ys, X, Y, w, h, opts) {
@@ -49,7 +50,7 @@
     if (opts.xLabel) ctx.fillText(opts.xLabel, w / 2 - 20, h - 4);
   }
 
-  function drawSeries(ctx, s, X, Y, i) {
+  function drawSeries(ctx, s, X, Y, i, legendX) {
     const color = s.color || ["#3b82f6", "#22c55e", "#ef4444", "#a855f7", "#f59e0b"][i % 5];
     const p = s.points.filter(q => Number.isFinite(q.x) && Number.isFinite(q.y)).sort((a, b) => a.x - b.x);
     ctx.strokeStyle = color; ctx.fillStyle = color; ctx.lineWidth = 2;
@@ -57,8 +58,9 @@
     p.forEach((q, j) => (j ? ctx.lineTo(X(q.x), Y(q.y)) : ctx.moveTo(X(q.x), Y(q.y))));
     ctx.stroke();
     p.forEach(q => { ctx.beginPath(); ctx.arc(X(q.x), Y(q.y), 2.5, 0, 2 * Math.PI); ctx.fill(); });
-    ctx.fillRect(PAD.l + 8 + i * 110, 8, 10, 10);
-    ctx.fillStyle = "#1d2330"; ctx.fillText(s.label, PAD.l + 22 + i * 110, 17);
+    ctx.fillRect(legendX, 8, 10, 10);
+    ctx.fillStyle = "#1d2330"; ctx.fillText(s.label, legendX + 14, 17);
+    return legendX + 28 + ctx.measureText(s.label).width;
   }
 
   window.lineChart = lineChart;

@@ -1,0 +1,163 @@
+"""Background jobs through a real Celery worker process (`python -m services.jobs.main`, Redis broker) and the
+live API: dataset import (jsonl, csv, HF folder, built-in generator, bad file), evaluation of a checkpoint
+(creates an eval run), parquet export loadable with HF `datasets`, checkpoint + stream retention.
+
+    pytest -q tests/integration/test_jobs_worker.py
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import httpx
+import pytest
+import redis
+from api_testlib import run_config, seed_run, start_api, start_jobs, stop, wait_for
+from sqlalchemy import create_engine, select, update
+from sqlalchemy.orm import Session
+
+from shared.db.models import Checkpoint, Run
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("jobs-data")
+
+
+@pytest.fixture(scope="module")
+def api(database_url, redis_url, data_dir):
+    live = start_api(database_url, redis_url, data_dir)
+    yield live
+    stop(live.proc)
+
+
+@pytest.fixture(scope="module")
+def worker(database_url, redis_url, data_dir):
+    proc = start_jobs(database_url, redis_url, data_dir, WORKER_ID="jobs-test")
+    yield proc
+    assert stop(proc) == 0
+
+
+@pytest.fixture(scope="module")
+def client(api, worker):
+    with api.client() as c:
+        yield c
+
+
+def finished_job(client, job: dict, timeout_s: float = 60) -> dict:
+    def done():
+        j = client.get(f"/v1/jobs/{job['id']}").json()
+        return j if j["status"] in ("succeeded", "failed") else None
+
+    return wait_for(done, timeout_s)
+
+
+def test_worker_health_and_heartbeat(worker, redis_url):
+    beat = wait_for(lambda: redis.Redis.from_url(redis_url).get("heartbeat:jobs:jobs-test"), 30)
+    port = json.loads(beat)["port"]
+    assert httpx.get(f"http://127.0.0.1:{port}/healthz").status_code == 200
+    assert "service_up" in httpx.get(f"http://127.0.0.1:{port}/metrics").text
+
+
+def test_import_jsonl_csv_and_hf_folder(client, tmp_path):
+    import datasets
+
+    (tmp_path / "a.jsonl").write_text("\n".join(json.dumps({"id": i, "q": f"{i}?"}) for i in range(7)))
+    (tmp_path / "b.csv").write_text("task_id,question\nx,1?\ny,2?\n")
+    datasets.Dataset.from_list([{"question": "hf?", "answer": "1"}] * 3).save_to_disk(str(tmp_path / "hf"))
+    for name, path, n in (("imp-jsonl", "a.jsonl", 7), ("imp-csv", "b.csv", 2), ("imp-hf", "hf", 3)):
+        job = client.post("/v1/datasets/import", json={"name": name, "path": str(tmp_path / path)})
+        assert job.status_code == 202 and job.json()["status"] == "queued"
+        done = finished_job(client, job.json())
+        assert done["status"] == "succeeded", done["error"]
+        assert done["result"]["num_rows"] == n
+        assert client.get(f"/v1/datasets/{name}").json()["splits"]["train"]["num_rows"] == n
+    assert client.get("/v1/datasets/imp-csv/rows").json()["items"][1]["task_id"] == "y"
+
+
+def test_import_from_builtin_generator(client):
+    pytest.importorskip("shared.builtin.datasets")
+    job = client.post("/v1/datasets/import", json={"name": "gen-arith", "generator": "arithmetic", "n": 12, "seed": 3})
+    done = finished_job(client, job.json())
+    assert done["status"] == "succeeded", done["error"]
+    assert client.get("/v1/datasets/gen-arith/rows", params={"limit": 100}).json()["items"].__len__() == 12
+    bad = finished_job(client, client.post("/v1/datasets/import", json={"name": "g2", "generator": "nope"}).json())
+    assert bad["status"] == "failed" and "nope" in bad["error"]
+
+
+def test_bad_import_fails_the_job_with_the_reason(client, tmp_path):
+    (tmp_path / "bad.jsonl").write_text('{"a": 1}\n[1, 2]\n')
+    bad = finished_job(client, client.post("/v1/datasets/import",
+                                           json={"name": "bad", "path": str(tmp_path / "bad.jsonl")}).json())
+    assert bad["status"] == "failed" and "row 1: expected a JSON object" in bad["error"]
+    missing = finished_job(client, client.post("/v1/datasets/import", json={"name": "bad", "path": "/nope.jsonl"}).json())
+    assert missing["status"] == "failed" and "no such file" in missing["error"]
+    assert client.get("/v1/datasets/bad").status_code == 404
+
+
+def test_evaluate_checkpoint_creates_eval_run(client, database_url, tmp_path):
+    (tmp_path / "e.jsonl").write_text("\n".join(json.dumps({"id": i}) for i in range(3)))
+    finished_job(client, client.post("/v1/datasets/import", json={"name": "eval-ds", "path": str(tmp_path / "e.jsonl")}).json())
+    source = seed_run(database_url, name="trained", status="completed")
+    body = {"config": run_config("eval-ds", name="eval-of-trained", samples_per_task=4), "checkpoint_run_id": str(source),
+            "checkpoint_version": 1}
+    done = finished_job(client, client.post("/v1/evals", json=body).json())
+    assert done["status"] == "succeeded", done["error"]
+    run = client.get(f"/v1/runs/{done['result']['run_id']}").json()
+    assert run["kind"] == "eval" and run["status"] == "pending" and run["name"] == "eval-of-trained@v1"
+    assert run["config"]["model"] == f"file:///weights/{source}/v1" and done["run_id"] == run["id"]
+    body["config"]["dataset"] = "missing"
+    failed = finished_job(client, client.post("/v1/evals", json=body).json())
+    assert failed["status"] == "failed" and "missing" in failed["error"]
+
+
+def test_export_to_parquet_loads_with_hf_datasets(client, database_url):
+    import datasets
+
+    run_id = seed_run(database_url, name="export", num_tasks=2, samples=2, versions=2)
+    job = client.post(f"/v1/runs/{run_id}/export")
+    assert job.status_code == 202
+    done = finished_job(client, job.json())
+    assert done["status"] == "succeeded", done["error"]
+    ds = datasets.Dataset.from_parquet(done["result"]["path"])
+    assert len(ds) == 8 == done["result"]["num_rows"]
+    row = ds[0]
+    assert row["run_id"] == str(run_id) and row["response_ids"] == [4, 5, 6]
+    assert json.loads(row["steps"])[0]["chat_completions"][0]["role"] == "user"
+    assert client.post(f"/v1/runs/{uuid.uuid4()}/export").status_code == 404
+
+
+def test_gc_keeps_newest_checkpoints_and_trims_streams(client, database_url, redis_url, data_dir):
+    run_id = seed_run(database_url, name="gc", status="completed", versions=4)
+    weights = data_dir / "weights" / str(run_id)
+    engine = create_engine(database_url)
+    with Session(engine) as s:
+        for v in range(4):
+            (weights / f"v{v}").mkdir(parents=True)
+            (weights / f"v{v}" / "model.safetensors").write_bytes(b"x")
+            s.execute(update(Checkpoint).where(Checkpoint.run_id == run_id, Checkpoint.version == v)
+                      .values(path=str(weights / f"v{v}")))
+        s.commit()
+    r = redis.Redis.from_url(redis_url)
+    r.xgroup_create("trajectories", "store", id="0", mkstream=True)
+    for i in range(5):
+        r.xadd("trajectories", {"i": i})
+    r.xreadgroup("store", "c1", {"trajectories": ">"}, count=5)
+    r.xack("trajectories", "store", *[e[0] for e in r.xrange("trajectories")][:3])
+
+    done = finished_job(client, client.post("/v1/jobs/gc", json={"keep_checkpoints": 2}).json())
+    assert done["status"] == "succeeded", done["error"]
+    assert sorted(done["result"]["deleted_checkpoints"]) == [f"{run_id}/v0", f"{run_id}/v1"]
+    assert not (weights / "v0").exists() and (weights / "v3").exists()
+    statuses = {c["version"]: c["status"] for c in client.get(f"/v1/runs/{run_id}/checkpoints").json()["items"]}
+    assert statuses == {0: "deleted", 1: "deleted", 2: "available", 3: "available"}
+    assert done["result"]["trimmed"]["trajectories"] == 3 and r.xlen("trajectories") == 2
+    with Session(engine) as s:  # a running run keeps everything
+        assert s.execute(select(Run.status).where(Run.id == run_id)).scalar_one() == "completed"
+    engine.dispose()
+
+
+def test_jobs_list(client):
+    kinds = {j["kind"] for j in client.get("/v1/jobs", params={"limit": 100}).json()["items"]}
+    assert {"import_dataset", "evaluate", "export"} <= kinds
