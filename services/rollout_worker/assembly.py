@@ -1,0 +1,121 @@
+"""Token-exact multi-turn bookkeeping.
+
+`PromptBuilder` makes each turn's prompt ids. When the agent's chat history only grew since the last model
+call (the usual multi-turn case), the new prompt is the previous prompt + the generated ids, exactly as
+generated, + the tokens of the new messages (chat-template glue and observations). Nothing the model produced
+is re-tokenized, so the prompt extends the accumulated context by construction. When the history was rewritten
+(an agent that drops thinking, summarizes, ...) the prompt is the re-templated history, which usually does
+not extend the context.
+
+`assemble(steps)` turns the steps into the trainer's `TokenSequence`: the first prompt, then for each turn
+the new observation/template tokens (mask 0) and the completion (mask 1). A turn whose prompt does not extend
+the accumulated context sets `mismatch` and zeroes the whole mask, as rLLM does.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from shared.types import Step, TokenSequence
+
+
+class ChatTokenizer:
+    """The run's HF tokenizer seen as text <-> ids plus its chat template."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self.eos_ids = set(_as_list(tokenizer.eos_token_id))
+        self.eos_text = tokenizer.eos_token or ""
+
+    def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                  tokenize=False)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _as_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, list | tuple) else [value]
+
+
+class PromptBuilder:
+    """Per trajectory: `prompt_ids(messages)` before a model call, `record(...)` after it."""
+
+    def __init__(self, chat: ChatTokenizer):
+        self.chat = chat
+        self.context: list[int] | None = None  # previous prompt + response ids
+        self.messages: list[dict] = []  # history at the previous call
+        self.response_ids: list[int] = []
+        self.response_text = ""
+
+    def prompt_ids(self, messages: list[dict]) -> list[int]:
+        if self.context is not None:
+            delta = self.delta_text(messages)
+            if delta is not None:
+                return self.context + self.chat.encode(delta)
+        return self.chat.encode(self.chat.render(messages, add_generation_prompt=True))
+
+    def record(self, messages: list[dict], prompt_ids: list[int], response_ids: list[int], text: str) -> None:
+        self.messages = copy.deepcopy(messages)
+        self.context = list(prompt_ids) + list(response_ids)
+        self.response_ids, self.response_text = list(response_ids), text
+
+    def delta_text(self, messages: list[dict]) -> str | None:
+        """Template text that follows the generated ids, or None if the history was not just appended to."""
+        n = len(self.messages)
+        if messages[:n] != self.messages or len(messages) <= n + 1:
+            return None
+        reply = messages[n]
+        if reply.get("role") != "assistant" or reply.get("content") != self.response_text:
+            return None
+        before = self.chat.render(self.messages, add_generation_prompt=True)
+        through_reply = self.chat.render(messages[: n + 1], add_generation_prompt=False)
+        full = self.chat.render(messages, add_generation_prompt=True)
+        generated = before + self.response_text
+        if not through_reply.startswith(generated) or not full.startswith(through_reply):
+            return None
+        closing = through_reply[len(generated):]  # e.g. "<|im_end|>\n"
+        if self.response_ids and self.response_ids[-1] in self.chat.eos_ids:
+            if not closing.startswith(self.chat.eos_text):
+                return None
+            closing = closing[len(self.chat.eos_text):]  # the model already emitted the EOS token
+        return closing + full[len(through_reply):]
+
+
+def assemble(steps: list[Step]) -> TokenSequence:
+    steps = [s for s in steps if s.prompt_ids]
+    seq = TokenSequence()
+    if not steps:
+        return seq
+    seq.prompt_ids = list(steps[0].prompt_ids)
+    context = list(steps[0].prompt_ids)
+    for i, step in enumerate(steps):
+        if i > 0:
+            if step.prompt_ids[: len(context)] == context:
+                new = step.prompt_ids[len(context):]
+            else:
+                seq.mismatch = True
+                new = list(step.prompt_ids)
+            _append(seq, new, 0, [0.0] * len(new), -1)
+            context = list(step.prompt_ids)
+        logprobs = step.logprobs or [0.0] * len(step.response_ids)
+        version = step.weight_version if step.weight_version is not None else -1
+        _append(seq, step.response_ids, 1, logprobs, version)
+        context += step.response_ids
+    if seq.mismatch:
+        seq.loss_mask = [0] * len(seq.loss_mask)
+    return seq
+
+
+def _append(seq: TokenSequence, ids: list[int], mask: int, logprobs: list[float], version: int) -> None:
+    seq.response_ids.extend(ids)
+    seq.loss_mask.extend([mask] * len(ids))
+    seq.logprobs.extend(logprobs)
+    seq.versions.extend([version] * len(ids))

@@ -1,0 +1,31 @@
+"""rollout-worker settings (environment variables, e.g. MAX_CONCURRENCY=128)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+
+from shared.settings import ServiceSettings
+
+
+class RolloutWorkerConfig(ServiceSettings):
+    service_name: str = "rollout-worker"
+    max_concurrency: int = Field(64, ge=1, description="trajectories (tasks) run at once, count")
+    read_block_ms: int = Field(200, ge=1, description="longest blocking read of rollout.tasks, milliseconds")
+    claim_idle_ms: int = Field(30_000, ge=100, description="a task pending this long at a silent worker is "
+                               "reclaimed, milliseconds; live workers refresh their own every claim_idle_ms/3")
+    max_deliveries: int = Field(5, ge=1, description="deliveries of one task before it is dead-lettered")
+    env_reply_margin_s: float = Field(5.0, ge=0, description="added to an env call's timeout before the session "
+                                      "counts as lost (env worker dead), seconds")
+    error_retries: int = Field(1, ge=0, description="re-runs of an episode that ended in ERROR, count")
+    drain_timeout_s: float = Field(15.0, ge=0, description="on stop, wait this long for running trajectories; "
+                                   "the rest stay unacknowledged and are reclaimed by other workers, seconds")
+    hf_batch_wait_ms: float = Field(5.0, ge=0, description="hf engine: how long requests gather into one "
+                                    "batch, milliseconds")
+    weights_dir: Path | None = Field(None, description="WEIGHTS_DIR: local cache of fetched checkpoints; "
+                                     "default DATA_DIR/rollout-weights")
+
+    @property
+    def weights_cache(self) -> Path:
+        return self.weights_dir or self.data_dir / "rollout-weights"

@@ -1,0 +1,26 @@
+"""Inference engines by `engine.type` in the RunConfig: hf (transformers in-process), openai (any
+OpenAI-compatible completions server), vllm (in-process vLLM, GPU). Implementations import lazily."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from services.rollout_worker.engines.base import Generation, InferenceEngine, InferenceError, SamplingParams
+
+ENGINES = {
+    "hf": "services.rollout_worker.engines.hf:HFEngine",
+    "openai": "services.rollout_worker.engines.openai:OpenAIEngine",
+    "vllm": "services.rollout_worker.engines.vllm:VLLMEngine",
+}
+
+
+def build_engine(engine_type: str, model_path: str, engine_cfg: Any, tokenizer: Any, **kwargs) -> InferenceEngine:
+    """Construct the engine named by `engine_type`; ValueError naming the choices otherwise."""
+    if engine_type not in ENGINES:
+        raise ValueError(f"unknown engine type {engine_type!r}; choose one of {', '.join(ENGINES)}")
+    module, _, cls = ENGINES[engine_type].partition(":")
+    return getattr(importlib.import_module(module), cls)(model_path, engine_cfg, tokenizer, **kwargs)
+
+
+__all__ = ["ENGINES", "Generation", "InferenceEngine", "InferenceError", "SamplingParams", "build_engine"]

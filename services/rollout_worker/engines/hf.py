@@ -1,0 +1,184 @@
+"""transformers in-process (CPU or GPU) with batched generation.
+
+Requests are collected for `batch_wait_ms` and generated together (left-padded; same sampling settings per
+batch). Logprobs are log_softmax(raw logits / temperature) of the chosen tokens (the quantity the trainer
+recomputes). A weight reload waits for the batch in flight, swaps the state dict in place and bumps the
+version: every result carries the version its batch started on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import Histogram
+
+from services.rollout_worker.engines.base import Generation, InferenceEngine, SamplingParams
+from shared.logs import get_logger
+
+log = get_logger(__name__)
+BATCH_SIZE = Histogram("hf_batch_size", "Requests per HF generate call", buckets=(1, 2, 4, 8, 16, 32, 64, 128))
+BATCH_SECONDS = Histogram("hf_batch_seconds", "Duration of one HF generate call")
+
+
+@dataclass
+class _Request:
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    max_tokens: int
+    future: asyncio.Future
+
+
+class HFEngine(InferenceEngine):
+    def __init__(self, model_path: str, engine_cfg: Any, tokenizer: Any, *, batch_wait_ms: float = 5.0,
+                 initial_version: int = 0):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.torch = torch
+        self.device = engine_cfg.device
+        dtype = getattr(torch, engine_cfg.dtype)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(self.device).eval()
+        self.tokenizer = tokenizer
+        self.max_batch_size = engine_cfg.max_batch_size
+        self.batch_wait_s = batch_wait_ms / 1000
+        self.eos_ids = _eos_ids(tokenizer, self.model)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
+        self._version = initial_version
+        self._pending: list[_Request] = []
+        self._wakeup = asyncio.Event()
+        self._lock = asyncio.Lock()  # one generate batch or one weight swap at a time
+        self._loop_task: asyncio.Task | None = None
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams, max_tokens: int) -> Generation:
+        if self._loop_task is None or self._loop_task.done():
+            self._loop_task = asyncio.create_task(self._batch_loop())
+        future = asyncio.get_running_loop().create_future()
+        self._pending.append(_Request(list(prompt_ids), sampling, max_tokens, future))
+        self._wakeup.set()
+        return await future
+
+    async def _batch_loop(self) -> None:
+        while True:
+            await self._wakeup.wait()
+            await asyncio.sleep(self.batch_wait_s)  # let concurrent requests join the batch
+            batch = self._take_batch()
+            if not self._pending:
+                self._wakeup.clear()
+            if batch:
+                await self._run_batch(batch)
+
+    def _take_batch(self) -> list[_Request]:
+        if not self._pending:
+            return []
+        key = self._pending[0].sampling
+        batch = [r for r in self._pending if r.sampling == key][: self.max_batch_size]
+        taken = set(map(id, batch))
+        self._pending = [r for r in self._pending if id(r) not in taken]
+        return batch
+
+    async def _run_batch(self, batch: list[_Request]) -> None:
+        async with self._lock:
+            version = self._version
+            try:
+                results = await asyncio.to_thread(self._generate_batch, batch)
+            except Exception as e:
+                for r in batch:
+                    if not r.future.done():
+                        r.future.set_exception(e)
+                return
+        for r, (ids, logprobs, finish) in zip(batch, results, strict=True):
+            if not r.future.done():
+                text = self.tokenizer.decode(ids, skip_special_tokens=True)
+                r.future.set_result(Generation(ids, logprobs, text, finish, version))
+
+    def _generate_batch(self, batch: list[_Request]) -> list[tuple[list[int], list[float], str]]:
+        torch = self.torch
+        start = time.perf_counter()
+        width = max(len(r.prompt_ids) for r in batch)
+        input_ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
+        attention = torch.zeros((len(batch), width), dtype=torch.long)
+        for i, r in enumerate(batch):  # left padding: every prompt ends where generation starts
+            input_ids[i, width - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
+            attention[i, width - len(r.prompt_ids):] = 1
+        sampling = batch[0].sampling
+        max_new = max(r.max_tokens for r in batch)
+        with torch.no_grad():
+            out = self.model.generate(
+                input_ids=input_ids.to(self.device), attention_mask=attention.to(self.device),
+                max_new_tokens=max_new, min_new_tokens=1, **self._sampling_kwargs(sampling),
+                eos_token_id=self.eos_ids, pad_token_id=self.pad_id, output_logits=True,
+                return_dict_in_generate=True, stop_strings=list(sampling.stop) or None,
+                tokenizer=self.tokenizer if sampling.stop else None,
+            )
+        tokens = out.sequences[:, width:].cpu()
+        logits = torch.stack(out.logits, dim=1).float().cpu()  # (batch, steps, vocab)
+        temperature = sampling.temperature if sampling.temperature > 0 else 1.0
+        logprobs = torch.log_softmax(logits / temperature, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        BATCH_SIZE.observe(len(batch))
+        BATCH_SECONDS.observe(time.perf_counter() - start)
+        return [self._cut(tokens[i].tolist(), logprobs[i].tolist(), r.max_tokens) for i, r in enumerate(batch)]
+
+    def _sampling_kwargs(self, s: SamplingParams) -> dict:
+        if s.greedy:
+            return {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+        return {"do_sample": True, "temperature": s.temperature, "top_p": s.top_p,
+                "top_k": s.top_k if s.top_k > 0 else 0}
+
+    def _cut(self, ids: list[int], logprobs: list[float], max_tokens: int) -> tuple[list[int], list[float], str]:
+        """One sequence's own completion: through its first EOS, without padding, at most max_tokens."""
+        for n, tok in enumerate(ids[:max_tokens]):
+            if tok in self.eos_ids:
+                return ids[: n + 1], logprobs[: n + 1], "stop"
+        ids, logprobs = ids[:max_tokens], logprobs[:max_tokens]
+        if self.pad_id not in self.eos_ids and self.pad_id in ids:  # finished by a stop string
+            n = ids.index(self.pad_id)
+            return ids[:n], logprobs[:n], "stop"
+        return ids, logprobs, "length"
+
+    async def load_weights(self, folder: Path, version: int) -> None:
+        state = await asyncio.to_thread(_read_safetensors, Path(folder))
+        async with self._lock:  # between batches: requests in flight finish on the old version
+            await asyncio.to_thread(self._swap, state)
+            self._version = version
+        log.info("hf engine now serves version %d from %s", version, folder, extra={"policy_version": version})
+
+    def _swap(self, state: dict) -> None:
+        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        if unexpected:
+            raise ValueError(f"checkpoint has tensors the model lacks: {unexpected[:5]}")
+        untied = [k for k in missing if not k.endswith("lm_head.weight")]
+        if untied:
+            raise ValueError(f"checkpoint lacks tensors: {untied[:5]}")
+        self.model.tie_weights()
+
+    async def close(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+
+
+def _read_safetensors(folder: Path) -> dict:
+    from safetensors.torch import load_file
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{folder} has no *.safetensors files")
+    state: dict = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return state
+
+
+def _eos_ids(tokenizer: Any, model: Any) -> list[int]:
+    ids = model.generation_config.eos_token_id
+    ids = list(ids) if isinstance(ids, list | tuple) else ([ids] if ids is not None else [])
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    return ids

@@ -1,0 +1,101 @@
+"""Any OpenAI-compatible completions server (vLLM, the mock LLM), token ids in and out.
+
+Protocol (ports.md): POST {base_url}/completions {"model", "prompt": [ids], "max_tokens", "temperature",
+"top_p", "logprobs": 1, "return_token_ids": true, "stop"?} -> choices[0].text / .token_ids /
+.logprobs.token_logprobs / .finish_reason, optional top-level "weight_version".
+
+Transient failures (connection errors, 429, 5xx, timeouts) are retried with backoff `max_retries` times,
+then raised as InferenceError. Hot reload uses vLLM's dev-mode routes (pause -> collective_rpc
+reload_weights -> reset_prefix_cache -> update_weight_version -> resume) on the server root; the checkpoint
+folder must be visible to the server at the same path (shared volume).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from services.rollout_worker.engines.base import Generation, InferenceEngine, InferenceError, SamplingParams
+from shared.logs import get_logger
+
+log = get_logger(__name__)
+RETRYABLE_STATUS = {408, 429, 500, 502, 503, 504}
+
+
+class OpenAIEngine(InferenceEngine):
+    def __init__(self, model_path: str, engine_cfg: Any, tokenizer: Any, *, initial_version: int = 0, **_: Any):
+        if not engine_cfg.base_url:
+            raise ValueError("engine.base_url is required for the openai engine")
+        self.model = model_path
+        self.base_url = engine_cfg.base_url.rstrip("/")
+        self.server_root = self.base_url.removesuffix("/v1")
+        key = os.environ.get(engine_cfg.api_key_env) if engine_cfg.api_key_env else None
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        limits = httpx.Limits(max_connections=1024, max_keepalive_connections=1024)
+        self.client = httpx.AsyncClient(timeout=engine_cfg.request_timeout_s, headers=headers, limits=limits)
+        self.max_retries = engine_cfg.max_retries
+        self.tokenizer = tokenizer
+        self._version = initial_version
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams, max_tokens: int) -> Generation:
+        body = {"model": self.model, "prompt": list(prompt_ids), "max_tokens": max_tokens,
+                "temperature": sampling.temperature, "top_p": sampling.top_p, "logprobs": 1,
+                "return_token_ids": True}
+        if sampling.top_k > 0:
+            body["top_k"] = sampling.top_k
+        if sampling.stop:
+            body["stop"] = list(sampling.stop)
+        version = self._version
+        data = await self._post_with_retries(f"{self.base_url}/completions", body)
+        choice = data["choices"][0]
+        ids = list(choice.get("token_ids") or [])
+        if not ids and choice.get("text"):  # a server without token ids: the only place we re-tokenize
+            ids = self.tokenizer(choice["text"], add_special_tokens=False)["input_ids"]
+        logprobs = (choice.get("logprobs") or {}).get("token_logprobs") or [0.0] * len(ids)
+        finish = "length" if choice.get("finish_reason") == "length" else "stop"
+        return Generation(ids, [float(x or 0.0) for x in logprobs], choice.get("text", ""), finish,
+                          int(data.get("weight_version", version)))
+
+    async def _post_with_retries(self, url: str, body: dict) -> dict:
+        error: Exception | None = None
+        for attempt in range(self.max_retries + 1):
+            try:
+                resp = await self.client.post(url, json=body)
+                if resp.status_code not in RETRYABLE_STATUS:
+                    resp.raise_for_status()
+                    return resp.json()
+                error = InferenceError(f"{url}: HTTP {resp.status_code}")
+            except (httpx.TransportError, httpx.TimeoutException) as e:
+                error = e
+            except httpx.HTTPStatusError as e:  # 4xx other than 408/429: our request is wrong, do not retry
+                raise InferenceError(f"{url}: {e.response.status_code} {e.response.text[:300]}") from e
+            await asyncio.sleep(min(0.2 * 2**attempt, 5.0))
+        raise InferenceError(f"{url}: failed after {self.max_retries + 1} attempts: {error!r}")
+
+    async def load_weights(self, folder: Path, version: int) -> None:
+        root = self.server_root
+        await self._call("POST", f"{root}/pause", params={"mode": "wait"})
+        try:
+            await self._call("POST", f"{root}/collective_rpc",
+                             json={"method": "reload_weights", "kwargs": {"weights_path": str(folder)}})
+            await self._call("POST", f"{root}/reset_prefix_cache")
+            await self._call("POST", f"{root}/update_weight_version", json={"version": version})
+        finally:
+            await self._call("POST", f"{root}/resume")
+        self._version = version
+
+    async def _call(self, method: str, url: str, **kwargs: Any) -> None:
+        resp = await self.client.request(method, url, **kwargs)
+        if resp.status_code >= 400:
+            raise InferenceError(f"{method} {url}: HTTP {resp.status_code} {resp.text[:300]}")
+
+    async def close(self) -> None:
+        await self.client.aclose()

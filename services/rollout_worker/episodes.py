@@ -1,0 +1,93 @@
+"""One RolloutTask -> one EpisodeResult: run the workflow (or the single-agent loop), retry episodes that
+ended in ERROR, assemble each trajectory's tokens, classify the outcome."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import traceback
+
+from prometheus_client import Counter, Histogram
+
+from services.rollout_worker.assembly import assemble
+from services.rollout_worker.env_client import EnvClient
+from services.rollout_worker.rollout import Rollout
+from services.rollout_worker.runs import RunContext
+from shared.agent import Episode, WorkflowTerminated
+from shared.builtin.workflows import SingleAgentWorkflow
+from shared.logs import get_logger
+from shared.messages import EpisodeResult, RolloutTask, TrajectoryRecord
+from shared.types import TerminationReason as TR
+from shared.types import compute_mc_returns
+
+log = get_logger(__name__)
+EPISODES = Counter("rollout_episodes_total", "Episodes finished", ["status", "termination"])
+EPISODE_SECONDS = Histogram("rollout_episode_seconds", "Episode wall time",
+                            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300, 1800))
+MISMATCH = Counter("rollout_token_mismatch_total", "Trajectories masked because a turn's prompt did not "
+                   "extend the accumulated context")
+GRACE_S = 5.0  # after the deadline, the loop's own TIMEOUT handling gets this long before we cancel
+
+
+async def run_episode(ctx: RunContext, envs: EnvClient, task: RolloutTask, worker_id: str,
+                      error_retries: int) -> EpisodeResult:
+    started = time.time()
+    budget = min(task.deadline_s, ctx.config.trajectory_timeout_s)
+    for attempt in range(error_retries + 1):
+        rollout = Rollout(ctx, envs, task, time.monotonic() + budget)
+        result = await _run_once(ctx, rollout, task, budget)
+        if result.status == "failed" or result.termination_reason != TR.ERROR or attempt == error_retries:
+            break
+        log.info("episode %s ended in ERROR; retrying", rollout.uid, extra={"run_id": task.run_id})
+    result.worker_id, result.started_at, result.finished_at = worker_id, started, time.time()
+    EPISODES.labels(result.status, result.termination_reason.value).inc()
+    EPISODE_SECONDS.observe(result.finished_at - started)
+    return result
+
+
+async def _run_once(ctx: RunContext, rollout: Rollout, task: RolloutTask, budget: float) -> EpisodeResult:
+    workflow_cls = ctx.workflow_cls or SingleAgentWorkflow
+    args = ctx.config.workflow.args if ctx.config.workflow else {}
+    try:
+        workflow = workflow_cls(rollout=rollout, **args)
+        episode = await asyncio.wait_for(workflow.run(dict(task.task), rollout.uid), budget + GRACE_S)
+    except WorkflowTerminated as e:
+        if e.reason == TR.INFRA_ERROR:
+            return failed(task, str(e))
+        episode = Episode(id=rollout.uid, task=task.task, termination_reason=e.reason, info={"error": str(e)})
+    except TimeoutError:
+        episode = Episode(id=rollout.uid, task=task.task, termination_reason=TR.TIMEOUT)
+    except Exception:  # the user's workflow raised
+        episode = Episode(id=rollout.uid, task=task.task, termination_reason=TR.ERROR,
+                          info={"error": traceback.format_exc(limit=20)[-8000:]})
+    return completed(ctx, task, episode)
+
+
+def completed(ctx: RunContext, task: RolloutTask, episode: Episode) -> EpisodeResult:
+    records = []
+    for traj in episode.trajectories:
+        traj.tokens = assemble(traj.steps)
+        if traj.tokens.mismatch:
+            MISMATCH.inc()
+        compute_mc_returns(traj, ctx.config.algorithm.gamma)
+        records.append(TrajectoryRecord.from_trajectory(traj))
+    reason = episode.termination_reason or TR.UNKNOWN
+    # One trajectory: its reward. Several (solver/judge): whether the episode was right.
+    reward = records[0].reward if len(records) == 1 else float(episode.is_correct)
+    info = dict(episode.info)
+    if reason == TR.ERROR and "error" not in info:
+        info["error"] = next((t.info["error"] for t in records if t.info.get("error")), None)
+    return EpisodeResult(
+        run_id=task.run_id, task_id=task.task_id, sample_idx=task.sample_idx, attempt=task.attempt,
+        status="completed", termination_reason=reason, is_correct=episode.is_correct, reward=reward,
+        task=task.task, trajectories=records, metrics=episode.metrics, info=info, batch_idx=task.batch_idx,
+        greedy=task.greedy, error=info.get("error"),
+    )
+
+
+def failed(task: RolloutTask, error: str) -> EpisodeResult:
+    return EpisodeResult(
+        run_id=task.run_id, task_id=task.task_id, sample_idx=task.sample_idx, attempt=task.attempt,
+        status="failed", termination_reason=TR.INFRA_ERROR, task=task.task, error=error, batch_idx=task.batch_idx,
+        greedy=task.greedy,
+    )

@@ -1,0 +1,45 @@
+"""rollout-worker: runs agents (agent <-> inference engine <-> env workers) for every run's tasks.
+
+    REDIS_URL=... DATABASE_URL=... MAX_CONCURRENCY=64 python -m services.rollout_worker.main
+
+Consumes `rollout.tasks` (group "rollout"), publishes EpisodeResults to `trajectories`, follows `weights`."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+
+def main() -> None:
+    from services.rollout_worker.config import RolloutWorkerConfig
+    from shared.logs import get_logger, setup_logging
+
+    cfg = RolloutWorkerConfig()
+    setup_logging(cfg.service_name, cfg.log_level, cfg.log_format)
+    get_logger(__name__).info("rollout-worker config: %s", cfg.model_dump(exclude={"database_url", "redis_url"}))
+    sys.exit(asyncio.run(serve(cfg)))
+
+
+async def serve(cfg) -> int:
+    from services.rollout_worker.worker import RolloutWorker
+    from shared.bus import connect
+    from shared.db.session import make_engine
+    from shared.service import ServiceRuntime
+
+    runtime = ServiceRuntime(cfg, cfg.service_name, shutdown_timeout_s=cfg.drain_timeout_s + 10)
+    redis = connect(cfg.redis_url)
+    db = make_engine(cfg.database_url, pool_size=2)
+    worker = RolloutWorker(cfg, runtime.worker_id, redis, db)
+    await worker.start()
+
+    async def on_stop() -> None:
+        await worker.close()
+        await redis.aclose()
+        db.dispose()
+
+    worker.status = runtime.status  # reported by /healthz and the heartbeat
+    return await runtime.run(worker.loops(runtime.stop), on_stop=on_stop)
+
+
+if __name__ == "__main__":
+    main()

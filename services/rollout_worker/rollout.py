@@ -1,0 +1,180 @@
+"""The agent loop and episodes: one `Rollout` handle per task attempt, given to the workflow.
+
+    env.reset (env worker) -> agent.update_from_env -> engine.generate -> agent.update_from_model
+    -> env.step -> ... until done, max_steps, the token budget or the deadline.
+
+Failures are classified once, here: an env worker that does not answer or an engine that fails after its
+retries raise `InfraFailure` (the episode is `failed`, re-dispatched, never trained on); user env errors and
+user agent exceptions end the trajectory with ERROR and the traceback in `info["error"]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import traceback
+from typing import Any
+
+from prometheus_client import Counter, Histogram
+
+from services.rollout_worker.assembly import PromptBuilder
+from services.rollout_worker.engines import InferenceError
+from services.rollout_worker.env_client import EnvClient, EnvSessionLost
+from services.rollout_worker.runs import RunContext
+from shared.agent import BaseAgent, WorkflowTerminated
+from shared.logs import get_logger
+from shared.messages import EnvReply, RolloutTask
+from shared.types import TerminationReason as TR
+from shared.types import Trajectory
+
+log = get_logger(__name__)
+GEN_SECONDS = Histogram("rollout_generation_seconds", "One model call, queueing included")
+TOKENS = Counter("rollout_tokens_total", "Tokens", ["kind"])
+
+
+class InfraFailure(Exception):
+    """Not the policy's fault: lost env session, dead inference. Retried as a new attempt by the controller."""
+
+
+class Rollout:
+    """The handle a workflow drives agents through (see shared/builtin/workflows.py)."""
+
+    def __init__(self, ctx: RunContext, envs: EnvClient, task: RolloutTask, deadline: float):
+        self.ctx, self.envs, self.task, self.deadline = ctx, envs, task, deadline
+        self.cfg = ctx.config
+        self.uid = f"{task.task_id}:{task.sample_idx}:{task.attempt}"
+        self._sessions = 0
+
+    def make_agent(self) -> BaseAgent:
+        return self.ctx.agent_cls(**self.cfg.agent.args)
+
+    def time_left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    async def run_agent(self, agent: BaseAgent, task: dict, name: str = "agent",
+                        env: tuple[str, dict] | None = None) -> Trajectory:
+        env_name, env_args = env or (self.cfg.env.name, self.cfg.env.args)
+        self._sessions += 1
+        session = AgentSession(self, agent, task, name, env_name, env_args, f"{self.uid}:{self._sessions}")
+        return await session.run()
+
+
+class AgentSession:
+    """One trajectory: an agent, an env session and the token bookkeeping."""
+
+    def __init__(self, rollout: Rollout, agent: BaseAgent, task: dict, name: str, env_name: str,
+                 env_args: dict, session_id: str):
+        self.r, self.agent, self.task, self.name = rollout, agent, task, name
+        self.env_name, self.env_args, self.session_id = env_name, env_args, session_id
+        self.cfg = rollout.cfg
+        self.owner: str | None = None
+        self.builder = PromptBuilder(rollout.ctx.chat)
+        self.info: dict[str, Any] = {}
+        self.timings = {"gen_s": 0.0, "env_s": 0.0}
+
+    async def run(self) -> Trajectory:
+        self.agent.reset()
+        try:
+            reason = await self.loop()
+        except (EnvSessionLost, InferenceError) as e:
+            raise WorkflowTerminated(TR.INFRA_ERROR, str(e)) from e
+        except WorkflowTerminated:
+            raise
+        except Exception:  # the user's agent raised
+            reason = TR.ERROR
+            self.info["error"] = traceback.format_exc(limit=20)[-8000:]
+        finally:
+            if self.owner is not None:
+                self.r.envs.close_quietly(self.session_id, run_id=self.r.task.run_id, env=self.env_name,
+                                          owner=self.owner)
+        return self.finish(reason)
+
+    async def loop(self) -> TR:
+        reply = await self.env_call("reset", task=self.task)
+        if not reply.ok:
+            return self.env_failure(reply)
+        self.owner = reply.env_worker_id
+        self.agent.update_from_env(reply.observation, 0.0, False, reply.info)
+        for _ in range(self.cfg.max_steps):
+            if self.r.time_left() <= 0:
+                return TR.TIMEOUT
+            reason = await self.turn()
+            if reason is not None:
+                return reason
+        return TR.MAX_STEPS
+
+    async def turn(self) -> TR | None:
+        """One model call and env step; a termination reason, or None to go on."""
+        messages = self.agent.chat_completions
+        prompt_ids = self.builder.prompt_ids(messages)
+        max_tokens = self.response_budget(prompt_ids)
+        if max_tokens <= 0:
+            return TR.PROMPT_TRUNCATION
+        try:
+            gen = await self.generate(prompt_ids, max_tokens)
+        except TimeoutError:
+            return TR.TIMEOUT
+        self.agent.update_from_model(gen.text)
+        step = self.agent.get_current_state()
+        step.prompt_ids, step.response_ids, step.logprobs = list(prompt_ids), gen.ids, gen.logprobs
+        step.weight_version = gen.weight_version
+        step.info["finish_reason"] = gen.finish_reason
+        self.builder.record(messages, prompt_ids, gen.ids, gen.text)
+        action = step.action.action if hasattr(step.action, "action") else step.action
+        reply = await self.env_call("step", action=action)
+        if not reply.ok:
+            return self.env_failure(reply)
+        step.observation, step.reward, step.done = reply.observation, reply.reward, reply.done
+        step.info.update(reply.info)
+        self.info["is_correct"] = bool(reply.info.get("is_correct", reply.reward > 0))
+        if reply.done and reply.final_reward is not None:  # rLLM: the final reward replaces the last step's
+            step.reward = reply.final_reward
+        self.agent.update_from_env(reply.observation, reply.reward, reply.done, reply.info)
+        if gen.finish_reason == "length":
+            return TR.RESPONSE_TRUNCATION
+        return TR.ENV_DONE if reply.done else None
+
+    def response_budget(self, prompt_ids: list[int]) -> int:
+        if len(prompt_ids) > self.cfg.max_prompt_tokens and not self.agent.trajectory.steps:
+            return 0
+        budget = self.cfg.max_response_tokens
+        if self.cfg.max_trajectory_tokens is not None:
+            budget = min(budget, self.cfg.max_trajectory_tokens - len(prompt_ids))
+        return budget
+
+    async def generate(self, prompt_ids: list[int], max_tokens: int):
+        start = time.perf_counter()
+        sampling = self.r.ctx.sampling(self.r.task.greedy)
+        gen = await asyncio.wait_for(self.r.ctx.engine.generate(prompt_ids, sampling, max_tokens),
+                                     max(self.r.time_left(), 0.001))
+        self.timings["gen_s"] += time.perf_counter() - start
+        GEN_SECONDS.observe(time.perf_counter() - start)
+        TOKENS.labels("prompt").inc(len(prompt_ids))
+        TOKENS.labels("response").inc(len(gen.ids))
+        return gen
+
+    async def env_call(self, op: str, **kwargs: Any) -> EnvReply:
+        start = time.perf_counter()
+        timeout = self.cfg.env_step_timeout_s
+        reply = await self.r.envs.call(
+            op, self.session_id, run_id=self.r.task.run_id, env=self.env_name, owner=self.owner,
+            env_args=self.env_args, timeout_s=timeout,
+            ttl_s=self.cfg.trajectory_timeout_s + 2 * timeout + 60, **kwargs)
+        self.timings["env_s"] += time.perf_counter() - start
+        if not reply.ok and reply.error_kind == "session_lost":
+            raise EnvSessionLost(reply.error or "env session lost")
+        return reply
+
+    def env_failure(self, reply: EnvReply) -> TR:
+        self.info["error"] = reply.error
+        self.info["error_kind"] = reply.error_kind
+        return TR.ENV_TIMEOUT if reply.error_kind == "timeout" else TR.ERROR
+
+    def finish(self, reason: TR) -> Trajectory:
+        traj = self.agent.trajectory
+        traj.name, traj.task, traj.termination_reason = self.name, self.task, reason
+        traj.reward = float(sum(s.reward for s in traj.steps))
+        traj.info.update(self.info)
+        traj.info.update({k: round(v, 4) for k, v in self.timings.items()})
+        traj.info.setdefault("is_correct", False)
+        return traj

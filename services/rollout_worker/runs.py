@@ -1,0 +1,140 @@
+"""Per-run state a worker builds once: the RunConfig from Postgres, tokenizer, engine, agent/workflow classes;
+and hot reload of the run's weights (newest checkpoint in Postgres at first use, then the `weights` stream)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import Counter, Gauge
+from sqlalchemy import Engine, select
+from sqlalchemy.orm import Session
+
+from services.rollout_worker.assembly import ChatTokenizer
+from services.rollout_worker.engines import InferenceEngine, SamplingParams, build_engine
+from shared.db.models import Checkpoint, Run
+from shared.logs import get_logger
+from shared.messages import WeightsPublished
+from shared.registry import resolve
+from shared.run_config import RunConfig
+from shared.weights import ChecksumError, fetch_checkpoint
+
+log = get_logger(__name__)
+WEIGHT_VERSION = Gauge("rollout_weight_version", "Policy version served", ["run_id"])
+RELOADS = Counter("rollout_weight_reloads_total", "Weight reloads", ["outcome"])
+
+
+class RunNotFound(ValueError):
+    pass
+
+
+@dataclass
+class RunContext:
+    run_id: str
+    config: RunConfig
+    chat: ChatTokenizer
+    engine: InferenceEngine
+    agent_cls: Any
+    workflow_cls: Any | None
+    reload_lock: asyncio.Lock
+
+    def sampling(self, greedy: bool) -> SamplingParams:
+        s = self.config.sampling
+        if greedy:  # ReMax baseline / evaluation: deterministic decoding
+            return SamplingParams(temperature=0.0, top_p=1.0, top_k=-1, stop=tuple(s.stop))
+        return SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, stop=tuple(s.stop))
+
+
+class RunRegistry:
+    def __init__(self, db: Engine, weights_cache: Path, hf_batch_wait_ms: float):
+        self.db = db
+        self.weights_cache = weights_cache
+        self.hf_batch_wait_ms = hf_batch_wait_ms
+        self.contexts: dict[str, RunContext] = {}
+        self.announced: dict[str, WeightsPublished] = {}  # newest seen on the stream, served or not
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    async def get(self, run_id: str) -> RunContext:
+        if run_id in self.contexts:
+            return self.contexts[run_id]
+        async with self._locks.setdefault(run_id, asyncio.Lock()):
+            if run_id not in self.contexts:
+                ctx = await self.build(run_id)
+                await self.load_newest(ctx)
+                self.contexts[run_id] = ctx
+        return self.contexts[run_id]
+
+    async def build(self, run_id: str) -> RunContext:
+        config = await asyncio.to_thread(self.load_config, run_id)
+        from transformers import AutoTokenizer
+
+        tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, config.tokenizer_path)
+        kwargs = {"batch_wait_ms": self.hf_batch_wait_ms} if config.engine.type == "hf" else {}
+        engine = await asyncio.to_thread(build_engine, config.engine.type, config.model, config.engine,
+                                         tokenizer, **kwargs)
+        workflow_cls = resolve("workflow", config.workflow.name) if config.workflow else None
+        log.info("serving run %s: model %s, engine %s", run_id, config.model, config.engine.type,
+                 extra={"run_id": run_id})
+        return RunContext(run_id, config, ChatTokenizer(tokenizer), engine, resolve("agent", config.agent.name),
+                          workflow_cls, asyncio.Lock())
+
+    def load_config(self, run_id: str) -> RunConfig:
+        with self.db.connect() as conn:
+            raw = conn.execute(select(Run.config).where(Run.id == uuid.UUID(run_id))).scalar_one_or_none()
+        if raw is None:
+            raise RunNotFound(f"run {run_id} not found in the runs table")
+        return RunConfig.model_validate(raw)
+
+    def newest_checkpoint(self, run_id: str) -> WeightsPublished | None:
+        query = (select(Checkpoint).where(Checkpoint.run_id == uuid.UUID(run_id), Checkpoint.status == "available")
+                 .order_by(Checkpoint.version.desc()).limit(1))
+        with Session(self.db) as session:
+            c = session.scalars(query).first()
+        if c is None:
+            return None
+        return WeightsPublished(run_id=run_id, version=c.version, uri=c.uri, path=c.path, sha256=c.sha256,
+                                bytes=c.bytes, created_at=time.time())
+
+    async def load_newest(self, ctx: RunContext) -> None:
+        candidates = [await asyncio.to_thread(self.newest_checkpoint, ctx.run_id), self.announced.get(ctx.run_id)]
+        candidates = [c for c in candidates if c is not None]
+        if candidates:
+            await self.reload(ctx, max(candidates, key=lambda c: c.version))
+        WEIGHT_VERSION.labels(ctx.run_id).set(ctx.engine.version)
+
+    async def on_weights(self, msg: WeightsPublished) -> None:
+        seen = self.announced.get(msg.run_id)
+        if seen is None or msg.version > seen.version:
+            self.announced[msg.run_id] = msg
+        ctx = self.contexts.get(msg.run_id)
+        if ctx is not None:
+            await self.reload(ctx, msg)
+
+    async def reload(self, ctx: RunContext, msg: WeightsPublished) -> None:
+        """Fetch (checksums verified) and load; on any failure the old weights keep serving."""
+        async with ctx.reload_lock:
+            if msg.version <= ctx.engine.version:
+                return
+            try:
+                folder = await asyncio.to_thread(fetch_checkpoint, msg, self.weights_cache)
+                await ctx.engine.load_weights(folder, msg.version)
+            except ChecksumError as e:
+                RELOADS.labels("checksum_error").inc()
+                log.error("checkpoint v%d rejected (%s); still serving v%d", msg.version, e, ctx.engine.version,
+                          extra={"run_id": ctx.run_id})
+                return
+            except Exception:
+                RELOADS.labels("error").inc()
+                log.exception("loading checkpoint v%d failed; still serving v%d", msg.version, ctx.engine.version,
+                              extra={"run_id": ctx.run_id})
+                return
+            RELOADS.labels("ok").inc()
+            WEIGHT_VERSION.labels(ctx.run_id).set(ctx.engine.version)
+
+    async def close(self) -> None:
+        for ctx in self.contexts.values():
+            await ctx.engine.close()

@@ -1,0 +1,163 @@
+"""rollout-worker loops:
+
+- tasks: read `rollout.tasks` (group "rollout") only while a concurrency slot is free; each task runs as its
+  own asyncio task; its EpisodeResult is XADDed to `trajectories`, THEN the task is acked. A worker killed
+  mid-trajectory leaves its tasks pending; others reclaim them (XAUTOCLAIM after claim_idle_ms).
+- keepalive: tasks still running are re-claimed by this worker every claim_idle_ms/3, so a long trajectory
+  of a live worker is never taken for a dead one's.
+- env replies: the EnvClient reader.
+- weights: XREAD of `weights` with our own cursor; hot reload of the runs we serve.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import redis.asyncio as aioredis
+from prometheus_client import Gauge
+from sqlalchemy import Engine
+
+from services.rollout_worker.config import RolloutWorkerConfig
+from services.rollout_worker.env_client import EnvClient
+from services.rollout_worker.episodes import failed, run_episode
+from services.rollout_worker.runs import RunRegistry
+from shared.bus import Delivery, StreamBus, StreamConsumer
+from shared.logs import get_logger
+from shared.messages import EpisodeResult, MessageDecodeError, RolloutTask, WeightsPublished, decode
+from shared.streams import GROUP_ROLLOUT, ROLLOUT_TASKS, TRAJECTORIES, WEIGHTS
+
+log = get_logger(__name__)
+INFLIGHT = Gauge("rollout_tasks_inflight", "Tasks being run")
+REDIS_ERRORS = (ConnectionError, OSError, TimeoutError, aioredis.ConnectionError, aioredis.TimeoutError)
+
+
+class RolloutWorker:
+    def __init__(self, cfg: RolloutWorkerConfig, worker_id: str, redis: aioredis.Redis, db: Engine):
+        self.cfg, self.worker_id, self.redis = cfg, worker_id, redis
+        self.bus = StreamBus(redis)
+        self.consumer = StreamConsumer(self.bus, ROLLOUT_TASKS, GROUP_ROLLOUT, worker_id, expect=RolloutTask,
+                                       max_deliveries=cfg.max_deliveries, claim_idle_ms=cfg.claim_idle_ms,
+                                       block_ms=cfg.read_block_ms, batch_size=cfg.max_concurrency)
+        self.envs = EnvClient(redis, worker_id, cfg.env_reply_margin_s)
+        self.runs = RunRegistry(db, cfg.weights_cache, cfg.hf_batch_wait_ms)
+        self.running: dict[asyncio.Task, Delivery] = {}
+        self.status: dict = {}
+        self.weights_cursor = "$"
+
+    async def start(self) -> None:
+        await self.consumer.start()
+        await self.envs.start()
+        self.weights_cursor = await self._stream_end(WEIGHTS)
+
+    def loops(self, stop: asyncio.Event) -> list:
+        return [self.task_loop(stop), self.keepalive_loop(stop), self.envs.reader(stop), self.weights_loop(stop)]
+
+    # -- tasks -----------------------------------------------------------------------------------------------
+    async def task_loop(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            free = self.cfg.max_concurrency - len(self.running)
+            if free <= 0:
+                await asyncio.wait(list(self.running), timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
+                continue
+            self.consumer.batch_size = free
+            try:
+                deliveries = await self.consumer.read()
+            except REDIS_ERRORS:
+                await asyncio.sleep(0.5)
+                continue
+            busy = set(self.running.values())
+            for d in deliveries:
+                if any(d.id == b.id for b in busy):  # our own, reclaimed by us: already running
+                    continue
+                task = asyncio.create_task(self.run_task(d))
+                self.running[task] = d
+                task.add_done_callback(self._finished)
+            INFLIGHT.set(len(self.running))
+            self.status["inflight"] = len(self.running)
+        await self.drain()
+
+    def _finished(self, task: asyncio.Task) -> None:
+        self.running.pop(task, None)
+        INFLIGHT.set(len(self.running))
+        if not task.cancelled() and task.exception() is not None:
+            log.error("task runner crashed", exc_info=task.exception())
+
+    async def run_task(self, delivery: Delivery) -> None:
+        task: RolloutTask = delivery.message
+        try:
+            ctx = await self.runs.get(task.run_id)
+        except Exception as e:
+            log.exception("cannot serve run %s", task.run_id, extra={"run_id": task.run_id})
+            result = failed(task, f"rollout worker cannot serve the run: {e}")
+        else:
+            result = await run_episode(ctx, self.envs, task, self.worker_id, self.cfg.error_retries)
+            result.worker_id = self.worker_id
+        await self.publish(result)
+        await self.consumer.ack([delivery])  # only after the result is in `trajectories`
+
+    async def publish(self, result: EpisodeResult) -> None:
+        """Retry until Redis takes it: the task is not acked before, so nothing is lost if we die trying."""
+        while True:
+            try:
+                await self.bus.publish(TRAJECTORIES, result)
+                return
+            except REDIS_ERRORS:
+                log.warning("publishing an episode failed; retrying", exc_info=True)
+                await asyncio.sleep(1.0)
+
+    async def keepalive_loop(self, stop: asyncio.Event) -> None:
+        interval = self.cfg.claim_idle_ms / 3000
+        while not await _wait(stop, interval):
+            ids = [d.id for d in self.running.values()]
+            if ids:
+                try:  # resets the entries' idle time: they are not a dead worker's
+                    await self.redis.xclaim(ROLLOUT_TASKS, GROUP_ROLLOUT, self.worker_id, 0, ids, justid=True)
+                except REDIS_ERRORS:
+                    continue
+
+    async def drain(self) -> None:
+        if not self.running:
+            return
+        log.info("waiting up to %.0fs for %d running trajectories", self.cfg.drain_timeout_s, len(self.running))
+        _, pending = await asyncio.wait(list(self.running), timeout=self.cfg.drain_timeout_s)
+        for t in pending:  # unacked: another worker reclaims and re-runs them
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+
+    # -- weights ---------------------------------------------------------------------------------------------
+    async def weights_loop(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            try:
+                resp = await self.redis.xread({WEIGHTS: self.weights_cursor}, count=16, block=500)
+            except REDIS_ERRORS:
+                await asyncio.sleep(0.5)
+                continue
+            for _, entries in resp or []:
+                for entry_id, fields in entries:
+                    self.weights_cursor = entry_id
+                    await self.on_weights_entry(fields)
+
+    async def on_weights_entry(self, fields: dict) -> None:
+        try:
+            msg = decode(fields, WeightsPublished)
+        except MessageDecodeError as e:
+            log.warning("ignoring undecodable weights entry: %s", e)
+            return
+        await self.runs.on_weights(msg)
+
+    async def _stream_end(self, stream: str) -> str:
+        try:
+            return (await self.redis.xinfo_stream(stream))["last-generated-id"].decode()
+        except aioredis.ResponseError:
+            return "0-0"
+
+    async def close(self) -> None:
+        await self.runs.close()
+
+
+async def _wait(stop: asyncio.Event, seconds: float) -> bool:
+    try:
+        await asyncio.wait_for(stop.wait(), seconds)
+        return True
+    except TimeoutError:
+        return False

@@ -1,0 +1,90 @@
+"""Multi-turn token assembly: observation tokens mask 0, completions mask 1, mismatch zeroes the mask."""
+
+import pytest
+
+from services.rollout_worker.assembly import ChatTokenizer, PromptBuilder, assemble
+from shared.types import Step
+
+
+def step(prompt, response, version=0):
+    return Step(prompt_ids=prompt, response_ids=response, logprobs=[-0.5] * len(response), weight_version=version)
+
+
+def test_single_turn():
+    seq = assemble([step([1, 2, 3], [4, 5])])
+    assert seq.prompt_ids == [1, 2, 3] and seq.response_ids == [4, 5]
+    assert seq.loss_mask == [1, 1] and seq.logprobs == [-0.5, -0.5] and seq.versions == [0, 0]
+    assert not seq.mismatch
+
+
+def test_multi_turn_observation_tokens_are_masked():
+    steps = [step([1, 2], [3, 4], version=0), step([1, 2, 3, 4, 9, 9], [5], version=1)]
+    seq = assemble(steps)
+    assert seq.prompt_ids == [1, 2]
+    assert seq.response_ids == [3, 4, 9, 9, 5]
+    assert seq.loss_mask == [1, 1, 0, 0, 1]
+    assert seq.logprobs == [-0.5, -0.5, 0.0, 0.0, -0.5]
+    assert seq.versions == [0, 0, -1, -1, 1]
+    assert not seq.mismatch
+
+
+def test_turn_that_does_not_extend_context_masks_everything():
+    steps = [step([1, 2], [3, 4]), step([1, 2, 7, 4, 9], [5])]  # token 3 was re-tokenized as 7
+    seq = assemble(steps)
+    assert seq.mismatch and set(seq.loss_mask) == {0}
+    assert len(seq.loss_mask) == len(seq.response_ids) == len(seq.logprobs) == len(seq.versions)
+
+
+def test_steps_without_tokens_are_ignored():
+    assert assemble([Step()]).prompt_ids == []
+
+
+@pytest.fixture(scope="module")
+def chat(tmp_path_factory):
+    from fixtures.tiny_model import build_tokenizer
+
+    return ChatTokenizer(build_tokenizer())
+
+
+def test_prompt_builder_extends_generated_ids_exactly(chat):
+    builder = PromptBuilder(chat)
+    messages = [{"role": "user", "content": "What is 2 + 2?"}]
+    p1 = builder.prompt_ids(messages)
+    assert chat.tokenizer.decode(p1).endswith("<|im_start|>assistant\n")
+    # ids the tokenizer would not produce for this text (a non-canonical split), ending with EOS
+    generated = chat.encode("4") + chat.encode("2") + [chat.tokenizer.eos_token_id]
+    text = chat.decode(generated)
+    messages = messages + [{"role": "assistant", "content": text}, {"role": "user", "content": "Sure?"}]
+    builder.record(messages[:1], p1, generated, text)
+    p2 = builder.prompt_ids(messages)
+    assert p2[: len(p1) + len(generated)] == p1 + generated
+    assert chat.tokenizer.decode(p2).endswith("<|im_end|>\n<|im_start|>user\nSure?<|im_end|>\n<|im_start|>assistant\n")
+    seq = assemble([step(p1, generated), step(p2, [5])])
+    assert not seq.mismatch and seq.loss_mask.count(1) == len(generated) + 1
+
+
+def test_prompt_builder_truncated_response_gets_full_closing(chat):
+    builder = PromptBuilder(chat)
+    messages = [{"role": "user", "content": "hi"}]
+    p1 = builder.prompt_ids(messages)
+    generated = chat.encode("abc")  # cut by max_tokens: no EOS
+    text = chat.decode(generated)
+    builder.record(messages, p1, generated, text)
+    messages = messages + [{"role": "assistant", "content": text}, {"role": "user", "content": "go on"}]
+    p2 = builder.prompt_ids(messages)
+    assert p2[: len(p1) + len(generated)] == p1 + generated
+    assert chat.tokenizer.decode(p2[len(p1) + len(generated):]).startswith("<|im_end|>\n<|im_start|>user")
+
+
+def test_rewritten_history_is_retemplated_and_detected(chat):
+    builder = PromptBuilder(chat)
+    messages = [{"role": "user", "content": "hi"}]
+    p1 = builder.prompt_ids(messages)
+    generated = chat.encode("<think>x</think>ok") + [chat.tokenizer.eos_token_id]
+    text = chat.decode(generated)
+    builder.record(messages, p1, generated, text)
+    # an agent that drops its thinking from the history
+    messages = messages + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "again"}]
+    p2 = builder.prompt_ids(messages)
+    assert p2 == chat.encode(chat.render(messages, add_generation_prompt=True))
+    assert assemble([step(p1, generated), step(p2, [5])]).mismatch
