@@ -20,7 +20,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from pydantic import ValidationError
 from redis.exceptions import RedisError, ResponseError
 from sqlalchemy import Engine
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import OperationalError, SQLAlchemyError
 
 from services.controller import ledger
 from services.controller.config import ControllerConfig
@@ -70,13 +70,18 @@ class Controller:
     async def drive(self, stop: asyncio.Event) -> None:
         next_poll = next_expire = 0.0
         while not stop.is_set():
-            if time.monotonic() >= next_poll:
-                await self.poll_runs()
-                next_poll = time.monotonic() + self.cfg.poll_interval_s
-            if time.monotonic() >= next_expire:
-                for driver in list(self.drivers.values()):
-                    await asyncio.to_thread(self._tx, self._expire, driver)
-                next_expire = time.monotonic() + self.cfg.reconcile_interval_s
+            try:
+                if time.monotonic() >= next_poll:
+                    await self.poll_runs()
+                    next_poll = time.monotonic() + self.cfg.poll_interval_s
+                if time.monotonic() >= next_expire:
+                    for driver in list(self.drivers.values()):
+                        await asyncio.to_thread(self._tx, self._expire, driver)
+                    next_expire = time.monotonic() + self.cfg.reconcile_interval_s
+            except OperationalError as e:  # Postgres unreachable: wait it out; leases are re-taken after
+                log.warning("database unavailable: %r", e)
+                await _sleep(stop, self.cfg.poll_interval_s)
+                continue
             for driver in list(self.drivers.values()):
                 await self.step(driver)
             self.wake.clear()
