@@ -76,7 +76,7 @@ class Controller:
                     next_poll = time.monotonic() + self.cfg.poll_interval_s
                 if time.monotonic() >= next_expire:
                     for driver in list(self.drivers.values()):
-                        await asyncio.to_thread(self._tx, self._expire, driver)
+                        await self.expire(driver)
                     next_expire = time.monotonic() + self.cfg.reconcile_interval_s
             except OperationalError as e:  # Postgres unreachable: wait it out; leases are re-taken after
                 log.warning("database unavailable: %r", e)
@@ -261,6 +261,13 @@ class Controller:
             except RedisError as e:
                 log.warning("dead-letter scan failed: %r", e)
             await _sleep(stop, self.cfg.reconcile_interval_s)
+
+    async def expire(self, d: RunDriver) -> None:
+        try:
+            await asyncio.to_thread(self._tx, self._expire, d)
+        except SQLAlchemyError as e:  # rolled back after we updated memory: rebuild from the ledger
+            log.warning("lease expiry pass failed: %r", e, extra={"run_id": d.run_id})
+            self._drop(d.run_id)
 
     def _expire(self, conn, d: RunDriver) -> None:
         lost = ledger.expire_leases(conn, d.run_id)
