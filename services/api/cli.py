@@ -1,0 +1,284 @@
+"""`flywheel`: the command line over the REST API (FLYWHEEL_API_URL, default http://127.0.0.1:8000, and
+FLYWHEEL_TOKEN). Examples:
+
+    flywheel datasets import data/train.jsonl --name gsm8k-tiny
+    flywheel runs start -f run.yaml --watch
+    flywheel runs watch <run-id>
+    flywheel eval -f eval.yaml            # progress bar, then the pass@k table
+    flywheel sql "SELECT * FROM reward_by_policy_version LIMIT 5"
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import httpx
+import typer
+import yaml
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+app = typer.Typer(help="flywheel: RL post-training for LLM agents", no_args_is_help=True)
+runs_app = typer.Typer(help="start, list, watch and control runs", no_args_is_help=True)
+datasets_app = typer.Typer(help="import and list datasets", no_args_is_help=True)
+tokens_app = typer.Typer(help="API tokens", no_args_is_help=True)
+app.add_typer(runs_app, name="runs")
+app.add_typer(datasets_app, name="datasets")
+app.add_typer(tokens_app, name="tokens")
+# Long messages (paths, errors) stay on one line; piped output gets wide tables so ids are never cut.
+console = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 200)
+TERMINAL = ("stopped", "completed", "failed")
+UPLOADABLE = (".jsonl", ".json", ".csv", ".parquet")
+
+
+# ---- talking to the API -------------------------------------------------------------------------------------
+
+
+def client() -> httpx.Client:
+    url = os.environ.get("FLYWHEEL_API_URL", "http://127.0.0.1:8000")
+    token = os.environ.get("FLYWHEEL_TOKEN") or os.environ.get("API_TOKEN")
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    return httpx.Client(base_url=url, headers=headers, timeout=60)
+
+
+def call(method: str, path: str, **kw) -> Any:
+    """One API call; an error response ends the command with the API's explanation."""
+    try:
+        with client() as c:
+            r = c.request(method, path, **kw)
+    except httpx.HTTPError as e:
+        _fail(f"cannot reach the API at {os.environ.get('FLYWHEEL_API_URL', 'http://127.0.0.1:8000')}: {e}")
+    if r.status_code >= 400:
+        try:
+            body = r.json()
+            detail = body.get("message") or body.get("detail", body)
+        except ValueError:
+            detail = r.text
+        _fail(f"{r.status_code}: {detail if isinstance(detail, str) else json.dumps(detail)}")
+    return r.json() if r.content else None
+
+
+def _fail(message: str) -> None:
+    console.print(f"[red]error[/red] {message}")
+    raise typer.Exit(1)
+
+
+def _load_yaml(path: Path) -> dict:
+    if not path.exists():
+        _fail(f"{path}: no such file")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        _fail(f"{path}: not valid YAML ({e})")
+    if not isinstance(data, dict):
+        _fail(f"{path}: expected a mapping of run config fields")
+    return data
+
+
+def _table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
+    table = Table(title=title)
+    for c in columns:
+        table.add_column(c)
+    for r in rows:
+        table.add_row(*["" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v)) for v in r])
+    console.print(table)
+
+
+# ---- runs ---------------------------------------------------------------------------------------------------
+
+
+@runs_app.command("start")
+def runs_start(file: Annotated[Path, typer.Option("-f", "--file", help="run config YAML")],
+               watch: Annotated[bool, typer.Option(help="follow the run until it ends")] = False) -> None:
+    """Start a run from a YAML run config (the body of POST /v1/runs)."""
+    run = call("POST", "/v1/runs", json=_load_yaml(file))
+    console.print(f"started {run['kind']} run [bold]{run['name']}[/bold] id={run['id']}")
+    if watch:
+        runs_watch(run["id"])
+
+
+@runs_app.command("list")
+def runs_list(status: Annotated[str | None, typer.Option(help="only runs with this status")] = None,
+              limit: int = 50) -> None:
+    params = {"limit": limit} | ({"status": status} if status else {})
+    page = call("GET", "/v1/runs", params=params)
+    _table(f"runs ({page['total']})", ["id", "name", "kind", "status", "version", "created"],
+           [[r["id"], r["name"], r["kind"], r["status"], r["policy_version"], r["created_at"][:19]]
+            for r in page["items"]])
+
+
+@runs_app.command("show")
+def runs_show(run_id: str) -> None:
+    run = call("GET", f"/v1/runs/{run_id}")
+    console.print(f"[bold]{run['name']}[/bold] ({run['kind']}) status={run['status']} "
+                  f"policy_version={run['policy_version']}" + (f" error={run['error']}" if run["error"] else ""))
+    progress = run["progress"]
+    console.print(f"trajectories {progress['trajectories']}/{progress['expected'] or '?'}  ledger {run['ledger']}")
+    _table("latest metrics", ["metric", "step", "value"],
+           [[k, v["step"], v["value"]] for k, v in sorted(run["latest_metrics"].items())])
+    if run.get("pass_at_k"):
+        _pass_at_k_table(run["pass_at_k"])
+
+
+def _pass_at_k_table(pass_at_k: dict[str, float]) -> None:
+    _table("pass@k", ["k", "pass@k"], [[k.removeprefix("pass@"), v] for k, v in pass_at_k.items()])
+
+
+@runs_app.command("watch")
+def runs_watch(run_id: str, interval_s: Annotated[float, typer.Option(help="poll period, seconds")] = 1.0) -> None:
+    """Live progress bar and mean reward per policy version until the run ends."""
+    run = _follow(run_id, interval_s)
+    console.print(f"run {run['name']} ended: {run['status']}" + (f" ({run['error']})" if run["error"] else ""))
+    if run.get("pass_at_k"):
+        _pass_at_k_table(run["pass_at_k"])
+    if run["status"] == "failed":
+        raise typer.Exit(1)
+
+
+def _follow(run_id: str, interval_s: float) -> dict:
+    printed: set[int] = set()
+    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
+    with Progress(*columns, console=console) as bar:
+        task = bar.add_task("trajectories", total=None)
+        while True:
+            run = call("GET", f"/v1/runs/{run_id}")
+            p = run["progress"]
+            bar.update(task, completed=p["trajectories"], total=p["expected"],
+                       description=f"{run['status']} v{run['policy_version']}")
+            for r in call("GET", f"/v1/runs/{run_id}/rewards")["items"]:
+                v = r["policy_version"]
+                if v is not None and v not in printed and (v < run["policy_version"] or run["status"] in TERMINAL):
+                    printed.add(v)  # a version is printed once its trajectories are complete
+                    bar.console.print(f"policy v{v}: mean reward {r['mean_reward']:.4f} "
+                                      f"pass rate {r['pass_rate']:.3f} over {r['num_trajectories']} trajectories")
+            if run["status"] in TERMINAL:
+                return run
+            time.sleep(interval_s)
+
+
+def _control(run_id: str, action: str) -> None:
+    run = call("POST", f"/v1/runs/{run_id}/{action}")
+    console.print(f"run {run['name']} is now {run['status']}")
+
+
+@runs_app.command("stop")
+def runs_stop(run_id: str) -> None:
+    _control(run_id, "stop")
+
+
+@runs_app.command("pause")
+def runs_pause(run_id: str) -> None:
+    _control(run_id, "pause")
+
+
+@runs_app.command("resume")
+def runs_resume(run_id: str) -> None:
+    _control(run_id, "resume")
+
+
+# ---- evaluation ---------------------------------------------------------------------------------------------
+
+
+@app.command("eval")
+def evaluate(
+    file: Annotated[Path, typer.Option("-f", "--file", help="run config YAML (kind is set to eval)")],
+    checkpoint_run: Annotated[str | None, typer.Option(help="evaluate this run's checkpoint instead of `model`")] = None,
+    version: Annotated[int | None, typer.Option(help="checkpoint version (default: latest)")] = None,
+    wait: Annotated[bool, typer.Option(help="follow the run and print pass@k")] = True,
+    interval_s: float = 1.0,
+) -> None:
+    """Evaluate a model or checkpoint on a dataset: progress bar, then the pass@k table."""
+    config = _load_yaml(file) | {"kind": "eval"}
+    if checkpoint_run:
+        job = call("POST", "/v1/evals", json={"config": config, "checkpoint_run_id": checkpoint_run,
+                                              "checkpoint_version": version})
+        run_id = _wait_job(job["id"])["result"]["run_id"]
+    else:
+        run_id = call("POST", "/v1/runs", json=config)["id"]
+    console.print(f"eval run id={run_id}")
+    if wait:
+        runs_watch(run_id, interval_s)
+
+
+def _wait_job(job_id: str, timeout_s: float = 600) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        job = call("GET", f"/v1/jobs/{job_id}")
+        if job["status"] == "succeeded":
+            return job
+        if job["status"] == "failed":
+            _fail(f"job {job_id} ({job['kind']}) failed: {job['error']}")
+        time.sleep(0.5)
+    _fail(f"job {job_id} did not finish within {timeout_s:.0f}s; see `GET /v1/jobs/{job_id}`")
+
+
+# ---- datasets, tokens, SQL, local stack ---------------------------------------------------------------------
+
+
+@datasets_app.command("import")
+def datasets_import(
+    source: Annotated[str, typer.Argument(help="a local .jsonl/.csv/.parquet file, a HF datasets folder on the "
+                                               "API's machine, or a built-in generator with --generator")],
+    name: Annotated[str, typer.Option(help="dataset name")],
+    split: str = "train",
+    generator: Annotated[bool, typer.Option(help="SOURCE names a built-in generator")] = False,
+    n: Annotated[int, typer.Option(help="generator: rows")] = 100,
+    seed: int = 0,
+) -> None:
+    """Upload a file, or import a server-side folder / generator as a background job."""
+    path = Path(source)
+    if not generator and path.is_file() and path.suffix.lower() in UPLOADABLE:
+        with path.open("rb") as f:
+            ds = call("POST", "/v1/datasets", data={"name": name, "split": split}, files={"file": (path.name, f)})
+    else:
+        body = {"name": name, "split": split} | (
+            {"generator": source, "n": n, "seed": seed} if generator else {"path": str(path.resolve())})
+        ds = _wait_job(call("POST", "/v1/datasets/import", json=body)["id"])["result"]
+    console.print(f"dataset {ds['name']}/{ds['split']}: {ds['num_rows']} rows")
+
+
+@datasets_app.command("list")
+def datasets_list() -> None:
+    items = call("GET", "/v1/datasets")["items"]
+    _table("datasets", ["name", "split", "rows", "source", "created"],
+           [[d["name"], d["split"], d["num_rows"], d["source"], (d["created_at"] or "")[:19]] for d in items])
+
+
+@tokens_app.command("create")
+def tokens_create(name: str, scope: Annotated[list[str], typer.Option(help="read, write or admin")] = ["read"]) -> None:
+    """Create a token (needs an admin token); the token is printed once and only its hash is stored."""
+    t = call("POST", "/v1/tokens", json={"name": name, "scopes": scope})
+    console.print(f"token for {t['name']} (scopes {', '.join(t['scopes'])}); store it now, it is not shown again:")
+    typer.echo(t["token"])
+
+
+@app.command("sql")
+def sql(query: str, max_rows: int = 1000, as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
+    """Run one read-only SQL statement (as the flywheel_reader role, with a statement timeout)."""
+    out = call("POST", "/v1/sql", json={"query": query, "max_rows": max_rows})
+    if as_json:
+        typer.echo(json.dumps([dict(zip(out["columns"], r)) for r in out["rows"]]))
+        return
+    _table("" if not out["truncated"] else f"first {len(out['rows'])} rows", out["columns"], out["rows"])
+
+
+@app.command("up", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def up(ctx: typer.Context) -> None:
+    """Start every service as local processes (infra.local_stack; options pass through, see `flywheel-stack
+    --help`); embedded Redis/Postgres when REDIS_URL/DATABASE_URL are unset."""
+    try:
+        from infra.local_stack import main as stack_main
+    except ImportError as e:
+        _fail(f"the local stack is not available ({e}); use `docker compose up`")
+    sys.argv = ["flywheel-stack", *ctx.args]  # the stack parses its own options
+    stack_main()
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,114 @@
+"""The `flywheel` CLI end to end (typer.testing.CliRunner) against a live API process and a real jobs worker.
+
+    pytest -q tests/integration/test_cli_commands.py
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+import yaml
+from api_testlib import run_config, seed_run, start_api, start_jobs, stop
+from sqlalchemy import create_engine, update
+from sqlalchemy.orm import Session
+from typer.testing import CliRunner
+
+from services.api.cli import app
+from shared.db.models import Run
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def api(database_url, redis_url, tmp_path_factory):
+    data = tmp_path_factory.mktemp("cli")
+    live = start_api(database_url, redis_url, data)
+    worker = start_jobs(database_url, redis_url, data)
+    yield live
+    stop(worker)
+    stop(live.proc)
+
+
+@pytest.fixture
+def cli(api, monkeypatch):
+    monkeypatch.setenv("FLYWHEEL_API_URL", api.url)
+    monkeypatch.setenv("FLYWHEEL_TOKEN", api.token)
+
+    def invoke(*args: str, ok: bool = True):
+        result = runner.invoke(app, list(args), catch_exceptions=False)
+        assert (result.exit_code == 0) == ok, result.output
+        return result.output
+
+    return invoke
+
+
+def test_datasets_import_and_list(cli, tmp_path):
+    (tmp_path / "cli.jsonl").write_text("\n".join(json.dumps({"id": i, "q": str(i)}) for i in range(4)))
+    assert "cli-ds/train: 4 rows" in cli("datasets", "import", str(tmp_path / "cli.jsonl"), "--name", "cli-ds")
+    out = cli("datasets", "import", "arithmetic", "--generator", "--n", "6", "--name", "cli-gen")
+    assert "cli-gen/train: 6 rows" in out
+    listed = cli("datasets", "list")
+    assert "cli-ds" in listed and "cli-gen" in listed
+    assert "no such file" in cli("datasets", "import", str(tmp_path / "missing"), "--name", "x", ok=False)
+
+
+def test_runs_start_list_show_control(cli, tmp_path, database_url):
+    (tmp_path / "d.jsonl").write_text('{"id": 1}\n{"id": 2}\n')
+    cli("datasets", "import", str(tmp_path / "d.jsonl"), "--name", "cli-runs")
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(run_config("cli-runs", name="cli-run")))
+    out = cli("runs", "start", "-f", str(tmp_path / "run.yaml"))
+    run_id = out.split("id=")[1].split()[0]
+    assert run_id in cli("runs", "list", "--status", "pending")
+    assert "status=pending" in cli("runs", "show", run_id)
+    assert "cannot pause a run that is pending" in cli("runs", "pause", run_id, ok=False)
+    assert "now stopping" in cli("runs", "stop", run_id)
+    live = seed_run(database_url, name="cli-live")
+    assert "now paused" in cli("runs", "pause", str(live))
+    assert "now running" in cli("runs", "resume", str(live))
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(run_config("nope", name="bad")))
+    assert "dataset" in cli("runs", "start", "-f", str(tmp_path / "bad.yaml"), ok=False)
+
+
+def test_runs_watch_until_the_run_ends(cli, database_url):
+    run_id = seed_run(database_url, name="cli-watch", kind="eval", status="running", versions=2)
+
+    def complete_later():
+        time.sleep(1.5)
+        engine = create_engine(database_url)
+        with Session(engine) as s:
+            s.execute(update(Run).where(Run.id == run_id).values(status="completed"))
+            s.commit()
+        engine.dispose()
+
+    threading.Thread(target=complete_later).start()
+    out = cli("runs", "watch", str(run_id), "--interval-s", "0.3")
+    assert "policy v0: mean reward" in out and "policy v1: mean reward" in out
+    assert "ended: completed" in out and "pass@k" in out
+
+
+def test_eval_of_a_checkpoint_prints_pass_at_k(cli, database_url, tmp_path):
+    (tmp_path / "e.jsonl").write_text('{"id": 1}\n')
+    cli("datasets", "import", str(tmp_path / "e.jsonl"), "--name", "cli-eval")
+    source = seed_run(database_url, name="cli-trained", status="completed")
+    (tmp_path / "eval.yaml").write_text(yaml.safe_dump(run_config("cli-eval", name="cli-eval-run")))
+    out = cli("eval", "-f", str(tmp_path / "eval.yaml"), "--checkpoint-run", str(source), "--no-wait")
+    run_id = out.split("id=")[1].split()[0]
+    assert "cli-eval-run@v2" in cli("runs", "show", run_id)
+
+
+def test_tokens_and_sql(cli, api, monkeypatch, database_url):
+    seed_run(database_url, name="cli-sql")
+    out = cli("tokens", "create", "cli-reader", "--scope", "read")
+    token = out.strip().splitlines()[-1]
+    assert token.startswith("fw_")
+    monkeypatch.setenv("FLYWHEEL_TOKEN", token)
+    rows = json.loads(cli("sql", "SELECT run_name, count(*) AS n FROM trajectory_summary "
+                                 "WHERE run_name = 'cli-sql' GROUP BY run_name", "--json"))
+    assert rows == [{"run_name": "cli-sql", "n": 24}]
+    assert "read-only transaction" in cli("sql", "DELETE FROM runs", ok=False)
+    assert "403" in cli("runs", "stop", "00000000-0000-0000-0000-000000000000", ok=False)
+    monkeypatch.setenv("FLYWHEEL_TOKEN", "wrong")
+    assert "401" in cli("runs", "list", ok=False)
