@@ -1,0 +1,119 @@
+"""A user's journey over HTTP with the real controller: create a dataset, start an evaluation run, watch it
+complete, query its trajectories over REST and with the documented SQL, stop a training run and see it stopped.
+
+The rollout data plane is played by this test (it takes tasks from `rollout.tasks` and answers with
+EpisodeResult messages on `trajectories`, as a rollout worker would), so the controller's real dispatch,
+storage and completion logic runs without a model.
+
+    pytest -q tests/integration/test_api_journey.py
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import redis
+from api_testlib import REPO, run_config, service_env, start_api, stop, wait_for
+
+from shared.messages.codec import decode, encode
+from shared.messages.rollout import RolloutTask
+from shared.messages.trajectory import EpisodeResult, StepRecord, TrajectoryRecord
+from shared.streams import GROUP_ROLLOUT, ROLLOUT_TASKS, TRAJECTORIES
+
+pytest.importorskip("services.controller.main")
+
+
+@pytest.fixture(scope="module")
+def stack(database_url, redis_url, tmp_path_factory):
+    data = tmp_path_factory.mktemp("journey")
+    api = start_api(database_url, redis_url, data, SQL_TIMEOUT_S="0.5")
+    env = service_env(database_url, redis_url, data, HEALTH_PORT="0", STOP_TIMEOUT_S="1", POLL_INTERVAL_S="0.2")
+    controller = subprocess.Popen([sys.executable, "-m", "services.controller.main"], cwd=REPO, env=env)
+    yield api
+    stop(controller)
+    stop(api.proc)
+
+
+def fake_rollout_worker(redis_url: str, stop_event: threading.Event, only_run: str) -> None:
+    """Answer every task of `only_run`: correct when the sample index is even."""
+    r = redis.Redis.from_url(redis_url)
+    try:
+        r.xgroup_create(ROLLOUT_TASKS, GROUP_ROLLOUT, id="0", mkstream=True)
+    except redis.ResponseError:
+        pass
+    while not stop_event.is_set():
+        for _, entries in r.xreadgroup(GROUP_ROLLOUT, "fake-worker", {ROLLOUT_TASKS: ">"}, count=50, block=200) or []:
+            for entry_id, fields in entries:
+                task = decode(fields, RolloutTask)
+                if task.run_id == only_run:
+                    r.xadd(TRAJECTORIES, encode(answer(task)))
+                r.xack(ROLLOUT_TASKS, GROUP_ROLLOUT, entry_id)
+
+
+def answer(task: RolloutTask) -> EpisodeResult:
+    correct = task.sample_idx % 2 == 0
+    reply = f"The answer is \\boxed{{{task.task.get('answer') if correct else 'wrong'}}}"
+    step = StepRecord(prompt_ids=[1, 2], response_ids=[3, 4, 5], logprobs=[-0.1, -0.2, -0.3],
+                      chat_completions=[{"role": "user", "content": task.task["question"]},
+                                        {"role": "assistant", "content": reply}],
+                      model_response=reply, reward=float(correct), done=True, weight_version=0)
+    traj = TrajectoryRecord(uid=f"{task.task_id}-{task.sample_idx}", name="solver", reward=float(correct),
+                            termination_reason="env_done", steps=[step], prompt_ids=[1, 2],
+                            response_ids=[3, 4, 5], loss_mask=[1, 1, 1], logprobs=[-0.1, -0.2, -0.3],
+                            versions=[0, 0, 0])
+    now = time.time()
+    return EpisodeResult(run_id=task.run_id, task_id=task.task_id, sample_idx=task.sample_idx,
+                         attempt=task.attempt, status="completed", termination_reason="env_done",
+                         is_correct=correct, reward=float(correct), task=task.task, trajectories=[traj],
+                         worker_id="fake-worker", batch_idx=task.batch_idx, started_at=now - 0.1, finished_at=now)
+
+
+def test_user_journey(stack, redis_url):
+    with stack.client() as api:
+        rows = [{"id": f"j{i}", "question": f"{i}+1?", "answer": str(i + 1)} for i in range(3)]
+        r = api.post("/v1/datasets", data={"name": "journey"},
+                     files={"file": ("journey.jsonl", "\n".join(json.dumps(x) for x in rows).encode())})
+        assert r.status_code == 201
+
+        # An evaluation run: 3 tasks x 4 samples, watched until the controller completes it.
+        r = api.post("/v1/runs", json=run_config("journey", name="journey-eval", kind="eval", samples_per_task=4))
+        assert r.status_code == 201, r.text
+        eval_id = r.json()["id"]
+        stop_worker = threading.Event()
+        worker = threading.Thread(target=fake_rollout_worker, args=(redis_url, stop_worker, eval_id), daemon=True)
+        worker.start()
+        try:
+            run = wait_for(lambda: (x := api.get(f"/v1/runs/{eval_id}").json())["status"] in
+                           ("completed", "failed") and x, timeout_s=60)
+        finally:
+            stop_worker.set()
+            worker.join(5)
+        assert run["status"] == "completed", run
+        assert run["progress"]["trajectories"] == 12 and run["progress"]["fraction"] == 1.0
+        assert run["pass_at_k"]["pass@1"] == pytest.approx(0.5) and run["pass_at_k"]["pass@4"] == 1.0
+
+        # Its trajectories over REST ...
+        page = api.get(f"/v1/runs/{eval_id}/trajectories", params={"min_reward": 1, "limit": 100}).json()
+        assert page["total"] == 6
+        detail = api.get(f"/v1/trajectories/{page['items'][0]['id']}").json()
+        assert detail["steps"][0]["chat_completions"][1]["role"] == "assistant"
+
+        # ... and with the documented SQL (as the read-only role, through the API).
+        q = f"SELECT task_id, num_samples, pass_rate FROM task_pass_rate WHERE run_id = '{eval_id}' ORDER BY task_id"
+        out = api.post("/v1/sql", json={"query": q}).json()
+        assert out["rows"] == [["j0", 4, 0.5], ["j1", 4, 0.5], ["j2", 4, 0.5]]
+        slow = api.post("/v1/sql", json={"query": "SELECT pg_sleep(3)"})
+        assert slow.status_code == 400 and "timeout" in slow.json()["detail"]
+
+        # A training run (no rollout worker answers it): started, then stopped by the user.
+        train_id = api.post("/v1/runs", json=run_config("journey", name="journey-train", total_steps=100)).json()["id"]
+        wait_for(lambda: api.get(f"/v1/runs/{train_id}").json()["status"] == "running", timeout_s=30)
+        assert api.post(f"/v1/runs/{train_id}/stop").json()["status"] == "stopping"
+        stopped = wait_for(lambda: (x := api.get(f"/v1/runs/{train_id}").json())["status"] == "stopped" and x, 30)
+        assert stopped["ledger"]["in_flight"] == 0
+        assert api.post(f"/v1/runs/{train_id}/resume").status_code == 409
