@@ -251,9 +251,9 @@ def datasets_list() -> None:
 
 
 @tokens_app.command("create")
-def tokens_create(name: str, scope: Annotated[list[str], typer.Option(help="read, write or admin")] = ["read"]) -> None:
+def tokens_create(name: str, scope: Annotated[list[str] | None, typer.Option(help="read, write or admin")] = None) -> None:
     """Create a token (needs an admin token); the token is printed once and only its hash is stored."""
-    t = call("POST", "/v1/tokens", json={"name": name, "scopes": scope})
+    t = call("POST", "/v1/tokens", json={"name": name, "scopes": scope or ["read"]})
     console.print(f"token for {t['name']} (scopes {', '.join(t['scopes'])}); store it now, it is not shown again:")
     typer.echo(t["token"])
 
@@ -263,7 +263,7 @@ def sql(query: str, max_rows: int = 1000, as_json: Annotated[bool, typer.Option(
     """Run one read-only SQL statement (as the flywheel_reader role, with a statement timeout)."""
     out = call("POST", "/v1/sql", json={"query": query, "max_rows": max_rows})
     if as_json:
-        typer.echo(json.dumps([dict(zip(out["columns"], r)) for r in out["rows"]]))
+        typer.echo(json.dumps([dict(zip(out["columns"], r, strict=True)) for r in out["rows"]]))
         return
     _table("" if not out["truncated"] else f"first {len(out['rows'])} rows", out["columns"], out["rows"])
 

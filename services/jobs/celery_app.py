@@ -13,14 +13,13 @@ from celery import Celery
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
+from services.jobs.config import JobsConfig
+from services.jobs.tasks import JOBS, JobContext, JobInputError
+from services.jobs.tracking import sync_tracking
 from shared.db.models import RUN_STATUSES, Job, Run
 from shared.db.session import make_engine
 from shared.jobs import JOB_TASKS
 from shared.logs import get_logger
-
-from services.jobs.config import JobsConfig
-from services.jobs.tasks import JOBS, JobContext, JobInputError
-from services.jobs.tracking import sync_tracking
 
 log = get_logger(__name__)
 

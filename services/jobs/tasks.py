@@ -15,15 +15,22 @@ from typing import Any
 from sqlalchemy import Engine, select, update
 from sqlalchemy.orm import Session
 
+from services.jobs.config import JobsConfig
 from shared import streams
 from shared.datasets import DatasetError, DatasetRegistry, count_rows, load_rows
 from shared.db.models import (
-    TERMINAL_RUN_STATUSES, Checkpoint, EpisodeRow, Job, Run, RunEvent, StepRow, TokenArrayRow, TrajectoryRow,
+    TERMINAL_RUN_STATUSES,
+    Checkpoint,
+    EpisodeRow,
+    Job,
+    Run,
+    RunEvent,
+    StepRow,
+    TokenArrayRow,
+    TrajectoryRow,
 )
 from shared.logs import get_logger
 from shared.run_config import RunConfig
-
-from services.jobs.config import JobsConfig
 
 log = get_logger(__name__)
 TRIMMED_STREAMS = (streams.ROLLOUT_TASKS, streams.ENV_REQUESTS, streams.TRAJECTORIES, streams.RUN_EVENTS)

@@ -12,9 +12,8 @@ import redis
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from shared.db.models import Job, Metric, Run
-
 from services.jobs.tasks import JobContext, JobInputError
+from shared.db.models import Job, Metric, Run
 
 
 def _wandb_log(ctx: JobContext, run: Run, rows: list[Metric]) -> None:

@@ -19,7 +19,15 @@ from sqlalchemy import create_engine
 from sqlalchemy.orm import Session
 
 from shared.db.models import (
-    Checkpoint, EpisodeRow, Metric, RolloutTaskRow, Run, RunEvent, StepRow, TokenArrayRow, TrajectoryRow,
+    Checkpoint,
+    EpisodeRow,
+    Metric,
+    RolloutTaskRow,
+    Run,
+    RunEvent,
+    StepRow,
+    TokenArrayRow,
+    TrajectoryRow,
 )
 
 REPO = Path(__file__).resolve().parents[2]

@@ -140,6 +140,7 @@ def test_gc_keeps_newest_checkpoints_and_trims_streams(client, database_url, red
                       .values(path=str(weights / f"v{v}")))
         s.commit()
     r = redis.Redis.from_url(redis_url)
+    r.delete("trajectories")  # earlier tests in the session (a controller) may have left entries and groups
     r.xgroup_create("trajectories", "store", id="0", mkstream=True)
     for i in range(5):
         r.xadd("trajectories", {"i": i})

@@ -83,7 +83,7 @@ def preview_rows(name: str, request: Request, split: Annotated[str, Query(max_le
     except DatasetNotFound as e:
         raise HTTPException(404, str(e)) from e
     return {"name": name, "split": split, "offset": offset,
-            "items": [{"idx": offset + i, "task_id": t, "data": r} for i, (t, r) in enumerate(zip(ds.task_ids, ds.rows))]}
+            "items": [{"idx": offset + i, "task_id": t, "data": r} for i, (t, r) in enumerate(zip(ds.task_ids, ds.rows, strict=True))]}
 
 
 @router.delete("/{name}", status_code=204)

@@ -12,7 +12,13 @@ from sqlalchemy import func, select, update
 from services.api.deps import DB, Config
 from services.api.job_queue import submit_job
 from services.api.progress import (
-    expected_samples, latest_metrics, ledger, pass_at_k, reward_by_version, run_out, stored_trajectories,
+    expected_samples,
+    latest_metrics,
+    ledger,
+    pass_at_k,
+    reward_by_version,
+    run_out,
+    stored_trajectories,
 )
 from shared.datasets import count_rows
 from shared.db.models import RUN_STATUSES, Checkpoint, Metric, Run, RunEvent, TrajectoryRow
