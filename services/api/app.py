@@ -3,7 +3,10 @@ and the dashboard's static files."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import time
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import redis
@@ -18,8 +21,11 @@ from sqlalchemy.exc import DataError, IntegrityError
 from services.api.auth import authorize
 from services.api.config import ApiConfig
 from services.api.routers import datasets, jobs, runs, sql, system, tokens, trajectories
+from shared.bus import connect
 from shared.db.session import make_engine, session_factory
 from shared.logs import get_logger
+from shared.service import default_worker_id
+from shared.streams import heartbeat_key
 
 log = get_logger(__name__)
 STATIC_DIR = Path(__file__).parent / "static"
@@ -27,8 +33,32 @@ REQUESTS = Counter("api_requests_total", "HTTP requests", ["method", "handler", 
 LATENCY = Histogram("api_request_seconds", "HTTP request latency, seconds", ["method", "handler"])
 
 
+@asynccontextmanager
+async def heartbeat(app: FastAPI):
+    """The Redis heartbeat key every service keeps (heartbeat:api:<worker>), refreshed while the API runs."""
+    config: ApiConfig = app.state.config
+    key = heartbeat_key("api", config.worker_id or default_worker_id("api"))
+    redis_async = connect(config.redis_url)
+
+    async def beat() -> None:
+        while True:
+            try:
+                await redis_async.set(key, json.dumps({"service": "api", "port": config.api_port}),
+                                      px=int(config.heartbeat_interval_s * 3000))
+            except Exception as e:  # Redis down: keep serving; /readyz reports it
+                log.warning("heartbeat failed: %r", e)
+            await asyncio.sleep(config.heartbeat_interval_s)
+
+    task = asyncio.create_task(beat())
+    yield
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    await redis_async.aclose()
+
+
 def create_app(config: ApiConfig) -> FastAPI:
-    app = FastAPI(title="flywheel", version="0.1.0", description="RL post-training for LLM agents: control plane")
+    app = FastAPI(title="flywheel", version="0.1.0", description="RL post-training for LLM agents: control plane",
+                  lifespan=heartbeat)
     engine = make_engine(config.database_url)
     app.state.config = config
     app.state.engine = engine

@@ -59,6 +59,13 @@ def test_health_ready_metrics_are_open(api):
     assert "api_requests_total" in metrics and 'stream_length{stream="rollout.tasks"}' in metrics
 
 
+def test_heartbeat_key(api, redis_url):
+    import redis
+
+    r = redis.Redis.from_url(redis_url)
+    assert any(k.startswith(b"heartbeat:api:") for k in r.scan_iter("heartbeat:api:*"))
+
+
 def test_openapi_and_docs(api, client):
     import httpx
 
