@@ -334,7 +334,8 @@ def main() -> None:
 
 
 def run_bench(args, tmp: Path, redis_url: str, db_url: str) -> dict:
-    from tests.fixtures.tiny_model import build_tiny_model  # the same tiny tokenizer the tests use
+    sys.path.insert(0, str(REPO / "tests"))  # the same tiny model + tokenizer the tests use
+    from fixtures.tiny_model import build_tiny_model
 
     model_dir = str(build_tiny_model(tmp / "model"))
     engine = make_engine(db_url)
