@@ -11,10 +11,20 @@ import uuid
 from datetime import datetime
 
 from sqlalchemy import (
-    BigInteger, Boolean, DateTime, Float, ForeignKey, Index, Integer, SmallInteger, String, Text,
-    UniqueConstraint, func,
+    BigInteger,
+    Boolean,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    SmallInteger,
+    String,
+    Text,
+    UniqueConstraint,
+    func,
 )
-from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB, REAL, UUID
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 RUN_STATUSES = ("pending", "running", "paused", "stopping", "stopped", "completed", "failed")
@@ -210,7 +220,7 @@ class TokenArrayRow(Base):
     step_idx: Mapped[int] = mapped_column(Integer, primary_key=True)
     prompt_ids: Mapped[list[int]] = mapped_column(ARRAY(Integer), nullable=False, default=list)
     response_ids: Mapped[list[int]] = mapped_column(ARRAY(Integer), nullable=False, default=list)
-    logprobs: Mapped[list[float]] = mapped_column(ARRAY(Float(precision=24)), nullable=False, default=list)
+    logprobs: Mapped[list[float]] = mapped_column(ARRAY(REAL), nullable=False, default=list)
     loss_mask: Mapped[list[int] | None] = mapped_column(ARRAY(SmallInteger))
     versions: Mapped[list[int] | None] = mapped_column(ARRAY(Integer))
 
