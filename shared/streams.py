@@ -33,3 +33,8 @@ def heartbeat_key(service: str, worker_id: str) -> str:
 
 
 HEARTBEAT_PATTERN = "heartbeat:*"
+
+
+def trainer_lease_key(run_id: str) -> str:
+    """Expiring key naming the trainer process that owns a training run (value: its worker id)."""
+    return f"trainer:lease:{run_id}"

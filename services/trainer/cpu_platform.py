@@ -28,7 +28,7 @@ _CPU_MODULE.__dict__.update(
     max_memory_allocated=_zero, max_memory_reserved=_zero, memory_allocated=_zero, memory_reserved=_zero,
     reset_peak_memory_stats=lambda *a, **k: None, empty_cache=lambda: None, mem_get_info=lambda *a: (0, 0),
     manual_seed=torch.manual_seed, manual_seed_all=torch.manual_seed, set_device=lambda *a: None,
-    current_device=lambda: "cpu", get_device_name=lambda *a: "CPU", device_count=lambda: 1, is_available=lambda: True,
+    current_device=lambda: "cpu", get_rng_state=torch.get_rng_state, set_rng_state=torch.set_rng_state, get_device_name=lambda *a: "CPU", device_count=lambda: 1, is_available=lambda: True,
 )
 
 

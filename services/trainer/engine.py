@@ -51,7 +51,7 @@ class PolicyEngine:
 
         from services.trainer.algorithm import actor_config
 
-        self.algo, self.temperature = algo, temperature or 1.0
+        self.algo, self.temperature, self.micro_batch_size = algo, temperature or 1.0, micro_batch_size
         self.engine_config = FSDPEngineConfig(
             strategy="fsdp2", model_dtype=dtype, dtype="float32" if dtype == "fp32" else "bfloat16",
             mixed_precision={"param_dtype": dtype, "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
@@ -95,6 +95,10 @@ class PolicyEngine:
         tu.assign_non_tensor(td, temperature=self.temperature, calculate_entropy=True, **meta)
         return td
 
+    def _micro(self, rows: int) -> int:
+        """Largest micro-batch <= the configured one that divides `rows` (verl requires exact division)."""
+        return next(m for m in range(min(self.micro_batch_size, rows), 0, -1) if rows % m == 0)
+
     def _response_values(self, nested: torch.Tensor, t: dict) -> torch.Tensor:
         from tensordict import TensorDict
         from verl.workers.utils.padding import no_padding_2_padding
@@ -107,7 +111,8 @@ class PolicyEngine:
     def log_probs(self, t: dict, *, reference: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token log-probs and entropies of the responses under the current (or reference) policy."""
         worker = self.ref if reference else self.actor
-        out = worker.infer_batch(self._tensordict(t, compute_loss=False))
+        rows = t["input_ids"].shape[0]
+        out = worker.infer_batch(self._tensordict(t, compute_loss=False, micro_batch_size_per_gpu=self._micro(rows)))
         return self._response_values(out["log_probs"], t), self._response_values(out["entropy"], t)
 
     def update(self, t: dict, old_log_probs: torch.Tensor, advantages: torch.Tensor, is_weights: torch.Tensor,
@@ -122,7 +127,8 @@ class PolicyEngine:
             extra["ref_log_prob"] = ref_log_probs
         td = self._tensordict(t, extra, compute_loss=True, global_batch_size=batch_size // minis,
                               mini_batch_size=batch_size // minis, epochs=self.algo.ppo_epochs, seed=seed,
-                              dataloader_kwargs={"shuffle": False})
+                              dataloader_kwargs={"shuffle": False},
+                              micro_batch_size_per_gpu=self._micro(batch_size // minis))
         out = self.actor.train_mini_batch(td)
         return {k: _mean(v) for k, v in tu.get(out, "metrics").items()}
 

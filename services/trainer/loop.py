@@ -1,0 +1,316 @@
+"""The trainer service loop: consume `trajectories` (group "train"), train whole groups with verl, checkpoint,
+record, publish, and only then acknowledge.
+
+Exactly-once training, across crashes:
+1. a step's inputs stay pending in the stream (unacknowledged) while it trains;
+2. the step's checkpoint (model + optimizer + STEP.json listing the samples it used) is renamed into place;
+3. one Postgres transaction records the used samples (`train_samples`, keyed by (run, task, sample)),
+   runs.policy_version and the metrics;
+4. the version is published to the weight server; 5. the stream entries are acknowledged.
+A crash before 2 re-trains the same entries from the previous checkpoint; between 2 and 3 the record is
+replayed from STEP.json at start-up; after 3 the entries are recognised as used and acknowledged unused.
+
+This process is the only consumer of the "train" group: at start-up it claims every pending entry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from prometheus_client import Counter, Gauge, Histogram
+from redis.asyncio import Redis
+from sqlalchemy import Engine
+
+from services.trainer import batch as batching
+from services.trainer import runs as db
+from services.trainer.batch import Group, GroupBuffer, SampleKey
+from services.trainer.config import TrainerSettings
+from services.trainer.publisher import WeightPublisher
+from services.trainer.state import CheckpointDir, SampleRecord, StepRecord
+from shared.bus import Delivery, StreamBus, StreamConsumer
+from shared.logs import get_logger
+from shared.messages import EpisodeResult, MessageDecodeError, decode
+from shared.run_config import RunConfig
+from shared.streams import GROUP_TRAIN, TRAJECTORIES
+
+log = get_logger(__name__)
+STEPS = Counter("trainer_steps_total", "Optimizer steps (policy versions) completed", ["run_id"])
+SAMPLES = Counter("trainer_samples_total", "Samples consumed, by outcome", ["outcome"])
+STEP_SECONDS = Histogram("trainer_step_seconds", "Train + checkpoint + record + publish per version",
+                         buckets=(0.1, 0.3, 1, 3, 10, 30, 100, 300))
+VERSION = Gauge("trainer_policy_version", "Latest policy version", ["run_id"])
+
+
+@dataclass
+class RunState:
+    """A run this process owns: its model, its buffer of groups, the deliveries held for the next step."""
+
+    run_id: str
+    config: RunConfig
+    version: int
+    learner: object
+    engine: object
+    ckpts: CheckpointDir
+    buffer: GroupBuffer
+    held: dict[SampleKey, Delivery] = field(default_factory=dict)
+    dropped: dict[str, list[Group]] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=dict)
+
+    def count(self, what: str, n: int = 1) -> None:
+        self.counts[what] = self.counts.get(what, 0) + n
+        SAMPLES.labels(what).inc(n)
+
+    @property
+    def done(self) -> bool:
+        return self.config.total_steps is not None and self.version >= self.config.total_steps
+
+
+class Trainer:
+    def __init__(self, settings: TrainerSettings, redis: Redis, db_engine: Engine, worker_id: str):
+        self.settings, self.redis, self.db, self.worker_id = settings, redis, db_engine, worker_id
+        self.consumer = StreamConsumer(
+            StreamBus(redis), TRAJECTORIES, GROUP_TRAIN, worker_id, expect=EpisodeResult,
+            max_deliveries=1_000_000, claim_idle_ms=1 << 40,  # held entries wait long: never reclaim our own
+            batch_size=settings.read_batch, block_ms=settings.read_block_ms)
+        self.publisher = WeightPublisher(settings.weight_server_url, settings.weights_dir, settings.publish_timeout_s)
+        self.torch_thread = ThreadPoolExecutor(1, thread_name_prefix="torch")  # all verl work on one thread
+        self.runs: dict[str, RunState] = {}
+        self.foreign: set[str] = set()  # runs another trainer holds
+        self.broken: dict[str, str] = {}  # runs this trainer cannot train (error), left alone until restart
+        self.status: dict = {}
+
+    # -- the loop ---------------------------------------------------------------------------------------------
+    async def serve(self, stop: asyncio.Event) -> None:
+        await self.consumer.start()
+        await self.refresh_runs()
+        await self.claim_pending()
+        next_poll = time.monotonic() + self.settings.runs_poll_s
+        while not stop.is_set():
+            if time.monotonic() >= next_poll:
+                await self.refresh_runs()
+                next_poll = time.monotonic() + self.settings.runs_poll_s
+            await self.route(await self.consumer.read())
+            for run in list(self.runs.values()):
+                await self.maybe_step(run)
+        await self.close()
+
+    async def claim_pending(self) -> None:
+        """Take over every entry the group still has pending (a previous trainer's, ours before a crash)."""
+        cursor = "0-0"
+        while True:
+            cursor, entries, *_ = await self.redis.xautoclaim(
+                TRAJECTORIES, GROUP_TRAIN, self.worker_id, 0, start_id=cursor, count=self.settings.read_batch)
+            await self.route([d for d in (self._decode(e, f) for e, f in entries if f) if d is not None])
+            if cursor in (b"0-0", "0-0"):
+                return
+
+    def _decode(self, entry_id: bytes, fields: dict) -> Delivery | None:
+        try:
+            return Delivery(entry_id, decode(fields, EpisodeResult), 1, fields)
+        except MessageDecodeError as e:
+            log.error("undecodable trajectories entry %s acknowledged: %s", entry_id, e)
+            asyncio.ensure_future(self.redis.xack(TRAJECTORIES, GROUP_TRAIN, entry_id))
+            return None
+
+    # -- runs -------------------------------------------------------------------------------------------------
+    async def refresh_runs(self) -> None:
+        active = {r.id: r for r in await asyncio.to_thread(db.active_runs, self.db)}
+        for run_id in list(self.runs):
+            if run_id not in active or not await self._lease(run_id):
+                await self.close_run(run_id)
+        for run_id, row in active.items():
+            if run_id not in self.runs and run_id not in self.broken:
+                await self.open_run(row)
+        self.status.update(runs={r.run_id: r.version for r in self.runs.values()}, broken=self.broken)
+
+    async def _lease(self, run_id: str) -> bool:
+        return await db.hold_lease(self.redis, run_id, self.worker_id, self.settings.lease_ttl_s)
+
+    async def open_run(self, row: db.RunRow) -> None:
+        if not await self._lease(row.id):
+            self.foreign.add(row.id)
+            return
+        self.foreign.discard(row.id)
+        try:
+            run = await self._in_torch(self._build_run, row)
+        except Exception as e:  # one bad run (missing checkpoint, bad model path) must not stop the others
+            log.exception("cannot train run %s", row.id, extra={"run_id": row.id})
+            self.broken[row.id] = repr(e)
+            await asyncio.to_thread(db.record_event, self.db, row.id, "trainer_error", repr(e))
+            await db.release_lease(self.redis, row.id, self.worker_id)
+            return
+        self.runs[row.id] = run
+        VERSION.labels(row.id).set(run.version)
+        log.info("training run %s from version %d", row.id, run.version, extra={"run_id": row.id})
+
+    def _build_run(self, row: db.RunRow) -> RunState:
+        """Load the model (from the latest complete checkpoint, if any) and finish an interrupted step."""
+        from services.trainer.engine import PolicyEngine
+        from services.trainer.learner import Learner
+
+        config = RunConfig.model_validate(row.config)
+        s = self.settings
+        engine = PolicyEngine(config.model, config.algorithm, device=s.device, dtype=s.dtype,
+                              micro_batch_size=s.micro_batch_size, group_size=config.samples_per_task,
+                              temperature=config.sampling.temperature)
+        ckpts = CheckpointDir(s.state_dir, row.id, s.keep_checkpoints)
+        version = self._recover(row, engine, ckpts)
+        tokenizer = engine.model_config.tokenizer
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+        return RunState(row.id, config, version, Learner(engine, config.algorithm, pad_id), engine, ckpts,
+                        GroupBuffer(config.samples_per_task, need_greedy=config.algorithm.adv_estimator == "remax"))
+
+    def _recover(self, row: db.RunRow, engine, ckpts: CheckpointDir) -> int:
+        latest = ckpts.latest()
+        if latest is None:
+            if row.policy_version > 0:
+                raise RuntimeError(f"run {row.id} is at policy version {row.policy_version} but {ckpts.root} has "
+                                   "no trainer checkpoint: restore STATE_DIR or start a new run")
+            return 0
+        path, record = latest
+        if record.version < row.policy_version:
+            raise RuntimeError(f"run {row.id}: newest trainer checkpoint is v{record.version} but the run is at "
+                               f"v{row.policy_version}; restore the newer checkpoint into {ckpts.root}")
+        engine.load(path)
+        if record.version > row.policy_version:  # crashed between checkpoint and commit: replay the commit
+            db.commit_step(self.db, record)
+        if not db.is_published(self.db, row.id, record.version):
+            self._publish(row.id, engine, record.version, record.metrics)
+        return record.version
+
+    async def close_run(self, run_id: str) -> None:
+        run = self.runs.pop(run_id, None)
+        if run is not None:
+            log.info("released run %s at version %d", run_id, run.version, extra={"run_id": run_id})
+        await db.release_lease(self.redis, run_id, self.worker_id)
+
+    async def close(self) -> None:
+        for run_id in list(self.runs):
+            await self.close_run(run_id)
+        self.torch_thread.shutdown(wait=True)
+
+    # -- intake -----------------------------------------------------------------------------------------------
+    async def route(self, deliveries: list[Delivery]) -> None:
+        by_run: dict[str, list[Delivery]] = {}
+        for d in deliveries:
+            by_run.setdefault(d.message.run_id, []).append(d)
+        for run_id, items in by_run.items():
+            if run_id not in self.runs and run_id not in self.foreign and run_id not in self.broken:
+                await self._maybe_open(run_id)
+            if run_id in self.runs:
+                await self.intake(self.runs[run_id], items)
+            elif run_id not in self.foreign and run_id not in self.broken:  # not a training run (eval, finished, unknown): nothing to do
+                await self.consumer.ack(items)
+
+    async def _maybe_open(self, run_id: str) -> None:
+        row = await asyncio.to_thread(db.load_run, self.db, run_id)
+        if row is not None and row.trainable:
+            await self.open_run(row)
+
+    async def intake(self, run: RunState, deliveries: list[Delivery]) -> None:
+        """Apply the acceptance rule; hold what will be trained on, acknowledge the rest now."""
+        keys = [(d.message.task_id, d.message.sample_idx, d.message.attempt) for d in deliveries]
+        used, late = await asyncio.to_thread(db.screen, self.db, run.run_id, keys)
+        ack_now = []
+        for d, key in zip(deliveries, keys, strict=True):
+            outcome = self._classify(run, d, key, used, late)
+            if outcome == "held":
+                run.held[(run.run_id, key[0], key[1])] = d
+                for sample in batching.samples_from_result(d.message):
+                    run.buffer.add(sample)
+            elif outcome != "already_held":
+                ack_now.append(d)
+            run.count(outcome)
+        await self.consumer.ack(ack_now)
+
+    @staticmethod
+    def _classify(run: RunState, d: Delivery, key, used: set, late: set) -> str:
+        held = run.held.get((run.run_id, key[0], key[1]))
+        if held is not None:
+            return "already_held" if held.id == d.id else "duplicate"
+        if (key[0], key[1]) in used:
+            return "duplicate"
+        if key in late:
+            return "late"
+        if batching.excluded_reason(d.message) is not None:
+            return "excluded"  # failed attempts are retried by the controller; never trained on
+        return "held"
+
+    # -- one step ---------------------------------------------------------------------------------------------
+    async def maybe_step(self, run: RunState) -> None:
+        if run.done:
+            return
+        cfg = run.config
+        chosen, dropped = batching.select_groups(
+            run.buffer.complete_groups(), cfg.tasks_per_batch, dynamic_sampling=cfg.algorithm.dynamic_sampling,
+            version=run.version, max_staleness=cfg.max_staleness, stale_policy=cfg.stale_policy)
+        for reason, groups in dropped.items():
+            run.buffer.remove(groups)
+            run.dropped.setdefault(reason, []).extend(groups)
+        if len(chosen) == cfg.tasks_per_batch:
+            run.buffer.remove(chosen)
+            with STEP_SECONDS.time():
+                await self.step(run, chosen)
+
+    async def step(self, run: RunState, groups: list[Group]) -> None:
+        version = run.version + 1
+        metrics = await self._in_torch(run.learner.step, groups, run.version, version)
+        metrics |= {f"dropped_{k}": float(len([s for g in v for s in g.samples.values()]))
+                    for k, v in run.dropped.items()}
+        metrics |= {f"samples_{k}": float(n) for k, n in run.counts.items()}
+        record = StepRecord(run_id=run.run_id, version=version, samples=self._records(run, groups), metrics=metrics)
+        self._fault("trained", version)
+        await self._in_torch(run.ckpts.save, run.engine, record)
+        self._fault("checkpointed", version)
+        await asyncio.to_thread(db.commit_step, self.db, record)
+        self._fault("committed", version)
+        await self._in_torch(self._publish, run.run_id, run.engine, version, metrics)
+        await self.consumer.ack(self._release(run, record))
+        run.version, run.dropped, run.counts = version, {}, {}
+        STEPS.labels(run.run_id).inc()
+        VERSION.labels(run.run_id).set(version)
+        log.info("v%d reward %.3f (%d samples, %.2fs)", version, metrics["reward_mean"], len(record.samples),
+                 metrics["step_s"], extra={"run_id": run.run_id, "policy_version": version})
+
+    def _records(self, run: RunState, groups: list[Group]) -> list[SampleRecord]:
+        def rec(s, status):
+            return SampleRecord(task_id=s.key[1], sample_idx=s.key[2], attempt=s.attempt, status=status,
+                                generated_version=s.min_version)
+        out = {}
+        for g in groups:
+            for s in g.samples.values():
+                out[s.key] = rec(s, "used")
+            if g.greedy:
+                out[g.greedy.key] = rec(g.greedy, "baseline")
+        for reason, dropped in run.dropped.items():
+            for g in dropped:
+                for s in g.all_samples():
+                    out.setdefault(s.key, rec(s, reason))
+        return list(out.values())
+
+    @staticmethod
+    def _release(run: RunState, record: StepRecord) -> list[Delivery]:
+        out = {}
+        for s in record.samples:
+            d = run.held.pop((run.run_id, s.task_id, s.sample_idx), None)
+            if d is not None:
+                out[d.id] = d
+        return list(out.values())
+
+    def _publish(self, run_id: str, engine, version: int, metrics: dict[str, float]) -> None:
+        folder = self.publisher.staging_folder(run_id, version)
+        engine.export_hf(folder)
+        self.publisher.publish(run_id, version, folder, metrics, self.settings.best_metric)
+
+    async def _in_torch(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.torch_thread, fn, *args)
+
+    def _fault(self, phase: str, version: int) -> None:
+        if self.settings.fault_point == f"{phase}:{version}":
+            log.warning("fault injection: SIGKILL at %s:%d", phase, version)
+            os.kill(os.getpid(), signal.SIGKILL)

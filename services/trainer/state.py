@@ -1,0 +1,81 @@
+"""Trainer checkpoints: STATE_DIR/<run>/step_<version>/ holds verl's sharded model + optimizer state and
+STEP.json (which samples that step consumed, its metrics). A step folder is written as `.step_<v>.tmp`,
+fsynced and renamed; the rename is the completion marker, so a half-written checkpoint is never picked up."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from services.trainer.engine import PolicyEngine
+
+MARKER = "STEP.json"
+
+
+class SampleRecord(BaseModel):
+    task_id: str
+    sample_idx: int
+    attempt: int
+    status: str  # used | stale | filtered
+    generated_version: int | None = None
+
+
+class StepRecord(BaseModel):
+    run_id: str
+    version: int
+    samples: list[SampleRecord]
+    metrics: dict[str, float]
+
+
+class CheckpointDir:
+    def __init__(self, root: Path, run_id: str, keep: int = 2):
+        self.root, self.run_id, self.keep = root / run_id, run_id, keep
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def save(self, engine: PolicyEngine, record: StepRecord) -> Path:
+        tmp = self.root / f".step_{record.version}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        engine.save(tmp, record.version)
+        (tmp / MARKER).write_text(record.model_dump_json())
+        _fsync_tree(tmp)
+        final = self.root / f"step_{record.version}"
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        _fsync(self.root)
+        self._prune()
+        return final
+
+    def latest(self) -> tuple[Path, StepRecord] | None:
+        """The newest complete checkpoint (folders without the marker are leftovers of a crash)."""
+        steps = sorted((int(p.name.split("_")[1]), p) for p in self.root.glob("step_*") if (p / MARKER).is_file())
+        if not steps:
+            return None
+        path = steps[-1][1]
+        return path, StepRecord.model_validate_json((path / MARKER).read_text())
+
+    def _prune(self) -> None:
+        for tmp in self.root.glob(".step_*.tmp"):
+            shutil.rmtree(tmp, ignore_errors=True)
+        steps = sorted((int(p.name.split("_")[1]), p) for p in self.root.glob("step_*"))
+        for _, path in steps[:-self.keep]:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(folder: Path) -> None:
+    for p in folder.rglob("*"):
+        if p.is_file():
+            with open(p, "rb+") as f:
+                os.fsync(f.fileno())
+    for d in [folder, *[p for p in folder.rglob("*") if p.is_dir()]]:
+        _fsync(d)

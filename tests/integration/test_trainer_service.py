@@ -1,0 +1,208 @@
+"""The trainer as a real process: consumes EpisodeResults from the `trajectories` stream, trains with verl,
+checkpoints, records and publishes through a real weight server; killed mid-step it resumes with no sample
+lost or trained on twice."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import redis
+from sqlalchemy import create_engine, text
+from trainer_testlib import REPO, WeightServer
+
+from bench.demo import build_tiny_model
+from shared.messages import EpisodeResult, TrajectoryRecord, decode, encode
+from shared.run_config import RunConfig
+from shared.streams import GROUP_TRAIN, TRAJECTORIES, WEIGHTS
+from shared.types import TerminationReason
+
+TASKS, N = 2, 4  # groups per batch, samples per group
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("model") / "digit")
+
+
+@pytest.fixture
+def stack(redis_url, database_url, tmp_path):
+    client = redis.Redis.from_url(redis_url)
+    client.delete(TRAJECTORIES, WEIGHTS)
+    ws = WeightServer(redis_url, database_url, tmp_path / "weights", keep_last=10).start()
+    yield ws
+    ws.stop()
+
+
+@pytest.fixture(autouse=True)
+def _stop_runs(database_url):
+    yield  # the database lives for the session: leave no run for the next test's trainer
+    with create_engine(database_url).begin() as c:
+        c.execute(text("UPDATE runs SET status = 'stopped' WHERE status = 'running'"))
+
+
+def _insert_run(database_url: str, model_dir: Path, **overrides) -> str:
+    fields = dict(name="trainer-test", model=str(model_dir), dataset="digits", agent={"name": "math"},
+                  env={"name": "math"}, samples_per_task=N, tasks_per_batch=TASKS, max_staleness=1,
+                  algorithm={"adv_estimator": "grpo", "lr": 1e-3})
+    config = RunConfig(**(fields | overrides))
+    run_id = uuid.uuid4()
+    with create_engine(database_url).begin() as c:
+        c.execute(text("INSERT INTO runs (id, name, kind, status, config, policy_version, summary) "
+                       "VALUES (:id, 'trainer-test', 'train', 'running', CAST(:cfg AS jsonb), 0, '{}')"),
+                  {"id": run_id, "cfg": config.model_dump_json()})
+    return str(run_id)
+
+
+def _result(run_id: str, task: str, sample: int, *, version: int = 0, attempt: int = 0, batch: int = 0,
+            status: str = "completed", reason=TerminationReason.ENV_DONE) -> EpisodeResult:
+    token = random.randrange(2, 64)
+    reward = float(2 <= token <= 11)  # the digit tokens of the tiny tokenizer
+    traj = TrajectoryRecord(uid=uuid.uuid4().hex, reward=reward, termination_reason=reason,
+                            prompt_ids=[62, 32, 12], response_ids=[token], loss_mask=[1], logprobs=[-4.1],
+                            versions=[version])
+    return EpisodeResult(run_id=run_id, task_id=task, sample_idx=sample, attempt=attempt, status=status,
+                         termination_reason=reason, reward=reward, trajectories=[traj], batch_idx=batch)
+
+
+def _publish_batch(redis_url: str, run_id: str, batch: int, version: int) -> set[tuple[str, int]]:
+    client = redis.Redis.from_url(redis_url)
+    keys = set()
+    for t in range(TASKS):
+        for s in range(N):
+            client.xadd(TRAJECTORIES, encode(_result(run_id, f"b{batch}-t{t}", s, version=version, batch=batch)))
+            keys.add((f"b{batch}-t{t}", s))
+    return keys
+
+
+def _start_trainer(redis_url, database_url, ws: WeightServer, tmp_path: Path, fault: str | None = None):
+    env = {**os.environ, "REDIS_URL": redis_url, "DATABASE_URL": database_url, "WEIGHT_SERVER_URL": ws.url,
+           "WEIGHTS_DIR": ws.env["WEIGHTS_DIR"], "STATE_DIR": str(tmp_path / "trainer"), "WORKER_ID": "trainer-t",
+           "LOG_FORMAT": "text", "RUNS_POLL_S": "0.2", "PYTHONPATH": str(REPO)}
+    if fault:
+        env["FAULT_POINT"] = fault
+    log = open(tmp_path / f"trainer-{fault or 'clean'}.log", "w")
+    return subprocess.Popen([sys.executable, "-m", "services.trainer.main"], cwd=REPO, env=env, stdout=log,
+                            stderr=subprocess.STDOUT)
+
+
+def _wait_version(database_url: str, run_id: str, version: int, proc, timeout_s: float = 120) -> None:
+    engine = create_engine(database_url)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with engine.connect() as c:
+            v = c.execute(text("SELECT policy_version FROM runs WHERE id = :id"), {"id": run_id}).scalar()
+        if v >= version:
+            return
+        assert proc.poll() is None, f"trainer exited with {proc.returncode}"
+        time.sleep(0.3)
+    raise TimeoutError(f"run did not reach version {version}")
+
+
+def _wait_exit(proc: subprocess.Popen, timeout_s: float = 120) -> int:
+    try:
+        return proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise
+
+
+def _trained(database_url: str, run_id: str) -> list[tuple]:
+    with create_engine(database_url).connect() as c:
+        return c.execute(text("SELECT task_id, sample_idx, attempt, version, status FROM train_samples "
+                              "WHERE run_id = :id ORDER BY version, task_id, sample_idx"), {"id": run_id}).all()
+
+
+def _published_versions(redis_url: str, run_id: str) -> list[int]:
+    msgs = [decode(f) for _, f in redis.Redis.from_url(redis_url).xrange(WEIGHTS)]
+    return sorted({m.version for m in msgs if m.run_id == run_id})
+
+
+def _pending(redis_url: str) -> int:
+    return redis.Redis.from_url(redis_url).xpending(TRAJECTORIES, GROUP_TRAIN)["pending"]
+
+
+def test_trainer_trains_whole_groups_applies_acceptance_and_publishes(stack, redis_url, database_url, model_dir,
+                                                                    tmp_path):
+    run_id = _insert_run(database_url, model_dir)
+    client = redis.Redis.from_url(redis_url)
+    # Noise the trainer must not train on: an infrastructure failure, an attempt the ledger marked lost, and a
+    # second completed attempt of a sample whose first attempt arrives first.
+    with create_engine(database_url).begin() as c:
+        c.execute(text("INSERT INTO rollout_tasks (run_id, task_id, sample_idx, attempt, status, batch_idx, epoch, "
+                       "greedy, dispatch_version) VALUES (:r, 'b0-t0', 0, 0, 'lost', 0, 0, false, 0)"), {"r": run_id})
+    client.xadd(TRAJECTORIES, encode(_result(run_id, "b0-t0", 0, status="failed",
+                                             reason=TerminationReason.INFRA_ERROR, attempt=0)))
+    client.xadd(TRAJECTORIES, encode(_result(run_id, "b0-t0", 0, attempt=0)))  # late: ledger says lost
+    keys = set()
+    client.xadd(TRAJECTORIES, encode(_result(run_id, "b0-t0", 0, attempt=1)))
+    keys.add(("b0-t0", 0))
+    client.xadd(TRAJECTORIES, encode(_result(run_id, "b0-t0", 0, attempt=2)))  # duplicate of a used sample
+    for s in range(1, N):
+        client.xadd(TRAJECTORIES, encode(_result(run_id, "b0-t0", s)))
+        keys.add(("b0-t0", s))
+    for s in range(N):
+        client.xadd(TRAJECTORIES, encode(_result(run_id, "b0-t1", s)))
+        keys.add(("b0-t1", s))
+    keys |= _publish_batch(redis_url, run_id, 1, 0)
+    # An incomplete group (3 of 4 samples) is never trained on.
+    for s in range(N - 1):
+        client.xadd(TRAJECTORIES, encode(_result(run_id, "b2-partial", s, batch=2)))
+
+    proc = _start_trainer(redis_url, database_url, stack, tmp_path)
+    try:
+        _wait_version(database_url, run_id, 2, proc)
+        time.sleep(1.0)
+        rows = _trained(database_url, run_id)
+        assert {(r.task_id, r.sample_idx) for r in rows} == keys
+        assert all(r.status == "used" for r in rows)
+        assert {r.attempt for r in rows if (r.task_id, r.sample_idx) == ("b0-t0", 0)} == {1}
+        by_version = {v: {r.task_id for r in rows if r.version == v} for v in (1, 2)}
+        assert all(len(tasks) == TASKS for tasks in by_version.values())  # whole groups, tasks_per_batch each
+        assert _published_versions(redis_url, run_id) == [1, 2]
+        with create_engine(database_url).connect() as c:
+            names = set(c.execute(text("SELECT DISTINCT name FROM metrics WHERE run_id = :id"), {"id": run_id})
+                        .scalars())
+            ckpts = c.execute(text("SELECT version FROM checkpoints WHERE run_id = :id ORDER BY 1"),
+                              {"id": run_id}).scalars().all()
+        assert {"reward_mean", "reward_std", "pass_rate", "entropy", "grad_norm", "clip_fraction",
+                "tokens_per_s", "kl_behaviour"} <= names
+        assert ckpts == [1, 2]
+        assert _pending(redis_url) == N - 1  # only the incomplete group is still held
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+def test_trainer_killed_mid_step_resumes_with_nothing_lost_or_doubled(stack, redis_url, database_url, model_dir,
+                                                                     tmp_path):
+    run_id = _insert_run(database_url, model_dir, max_staleness=5)
+    keys = set()
+    for batch in range(4):
+        keys |= _publish_batch(redis_url, run_id, batch, 0)
+    # Killed after training step 2 but before its checkpoint: step 2 is redone from checkpoint 1.
+    proc = _start_trainer(redis_url, database_url, stack, tmp_path, fault="trained:2")
+    assert _wait_exit(proc) == -9
+    # Killed after checkpoint 3 but before recording it: the record is replayed from the checkpoint.
+    proc = _start_trainer(redis_url, database_url, stack, tmp_path, fault="checkpointed:3")
+    assert _wait_exit(proc) == -9
+    proc = _start_trainer(redis_url, database_url, stack, tmp_path)
+    try:
+        _wait_version(database_url, run_id, 4, proc)
+        time.sleep(1.0)
+        rows = _trained(database_url, run_id)
+        assert len(rows) == len(keys) == 4 * TASKS * N  # the primary key forbids a sample trained twice
+        assert {(r.task_id, r.sample_idx) for r in rows} == keys
+        assert sorted({r.version for r in rows}) == [1, 2, 3, 4]
+        assert _published_versions(redis_url, run_id) == [1, 2, 3, 4]
+        assert _pending(redis_url) == 0
+    finally:
+        proc.terminate()
+        proc.wait(60)
