@@ -249,9 +249,8 @@ def _copy_insert(cur, table: str, rows: list[tuple]) -> None:
         return
     cols = ", ".join(c for c, _ in TABLES[table])
     tmp = f"_store_{table}"
-    cur.execute(
-        f"CREATE TEMP TABLE IF NOT EXISTS {tmp} AS SELECT {cols} FROM {table} WITH NO DATA; TRUNCATE {tmp}"
-    )
+    # ON COMMIT DELETE ROWS empties it at commit without the new file a per-batch TRUNCATE would create.
+    cur.execute(f"CREATE TEMP TABLE IF NOT EXISTS {tmp} ON COMMIT DELETE ROWS AS SELECT {cols} FROM {table} WITH NO DATA")
     copy_rows(cur, tmp, TABLES[table], rows)
     cur.execute(f"INSERT INTO {table} ({cols}) SELECT {cols} FROM {tmp} ON CONFLICT DO NOTHING")
 
