@@ -1,0 +1,124 @@
+"""Batch assembly from stream messages: whole groups, masks, exclusions, dynamic sampling, staleness bound."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from services.trainer.batch import (
+    GroupBuffer,
+    build_tensors,
+    excluded_reason,
+    samples_from_result,
+    select_groups,
+    staleness,
+)
+from shared.messages import EpisodeResult, TrajectoryRecord, decode, encode
+from shared.types import TerminationReason as TR
+
+
+def result(task: str, sample: int, reward: float, *, versions=(0, 0), prompt=(5, 6, 7), response=(8, 9),
+           mask=(1, 1), reason=TR.ENV_DONE, status="completed", greedy=False, batch=0) -> EpisodeResult:
+    traj = TrajectoryRecord(uid=f"{task}-{sample}", reward=reward, termination_reason=reason, prompt_ids=list(prompt),
+                            response_ids=list(response), loss_mask=list(mask), logprobs=[-1.0] * len(response),
+                            versions=list(versions))
+    msg = EpisodeResult(run_id="r", task_id=task, sample_idx=sample, status=status, termination_reason=reason,
+                        reward=reward, trajectories=[traj], greedy=greedy, batch_idx=batch)
+    return decode(encode(msg))  # as it arrives from the stream
+
+
+def buffer_of(results, n=2, need_greedy=False) -> GroupBuffer:
+    buf = GroupBuffer(n, need_greedy)
+    for r in results:
+        for s in samples_from_result(r):
+            buf.add(s)
+    return buf
+
+
+def test_only_complete_groups_are_handed_out():
+    buf = buffer_of([result("a", 0, 1.0), result("a", 1, 0.0), result("b", 0, 1.0)])
+    assert [g.key[0] for g in buf.complete_groups()] == ["a"]
+
+
+def test_remax_group_waits_for_its_greedy_baseline():
+    results = [result("a", 0, 1.0), result("a", 1, 0.0)]
+    assert buffer_of(results, need_greedy=True).complete_groups() == []
+    buf = buffer_of([*results, result("a", 2, 0.5, greedy=True)], need_greedy=True)
+    (group,) = buf.complete_groups()
+    t = build_tensors([group], pad_id=0)
+    assert t["reward_baselines"].tolist() == [0.5, 0.5]  # the greedy sample is the baseline, not a row
+    assert t["input_ids"].shape[0] == 2
+
+
+@pytest.mark.parametrize("reason,status", [(TR.INFRA_ERROR, "failed"), (TR.CANCELLED, "completed"),
+                                           (TR.INFRA_ERROR, "completed")])
+def test_infrastructure_failures_and_cancellations_are_excluded(reason, status):
+    assert excluded_reason(result("a", 0, 0.0, reason=reason, status=status)) is not None
+    assert excluded_reason(result("a", 0, 0.0)) is None
+
+
+def test_user_env_error_stays_in_group_with_zero_loss_mask():
+    buf = buffer_of([result("a", 0, 0.0, reason=TR.ERROR), result("a", 1, 1.0)])
+    t = build_tensors(buf.complete_groups(), pad_id=0)
+    assert t["response_mask"].tolist() == [[0, 0], [1, 1]]
+
+
+def test_padding_masks_rewards_and_positions():
+    buf = buffer_of([result("a", 0, 1.0, prompt=(5,), response=(8, 9, 10), mask=(1, 0, 1)),
+                     result("a", 1, 0.0, prompt=(5, 6, 7), response=(8,), mask=(1,))])
+    t = build_tensors(buf.complete_groups(), pad_id=0)
+    assert t["prompts"].tolist() == [[0, 0, 5], [5, 6, 7]]  # left-padded prompts
+    assert t["responses"].tolist() == [[8, 9, 10], [8, 0, 0]]  # right-padded responses
+    assert t["attention_mask"].tolist() == [[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]]
+    assert t["response_mask"].tolist() == [[1, 0, 1], [1, 0, 0]]  # observation tokens (mask 0) stay masked
+    assert t["position_ids"][0, 2:].tolist() == [0, 1, 2, 3]
+    assert t["token_level_rewards"].tolist() == [[0, 0, 1.0], [0, 0, 0]]  # on the last trained token
+    assert t["behaviour_log_probs"].tolist() == [[-1.0, 0.0, -1.0], [-1.0, 0.0, 0.0]]
+    assert list(t["uid"]) == ["a/0/agent", "a/0/agent"]
+
+
+def test_dynamic_sampling_drops_uniform_groups_and_refills_from_later_ones():
+    buf = buffer_of([result("a", 0, 1.0), result("a", 1, 1.0),  # no signal
+                     result("b", 0, 1.0), result("b", 1, 0.0),
+                     result("c", 0, 0.0), result("c", 1, 0.0),  # no signal
+                     result("d", 0, 0.0), result("d", 1, 1.0)])
+    groups = buf.complete_groups()
+    chosen, dropped = select_groups(groups, 2, dynamic_sampling=True, version=0, max_staleness=0, stale_policy="drop")
+    assert [g.key[0] for g in chosen] == ["b", "d"]
+    assert [g.key[0] for g in dropped["filtered"]] == ["a", "c"]
+    chosen, dropped = select_groups(groups, 2, dynamic_sampling=False, version=0, max_staleness=0,
+                                    stale_policy="drop")
+    assert [g.key[0] for g in chosen] == ["a", "b"] and not dropped
+
+
+def test_staleness_never_exceeds_the_bound_in_what_is_trained():
+    rng = random.Random(0)
+    for _ in range(50):
+        version, k = rng.randrange(0, 10), rng.randrange(0, 4)
+        results = []
+        for t in range(8):
+            v = rng.randrange(0, version + 1)
+            results += [result(f"t{t}", s, float(s), versions=(v, rng.randrange(v, version + 1))) for s in range(2)]
+        chosen, dropped = select_groups(buffer_of(results).complete_groups(), 8, dynamic_sampling=False,
+                                        version=version, max_staleness=k, stale_policy="drop")
+        used = [s for g in chosen for s in g.samples.values()]
+        assert all(age <= k for age in staleness(used, version))
+        assert all(age > k for g in dropped.get("stale", []) for age in [max(staleness(g.all_samples(), version))])
+
+
+def test_downweight_keeps_stale_samples_with_smaller_weight():
+    results = [result("old", s, float(s), versions=(1, 1)) for s in range(2)]
+    results += [result("new", s, float(s), versions=(5, 5)) for s in range(2)]
+    chosen, dropped = select_groups(buffer_of(results).complete_groups(), 2, dynamic_sampling=False, version=5,
+                                    max_staleness=2, stale_policy="downweight")
+    assert not dropped
+    t = build_tensors(chosen, pad_id=0)
+    assert t["sample_weights"].tolist() == [pytest.approx(1 / 3)] * 2 + [1.0, 1.0]  # 2 versions past the bound
+
+
+def test_oldest_trained_token_decides_a_samples_version():
+    (s,) = samples_from_result(result("a", 0, 1.0, response=(8, 9, 10), mask=(0, 1, 1), versions=(1, 3, 4)))
+    assert s.min_version == 3  # the masked observation token's version does not count
+    assert torch.tensor(s.logprobs).shape == (3,)
