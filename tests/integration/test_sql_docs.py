@@ -1,4 +1,4 @@
-"""docs/sql.md ("Querying trajectories with SQL"): every ```sql block runs against stored runs as the read-only
+"""README.md's section "Querying trajectories with SQL": every ```sql block runs against stored runs as the read-only
 role and returns rows; the reader cannot write or read token hashes, and long queries hit the timeout.
 
     pytest -q tests/integration/test_sql_docs.py
@@ -14,11 +14,12 @@ import pytest
 from api_testlib import seed_run
 from sqlalchemy.engine import make_url
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "sql.md"
+DOC = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def doc_queries() -> list[str]:
-    return re.findall(r"```sql\n(.*?)```", DOC.read_text(), flags=re.S)
+    section = DOC.read_text().split("## Querying trajectories with SQL", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```sql\n(.*?)```", section, flags=re.S)
 
 
 def reader(database_url: str) -> psycopg.Connection:
