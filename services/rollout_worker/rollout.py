@@ -11,6 +11,7 @@ user agent exceptions end the trajectory with ERROR and the traceback in `info["
 from __future__ import annotations
 
 import asyncio
+import copy
 import time
 import traceback
 from typing import Any
@@ -105,7 +106,7 @@ class AgentSession:
 
     async def turn(self) -> TR | None:
         """One model call and env step; a termination reason, or None to go on."""
-        messages = self.agent.chat_completions
+        messages = copy.deepcopy(self.agent.chat_completions)  # the agent appends to its list in place
         prompt_ids = self.builder.prompt_ids(messages)
         max_tokens = self.response_budget(prompt_ids)
         if max_tokens <= 0:
@@ -130,9 +131,12 @@ class AgentSession:
         if reply.done and reply.final_reward is not None:  # rLLM: the final reward replaces the last step's
             step.reward = reply.final_reward
         self.agent.update_from_env(reply.observation, reply.reward, reply.done, reply.info)
-        if gen.finish_reason == "length":
+        truncated = gen.finish_reason == "length"
+        if reply.done:  # a cut-off final answer is marked so the trainer can filter overlong samples
+            return TR.RESPONSE_TRUNCATION if truncated else TR.ENV_DONE
+        if truncated and max_tokens < self.cfg.max_response_tokens:  # the trajectory's token budget is spent
             return TR.RESPONSE_TRUNCATION
-        return TR.ENV_DONE if reply.done else None
+        return None
 
     def response_budget(self, prompt_ids: list[int]) -> int:
         if len(prompt_ids) > self.cfg.max_prompt_tokens and not self.agent.trajectory.steps:

@@ -65,9 +65,9 @@ class RolloutWorker:
             except REDIS_ERRORS:
                 await asyncio.sleep(0.5)
                 continue
-            busy = set(self.running.values())
+            busy = {d.id for d in self.running.values()}
             for d in deliveries:
-                if any(d.id == b.id for b in busy):  # our own, reclaimed by us: already running
+                if d.id in busy:  # our own, reclaimed by us: already running
                     continue
                 task = asyncio.create_task(self.run_task(d))
                 self.running[task] = d

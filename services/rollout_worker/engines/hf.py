@@ -124,7 +124,8 @@ class HFEngine(InferenceEngine):
         logprobs = torch.log_softmax(logits / temperature, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
         BATCH_SIZE.observe(len(batch))
         BATCH_SECONDS.observe(time.perf_counter() - start)
-        return [self._cut(tokens[i].tolist(), logprobs[i].tolist(), r.max_tokens) for i, r in enumerate(batch)]
+        return [self._cut(tokens[i].tolist(), logprobs[i].tolist(), r.max_tokens, bool(sampling.stop))
+                for i, r in enumerate(batch)]
 
     def _sampling_kwargs(self, s: SamplingParams) -> dict:
         if s.greedy:
@@ -132,13 +133,14 @@ class HFEngine(InferenceEngine):
         return {"do_sample": True, "temperature": s.temperature, "top_p": s.top_p,
                 "top_k": s.top_k if s.top_k > 0 else 0}
 
-    def _cut(self, ids: list[int], logprobs: list[float], max_tokens: int) -> tuple[list[int], list[float], str]:
+    def _cut(self, ids: list[int], logprobs: list[float], max_tokens: int,
+             stop_strings: bool) -> tuple[list[int], list[float], str]:
         """One sequence's own completion: through its first EOS, without padding, at most max_tokens."""
         for n, tok in enumerate(ids[:max_tokens]):
             if tok in self.eos_ids:
                 return ids[: n + 1], logprobs[: n + 1], "stop"
         ids, logprobs = ids[:max_tokens], logprobs[:max_tokens]
-        if self.pad_id not in self.eos_ids and self.pad_id in ids:  # finished by a stop string
+        if stop_strings and self.pad_id not in self.eos_ids and self.pad_id in ids:  # stopped by a stop string
             n = ids.index(self.pad_id)
             return ids[:n], logprobs[:n], "stop"
         return ids, logprobs, "length"
