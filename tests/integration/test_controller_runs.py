@@ -20,7 +20,7 @@ from shared.bus import StreamBus
 from shared.db.models import Dataset, DatasetRow, Run, RunEvent
 from shared.db.session import make_engine
 from shared.ledger import ledger_summary
-from shared.messages import EpisodeResult, RolloutTask, TrajectoryRecord, decode, encode
+from shared.messages import EpisodeResult, RolloutTask, TrajectoryRecord, decode
 from shared.passk import pass_at_k_table
 from shared.streams import GROUP_ROLLOUT, ROLLOUT_TASKS, TRAJECTORIES
 
