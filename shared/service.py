@@ -25,6 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, Gauge, generate_latest
 
 from shared.bus import connect
 from shared.logs import get_logger
+from shared.messages.codec import set_max_entry_bytes
 from shared.settings import ServiceSettings
 from shared.streams import heartbeat_key
 
@@ -48,6 +49,7 @@ class ServiceRuntime:
         self.started_at = time.time()
         self.port: int | None = None
         self.redis = connect(settings.redis_url)
+        set_max_entry_bytes(settings.max_entry_bytes)  # every reader in this process refuses larger entries
         self.app = self._build_app()
 
     def _build_app(self) -> FastAPI:

@@ -24,6 +24,10 @@ class ServiceSettings(BaseSettings):
     log_level: str = Field("INFO")
     health_port: int = Field(0, description="Port for /healthz and /metrics; 0 picks a free port")
     heartbeat_interval_s: float = Field(2.0, gt=0)
+    max_entry_bytes: int = Field(
+        16 * 1024 * 1024, ge=1024, description="Largest stream entry this process decodes, bytes; larger entries "
+        "are dead-lettered (or skipped by readers without a group)"
+    )
 
     @field_validator("database_url")
     @classmethod

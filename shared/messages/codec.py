@@ -1,7 +1,11 @@
 """Wire format: each stream entry has three fields, `t` (message type), `v` (schema version) and `d`
 (msgpack of the model). Token ids and logprobs are packed binary arrays (`TokenIds`, `Logprobs`), never
 per-token JSON. A new field must be optional so older readers and writers keep working; a breaking change
-bumps `SCHEMA_VERSION` of that type, and readers reject versions they do not know (dead-lettered)."""
+bumps `SCHEMA_VERSION` of that type, and readers reject versions they do not know (dead-lettered).
+
+Readers also refuse entries larger than a process-wide limit (`set_max_entry_bytes`, 16 MiB by default;
+services take it from MAX_ENTRY_BYTES) before unpacking them, so one huge entry cannot multiply into
+gigabytes of Python objects inside a worker."""
 
 from __future__ import annotations
 
@@ -56,6 +60,21 @@ class Message(BaseModel):
 
 MESSAGE_TYPES: dict[str, type[Message]] = {}
 
+DEFAULT_MAX_ENTRY_BYTES = 16 * 1024 * 1024
+_max_entry_bytes = DEFAULT_MAX_ENTRY_BYTES
+
+
+def set_max_entry_bytes(limit: int) -> None:
+    """Largest entry `decode` accepts in this process, bytes (all field values together)."""
+    global _max_entry_bytes
+    if limit < 1:
+        raise ValueError(f"max entry size must be a positive number of bytes, got {limit}")
+    _max_entry_bytes = limit
+
+
+def entry_bytes(fields: dict) -> int:
+    return sum(len(v) for v in fields.values() if isinstance(v, bytes | bytearray | memoryview | str))
+
 
 def encode(msg: Message) -> dict[bytes, bytes]:
     body = msgpack.packb(msg.model_dump(mode="python"), use_bin_type=True)
@@ -63,6 +82,12 @@ def encode(msg: Message) -> dict[bytes, bytes]:
 
 
 def decode(fields: dict[bytes, bytes], expect: type[Message] | None = None) -> Message:
+    size = entry_bytes(fields)
+    if size > _max_entry_bytes:
+        raise MessageDecodeError(
+            f"entry of {size} bytes exceeds the {_max_entry_bytes}-byte limit (MAX_ENTRY_BYTES; raise it if "
+            "messages this large are legitimate)"
+        )
     try:
         mtype = fields[b"t"].decode()
         version = int(fields[b"v"])
