@@ -82,7 +82,8 @@ class EnvClient:
         start = time.perf_counter()
         try:
             await self.redis.xadd(stream, encode(req), maxlen=REQUEST_MAXLEN, approximate=True)
-            return await asyncio.wait_for(future, timeout_s + self.margin_s)
+            async with asyncio.timeout(timeout_s + self.margin_s):
+                return await future
         except TimeoutError as e:
             raise EnvSessionLost(f"no reply to env {op} of session {session_id} within "
                                  f"{timeout_s + self.margin_s:.0f}s (env worker {owner or 'any'})") from e
