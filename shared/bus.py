@@ -49,6 +49,8 @@ MESSAGES_SKIPPED = Counter(
 HANDLER_FAILURES = Counter("bus_handler_failures_total", "Handler exceptions", ["stream", "group"])
 
 DEFAULT_MAXLEN = 1_000_000
+# Redis unreachable (restarting, network blip). Consumers ride these out; see StreamConsumer.read/ack/fail.
+REDIS_DOWN = (OSError, TimeoutError, RedisConnectionError, RedisTimeoutError)
 log = get_logger(__name__)
 
 
@@ -200,7 +202,26 @@ class StreamConsumer:
 
     # -- reading ---------------------------------------------------------------------------------------------
     async def read(self) -> list[Delivery]:
-        """Due retries first, then entries of dead consumers, then new entries (blocking up to block_ms)."""
+        """Due retries first, then entries of dead consumers, then new entries (blocking up to block_ms).
+
+        Never raises for an unreachable Redis (returns [] after a pause) nor for a group that vanished with
+        Redis's data (recreates it and returns []): a consumer loop survives Redis restarts unchanged."""
+        try:
+            return await self._read()
+        except ResponseError as e:
+            if "NOGROUP" not in str(e):
+                raise
+            log.warning("%s: group %s is gone (Redis lost its data?); recreating it", self.stream, self.group)
+            self._retry_at.clear()
+            self._claim_cursor = b"0-0"
+            await self.start()
+            return []
+        except REDIS_DOWN as e:
+            log.warning("%s: Redis unavailable (%r); retrying", self.stream, e)
+            await asyncio.sleep(1.0)
+            return []
+
+    async def _read(self) -> list[Delivery]:
         raw = await self._claim_due_retries()
         raw += await self._reclaim_idle()
         if not raw:
@@ -270,24 +291,33 @@ class StreamConsumer:
         if not deliveries:
             return
         ids = [d.id for d in deliveries]
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.xack(self.stream, self.group, *ids)
-            pipe.hdel(self._failures_key, *ids)
-            await pipe.execute()
+        try:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.xack(self.stream, self.group, *ids)
+                pipe.hdel(self._failures_key, *ids)
+                await pipe.execute()
+        except REDIS_DOWN as e:
+            # The effects are durable; the entries stay pending, are re-delivered later, and the idempotent
+            # handler absorbs them. Losing an ack costs work, never correctness.
+            log.warning("%s: ack of %d entries failed (%r); they will be re-delivered", self.stream, len(ids), e)
+            return
         MESSAGES_ACKED.labels(self.stream, self.group).inc(len(ids))
 
     async def fail(self, delivery: Delivery, error: BaseException | str) -> None:
         """Record a handler failure: retry later, or dead-letter once max_deliveries failures are reached."""
         HANDLER_FAILURES.labels(self.stream, self.group).inc()
         reason = error if isinstance(error, str) else "".join(traceback.format_exception(error))[-4000:]
-        failures = await self.redis.hincrby(self._failures_key, delivery.id, 1)
-        if failures >= self.max_deliveries:
-            await self._dead_letter(
-                delivery, delivery.id, delivery.fields, delivery.deliveries,
-                f"handler failed {failures} times; last error: {reason}", "handler",
-            )
-        else:
-            self._retry_at[delivery.id] = time.monotonic() + self.retry_delay_s * failures
+        try:
+            failures = await self.redis.hincrby(self._failures_key, delivery.id, 1)
+            if failures >= self.max_deliveries:
+                await self._dead_letter(
+                    delivery, delivery.id, delivery.fields, delivery.deliveries,
+                    f"handler failed {failures} times; last error: {reason}", "handler",
+                )
+                return
+        except REDIS_DOWN:  # cannot record it now: the entry is tried again later
+            failures = 1
+        self._retry_at[delivery.id] = time.monotonic() + self.retry_delay_s * failures
 
     async def _dead_letter(
         self, delivery: Delivery | None, eid: bytes, fields: dict, count: int, reason: str, cause: str
@@ -321,19 +351,14 @@ class StreamConsumer:
 
     async def run(self, handler: Handler, stop: asyncio.Event) -> None:
         """Read, handle, ack until `stop` is set. Redis outages are waited out, not fatal."""
-        await self.start()
         while not stop.is_set():
             try:
-                deliveries = await self.read()
-            except (OSError, TimeoutError, RedisConnectionError, RedisTimeoutError):
+                await self.start()
+                break
+            except REDIS_DOWN:
                 await asyncio.sleep(1.0)
-                continue
-            except ResponseError as e:
-                if "NOGROUP" in str(e):  # stream deleted under us (Redis lost its data): recreate
-                    await self.start()
-                    continue
-                raise
-            await self.process(handler, deliveries)
+        while not stop.is_set():
+            await self.process(handler, await self.read())
 
 
 def _parse_id(value: bytes | str) -> tuple[int, int]:

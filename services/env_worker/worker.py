@@ -14,13 +14,12 @@ from redis.exceptions import ResponseError
 
 from services.env_worker.config import EnvWorkerConfig
 from services.env_worker.sessions import SessionHost
-from shared.bus import StreamBus
+from shared.bus import REDIS_DOWN, StreamBus
 from shared.logs import get_logger
 from shared.messages import EnvReply, EnvRequest, MessageDecodeError, decode, encode
 from shared.streams import ENV_REQUESTS, GROUP_ENV, dead_letter, env_inbox
 
 log = get_logger(__name__)
-REDIS_ERRORS = (ConnectionError, OSError, TimeoutError, aioredis.ConnectionError, aioredis.TimeoutError)
 
 
 class EnvWorker:
@@ -46,7 +45,7 @@ class EnvWorker:
             try:
                 resp = await self.redis.xreadgroup(GROUP_ENV, self.worker_id, streams, count=self.cfg.read_count,
                                                    block=self.cfg.read_block_ms)
-            except REDIS_ERRORS:
+            except REDIS_DOWN:
                 await asyncio.sleep(0.5)
                 continue
             except ResponseError as e:
@@ -103,7 +102,7 @@ class EnvWorker:
         while not await _wait(stop, self.cfg.reclaim_interval_s):
             try:
                 await self.reclaim_once()
-            except REDIS_ERRORS:
+            except REDIS_DOWN:
                 continue
 
     async def reclaim_once(self) -> None:

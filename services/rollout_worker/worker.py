@@ -21,14 +21,13 @@ from services.rollout_worker.config import RolloutWorkerConfig
 from services.rollout_worker.env_client import EnvClient
 from services.rollout_worker.episodes import failed, run_episode
 from services.rollout_worker.runs import RunRegistry
-from shared.bus import Delivery, StreamBus, StreamConsumer
+from shared.bus import REDIS_DOWN, Delivery, StreamBus, StreamConsumer
 from shared.logs import get_logger
 from shared.messages import EpisodeResult, MessageDecodeError, RolloutTask, WeightsPublished, decode
 from shared.streams import GROUP_ROLLOUT, ROLLOUT_TASKS, TRAJECTORIES, WEIGHTS
 
 log = get_logger(__name__)
 INFLIGHT = Gauge("rollout_tasks_inflight", "Tasks being run")
-REDIS_ERRORS = (ConnectionError, OSError, TimeoutError, aioredis.ConnectionError, aioredis.TimeoutError)
 
 
 class RolloutWorker:
@@ -62,7 +61,7 @@ class RolloutWorker:
             self.consumer.batch_size = free
             try:
                 deliveries = await self.consumer.read()
-            except REDIS_ERRORS:
+            except REDIS_DOWN:
                 await asyncio.sleep(0.5)
                 continue
             busy = {d.id for d in self.running.values()}
@@ -101,7 +100,7 @@ class RolloutWorker:
             try:
                 await self.bus.publish(TRAJECTORIES, result)
                 return
-            except REDIS_ERRORS:
+            except REDIS_DOWN:
                 log.warning("publishing an episode failed; retrying", exc_info=True)
                 await asyncio.sleep(1.0)
 
@@ -112,7 +111,7 @@ class RolloutWorker:
             if ids:
                 try:  # resets the entries' idle time: they are not a dead worker's
                     await self.redis.xclaim(ROLLOUT_TASKS, GROUP_ROLLOUT, self.worker_id, 0, ids, justid=True)
-                except REDIS_ERRORS:
+                except REDIS_DOWN:
                     continue
 
     async def drain(self) -> None:
@@ -129,7 +128,7 @@ class RolloutWorker:
         while not stop.is_set():
             try:
                 resp = await self.redis.xread({WEIGHTS: self.weights_cursor}, count=16, block=500)
-            except REDIS_ERRORS:
+            except REDIS_DOWN:
                 await asyncio.sleep(0.5)
                 continue
             for _, entries in resp or []:

@@ -212,3 +212,27 @@ async def test_publish_many_is_atomic_batch(redis_client, n):
     bus = StreamBus(redis_client)
     ids = await bus.publish_many(STREAM, [_task(i) for i in range(n)])
     assert len(ids) == n and await redis_client.xlen(STREAM) == n
+
+
+async def test_consumer_recreates_group_after_redis_lost_its_data(redis_client):
+    bus = StreamBus(redis_client)
+    consumer = StreamConsumer(bus, STREAM, GROUP, "c1", expect=RolloutTask, block_ms=20)
+    await consumer.start()
+    await bus.publish(STREAM, _task(1))
+    pending = await consumer.read()
+    await redis_client.flushdb()  # Redis restarted empty: stream, group and pending entries are gone
+    assert await consumer.read() == []  # NOGROUP is absorbed: the group is recreated
+    await consumer.ack(pending)  # acking an entry of the old stream is harmless
+    await bus.publish(STREAM, _task(2))
+    assert [d.message.task_id for d in await consumer.read()] == ["t2"]
+
+
+async def test_consumer_survives_unreachable_redis():
+    from shared.bus import connect
+
+    dead = connect("redis://127.0.0.1:1/0")  # nothing listens there
+    consumer = StreamConsumer(StreamBus(dead), STREAM, GROUP, "c1", expect=RolloutTask, block_ms=20)
+    assert await consumer.read() == []
+    delivery_like = type("D", (), {"id": b"1-0"})()
+    await consumer.ack([delivery_like])  # logged, not raised: the entry would simply be re-delivered
+    await dead.aclose()

@@ -1,0 +1,24 @@
+"""Each fault-injection scenario of bench/chaos.py as a test: the run completes, nothing lost, nothing doubled.
+
+Every scenario brings up its own system (restartable Redis and PostgreSQL, the services, the mock LLM), so
+these tests need no fixtures; `make chaos` runs the same scenarios and writes bench/results/chaos.json.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.chaos import SCENARIOS, run_scenario
+
+pytestmark = pytest.mark.chaos
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=[s.name for s in SCENARIOS])
+def test_scenario_completes_with_nothing_lost_or_doubled(scenario):
+    result = run_scenario(scenario, tasks=40, samples=2)
+    assert result.get("completed"), result
+    assert result["dispatched"] == 80, result
+    assert result["lost"] == 0 and result["duplicates"] == 0, result
+    assert result["stored"] + result["failed_recorded"] == result["dispatched"], result
+    assert result["recovery_s"] is not None, result
