@@ -75,8 +75,17 @@ def digit_reward(text: str) -> float:
 
 
 # -- tiny model ----------------------------------------------------------------------------------------------
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
 def build_tiny_model(folder: Path, *, hidden: int = 64, layers: int = 2, seed: int = 0) -> Path:
-    """Random-init Qwen2 + a byte-level BPE tokenizer trained on a few strings (~60 tokens, 10 digits)."""
+    """Random-init Qwen2 + a BPE tokenizer trained on a few strings (~64 tokens, 10 of them digits) with a
+    Qwen-style chat template, saved as an HF folder. Nothing is downloaded."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
@@ -85,18 +94,28 @@ def build_tiny_model(folder: Path, *, hidden: int = 64, layers: int = 2, seed: i
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.decoder = decoders.BPEDecoder()
-    corpus = ["digit? 0 1 2 3 4 5 6 7 8 9", "the quick brown fox jumps over a lazy dog", "hello world"] * 20
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=64, special_tokens=["<unk>", "<|endoftext|>"]))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
-                                   unk_token="<unk>")
+    corpus = ["digit? 0 1 2 3 4 5 6 7 8 9 user assistant system", "the quick brown fox jumps over a lazy dog"] * 20
+    specials = ["<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=64, special_tokens=specials))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   unk_token="<unk>", chat_template=CHAT_TEMPLATE,
+                                   additional_special_tokens=["<|im_start|>"])
     fast.save_pretrained(folder)
     config = Qwen2Config(vocab_size=len(fast), hidden_size=hidden, intermediate_size=hidden * 2,
                          num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=128, tie_word_embeddings=True,
                          eos_token_id=fast.eos_token_id, pad_token_id=fast.pad_token_id, bos_token_id=None)
     torch.manual_seed(seed)
-    Qwen2ForCausalLM(config).save_pretrained(folder)
+    model = Qwen2ForCausalLM(config)
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = fast.eos_token_id, fast.pad_token_id
+    model.save_pretrained(folder)
     return folder
+
+
+def prompt_ids(tokenizer) -> list[int]:
+    messages = [{"role": "user", "content": PROMPT}]
+    return tokenizer(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+                     add_special_tokens=False).input_ids
 
 
 def write_result(path: Path, result: dict) -> None:
@@ -112,14 +131,14 @@ def sample_results(model, tokenizer, run_id: str, version: int, step: int, tasks
     from shared.messages import EpisodeResult, TrajectoryRecord
     from shared.types import TerminationReason
 
-    prompt = tokenizer(PROMPT).input_ids
+    prompt = prompt_ids(tokenizer)
     with torch.no_grad():
         logits = model(torch.tensor([prompt])).logits[0, -1].float()
     logp = torch.log_softmax(logits, -1)
     tokens = torch.multinomial(logp.exp(), tasks * n, replacement=True).tolist()
     results = []
     for i, token in enumerate(tokens):
-        reward = digit_reward(tokenizer.decode([token]))
+        reward = digit_reward(tokenizer.decode([token], skip_special_tokens=True))
         traj = TrajectoryRecord(uid=f"{step}-{i}", reward=reward, termination_reason=TerminationReason.ENV_DONE,
                                 prompt_ids=prompt, response_ids=[token], loss_mask=[1],
                                 logprobs=[float(logp[token])], versions=[version])
@@ -159,3 +178,109 @@ def run_inprocess(model_dir: Path, steps: int = 12, tasks: int = 8, n: int = 8, 
         engine.export_hf(export)
         model.load_state_dict(load_file(export / "model.safetensors"), strict=False)  # hot swap in place
     return rewards
+
+
+# -- the full stack ------------------------------------------------------------------------------------------
+def demo_config(model_dir: Path, steps: int, tasks: int, n: int, lr: float, max_staleness: int) -> dict:
+    return {
+        "name": "digit-demo", "kind": "train", "model": str(model_dir), "dataset": "digits",
+        "agent": {"name": "bench.demo:DigitAgent"}, "env": {"name": "bench.demo:DigitEnv"},
+        "engine": {"type": "hf", "max_batch_size": tasks * n}, "sampling": {"temperature": 1.0},
+        "algorithm": {"adv_estimator": "grpo", "lr": lr, "grad_clip": 1.0},
+        "samples_per_task": n, "tasks_per_batch": tasks, "max_prompt_tokens": 64, "max_response_tokens": 1,
+        # Reload lag can leave a few samples one version past the bound; down-weight rather than drop them so
+        # the last batches are never starved (the controller does not re-dispatch dropped groups).
+        "max_staleness": max_staleness, "stale_policy": "downweight", "total_steps": steps, "max_in_flight": 4 * tasks * n,
+        "trajectory_timeout_s": 60, "env_step_timeout_s": 10,
+    }
+
+
+def run_stack(data_dir: Path, *, steps: int = 20, tasks: int = 8, n: int = 8, lr: float = 1e-2,
+              max_staleness: int = 1, timeout_s: float = 600.0, env: dict | None = None, log=print) -> dict:
+    """Start every service (embedded Redis/Postgres unless REDIS_URL/DATABASE_URL are set), create a training
+    run through the REST API, print reward per policy version until `steps` versions are trained."""
+    import secrets
+    import time
+
+    import httpx
+
+    from infra.local_stack import LocalStack, free_port
+
+    started = time.monotonic()
+    model_dir = build_tiny_model(data_dir / "model")
+    token = secrets.token_hex(16)
+    services = ["weight-server", "env-worker", "rollout-worker", "trainer", "controller", "api"]
+    env = {"API_TOKEN": token, "API_PORT": str(free_port()), **(env or {})}
+    with LocalStack(data_dir=data_dir, env=env) as stack:
+        stack.start(services=services)
+        stack.wait_healthy(180)
+        log(f"stack up in {time.monotonic() - started:.0f}s: {', '.join(services)}")
+        api = httpx.Client(base_url=stack.api_url, headers={"Authorization": f"Bearer {token}"}, timeout=30)
+        rows = "\n".join(json.dumps({"task_id": f"d{i}", "question": PROMPT}) for i in range(steps * tasks))
+        api.post("/v1/datasets", data={"name": "digits"},
+                 files={"file": ("digits.jsonl", rows.encode())}).raise_for_status()
+        run = api.post("/v1/runs", json=demo_config(model_dir, steps, tasks, n, lr, max_staleness))
+        run.raise_for_status()
+        run_id = run.json()["id"]
+        log(f"run {run_id}: {steps} versions of {tasks} tasks x {n} samples, max_staleness {max_staleness}")
+        by_version = watch(api, run_id, steps, started + timeout_s, log)
+        api.post(f"/v1/runs/{run_id}/stop")
+        published = len(api.get(f"/v1/runs/{run_id}/checkpoints").json()["items"])
+    versions = sorted(v for v in by_version if v is not None)
+    return {
+        "initial_reward": by_version[versions[0]]["mean_reward"] if versions else None,
+        "final_reward": by_version[versions[-1]]["mean_reward"] if versions else None,
+        "versions_published": published, "versions_used_by_rollouts": len(versions),
+        "reward_by_version": {v: round(by_version[v]["mean_reward"], 3) for v in versions},
+        "wall_s": round(time.monotonic() - started, 1), "run_id": run_id,
+    }
+
+
+def watch(api, run_id: str, steps: int, deadline: float, log) -> dict:
+    """Print each policy version's mean rollout reward as it completes; return them by version."""
+    import time
+
+    shown: set = set()
+    items: dict = {}
+    while time.monotonic() < deadline:
+        run = api.get(f"/v1/runs/{run_id}").json()
+        items = {i["policy_version"]: i for i in api.get(f"/v1/runs/{run_id}/rewards").json()["items"]}
+        trained = run["policy_version"]
+        for v in sorted(k for k in items if k is not None and k not in shown and k < trained):
+            bar = "#" * int(40 * items[v]["mean_reward"])
+            log(f"  v{v:<3d} reward {items[v]['mean_reward']:.2f} {bar:<40s} ({items[v]['num_trajectories']} traj)")
+            shown.add(v)
+        if trained >= steps or run["status"] in ("completed", "failed", "stopped"):
+            if run["status"] == "failed":
+                log(f"run failed: {run['error']}")
+            return items
+        time.sleep(1.0)
+    log("timed out")
+    return items
+
+
+def main() -> None:
+    import argparse
+    import tempfile
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--inprocess", action="store_true", help="no services: sampler and trainer in-process")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--max-staleness", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=Path("bench/results/demo.json"))
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="flywheel-demo-") as tmp:
+        if args.inprocess:
+            rewards = run_inprocess(build_tiny_model(Path(tmp) / "model"), steps=args.steps, lr=1e-2)
+            result = {"initial_reward": rewards[0], "final_reward": rewards[-1], "mode": "inprocess"}
+        else:
+            result = run_stack(Path(tmp), steps=args.steps, max_staleness=args.max_staleness)
+    write_result(args.out, result)
+    print(json.dumps(result, indent=1))
+    ok = (result["initial_reward"] or 1) <= 0.3 and (result["final_reward"] or 0) >= 0.8
+    print("learned: reward {:.2f} -> {:.2f}".format(result["initial_reward"] or 0, result["final_reward"] or 0)
+          + ("" if ok else "  (below the demo's bar)"))
+
+
+if __name__ == "__main__":
+    main()

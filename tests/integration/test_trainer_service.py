@@ -63,7 +63,7 @@ def _insert_run(database_url: str, model_dir: Path, **overrides) -> str:
 def _result(run_id: str, task: str, sample: int, *, version: int = 0, attempt: int = 0, batch: int = 0,
             status: str = "completed", reason=TerminationReason.ENV_DONE) -> EpisodeResult:
     token = random.randrange(2, 64)
-    reward = float(2 <= token <= 11)  # the digit tokens of the tiny tokenizer
+    reward = float(4 <= token <= 13)  # the digit tokens of the tiny tokenizer
     traj = TrajectoryRecord(uid=uuid.uuid4().hex, reward=reward, termination_reason=reason,
                             prompt_ids=[62, 32, 12], response_ids=[token], loss_mask=[1], logprobs=[-4.1],
                             versions=[version])
