@@ -12,13 +12,14 @@ What it protects against (each covered by tests/unit/builtin/test_builtin_sandbo
   namespaces; loopback only, down), and an audit hook refuses socket creation in any case;
 - writes outside its own temp dir (the child's cwd, deleted afterwards): refused by the audit hook on `open`
   and file-system calls; file size capped by RLIMIT_FSIZE;
+- reads and directory listings outside its temp dir and the Python installation (stdlib, site-packages):
+  refused by the same hook, so the worker's files, the repo and /etc stay unreadable;
 - huge output: stdout/stderr go to files capped by RLIMIT_FSIZE and are read back truncated to `output_bytes`;
 - killing or signalling other processes (os.kill is refused).
 
 What it does NOT protect against: the audit hook is a Python-level guard, not a security boundary. Code that
 reaches native code (a C extension with its own syscalls, an interpreter bug, gc/introspection tricks)
-can bypass it; ctypes/cffi imports are refused to close the obvious hole. Reads are not restricted (the
-program can read any file the worker can). There is no seccomp, no mount namespace, no separate user. For
+can bypass it; ctypes/cffi imports are refused to close the obvious hole. There is no seccomp, no mount namespace, no separate user. For
 hostile code at scale, run env workers in a container/gVisor/Firecracker sandbox; this module keeps a buggy or
 mildly adversarial program from killing or hanging the worker.
 """

@@ -21,6 +21,7 @@ FS_WRITE_EVENTS = {
     "os.remove", "os.rename", "os.mkdir", "os.rmdir", "os.chmod", "os.chown", "os.symlink", "os.link",
     "os.truncate", "os.utime", "shutil.rmtree", "shutil.copyfile", "shutil.move",
 }
+LIST_EVENTS = {"os.listdir", "os.scandir", "glob.glob", "glob.glob/2"}
 BLOCKED_IMPORTS = {"cffi", "_cffi_backend"}
 # ctypes may be imported (numpy does) but not used to call native functions or touch raw memory.
 CTYPES_EVENTS = {"ctypes.dlsym", "ctypes.dlsym/handle", "ctypes.call_function", "ctypes.cdata", "ctypes.cdata/buffer", "ctypes.addressof",
@@ -57,7 +58,16 @@ def inside(path, root: str) -> bool:
     return real == root or real.startswith(root + os.sep) or real == os.devnull
 
 
+def readable_roots(root: str) -> list[str]:
+    """The sandbox dir, the Python installation (stdlib, site-packages: imports must work) and harmless devices.
+    Anything else (the repo, /etc, other users' data, the worker's secrets) cannot be read or listed."""
+    prefixes = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
+    return [root, *sorted(os.path.realpath(p) for p in prefixes), "/dev/null", "/dev/urandom", "/dev/zero"]
+
+
 def make_hook(root: str):
+    readable = readable_roots(root)
+
     def hook(event: str, args: tuple) -> None:
         if event in PROCESS_EVENTS:
             raise PermissionError(f"sandbox: {event} is not allowed (no new processes)")
@@ -65,8 +75,14 @@ def make_hook(root: str):
             raise PermissionError(f"sandbox: {event} is not allowed (no network, no native calls)")
         if event == "import" and args[0].partition(".")[0] in BLOCKED_IMPORTS:
             raise PermissionError(f"sandbox: importing {args[0]} is not allowed")
-        if event == "open" and args[0] is not None and _writes(args) and not inside(args[0], root):
-            raise PermissionError(f"sandbox: writing {args[0]!r} outside the sandbox directory is not allowed")
+        if event == "open" and args[0] is not None and not isinstance(args[0], int):
+            if _writes(args) and not inside(args[0], root):
+                raise PermissionError(f"sandbox: writing {args[0]!r} outside the sandbox directory is not allowed")
+            if not any(inside(args[0], r) for r in readable):
+                raise PermissionError(f"sandbox: reading {args[0]!r} outside the sandbox directory is not allowed")
+        if event in LIST_EVENTS and args[0] is not None and not isinstance(args[0], int) and not any(
+                inside(args[0], r) for r in readable):
+            raise PermissionError(f"sandbox: listing {args[0]!r} outside the sandbox directory is not allowed")
         if event in FS_WRITE_EVENTS and not all(inside(a, root) for a in args[:2] if isinstance(a, str | bytes)):
             raise PermissionError(f"sandbox: {event} outside the sandbox directory is not allowed")
 

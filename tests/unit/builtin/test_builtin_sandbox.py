@@ -71,3 +71,70 @@ def test_huge_output_is_capped():
 def test_numpy_still_imports():
     result = run_python("import numpy\nprint(numpy.arange(4).sum())", limits=LIMITS)
     assert result.ok and result.stdout.strip() == "6"
+
+
+def test_read_outside_temp_dir_is_refused(tmp_path):
+    secret = tmp_path / "secret.txt"
+    secret.write_text("api-token")
+    for path in (secret, "/etc/passwd", os.path.abspath(__file__)):
+        result = run_python(f"print(open({str(path)!r}).read())", limits=LIMITS)
+        assert not result.ok and "reading" in result.error and "not allowed" in result.error, path
+        assert "api-token" not in result.stdout
+
+
+def test_listing_outside_temp_dir_is_refused_and_inside_allowed():
+    result = run_python("import os\nprint(os.listdir('/root'))", limits=LIMITS)
+    assert not result.ok and "listing" in result.error
+    inside = run_python("import os\nopen('a.txt', 'w').write('x')\nprint(sorted(os.listdir('.')))",
+                        limits=LIMITS)
+    assert inside.ok and "a.txt" in inside.stdout
+
+
+def test_deep_recursion_is_an_error_not_a_crash_of_the_caller():
+    code = "import sys\nsys.setrecursionlimit(10**7)\ndef f(n):\n    return f(n + 1)\nf(0)"
+    result = run_python(code, limits=LIMITS)
+    assert not result.ok and result.error  # RecursionError or a stack overflow signal, contained
+
+
+def test_background_process_cannot_outlive_the_call(tmp_path):
+    marker = tmp_path / "alive"
+    code = (
+        "import os, threading, time\n"
+        "try:\n"
+        "    pid = os.fork()\n"
+        "except PermissionError as e:\n"
+        "    print('refused:', e)\n"
+        "def linger():\n"
+        "    time.sleep(3)\n"
+        f"    open({str(marker)!r}, 'w').write('still here')\n"
+        "threading.Thread(target=linger, daemon=False).start()\n"
+        "os.setsid() if hasattr(os, 'setsid') else None\n"
+    )
+    result = run_python(code, limits=SandboxLimits(wall_s=1, cpu_s=2))
+    assert "refused:" in result.stdout  # no second process at all
+    import time
+
+    time.sleep(3.5)
+    assert not marker.exists()  # the lingering thread died with the killed process group
+
+
+def test_sandbox_reports_each_hostile_program_without_harming_the_worker():
+    """The issue's list, end to end: every program returns a result with an error, and this process is fine."""
+    programs = {
+        "infinite loop": "while True: pass",
+        "fork bomb": "import os\nwhile True: os.fork()",
+        "memory bomb": "x = ' ' * (8 << 30)",
+        "deep recursion": "import sys\nsys.setrecursionlimit(10**7)\ndef f(): f()\nf()",
+        "network": "import socket\nsocket.create_connection(('1.1.1.1', 53), timeout=1)",
+        "read outside": "open('/etc/hostname').read()",
+        "write outside": "open('/tmp/fw-sandbox-escape', 'w').write('x')",
+        "huge output": "print('x' * (64 << 20))",
+        "sleep past timeout": "import time\ntime.sleep(30)",
+        "background process": "import subprocess\nsubprocess.Popen(['sleep', '60'])",
+        "signal the parent": "import os\nos.kill(os.getppid(), 9)",
+    }
+    for name, code in programs.items():
+        result = run_python(code, limits=SandboxLimits(wall_s=2, cpu_s=2, memory_bytes=512 << 20,
+                                                      output_bytes=4096))
+        assert not result.ok and result.error, name
+    assert not os.path.exists("/tmp/fw-sandbox-escape")
