@@ -129,11 +129,12 @@ def build_tokenizer(folder: Path) -> str:
     return str(build_tiny_model(folder))
 
 
-def register_dataset(engine: Engine, name: str, n: int, split: str = "test") -> None:
+def register_dataset(engine: Engine, name: str, n: int, split: str = "test", seed: int = 0) -> None:
+    """n builtin arithmetic rows; task ids are `arith-<seed>-<i>`."""
     from shared.builtin.datasets import generate
     from shared.datasets import DatasetRegistry
 
-    DatasetRegistry(engine).register(name, generate("arithmetic", n, seed=0), split)
+    DatasetRegistry(engine).register(name, generate("arithmetic", n, seed=seed), split)
 
 
 def insert_run(engine: Engine, config: dict) -> str:
