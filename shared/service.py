@@ -33,6 +33,16 @@ log = get_logger(__name__)
 UP = Gauge("service_up", "1 while the service loop runs", ["service"])
 
 
+async def sleep_or_stop(stop: asyncio.Event, seconds: float) -> bool:
+    """Sleep up to `seconds`, waking at once when `stop` is set; returns whether it was set. Periodic loops
+    use it so that shutdown never waits out a full interval."""
+    try:
+        await asyncio.wait_for(stop.wait(), seconds)
+        return True
+    except TimeoutError:
+        return False
+
+
 def default_worker_id(service: str) -> str:
     return f"{service}-{socket.gethostname()}-{os.getpid()}"
 
@@ -80,10 +90,7 @@ class ServiceRuntime:
                 await self.redis.set(key, json.dumps(self.health()), px=ttl_ms)
             except Exception as e:  # Redis down: keep serving, the heartbeat resumes with it
                 log.warning("heartbeat failed: %r", e)
-            try:
-                await asyncio.wait_for(self.stop.wait(), self.settings.heartbeat_interval_s)
-            except TimeoutError:
-                pass
+            await sleep_or_stop(self.stop, self.settings.heartbeat_interval_s)
         try:
             await self.redis.delete(key)
         except Exception:

@@ -32,6 +32,7 @@ from shared.logs import get_logger
 from shared.messages import EpisodeResult, MessageDecodeError, RolloutTask, decode
 from shared.passk import pass_at_k_table
 from shared.run_config import RunConfig
+from shared.service import sleep_or_stop
 from shared.store import TrajectoryStore
 from shared.streams import GROUP_STORE, GROUP_TRAIN, ROLLOUT_TASKS, TRAJECTORIES, dead_letter
 
@@ -80,7 +81,7 @@ class Controller:
                     next_expire = time.monotonic() + self.cfg.reconcile_interval_s
             except OperationalError as e:  # Postgres unreachable: wait it out; leases are re-taken after
                 log.warning("database unavailable: %r", e)
-                await _sleep(stop, self.cfg.poll_interval_s)
+                await sleep_or_stop(stop, self.cfg.poll_interval_s)
                 continue
             for driver in list(self.drivers.values()):
                 await self.step(driver)
@@ -260,7 +261,7 @@ class Controller:
                 await self._drain_task_dead_letters()
             except RedisError as e:
                 log.warning("dead-letter scan failed: %r", e)
-            await _sleep(stop, self.cfg.reconcile_interval_s)
+            await sleep_or_stop(stop, self.cfg.reconcile_interval_s)
 
     async def expire(self, d: RunDriver) -> None:
         try:
@@ -304,7 +305,7 @@ class Controller:
     # -- trim ----------------------------------------------------------------------------------------------------
     async def trim(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
-            await _sleep(stop, self.cfg.trim_interval_s)
+            await sleep_or_stop(stop, self.cfg.trim_interval_s)
             for stream in (ROLLOUT_TASKS, TRAJECTORIES):
                 try:
                     await self.bus.trim_acknowledged(stream)
@@ -315,9 +316,3 @@ class Controller:
         return {rid: {"status": d.status, "in_flight": len(d.in_flight), "completed": d.num_completed,
                       "policy_version": d.policy_version} for rid, d in self.drivers.items()}
 
-
-async def _sleep(stop: asyncio.Event, seconds: float) -> None:
-    try:
-        await asyncio.wait_for(stop.wait(), seconds)
-    except TimeoutError:
-        pass

@@ -17,6 +17,7 @@ from services.env_worker.sessions import SessionHost
 from shared.bus import REDIS_DOWN, StreamBus
 from shared.logs import get_logger
 from shared.messages import EnvReply, EnvRequest, MessageDecodeError, decode, encode
+from shared.service import sleep_or_stop
 from shared.streams import ENV_REQUESTS, GROUP_ENV, dead_letter, env_inbox
 
 log = get_logger(__name__)
@@ -93,13 +94,13 @@ class EnvWorker:
 
     async def sweep_loop(self, stop: asyncio.Event) -> None:
         """Close sessions idle past their TTL (their trajectory ended without a close, or its worker died)."""
-        while not await _wait(stop, self.cfg.sweep_interval_s):
+        while not await sleep_or_stop(stop, self.cfg.sweep_interval_s):
             self.host.expire_idle()
             self.status["sessions"] = len(self.host.sessions)
 
     async def reclaim_loop(self, stop: asyncio.Event) -> None:
         """Resets left pending by a dead env worker: serve those still wanted, drop those given up on."""
-        while not await _wait(stop, self.cfg.reclaim_interval_s):
+        while not await sleep_or_stop(stop, self.cfg.reclaim_interval_s):
             try:
                 await self.reclaim_once()
             except REDIS_DOWN:
@@ -128,11 +129,3 @@ class EnvWorker:
     async def close(self) -> None:
         self.host.shutdown()
 
-
-async def _wait(stop: asyncio.Event, seconds: float) -> bool:
-    """Sleep up to `seconds`; True when stop was set."""
-    try:
-        await asyncio.wait_for(stop.wait(), seconds)
-        return True
-    except TimeoutError:
-        return False

@@ -24,6 +24,7 @@ from services.rollout_worker.runs import RunRegistry
 from shared.bus import REDIS_DOWN, Delivery, StreamBus, StreamConsumer
 from shared.logs import get_logger
 from shared.messages import EpisodeResult, MessageDecodeError, RolloutTask, WeightsPublished, decode
+from shared.service import sleep_or_stop
 from shared.streams import GROUP_ROLLOUT, ROLLOUT_TASKS, TRAJECTORIES, WEIGHTS
 
 log = get_logger(__name__)
@@ -106,7 +107,7 @@ class RolloutWorker:
 
     async def keepalive_loop(self, stop: asyncio.Event) -> None:
         interval = self.cfg.claim_idle_ms / 3000
-        while not await _wait(stop, interval):
+        while not await sleep_or_stop(stop, interval):
             ids = [d.id for d in self.running.values()]
             if ids:
                 try:  # resets the entries' idle time: they are not a dead worker's
@@ -153,10 +154,3 @@ class RolloutWorker:
     async def close(self) -> None:
         await self.runs.close()
 
-
-async def _wait(stop: asyncio.Event, seconds: float) -> bool:
-    try:
-        await asyncio.wait_for(stop.wait(), seconds)
-        return True
-    except TimeoutError:
-        return False

@@ -311,7 +311,7 @@ async def test_staleness_window_and_remax_greedy_samples(engine, redis_client, s
 async def test_controller_sigkill_and_restart_loses_and_doubles_nothing(engine, redis_client, start_controller):
     run = add_run(engine, add_dataset(engine, 60), kind="eval", samples_per_task=2, max_in_flight=8)
     first = start_controller()
-    async with FakeRolloutWorker(redis_client, run, lambda t: "correct", hold_s=0.02) as worker:
+    async with FakeRolloutWorker(redis_client, run, lambda t: "correct", hold_s=0.2) as worker:
         await wait_until(lambda: len(stored_keys(engine, run)) >= 30, what="some results stored")
         first.send_signal(signal.SIGKILL)
         first.wait(10)
