@@ -10,6 +10,8 @@ be idempotent (natural keys make duplicates harmless). Specifically:
   they are idle for `claim_idle_ms`.
 - An entry whose handler raised is retried (XCLAIM to self) after `retry_delay_s`; after `max_deliveries`
   failures, or deliveries by consumers that died, it goes to `<stream>.dlq` with the reason, and is acked.
+  Exceptions the consumer declares `transient` (its database is down, say) mean "not now", not "poison":
+  the entry is retried with backoff for as long as it takes and never dead-lettered for them.
 - An entry that does not decode (or exceeds the codec's size limit) is dead-lettered at once; it never reaches
   the handler or crashes the loop. Readers without a group (`weights`, `env.replies.*`) skip and count it
   instead (`decode_or_skip`).
@@ -183,6 +185,7 @@ class StreamConsumer:
         batch_size: int = 64,
         block_ms: int = 1000,
         on_dead_letter: DeadLetterHook | None = None,
+        transient: tuple[type[BaseException], ...] = (),
     ):
         self.bus, self.redis = bus, bus.redis
         self.stream, self.group, self.consumer = stream, group, consumer
@@ -193,6 +196,8 @@ class StreamConsumer:
         self.batch_size = batch_size
         self.block_ms = block_ms
         self.on_dead_letter = on_dead_letter
+        self.transient = transient
+        self._outage_failures = 0  # consecutive transient failures: the backoff grows with them
         self._failures_key = f"bus:failures:{stream}:{group}"
         self._retry_at: dict[bytes, float] = {}  # own failed entries -> when to try again
         self._claim_cursor = b"0-0"
@@ -326,7 +331,10 @@ class StreamConsumer:
                                 cause=cause, deliveries=count, extra_keys=[self._failures_key])
         self._retry_at.pop(eid, None)
         if self.on_dead_letter is not None:
-            await self.on_dead_letter(delivery, eid, reason)
+            try:
+                await self.on_dead_letter(delivery, eid, reason)
+            except Exception:  # the entry is safe in the DLQ; a failing hook must not end the consumer
+                log.exception("%s: on_dead_letter hook failed for %s", self.stream, eid)
 
     # -- loop ------------------------------------------------------------------------------------------------
     async def process(self, handler: Handler, deliveries: list[Delivery]) -> None:
@@ -335,6 +343,9 @@ class StreamConsumer:
             return
         try:
             await handler(deliveries)
+        except self.transient as e:
+            self._postpone(deliveries, e)
+            return
         except Exception as batch_error:
             if len(deliveries) == 1:
                 await self.fail(deliveries[0], batch_error)
@@ -342,12 +353,24 @@ class StreamConsumer:
             for d in deliveries:
                 try:
                     await handler([d])
+                except self.transient as e:
+                    self._postpone([d], e)
                 except Exception as e:
                     await self.fail(d, e)
                 else:
                     await self.ack([d])
             return
+        self._outage_failures = 0
         await self.ack(deliveries)
+
+    def _postpone(self, deliveries: list[Delivery], error: BaseException) -> None:
+        """A transient failure: try again later (backoff up to 30 s), without counting it against the entry."""
+        self._outage_failures += 1
+        delay = min(self.retry_delay_s * 2 ** min(self._outage_failures - 1, 5), 30.0)
+        log.warning("%s: %d entries postponed %.1fs, dependency unavailable: %r",
+                    self.stream, len(deliveries), delay, error)
+        for d in deliveries:
+            self._retry_at[d.id] = time.monotonic() + delay
 
     async def run(self, handler: Handler, stop: asyncio.Event) -> None:
         """Read, handle, ack until `stop` is set. Redis outages are waited out, not fatal."""

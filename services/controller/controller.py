@@ -20,13 +20,14 @@ from prometheus_client import Counter, Gauge, Histogram
 from pydantic import ValidationError
 from redis.exceptions import RedisError, ResponseError
 from sqlalchemy import Engine
-from sqlalchemy.exc import OperationalError, SQLAlchemyError
+from sqlalchemy.exc import SQLAlchemyError
 
 from services.controller import ledger
 from services.controller.config import ControllerConfig
 from services.controller.run import RunDriver
 from shared.bus import Delivery, StreamBus, StreamConsumer
 from shared.db.models import TERMINAL_RUN_STATUSES
+from shared.db.session import DB_DOWN
 from shared.ledger import ledger_summary
 from shared.logs import get_logger
 from shared.messages import EpisodeResult, MessageDecodeError, RolloutTask, decode
@@ -79,7 +80,7 @@ class Controller:
                     for driver in list(self.drivers.values()):
                         await self.expire(driver)
                     next_expire = time.monotonic() + self.cfg.reconcile_interval_s
-            except OperationalError as e:  # Postgres unreachable: wait it out; leases are re-taken after
+            except DB_DOWN as e:  # Postgres unreachable: wait it out; leases are re-taken after
                 log.warning("database unavailable: %r", e)
                 await sleep_or_stop(stop, self.cfg.poll_interval_s)
                 continue
@@ -230,7 +231,7 @@ class Controller:
         consumer = StreamConsumer(
             self.bus, TRAJECTORIES, GROUP_STORE, self.worker_id, expect=EpisodeResult,
             batch_size=self.cfg.store_batch_size, claim_idle_ms=self.cfg.store_claim_idle_ms,
-            on_dead_letter=self._store_dead_letter,
+            on_dead_letter=self._store_dead_letter, transient=DB_DOWN,
         )
         await consumer.run(self._store_batch, stop)
 
@@ -259,7 +260,7 @@ class Controller:
         while not stop.is_set():
             try:
                 await self._drain_task_dead_letters()
-            except RedisError as e:
+            except (RedisError, *DB_DOWN) as e:
                 log.warning("dead-letter scan failed: %r", e)
             await sleep_or_stop(stop, self.cfg.reconcile_interval_s)
 

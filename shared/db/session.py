@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import psycopg
 from sqlalchemy import Engine, create_engine
+from sqlalchemy.exc import DisconnectionError, InterfaceError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
 from sqlalchemy.orm import sessionmaker
+
+# Postgres unreachable or the connection dropped (restart, failover, network): wait and retry, never treat
+# the work at hand as bad. SQLAlchemy wraps driver errors; code on a raw psycopg cursor sees them unwrapped.
+DB_DOWN = (OperationalError, InterfaceError, DisconnectionError, psycopg.OperationalError, psycopg.InterfaceError)
 
 
 def make_engine(url: str, **kw) -> Engine:

@@ -236,3 +236,44 @@ async def test_consumer_survives_unreachable_redis():
     delivery_like = type("D", (), {"id": b"1-0"})()
     await consumer.ack([delivery_like])  # logged, not raised: the entry would simply be re-delivered
     await dead.aclose()
+
+
+async def test_transient_failures_are_retried_not_dead_lettered(redis_client):
+    """A dependency outage (the handler's database is down) is 'not now', not poison: no dead-lettering, no
+    matter how many tries it takes, and the entry is handled once the dependency is back."""
+
+    class DatabaseDown(Exception):
+        pass
+
+    bus = StreamBus(redis_client)
+    await bus.ensure_group(STREAM, GROUP)
+    await bus.publish(STREAM, _task(1))
+    hook_calls: list[bytes] = []
+
+    async def failing_hook(delivery, entry_id, reason):
+        hook_calls.append(entry_id)
+        raise RuntimeError("the hook's own store is down too")
+
+    consumer = StreamConsumer(bus, STREAM, GROUP, "c1", expect=RolloutTask, max_deliveries=2, retry_delay_s=0.01,
+                              block_ms=20, transient=(DatabaseDown,), on_dead_letter=failing_hook)
+    outage = {"left": 6}  # three times max_deliveries
+    done: list[str] = []
+
+    async def handler(batch):
+        if outage["left"] > 0:
+            outage["left"] -= 1
+            raise DatabaseDown("connection refused")
+        done.extend(d.message.task_id for d in batch)
+
+    await _drain(consumer, handler, lambda: done == ["t1"])
+    assert await redis_client.xlen(dead_letter(STREAM)) == 0 and hook_calls == []
+    # A real poison entry still goes to the DLQ, and a hook that raises does not break the consumer.
+    await bus.publish(STREAM, _task(2))
+
+    async def poison(batch):
+        raise ValueError("bad payload")
+
+    await _drain(consumer, poison, lambda: len(hook_calls) == 1)
+    assert await redis_client.xlen(dead_letter(STREAM)) == 1
+    await bus.publish(STREAM, _task(3))
+    await _drain(consumer, handler, lambda: done == ["t1", "t3"])
