@@ -344,7 +344,7 @@ class StreamConsumer:
         try:
             await handler(deliveries)
         except self.transient as e:
-            self._postpone(deliveries, e)
+            await self._postpone(deliveries, e)
             return
         except Exception as batch_error:
             if len(deliveries) == 1:
@@ -354,7 +354,7 @@ class StreamConsumer:
                 try:
                     await handler([d])
                 except self.transient as e:
-                    self._postpone([d], e)
+                    await self._postpone([d], e)
                 except Exception as e:
                     await self.fail(d, e)
                 else:
@@ -363,12 +363,22 @@ class StreamConsumer:
         self._outage_failures = 0
         await self.ack(deliveries)
 
-    def _postpone(self, deliveries: list[Delivery], error: BaseException) -> None:
+    async def _postpone(self, deliveries: list[Delivery], error: BaseException) -> None:
         """A transient failure: try again later (backoff up to 30 s), without counting it against the entry."""
         self._outage_failures += 1
         delay = min(self.retry_delay_s * 2 ** min(self._outage_failures - 1, 5), 30.0)
         log.warning("%s: %d entries postponed %.1fs, dependency unavailable: %r",
                     self.stream, len(deliveries), delay, error)
+        try:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for d in deliveries:
+                    # JUSTID + RETRYCOUNT: reset the idle clock and hold the delivery count where it was, so
+                    # an outage never walks the entry towards the redelivery limit.
+                    pipe.xclaim(self.stream, self.group, self.consumer, 0, [d.id],
+                                retrycount=max(d.deliveries - 1, 0), justid=True)
+                await pipe.execute()
+        except REDIS_DOWN:
+            pass
         for d in deliveries:
             self._retry_at[d.id] = time.monotonic() + delay
 
