@@ -23,9 +23,10 @@ class RolloutWorkerConfig(ServiceSettings):
                                    "the rest stay unacknowledged and are reclaimed by other workers, seconds")
     hf_batch_wait_ms: float = Field(5.0, ge=0, description="hf engine: how long requests gather into one "
                                     "batch, milliseconds")
-    weights_dir: Path | None = Field(None, description="WEIGHTS_DIR: local cache of fetched checkpoints; "
-                                     "default DATA_DIR/rollout-weights")
+    checkpoint_cache_dir: Path | None = Field(
+        None, description="CHECKPOINT_CACHE_DIR: where checkpoints fetched over HTTP are kept (not used when the "
+        "weight server's volume is mounted: those are read in place); default DATA_DIR/rollout-weights")
 
     @property
     def weights_cache(self) -> Path:
-        return self.weights_dir or self.data_dir / "rollout-weights"
+        return self.checkpoint_cache_dir or self.data_dir / "rollout-weights"
