@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -29,6 +32,20 @@ class ServiceSettings(BaseSettings):
         "are dead-lettered (or skipped by readers without a group)"
     )
 
+    def loggable(self) -> dict[str, Any]:
+        """The resolved config for the start-up log line, secrets masked: passwords inside URLs, and the value
+        of any field whose name says token, password, secret or key. Every service logs this, never the raw
+        config, so a new secret field is masked without anyone remembering to exclude it."""
+        out: dict[str, Any] = {}
+        for name, value in self.model_dump(mode="json").items():
+            if _SECRET_NAME.search(name):
+                out[name] = "***" if value else value
+            elif isinstance(value, str) and "://" in value:
+                out[name] = mask_url(value)
+            else:
+                out[name] = value
+        return out
+
     @field_validator("database_url")
     @classmethod
     def _psycopg3(cls, v: str) -> str:
@@ -44,3 +61,15 @@ class ServiceSettings(BaseSettings):
         if v not in ("json", "text", "auto"):
             raise ValueError(f"LOG_FORMAT must be json, text or auto, got {v!r}")
         return v
+
+
+_SECRET_NAME = re.compile(r"token|password|passwd|secret|api_key|_key$", re.I)
+
+
+def mask_url(url: str) -> str:
+    """`scheme://user:***@host/db`: keeps what helps debugging (which server), drops the password."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return urlunsplit(parts._replace(netloc=netloc))

@@ -13,7 +13,7 @@ log = get_logger(__name__)
 def main() -> None:
     config = ApiConfig()
     setup_logging(config.service_name, config.log_level, config.log_format)
-    log.info("api config: %s", config.model_dump(exclude={"api_token", "database_url", "redis_url"}))
+    log.info("api config: %s", config.loggable())
     import uvicorn
 
     from services.api.app import create_app

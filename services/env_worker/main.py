@@ -16,7 +16,7 @@ def main() -> None:
 
     cfg = EnvWorkerConfig()
     setup_logging(cfg.service_name, cfg.log_level, cfg.log_format)
-    get_logger(__name__).info("env-worker config: %s", cfg.model_dump(exclude={"database_url", "redis_url"}))
+    get_logger(__name__).info("env-worker config: %s", cfg.loggable())
     sys.exit(asyncio.run(serve(cfg)))
 
 

@@ -31,7 +31,7 @@ def start_health_thread(config: JobsConfig) -> tuple[threading.Thread, callable]
 def main() -> None:
     config = JobsConfig()
     setup_logging(config.service_name, config.log_level, config.log_format)
-    log.info("jobs config: %s", config.model_dump(exclude={"database_url", "redis_url"}))
+    log.info("jobs config: %s", config.loggable())
     from services.jobs.celery_app import make_celery
 
     app = make_celery(config)

@@ -16,7 +16,7 @@ def main() -> int:
 
     settings = TrainerSettings()
     setup_logging(settings.service_name, settings.log_level, settings.log_format)
-    get_logger(__name__).info("config: %s", settings.model_dump_json())
+    get_logger(__name__).info("config: %s", settings.loggable())
 
     from services.trainer.loop import Trainer
     from shared.db.session import make_engine

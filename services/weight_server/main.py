@@ -16,7 +16,7 @@ def main() -> int:
 
     settings = WeightServerSettings()
     setup_logging(settings.service_name, settings.log_level, settings.log_format)
-    get_logger(__name__).info("config: %s", settings.model_dump_json())
+    get_logger(__name__).info("config: %s", settings.loggable())
 
     import redis
 
