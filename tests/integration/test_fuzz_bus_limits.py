@@ -1,16 +1,17 @@
 """The codec's entry size limit and the bus helpers for bad entries, against a real Redis: an oversized entry
 is refused before it is unpacked, dead-lettered with the size in the reason and counted; readers without a
-group skip and count undecodable entries."""
+group skip and count undecodable entries; a client under more concurrent commands than connections waits."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import msgpack
 import pytest
 from prometheus_client import REGISTRY
 
-from shared.bus import StreamBus, StreamConsumer, dead_letter_entry, decode_or_skip
+from shared.bus import StreamBus, StreamConsumer, connect, dead_letter_entry, decode_or_skip
 from shared.messages import MessageDecodeError, RolloutTask, WeightsPublished, decode, encode
 from shared.messages.codec import DEFAULT_MAX_ENTRY_BYTES, set_max_entry_bytes
 from shared.streams import dead_letter
@@ -84,3 +85,14 @@ def test_decode_or_skip_counts_what_it_skips():
     assert _metric("bus_messages_skipped_total", stream="weights") == before + 2
     ok = WeightsPublished(run_id="r", version=1, uri="u", sha256="s", bytes=0, created_at=0.0)
     assert decode_or_skip("weights", encode(ok), WeightsPublished) == ok
+
+
+async def test_more_concurrent_commands_than_connections_wait_instead_of_failing(redis_url):
+    client = connect(redis_url, max_connections=4)
+    try:  # 200 at once through 4 connections: each waits its turn (redis-py's default pool would raise)
+        replies = await asyncio.gather(*(client.xadd("fuzz.pool", {b"i": str(i).encode()}) for i in range(200)))
+        assert len(set(replies)) == 200 and await client.xlen("fuzz.pool") == 200
+        assert client.connection_pool.max_connections == 4
+    finally:
+        await client.delete("fuzz.pool")
+        await client.aclose()
