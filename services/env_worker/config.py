@@ -17,5 +17,7 @@ class EnvWorkerConfig(ServiceSettings):
                                       "claimed, seconds")
     reclaim_idle_ms: int = Field(10_000, ge=1, description="a reset pending this long at a dead worker is "
                                  "claimed, milliseconds")
+    trim_interval_s: float = Field(10.0, gt=0, description="how often acknowledged env.requests and inbox "
+                                   "entries are trimmed, seconds")
     reply_maxlen: int = Field(100_000, ge=100, description="approximate cap of each reply stream, entries")
     max_sessions: int = Field(10_000, ge=1, description="sessions hosted at once; resets beyond it are refused")

@@ -14,27 +14,28 @@ from redis.exceptions import ResponseError
 
 from services.env_worker.config import EnvWorkerConfig
 from services.env_worker.sessions import SessionHost
-from shared.bus import REDIS_DOWN, StreamBus
+from shared.bus import REDIS_DOWN, StreamBus, dead_letter_entry
 from shared.logs import get_logger
 from shared.messages import EnvReply, EnvRequest, MessageDecodeError, decode, encode
 from shared.service import sleep_or_stop
-from shared.streams import ENV_REQUESTS, GROUP_ENV, dead_letter, env_inbox
+from shared.streams import ENV_REQUESTS, GROUP_ENV, env_inbox
 
 log = get_logger(__name__)
+SEND_ATTEMPTS = 8
 
 
 class EnvWorker:
     def __init__(self, cfg: EnvWorkerConfig, worker_id: str, redis: aioredis.Redis):
         self.cfg, self.worker_id, self.redis = cfg, worker_id, redis
+        self.bus = StreamBus(redis)
         self.inbox = env_inbox(worker_id)
         self.host = SessionHost(worker_id, cfg.env_threads, cfg.max_sessions)
         self.inflight: set[asyncio.Task] = set()
         self.status: dict = {}
 
     async def start(self) -> None:
-        bus = StreamBus(self.redis)
-        await bus.ensure_group(ENV_REQUESTS, GROUP_ENV, start_id="$")  # old resets have been given up on
-        await bus.ensure_group(self.inbox, GROUP_ENV, start_id="0")
+        await self.bus.ensure_group(ENV_REQUESTS, GROUP_ENV, start_id="$")  # old resets have been given up on
+        await self.bus.ensure_group(self.inbox, GROUP_ENV, start_id="0")
 
     def loops(self, stop: asyncio.Event) -> list:
         return [self.read_loop(stop), self.sweep_loop(stop), self.reclaim_loop(stop)]
@@ -79,24 +80,38 @@ class EnvWorker:
         except (TypeError, ValueError) as e:  # the env returned something msgpack cannot carry
             reply = self.host.error_from_reply(reply, f"env returned a value that cannot be sent: {e}")
             body = encode(reply)
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.xadd(reply_to, body, maxlen=self.cfg.reply_maxlen, approximate=True)
-            pipe.xack(stream, GROUP_ENV, entry_id)
-            await pipe.execute()
+        for attempt in range(SEND_ATTEMPTS):  # a lost reply costs the rollout worker a timeout and a retry
+            try:
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    pipe.xadd(reply_to, body, maxlen=self.cfg.reply_maxlen, approximate=True)
+                    pipe.xack(stream, GROUP_ENV, entry_id)
+                    await pipe.execute()
+                return
+            except REDIS_DOWN as e:
+                log.warning("reply to %s failed (attempt %d): %r", reply_to, attempt + 1, e)
+                await asyncio.sleep(min(0.1 * 2**attempt, 2.0))
 
     async def dead_letter(self, stream: str, entry_id: bytes, fields: dict, reason: str) -> None:
         log.warning("undecodable env request %s on %s: %s", entry_id, stream, reason)
-        entry = {**fields, b"dlq_reason": reason.encode(), b"dlq_stream": stream.encode()}
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.xadd(dead_letter(stream), entry, maxlen=100_000, approximate=True)
-            pipe.xack(stream, GROUP_ENV, entry_id)
-            await pipe.execute()
+        await dead_letter_entry(self.redis, stream, GROUP_ENV, self.worker_id, entry_id, fields, reason)
 
     async def sweep_loop(self, stop: asyncio.Event) -> None:
         """Close sessions idle past their TTL (their trajectory ended without a close, or its worker died)."""
+        next_trim = time.monotonic() + self.cfg.trim_interval_s
         while not await sleep_or_stop(stop, self.cfg.sweep_interval_s):
             self.host.expire_idle()
             self.status["sessions"] = len(self.host.sessions)
+            if time.monotonic() >= next_trim:
+                await self.trim()
+                next_trim = time.monotonic() + self.cfg.trim_interval_s
+
+    async def trim(self) -> None:
+        """Bound env.requests and this worker's inbox: drop what every group has acknowledged."""
+        for stream in (ENV_REQUESTS, self.inbox):
+            try:
+                await self.bus.trim_acknowledged(stream)
+            except REDIS_DOWN as e:
+                log.warning("trim of %s failed: %r", stream, e)
 
     async def reclaim_loop(self, stop: asyncio.Event) -> None:
         """Resets left pending by a dead env worker: serve those still wanted, drop those given up on."""

@@ -13,8 +13,9 @@ from typing import Any
 import redis.asyncio as aioredis
 from prometheus_client import Histogram
 
+from shared.bus import decode_or_skip
 from shared.logs import get_logger
-from shared.messages import EnvReply, EnvRequest, MessageDecodeError, decode, encode
+from shared.messages import EnvReply, EnvRequest, encode
 from shared.streams import ENV_REQUESTS, env_inbox, env_replies
 
 log = get_logger(__name__)
@@ -56,15 +57,13 @@ class EnvClient:
                     self.cursor = entry_id
                     self.resolve(fields)
                 read += len(entries)
-            if read >= 10_000:  # we are this stream's only reader: drop what we have read
+            if read >= 1000:  # we are this stream's only reader: drop what we have read
                 await self.redis.xtrim(self.reply_stream, minid=self.cursor, approximate=True)
                 read = 0
 
     def resolve(self, fields: dict) -> None:
-        try:
-            reply = decode(fields, EnvReply)
-        except MessageDecodeError as e:
-            log.warning("undecodable env reply: %s", e)
+        reply = decode_or_skip(self.reply_stream, fields, EnvReply)
+        if reply is None:
             return
         future = self.waiters.pop(reply.request_id, None)
         if future is not None and not future.done():

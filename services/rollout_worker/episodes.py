@@ -75,7 +75,7 @@ def completed(ctx: RunContext, task: RolloutTask, episode: Episode) -> EpisodeRe
     # One trajectory: its reward. Several (solver/judge): whether the episode was right.
     reward = records[0].reward if len(records) == 1 else float(episode.is_correct)
     info = dict(episode.info)
-    if reason == TR.ERROR and "error" not in info:
+    if reason in (TR.ERROR, TR.ENV_TIMEOUT, TR.TIMEOUT) and "error" not in info:
         info["error"] = next((t.info["error"] for t in records if t.info.get("error")), None)
     return EpisodeResult(
         run_id=task.run_id, task_id=task.task_id, sample_idx=task.sample_idx, attempt=task.attempt,

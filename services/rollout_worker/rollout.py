@@ -25,8 +25,8 @@ from services.rollout_worker.runs import RunContext
 from shared.agent import BaseAgent, WorkflowTerminated
 from shared.logs import get_logger
 from shared.messages import EnvReply, RolloutTask
+from shared.types import Action, Step, Trajectory
 from shared.types import TerminationReason as TR
-from shared.types import Trajectory
 
 log = get_logger(__name__)
 GEN_SECONDS = Histogram("rollout_generation_seconds", "One model call, queueing included")
@@ -56,7 +56,9 @@ class Rollout:
                         env: tuple[str, dict] | None = None) -> Trajectory:
         env_name, env_args = env or (self.cfg.env.name, self.cfg.env.args)
         self._sessions += 1
-        session = AgentSession(self, agent, task, name, env_name, env_args, f"{self.uid}:{self._sessions}")
+        # The run id keeps sessions of two runs over the same dataset apart on the env workers.
+        session_id = f"{self.task.run_id}:{self.uid}:{self._sessions}"
+        session = AgentSession(self, agent, task, name, env_name, env_args, session_id)
         return await session.run()
 
 
@@ -74,13 +76,15 @@ class AgentSession:
         self.timings = {"gen_s": 0.0, "env_s": 0.0}
 
     async def run(self) -> Trajectory:
-        self.agent.reset()
         try:
             reason = await self.loop()
         except (EnvSessionLost, InferenceError) as e:
             raise WorkflowTerminated(TR.INFRA_ERROR, str(e)) from e
         except WorkflowTerminated:
             raise
+        except TimeoutError:  # the user's agent blocked past the trajectory's deadline
+            reason = TR.TIMEOUT
+            self.info["error"] = "agent code did not return before the trajectory deadline (trajectory_timeout_s)"
         except Exception:  # the user's agent raised
             reason = TR.ERROR
             self.info["error"] = traceback.format_exc(limit=20)[-8000:]
@@ -90,12 +94,19 @@ class AgentSession:
                                           owner=self.owner)
         return self.finish(reason)
 
+    async def agent_call(self, fn, *args):
+        """User agent code runs in a thread under the trajectory's deadline, so a blocking agent ends its own
+        trajectory (TimeoutError -> TIMEOUT) instead of freezing every trajectory on this event loop. A thread
+        that never returns cannot be killed: it is abandoned, like a hung env call."""
+        return await asyncio.wait_for(asyncio.to_thread(fn, *args), max(self.r.time_left(), 0.001))
+
     async def loop(self) -> TR:
+        await self.agent_call(self.agent.reset)
         reply = await self.env_call("reset", task=self.task)
         if not reply.ok:
             return self.env_failure(reply)
         self.owner = reply.env_worker_id
-        self.agent.update_from_env(reply.observation, 0.0, False, reply.info)
+        await self.agent_call(self.agent.update_from_env, reply.observation, 0.0, False, reply.info)
         for _ in range(self.cfg.max_steps):
             if self.r.time_left() <= 0:
                 return TR.TIMEOUT
@@ -106,7 +117,7 @@ class AgentSession:
 
     async def turn(self) -> TR | None:
         """One model call and env step; a termination reason, or None to go on."""
-        messages = copy.deepcopy(self.agent.chat_completions)  # the agent appends to its list in place
+        messages = copy.deepcopy(await self.agent_call(lambda: self.agent.chat_completions))  # appended in place
         prompt_ids = self.builder.prompt_ids(messages)
         max_tokens = self.response_budget(prompt_ids)
         if max_tokens <= 0:
@@ -115,8 +126,11 @@ class AgentSession:
             gen = await self.generate(prompt_ids, max_tokens)
         except TimeoutError:
             return TR.TIMEOUT
-        self.agent.update_from_model(gen.text)
-        step = self.agent.get_current_state()
+        action = await self.agent_call(self.agent.update_from_model, gen.text)
+        step = await self.agent_call(self.agent.get_current_state)
+        self.check_agent_output(action, step)
+        if step.action is None:
+            step.action = action.action
         step.prompt_ids, step.response_ids, step.logprobs = list(prompt_ids), gen.ids, gen.logprobs
         step.weight_version = gen.weight_version
         step.info["finish_reason"] = gen.finish_reason
@@ -130,13 +144,22 @@ class AgentSession:
         self.info["is_correct"] = bool(reply.info.get("is_correct", reply.reward > 0))
         if reply.done and reply.final_reward is not None:  # rLLM: the final reward replaces the last step's
             step.reward = reply.final_reward
-        self.agent.update_from_env(reply.observation, reply.reward, reply.done, reply.info)
+        await self.agent_call(self.agent.update_from_env, reply.observation, reply.reward, reply.done, reply.info)
         truncated = gen.finish_reason == "length"
         if reply.done:  # a cut-off final answer is marked so the trainer can filter overlong samples
             return TR.RESPONSE_TRUNCATION if truncated else TR.ENV_DONE
         if truncated and max_tokens < self.cfg.max_response_tokens:  # the trajectory's token budget is spent
             return TR.RESPONSE_TRUNCATION
         return None
+
+    def check_agent_output(self, action: Any, step: Any) -> None:
+        agent = type(self.agent).__name__
+        if not isinstance(action, Action):
+            raise TypeError(f"{agent}.update_from_model returned {type(action).__name__}; it must return an "
+                            "Action (shared.agent.Action), e.g. `return Action(action=response)`")
+        if not isinstance(step, Step):
+            raise TypeError(f"{agent}.get_current_state() returned {type(step).__name__} after update_from_model; "
+                            "update_from_model must append a Step to the agent's trajectory")
 
     def response_budget(self, prompt_ids: list[int]) -> int:
         if len(prompt_ids) > self.cfg.max_prompt_tokens and not self.agent.trajectory.steps:

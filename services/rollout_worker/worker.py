@@ -21,9 +21,9 @@ from services.rollout_worker.config import RolloutWorkerConfig
 from services.rollout_worker.env_client import EnvClient
 from services.rollout_worker.episodes import failed, run_episode
 from services.rollout_worker.runs import RunRegistry
-from shared.bus import REDIS_DOWN, Delivery, StreamBus, StreamConsumer
+from shared.bus import REDIS_DOWN, Delivery, StreamBus, StreamConsumer, decode_or_skip
 from shared.logs import get_logger
-from shared.messages import EpisodeResult, MessageDecodeError, RolloutTask, WeightsPublished, decode
+from shared.messages import EpisodeResult, RolloutTask, WeightsPublished
 from shared.service import sleep_or_stop
 from shared.streams import GROUP_ROLLOUT, ROLLOUT_TASKS, TRAJECTORIES, WEIGHTS
 
@@ -138,12 +138,9 @@ class RolloutWorker:
                     await self.on_weights_entry(fields)
 
     async def on_weights_entry(self, fields: dict) -> None:
-        try:
-            msg = decode(fields, WeightsPublished)
-        except MessageDecodeError as e:
-            log.warning("ignoring undecodable weights entry: %s", e)
-            return
-        await self.runs.on_weights(msg)
+        msg = decode_or_skip(WEIGHTS, fields, WeightsPublished)
+        if msg is not None:
+            await self.runs.on_weights(msg)
 
     async def _stream_end(self, stream: str) -> str:
         try:
