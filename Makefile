@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 EXTRAS ?= embedded,envs,data,hf,trainer,dev
 PYTEST_ARGS ?=
 
-.PHONY: browser-deps install up demo test test-unit test-integration lint bench-rollout bench-train chaos gpu-smoke clean
+.PHONY: browser-deps install up demo test test-unit test-integration lint bench-rollout bench-train bench-load chaos gpu-smoke clean
 
 install: $(VENV)/.installed
 
@@ -47,6 +47,9 @@ bench-rollout: install
 
 bench-train: install
 	$(PY) -m bench.train
+
+bench-load: install
+	$(PY) -m bench.load
 
 chaos: install
 	$(PY) -m bench.chaos
