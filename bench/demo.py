@@ -149,11 +149,9 @@ def sample_results(model, tokenizer, run_id: str, version: int, step: int, tasks
     return results
 
 
-def run_inprocess(model_dir: Path, steps: int = 12, tasks: int = 8, n: int = 8, lr: float = 2e-3,
-                  log=print) -> list[float]:
-    """Train `steps` versions in one process; returns mean reward of the samples each version produced."""
-    from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def run_inprocess_parts(model_dir: Path, tasks: int, n: int, lr: float):
+    """The trainer's pieces without the service: (Learner, PolicyEngine, results -> GroupBuffer)."""
+    from transformers import AutoTokenizer
 
     from services.trainer.batch import GroupBuffer, samples_from_result
     from services.trainer.engine import PolicyEngine
@@ -162,16 +160,31 @@ def run_inprocess(model_dir: Path, steps: int = 12, tasks: int = 8, n: int = 8, 
 
     algo = AlgorithmConfig(adv_estimator="grpo", lr=lr, grad_clip=1.0)
     engine = PolicyEngine(str(model_dir), algo, group_size=n, micro_batch_size=tasks * n)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    learner = Learner(engine, algo, tokenizer.pad_token_id)
-    rewards = []
-    for version in range(steps):
+    learner = Learner(engine, algo, AutoTokenizer.from_pretrained(model_dir).pad_token_id)
+
+    def buffer_of(results) -> GroupBuffer:
         buffer = GroupBuffer(n, need_greedy=False)
-        for result in sample_results(model, tokenizer, "inprocess", version, version, tasks, n):
+        for result in results:
             for s in samples_from_result(result):
                 buffer.add(s)
-        metrics = learner.step(buffer.complete_groups(), version)
+        return buffer
+
+    return learner, engine, buffer_of
+
+
+def run_inprocess(model_dir: Path, steps: int = 12, tasks: int = 8, n: int = 8, lr: float = 2e-3,
+                  log=print) -> list[float]:
+    """Train `steps` versions in one process; returns mean reward of the samples each version produced."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    learner, engine, buffer_of = run_inprocess_parts(model_dir, tasks, n, lr)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    rewards = []
+    for version in range(steps):
+        results = sample_results(model, tokenizer, "inprocess", version, version, tasks, n)
+        metrics = learner.step(buffer_of(results).complete_groups(), version)
         rewards.append(metrics["reward_mean"])
         log(f"version {version:3d}  reward {metrics['reward_mean']:.3f}  grad_norm {metrics.get('grad_norm', 0):.3f}")
         export = model_dir.parent / "export"

@@ -25,10 +25,12 @@ TENSOR_KEYS = ("prompts", "responses", "input_ids", "attention_mask", "position_
 
 
 def setup_distributed(device: str) -> None:
-    """Single-process defaults for RANK/WORLD_SIZE/MASTER_*; on CPU also the CPU platform and gloo group."""
+    """Single-process defaults for RANK/WORLD_SIZE/MASTER_*; on CPU also the CPU platform and gloo group.
+    Outside torchrun a fresh MASTER_PORT is always picked: an inherited one may belong to the parent."""
+    launched = "TORCHELASTIC_RUN_ID" in os.environ
     for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
-        os.environ.setdefault(key, value)
-    if "MASTER_PORT" not in os.environ:
+        os.environ[key] = os.environ.get(key, value) if launched else value
+    if not launched and not dist.is_initialized():
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
@@ -92,7 +94,7 @@ class PolicyEngine:
 
         td = TensorDict({k: t[k] for k in TENSOR_KEYS} | (extra or {}), batch_size=[t["input_ids"].shape[0]])
         td = left_right_2_no_padding(td)
-        tu.assign_non_tensor(td, temperature=self.temperature, calculate_entropy=True, **meta)
+        tu.assign_non_tensor(td, temperature=self.temperature, **({"calculate_entropy": True} | meta))
         return td
 
     def _micro(self, rows: int) -> int:
@@ -125,7 +127,9 @@ class PolicyEngine:
         extra = {"old_log_probs": old_log_probs, "advantages": advantages, "rollout_is_weights": is_weights}
         if ref_log_probs is not None:
             extra["ref_log_prob"] = ref_log_probs
-        td = self._tensordict(t, extra, compute_loss=True, global_batch_size=batch_size // minis,
+        # entropy only when the loss uses it (log_probs() reports it for the metrics)
+        td = self._tensordict(t, extra, calculate_entropy=self.algo.entropy_coeff > 0, compute_loss=True,
+                              global_batch_size=batch_size // minis,
                               mini_batch_size=batch_size // minis, epochs=self.algo.ppo_epochs, seed=seed,
                               dataloader_kwargs={"shuffle": False},
                               micro_batch_size_per_gpu=self._micro(batch_size // minis))
@@ -166,7 +170,7 @@ class PolicyEngine:
 def _model_config(path: str):
     from verl.workers.config import HFModelConfig
 
-    return HFModelConfig(path=path, override_config={"attn_implementation": "sdpa"}, use_remove_padding=True,
+    return HFModelConfig(path=path, override_config={"attn_implementation": "sdpa"}, use_remove_padding=False,
                          enable_gradient_checkpointing=False)
 
 

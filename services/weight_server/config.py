@@ -18,6 +18,9 @@ class WeightServerSettings(ServiceSettings):
     )
     keep_last: int = Field(3, ge=1, description="versions kept per run besides the best one")
     announce_path: bool = Field(True, description="announce the shared-volume path for co-located readers")
+    verify_staging: bool = Field(
+        True, description="re-hash files a co-located trainer publishes by staging path; false trusts the sha256 "
+        "it declares (saves one read of the checkpoint; HTTP uploads are always hashed as they arrive)")
 
     @model_validator(mode="after")
     def _defaults(self) -> WeightServerSettings:

@@ -27,7 +27,8 @@ def main() -> int:
 
     engine = make_engine(settings.database_url)
     store = CheckpointStore(settings.weights_dir, engine, redis.Redis.from_url(settings.redis_url),
-                            settings.public_url, settings.keep_last, settings.announce_path)
+                            settings.public_url, settings.keep_last, settings.announce_path,
+                            settings.verify_staging)
     store.reconcile()
     runtime = ServiceRuntime(settings, settings.service_name)
     runtime.app.include_router(build_router(store))
