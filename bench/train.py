@@ -70,7 +70,7 @@ def bench_weight_sync(work: Path, redis_url: str, database_url: str, subscribers
     import httpx
     from sqlalchemy import create_engine, text
 
-    from services.trainer.publisher import WeightPublisher
+    from services.trainer.publisher import WeightPublisher, _fsync_all
     from shared.weights import sha256_file
 
     model_dir = build_model(work / "model", hidden=1024, layers=6)  # >= 200 MB of fp32 weights
@@ -94,6 +94,7 @@ def bench_weight_sync(work: Path, redis_url: str, database_url: str, subscribers
                 if f.is_file():
                     shutil.copyfile(f, staging / f.name)
             files = {f.name: sha256_file(f) for f in staging.iterdir()}  # the trainer hashes what it exported
+            _fsync_all(staging, list(files))  # ... and makes it durable, as WeightPublisher.publish does
             start = time.time()
             publisher.post_publish(run_id, version, staging, files, {"reward_mean": 0.0})
             done = [float(p.communicate(timeout=120)[0].split()[-1]) for p in procs]

@@ -110,8 +110,20 @@ def _register_cpu_engines() -> None:
             EngineRegistry.register(model_type=model_type, backend=["fsdp", "fsdp2"], device="cpu")(cls)
 
 
+def _load_value_model_sdpa(local_path, torch_dtype, model_config, trust_remote_code):
+    """verl's value-model loader hard-codes flash-attention, which CPU has not: the same load with sdpa."""
+    from transformers import AutoModelForTokenClassification
+
+    return AutoModelForTokenClassification.from_pretrained(
+        local_path, torch_dtype=torch_dtype, config=model_config, attn_implementation="sdpa",
+        trust_remote_code=trust_remote_code)
+
+
 def use_cpu_platform() -> None:
     """Select the CPU platform for this process and register verl's FSDP engines for it."""
+    import verl.utils.model
+
     os.environ["VERL_PLATFORM"] = "cpu"
     set_platform(PlatformCPU())
     _register_cpu_engines()
+    verl.utils.model.load_valuehead_model = _load_value_model_sdpa  # the critic (PPO/GAE) on CPU

@@ -66,6 +66,7 @@ class PolicyEngine:
         self.model_config = _model_config(model_path)
         self.actor = self._worker(self.model_config, forward_only=False)
         self.ref = self._worker(_model_config(model_path), forward_only=True) if algo.kl_coef > 0 else None
+        self.critic = self._critic(model_path) if algo.adv_estimator == "gae" else None
 
     def _worker(self, model_config, *, forward_only: bool):
         from copy import deepcopy
@@ -84,6 +85,30 @@ class PolicyEngine:
                                                load_contents=["model", "optimizer", "extra"])))
         worker.reset()
         worker.set_loss_fn(partial(ppo_loss, self.actor_config))
+        return worker
+
+    def _critic(self, model_path: str):
+        """PPO's value model: the policy's backbone with a value head, trained with verl's value loss."""
+        from copy import deepcopy
+
+        from verl.workers.config import FSDPCriticConfig, FSDPOptimizerConfig, TrainingWorkerConfig
+        from verl.workers.config.checkpoint import CheckpointConfig
+        from verl.workers.engine_workers import TrainingWorker
+        from verl.workers.utils.losses import value_loss
+
+        optim = FSDPOptimizerConfig(lr=self.algo.critic_lr, weight_decay=self.algo.weight_decay,
+                                    clip_grad=self.algo.grad_clip)
+        model_config = _model_config(model_path)
+        worker = TrainingWorker(TrainingWorkerConfig(
+            model_type="value_model", model_config=model_config, engine_config=deepcopy(self.engine_config),
+            optimizer_config=optim, checkpoint_config=CheckpointConfig(
+                save_contents=["model", "optimizer", "extra"], load_contents=["model", "optimizer", "extra"])))
+        worker.reset()
+        self.critic_config = FSDPCriticConfig(
+            strategy="fsdp2", ppo_micro_batch_size_per_gpu=self.micro_batch_size,
+            ppo_mini_batch_size=self.micro_batch_size, loss_agg_mode=self.algo.loss_agg_mode,
+            fsdp=self.engine_config, optim=optim, model=model_config)
+        worker.set_loss_fn(partial(value_loss, self.critic_config))
         return worker
 
     # -- tensors ----------------------------------------------------------------------------------------------
@@ -117,6 +142,23 @@ class PolicyEngine:
         out = worker.infer_batch(self._tensordict(t, compute_loss=False, micro_batch_size_per_gpu=self._micro(rows)))
         return self._response_values(out["log_probs"], t), self._response_values(out["entropy"], t)
 
+    def values(self, t: dict) -> torch.Tensor:
+        """The critic's value estimate per response token (gae only)."""
+        rows = t["input_ids"].shape[0]
+        out = self.critic.infer_batch(self._tensordict(t, compute_loss=False, calculate_entropy=False,
+                                                       micro_batch_size_per_gpu=self._micro(rows)))
+        return self._response_values(out["values"], t)
+
+    def update_critic(self, t: dict, values: torch.Tensor, returns: torch.Tensor) -> dict[str, float]:
+        from verl.utils import tensordict_utils as tu
+
+        rows = t["input_ids"].shape[0]
+        td = self._tensordict(t, {"values": values, "returns": returns}, compute_loss=True, calculate_entropy=False,
+                              global_batch_size=rows, mini_batch_size=rows, epochs=self.algo.ppo_epochs, seed=0,
+                              dataloader_kwargs={"shuffle": False}, micro_batch_size_per_gpu=self._micro(rows))
+        out = self.critic.train_mini_batch(td)
+        return {k: _mean(v) for k, v in tu.get(out, "metrics").items()}
+
     def update(self, t: dict, old_log_probs: torch.Tensor, advantages: torch.Tensor, is_weights: torch.Tensor,
                ref_log_probs: torch.Tensor | None = None, seed: int = 0) -> dict[str, float]:
         """ppo_epochs x ppo_mini_batches optimizer steps of verl's PPO loss on this batch; verl's metrics."""
@@ -139,9 +181,13 @@ class PolicyEngine:
     # -- state ------------------------------------------------------------------------------------------------
     def save(self, folder: Path, step: int) -> None:
         self.actor.save_checkpoint(str(folder), global_step=step)
+        if self.critic is not None:
+            self.critic.save_checkpoint(str(folder / "critic"), global_step=step)
 
     def load(self, folder: Path) -> None:
         self.actor.load_checkpoint(str(folder))
+        if self.critic is not None:
+            self.critic.load_checkpoint(str(folder / "critic"))
 
     def export_hf(self, folder: Path) -> None:
         """HF folder (model.safetensors + config + tokenizer) with the current weights; flat file names."""

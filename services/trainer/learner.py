@@ -25,7 +25,8 @@ class Learner:
         t = build_tensors(groups, self.pad_id)
         old, entropy = self.engine.log_probs(t)
         ref = self.engine.log_probs(t, reference=True)[0] if self.engine.ref is not None else None
-        advantages, _ = compute_advantages(self.algo, t)
+        values = self.engine.values(t) if self.engine.critic is not None else None
+        advantages, returns = compute_advantages(self.algo, t, values)
         weights, is_metrics = importance_weights(old, t["behaviour_log_probs"], t["response_mask"],
                                                  self.algo.is_cap, t["sample_weights"])
         metrics = self.batch_metrics(groups, t, old, entropy, version)
@@ -36,6 +37,10 @@ class Learner:
                 "clip_fraction": verl_metrics.get("actor/pg_clipfrac", 0.0),
                 "ppo_kl": verl_metrics.get("actor/ppo_kl", 0.0), "kl_ref": verl_metrics.get("kl_loss", 0.0),
             }
+        if values is not None:
+            critic = self.engine.update_critic(t, values, returns)
+            metrics |= {"value_loss": critic.get("critic/vf_loss", 0.0),
+                        "value_mean": float((values * t["response_mask"]).sum() / t["response_mask"].sum().clamp(min=1))}
         metrics["is_weight_mean"] = float(is_metrics.get("rollout_is_mean", 1.0))
         elapsed = time.perf_counter() - started
         metrics["step_s"] = elapsed

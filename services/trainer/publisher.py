@@ -7,6 +7,7 @@ request, checksum mismatch) is not transient and raises."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 import uuid
@@ -37,6 +38,7 @@ class WeightPublisher:
         files = sorted(p.name for p in folder.iterdir() if p.is_file())
         body = {"metrics": metrics, "best_metric": best_metric}
         if self.weights_dir:
+            _fsync_all(folder, files)  # durable before the server renames it into place
             # Declared hashes let a server with VERIFY_STAGING=false skip re-reading; one that verifies compares.
             body |= {"staging_path": str(folder), "files": {n: sha256_file(folder / n) for n in files}}
         else:
@@ -83,3 +85,8 @@ class WeightPublisher:
             time.sleep(delay)
             delay = min(delay * 2, 10.0)
 
+
+def _fsync_all(folder: Path, names: list[str]) -> None:
+    for name in names:
+        with open(folder / name, "rb+") as f:
+            os.fsync(f.fileno())

@@ -78,3 +78,27 @@ def test_engine_loss_is_verls_policy_loss_and_export_has_new_weights(engine, tmp
                            else before[name])
     after, _ = engine.log_probs(t)
     assert not torch.allclose(after, old)
+
+
+def test_ppo_with_gae_critic_trains_both_and_checkpoints(model_dir, tmp_path):
+    from bench.demo import sample_results
+    from services.trainer.batch import GroupBuffer, samples_from_result
+    from services.trainer.engine import PolicyEngine
+    from services.trainer.learner import Learner
+
+    algo = AlgorithmConfig(adv_estimator="gae", lr=1e-2, critic_lr=1e-2, lam=0.95)
+    engine = PolicyEngine(str(model_dir), algo, micro_batch_size=8, group_size=1)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    buffer = GroupBuffer(1, need_greedy=False)
+    for r in sample_results(hf, tokenizer, "gae", 0, 0, 8, 1):
+        for s in samples_from_result(r):
+            buffer.add(s)
+    learner = Learner(engine, algo, tokenizer.pad_token_id)
+    metrics = learner.step(buffer.complete_groups(), 0)
+    assert metrics["value_loss"] > 0 and metrics["grad_norm"] > 0
+    engine.save(tmp_path / "ckpt", 1)
+    assert (tmp_path / "ckpt" / "critic").is_dir()
+    engine.load(tmp_path / "ckpt")
