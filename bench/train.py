@@ -127,8 +127,8 @@ def weight_sync(work: Path, redis_url: str, database_url: str, subscribers: int 
         "weight_sync_verified_s": verified["sync_s"], "weight_sync_verified_ratio": verified["sync_s"] / raw,
         "publish_request_s": trusted["publish_s"], "publish_request_verified_s": verified["publish_s"],
         "weight_sync_note": "publish request -> every subscriber process saw the announcement, fetch_checkpoint()ed "
-                            "(manifest hash + sizes) and loaded the weights into an HF model (what the HF engine's "
-                            "hot reload does); co-located volume. weight_sync_s: server trusts the trainer's "
+                            "(manifest hash + sizes) and loaded the weights into an HF model exactly as the rollout "
+                            "worker's HF engine reloads (safetensors load_file + load_state_dict); co-located volume. weight_sync_s: server trusts the trainer's "
                             "declared sha256 (VERIFY_STAGING=false); _verified: server re-hashes (default). Real "
                             "rollout workers were not in the loop.",
     }

@@ -121,7 +121,9 @@ class Trainer:
     async def refresh_runs(self) -> None:
         active = {r.id: r for r in await asyncio.to_thread(db.active_runs, self.db)}
         for run_id in list(self.runs):
-            if run_id not in active or not await self._lease(run_id):
+            if run_id not in active:  # stopping or ended: nothing will train on what it still holds
+                await self.close_run(run_id, ack_held=True)
+            elif not await self._lease(run_id):
                 await self.close_run(run_id)
         for run_id, row in active.items():
             if run_id not in self.runs and run_id not in self.broken:
@@ -183,9 +185,13 @@ class Trainer:
             self._publish(row.id, engine, record.version, record.metrics)
         return record.version
 
-    async def close_run(self, run_id: str) -> None:
+    async def close_run(self, run_id: str, ack_held: bool = False) -> None:
+        """Forget a run. Held entries are acknowledged when the run ended (else they would pin the stream
+        against trimming); otherwise they stay pending for whichever trainer takes the run next."""
         run = self.runs.pop(run_id, None)
         if run is not None:
+            if ack_held:
+                await self.consumer.ack(list({d.id: d for d in run.held.values()}.values()))
             log.info("released run %s at version %d", run_id, run.version, extra={"run_id": run_id})
         await db.release_lease(self.redis, run_id, self.worker_id)
 

@@ -176,6 +176,12 @@ def test_trainer_trains_whole_groups_applies_acceptance_and_publishes(stack, red
                 "tokens_per_s", "kl_behaviour"} <= names
         assert ckpts == [1, 2]
         assert _pending(redis_url) == N - 1  # only the incomplete group is still held
+        with create_engine(database_url).begin() as c:  # the run stops: what it held is released
+            c.execute(text("UPDATE runs SET status = 'stopping' WHERE id = :id"), {"id": run_id})
+        deadline = time.monotonic() + 10
+        while _pending(redis_url) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _pending(redis_url) == 0
     finally:
         proc.terminate()
         proc.wait(60)
