@@ -65,7 +65,10 @@ class PolicyEngine:
                                          micro_batch_size=micro_batch_size, group_size=group_size)
         self.model_config = _model_config(model_path)
         self.actor = self._worker(self.model_config, forward_only=False)
-        self.ref = self._worker(_model_config(model_path), forward_only=True) if algo.kl_coef > 0 else None
+        # verl builds forward-only engines with pinned-memory CPU offload, which needs an accelerator: on CPU
+        # the frozen reference is an ordinary engine that is simply never updated.
+        self.ref = (self._worker(_model_config(model_path), forward_only=device != "cpu")
+                    if algo.kl_coef > 0 else None)
         self.critic = self._critic(model_path) if algo.adv_estimator == "gae" else None
 
     def _worker(self, model_config, *, forward_only: bool):

@@ -102,3 +102,21 @@ def test_ppo_with_gae_critic_trains_both_and_checkpoints(model_dir, tmp_path):
     engine.save(tmp_path / "ckpt", 1)
     assert (tmp_path / "ckpt" / "critic").is_dir()
     engine.load(tmp_path / "ckpt")
+
+
+def test_kl_to_reference_policy_enters_the_loss(model_dir):
+    from services.trainer.engine import PolicyEngine
+
+    algo = AlgorithmConfig(adv_estimator="grpo", lr=5e-2, kl_coef=0.5, kl_penalty="low_var_kl")
+    engine = PolicyEngine(str(model_dir), algo, micro_batch_size=4, group_size=4)
+    assert engine.ref is not None
+    t = make_batch(2)
+    old, _ = engine.log_probs(t)
+    advantages, _ = compute_advantages(algo, t)
+    weights = torch.ones_like(old)
+    first = engine.update(t, old, advantages, weights, engine.log_probs(t, reference=True)[0])
+    assert first["kl_loss"] == pytest.approx(0.0, abs=1e-6)  # policy == reference before any step
+    ref, _ = engine.log_probs(t, reference=True)
+    torch.testing.assert_close(ref, old)  # the reference stays frozen
+    second = engine.update(t, old, advantages, weights, ref)
+    assert second["kl_loss"] > 0
