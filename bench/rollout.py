@@ -373,6 +373,7 @@ def run_bench(args, tmp: Path, redis_url: str, db_url: str) -> dict:
         with engine.connect() as c:
             stored = c.execute(text("SELECT count(*) FROM trajectories WHERE run_id = :r"), {"r": run_id}).scalar()
         cpu = {p.pid: after.get(p.pid, 0.0) - before.get(p.pid, 0.0) for p in system + others}
+        phases = latency_phases(engine, run_id)
         env_rtt = measure_env_rtt(redis_url, args.env_rtt_samples)
         ingest = measure_ingest(db_url, read_results(redis_url, run_id), 256)
     finally:
@@ -393,7 +394,31 @@ def run_bench(args, tmp: Path, redis_url: str, db_url: str) -> dict:
             "postgres_and_redis": round(sum(v for pid, v in cpu.items() if pid not in names) * 1000 / args.tasks, 3),
         },
         "cpu_count": os.cpu_count(),
+        "latency_phases_ms": phases,
     }
+
+
+PHASES_SQL = text("""
+SELECT
+  percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM e.started_at - t.dispatched_at)) AS queued,
+  percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM e.finished_at - e.started_at)) AS episode,
+  percentile_cont(0.5) WITHIN GROUP (ORDER BY (tr.info->>'gen_s')::float) AS generate,
+  percentile_cont(0.5) WITHIN GROUP (ORDER BY (tr.info->>'env_s')::float) AS env_calls,
+  percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM t.finished_at - e.finished_at)) AS stored_after
+FROM rollout_tasks t
+JOIN episodes e USING (run_id, task_id, sample_idx, attempt)
+JOIN trajectories tr ON tr.episode_id = e.id
+WHERE t.run_id = :r
+""")
+
+
+def latency_phases(engine, run_id: str) -> dict:
+    """Median per-task phases, milliseconds: where a dispatch slot's cycle time goes. queued: ledger dispatch
+    -> a worker starts it; episode: reset .. last step .. close; generate / env_calls (reset, steps): inside it;
+    stored_after: worker done -> ledger row finished (publish, store batch, commit)."""
+    with engine.connect() as c:
+        row = c.execute(PHASES_SQL, {"r": run_id}).mappings().one()
+    return {k: round(float(v or 0) * 1000, 2) for k, v in row.items()}
 
 
 if __name__ == "__main__":

@@ -7,10 +7,14 @@ Consumes `rollout.tasks` (group "rollout"), publishes EpisodeResults to `traject
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 
 
 def main() -> None:
+    # Prompts are tokenized one at a time from many coroutines: the tokenizers' thread pool only adds
+    # contention on 2-core nodes. Set TOKENIZERS_PARALLELISM=true to override.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from services.rollout_worker.config import RolloutWorkerConfig
     from shared.logs import get_logger, setup_logging
 

@@ -74,6 +74,7 @@ class AgentSession:
         self.builder = PromptBuilder(rollout.ctx.chat)
         self.info: dict[str, Any] = {}
         self.timings = {"gen_s": 0.0, "env_s": 0.0}
+        self.trusted = type(agent).__module__.startswith("shared.builtin.")
 
     async def run(self) -> Trajectory:
         try:
@@ -97,7 +98,10 @@ class AgentSession:
     async def agent_call(self, fn, *args):
         """User agent code runs in a thread under the trajectory's deadline, so a blocking agent ends its own
         trajectory (TimeoutError -> TIMEOUT) instead of freezing every trajectory on this event loop. A thread
-        that never returns cannot be killed: it is abandoned, like a hung env call."""
+        that never returns cannot be killed: it is abandoned, like a hung env call. The built-in agents are
+        ours and never block: they run inline (thread hops were ~15% of the loop in bench-rollout)."""
+        if self.trusted:
+            return fn(*args)
         return await asyncio.wait_for(asyncio.to_thread(fn, *args), max(self.r.time_left(), 0.001))
 
     async def loop(self) -> TR:

@@ -19,6 +19,7 @@ import sys
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any
 
 THINK_END = "</think>"
@@ -59,6 +60,7 @@ def final_answer_text(response: str) -> str | None:
     return response
 
 
+_PLAIN_NUMBER = re.compile(r"-?\d+(\.\d+)?")
 _STRIP = ["\\left", "\\right", "\\!", "\\,", "\\;", "\\:", "$", "\\displaystyle"]
 
 
@@ -179,6 +181,10 @@ def math_reward(task: dict, response: str, *, timeout_s: float = GRADING_TIMEOUT
     truths = [t if last_boxed(t) is None else last_boxed(t) for t in ground_truths(task)]
     if any(given == normalize_answer(t) for t in truths):
         return RewardOutput(1.0, True, {"answer": answer, "match": "string"})
+    if _PLAIN_NUMBER.fullmatch(given) and all(_PLAIN_NUMBER.fullmatch(normalize_answer(t)) for t in truths):
+        # Two plain decimals are equal or not: exact comparison, no round trip to the symbolic grader.
+        ok = any(Fraction(given) == Fraction(normalize_answer(t)) for t in truths)
+        return RewardOutput(float(ok), ok, {"answer": answer, "match": "numeric"} if ok else {"answer": answer})
     for truth in truths:
         verdict = symbolic_equal(answer, truth, timeout_s)
         if verdict is None:

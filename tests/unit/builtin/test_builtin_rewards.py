@@ -61,3 +61,13 @@ def test_search_reward_exact_match_and_f1():
     partial = search_reward(task, "<answer>the tower in paris</answer>", metric="f1")
     assert 0 < partial.reward < 1 and not partial.is_correct
     assert search_reward(task, "<answer>Paris</answer>").reward == 0.0
+
+
+def test_plain_numbers_are_compared_exactly_without_the_symbolic_grader():
+    from shared.builtin.rewards import math_reward
+
+    assert math_reward({"ground_truth": "2.5"}, "\\boxed{2.50}").metadata["match"] == "numeric"
+    wrong = math_reward({"ground_truth": "-48"}, "so \\boxed{-47}")
+    assert wrong.reward == 0.0 and "match" not in wrong.metadata
+    # Not both plain decimals: still decided symbolically.
+    assert math_reward({"ground_truth": "0.5"}, "\\boxed{\\frac{1}{2}}").metadata["match"] == "symbolic"
