@@ -257,6 +257,8 @@ def run_scenario(scenario: Scenario, tasks: int = 60, samples: int = 2, latency_
 
 
 def main() -> None:
+    # SIGTERM unwinds like Ctrl-C, so each scenario's `finally` stops its services and servers.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", default="", help="comma-separated scenario names (default: all)")
     ap.add_argument("--tasks", type=int, default=60)
