@@ -1,9 +1,8 @@
 """Trainer benchmarks: `make bench-train` (python -m bench.train) -> bench/results/train.json.
 
-1. weight_sync_s: trainer publishes a >= 200 MB checkpoint to a real weight-server process (co-located:
-   staging folder on the same volume) -> N subscriber processes each see the WeightsPublished announcement,
-   fetch_checkpoint() it (manifest + size check) and load the safetensors into an HF model (what the HF
-   engine's hot reload does). raw_copy_s: copying the same bytes on the same disk (with fsync).
+1. weight_sync_s: a >= 200 MB checkpoint published to a real weight server (co-located: staging folder on
+   the same volume) -> every real rollout worker (HF engine) serving the new version, read from its
+   /metrics. raw_copy_s: copying the same bytes on the same disk (with fsync).
 2. sync_step_s vs async_step_s: the trainer's real verl step + export, fed by a generator whose rollout time
    is made comparable to the train time (sampling, then sleeping up to it: mock inference), with the
    controller's window rule (batch b may start while b - version <= max_staleness), max_staleness 0 vs 2.
@@ -17,8 +16,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -40,119 +37,110 @@ def build_model(folder: Path, hidden: int, layers: int) -> Path:
     return folder
 
 
-SUBSCRIBER = r"""
-import sys, time, torch, redis
-from pathlib import Path
-from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
-from shared.messages import decode
-from shared.streams import WEIGHTS
-from shared.weights import fetch_checkpoint
-url, model_dir, ready = sys.argv[1], sys.argv[2], Path(sys.argv[3])
-model = AutoModelForCausalLM.from_pretrained(model_dir)
-r = redis.Redis.from_url(url)
-cursor = r.xrevrange(WEIGHTS, count=1)
-cursor = cursor[0][0] if cursor else b"0-0"
-ready.write_text("ready")
-while True:
-    resp = r.xread({WEIGHTS: cursor}, block=100, count=1)
-    if resp:
-        msg = decode(resp[0][1][0][1])
-        folder = fetch_checkpoint(msg, Path(model_dir).parent / "cache")
-        model.load_state_dict(load_file(folder / "model.safetensors"), strict=False)
-        print(time.time(), flush=True)
-        break
-"""
-
-
-def bench_weight_sync(work: Path, redis_url: str, database_url: str, subscribers: int = 2,
-                      verify_staging: bool = True) -> dict:
-    import httpx
-    from sqlalchemy import create_engine, text
-
-    from services.trainer.publisher import WeightPublisher, _fsync_all
-    from shared.weights import sha256_file
-
-    model_dir = build_model(work / "model", hidden=1024, layers=6)  # >= 200 MB of fp32 weights
-    size = (model_dir / "model.safetensors").stat().st_size
-    ws_proc, url, weights_dir = start_weight_server(work, redis_url, database_url, verify_staging)
-    run_id = str(uuid.uuid4())
-    with create_engine(database_url).begin() as c:
-        c.execute(text("INSERT INTO runs (id, name, kind, status, config, policy_version, summary) "
-                       "VALUES (:id, 'bench', 'train', 'running', '{}', 0, '{}')"), {"id": run_id})
-    try:
-        sync, publish = [], []
-        for version in (1, 2, 3):
-            procs = [subprocess.Popen([sys.executable, "-c", SUBSCRIBER, redis_url, str(model_dir),
-                                       str(work / f"ready-{version}-{i}")], stdout=subprocess.PIPE, text=True)
-                     for i in range(subscribers)]
-            while not all((work / f"ready-{version}-{i}").exists() for i in range(subscribers)):
-                time.sleep(0.05)
-            publisher = WeightPublisher(url, weights_dir)
-            staging = publisher.staging_folder(run_id, version)
-            for f in model_dir.iterdir():  # what the trainer's export writes, already on the volume
-                if f.is_file():
-                    shutil.copyfile(f, staging / f.name)
-            files = {f.name: sha256_file(f) for f in staging.iterdir()}  # the trainer hashes what it exported
-            _fsync_all(staging, list(files))  # ... and makes it durable, as WeightPublisher.publish does
-            start = time.time()
-            publisher.post_publish(run_id, version, staging, files, {"reward_mean": 0.0})
-            publish.append(time.time() - start)
-            done = [float(p.communicate(timeout=120)[0].split()[-1]) for p in procs]
-            sync.append(max(done) - start)
-        raw = []
-        for _ in range(3):
-            start = time.time()
-            dst = work / "raw-copy.bin"
-            shutil.copyfile(model_dir / "model.safetensors", dst)
-            with open(dst, "rb+") as f:
-                os.fsync(f.fileno())
-            raw.append(time.time() - start)
-            dst.unlink()
-        httpx.get(f"{url}/healthz")
-    finally:
-        ws_proc.terminate()
-        ws_proc.wait(20)
-    return {"sync_s": statistics.median(sync), "raw_copy_s": statistics.median(raw), "checkpoint_bytes": size,
-            "publish_s": statistics.median(publish)}
-
-
-def weight_sync(work: Path, redis_url: str, database_url: str, subscribers: int = 2) -> dict:
-    verified = bench_weight_sync(work / "verified", redis_url, database_url, subscribers, verify_staging=True)
-    trusted = bench_weight_sync(work / "trusted", redis_url, database_url, subscribers, verify_staging=False)
+def weight_sync(work: Path, redis_url: str, database_url: str, workers: int = 2) -> dict:
+    verified = bench_weight_sync_workers(work / "verified", redis_url, database_url, workers, verify_staging=True)
+    trusted = bench_weight_sync_workers(work / "trusted", redis_url, database_url, workers, verify_staging=False)
     raw = min(verified["raw_copy_s"], trusted["raw_copy_s"])
     return {
-        "checkpoint_bytes": verified["checkpoint_bytes"], "subscribers": subscribers, "raw_copy_s": raw,
-        "weight_sync_s": trusted["sync_s"], "weight_sync_ratio": trusted["sync_s"] / raw,
-        "weight_sync_verified_s": verified["sync_s"], "weight_sync_verified_ratio": verified["sync_s"] / raw,
-        "publish_request_s": trusted["publish_s"], "publish_request_verified_s": verified["publish_s"],
-        "weight_sync_note": "publish request -> every subscriber process saw the announcement, fetch_checkpoint()ed "
-                            "(manifest hash + sizes) and loaded the weights into an HF model exactly as the rollout "
-                            "worker's HF engine reloads (safetensors load_file + load_state_dict); co-located volume. weight_sync_s: server trusts the trainer's "
-                            "declared sha256 (VERIFY_STAGING=false); _verified: server re-hashes (default). Real "
-                            "rollout workers were not in the loop.",
+        "checkpoint_bytes": verified["checkpoint_bytes"], "rollout_workers": workers, "raw_copy_s": raw,
+        "weight_sync_s": verified["sync_s"], "weight_sync_ratio": verified["sync_s"] / raw,
+        "publish_request_s": verified["publish_s"],
+        "weight_sync_trusted_s": trusted["sync_s"], "weight_sync_trusted_ratio": trusted["sync_s"] / raw,
+        "publish_request_trusted_s": trusted["publish_s"],
+        "weight_sync_note": "publish request -> every real rollout worker (LocalStack processes, HF engine: "
+                            "fetch_checkpoint + load_state_dict in place) reports the new version in "
+                            "rollout_weight_version on /metrics (polled every 10 ms); co-located volume, the trainer "
+                            "has exported, hashed and fsynced the files. weight_sync_s: the weight server re-hashes "
+                            "them (VERIFY_STAGING=true, default); _trusted: it takes the trainer's declared sha256. "
+                            "raw_copy_s: copy + fsync of the same bytes on the same disk. Median of 3 versions.",
     }
 
 
-def start_weight_server(work: Path, redis_url: str, database_url: str, verify_staging: bool):
+def bench_weight_sync_workers(work: Path, redis_url: str, database_url: str, workers: int,
+                              verify_staging: bool = True) -> dict:
+    """Publish -> every real rollout worker serving the version (LocalStack: weight server, env worker, N
+    rollout workers with the HF engine)."""
+    import httpx
+    import redis
+    from sqlalchemy import create_engine, text
+
+    from bench.demo import demo_config
+    from infra.local_stack import LocalStack
+    from services.trainer.publisher import WeightPublisher, _fsync_all
+    from shared.messages import RolloutTask, encode
+    from shared.streams import ROLLOUT_TASKS
+    from shared.weights import sha256_file
+
+    model_dir = build_model(work / "model", hidden=1024, layers=6)
+    run_id = str(uuid.uuid4())
+    config = demo_config(model_dir, steps=3, tasks=1, n=2, lr=1e-3, max_staleness=0)
+    with create_engine(database_url).begin() as c:
+        c.execute(text("INSERT INTO runs (id, name, kind, status, config, policy_version, summary) "
+                       "VALUES (:id, 'bench-sync', 'train', 'running', CAST(:cfg AS jsonb), 0, '{}')"),
+                  {"id": run_id, "cfg": json.dumps(config | {"schema_version": 1})})
+    env = {"REDIS_URL": redis_url, "DATABASE_URL": database_url, "LOG_LEVEL": "WARNING",
+           "VERIFY_STAGING": str(verify_staging).lower()}
+    with LocalStack(data_dir=work / "stack", env=env) as stack:
+        stack.start(services=["weight-server", "env-worker", "rollout-worker"], counts={"rollout-worker": workers})
+        stack.wait_healthy(120)
+        urls = [f"http://127.0.0.1:{stack.instance('rollout-worker', i).port}/metrics" for i in range(workers)]
+        client = redis.Redis.from_url(redis_url)
+        deadline = time.monotonic() + 120
+        i = 0
+        while any(_served_version(u, run_id) is None for u in urls):  # each worker builds the run's context
+            assert time.monotonic() < deadline, "rollout workers never picked up the run"
+            task = RolloutTask(run_id=run_id, task_id=f"warm{i}", sample_idx=0, task={"task_id": f"warm{i}"},
+                               dispatched_at=time.time())
+            client.xadd(ROLLOUT_TASKS, encode(task))
+            i += 1
+            time.sleep(0.5)
+        weights_dir = stack.data_dir / "weights"
+        publisher = WeightPublisher(stack.weight_server_url, weights_dir)
+        sync, publish = [], []
+        for version in (1, 2, 3):
+            staging = publisher.staging_folder(run_id, version)
+            for f in model_dir.iterdir():
+                if f.is_file():
+                    shutil.copyfile(f, staging / f.name)
+            files = {f.name: sha256_file(f) for f in staging.iterdir()}
+            _fsync_all(staging, list(files))
+            start = time.time()
+            publisher.post_publish(run_id, version, staging, files, {"reward_mean": 0.0})
+            publish.append(time.time() - start)
+            with httpx.Client(timeout=5) as http:
+                while any(_served_version(u, run_id, http) != version for u in urls):
+                    assert time.time() - start < 120, "rollout workers did not reload"
+                    time.sleep(0.01)
+            sync.append(time.time() - start)
+        raw = raw_copy(model_dir / "model.safetensors", work)
+    return {"sync_s": statistics.median(sync), "publish_s": statistics.median(publish), "raw_copy_s": raw,
+            "checkpoint_bytes": (model_dir / "model.safetensors").stat().st_size}
+
+
+def _served_version(url: str, run_id: str, http=None) -> int | None:
     import httpx
 
-    from infra.local_stack import free_port
+    try:
+        text_ = (http or httpx).get(url, timeout=30).text
+    except httpx.HTTPError:  # a worker busy loading a model may answer late
+        return None
+    for line in text_.splitlines():
+        if line.startswith("rollout_weight_version{") and run_id in line:
+            return int(float(line.rsplit(" ", 1)[1]))
+    return None
 
-    port = free_port()
-    weights_dir = work / "weights"
-    env = {**os.environ, "REDIS_URL": redis_url, "DATABASE_URL": database_url, "WEIGHTS_DIR": str(weights_dir),
-           "WEIGHT_SERVER_PORT": str(port), "LOG_LEVEL": "WARNING",
-           "VERIFY_STAGING": str(verify_staging).lower()}
-    proc = subprocess.Popen([sys.executable, "-m", "services.weight_server.main"], env=env)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(200):
-        try:
-            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                return proc, url, weights_dir
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    raise TimeoutError("weight server did not start")
+
+def raw_copy(path: Path, work: Path) -> float:
+    times = []
+    for _ in range(3):
+        start = time.time()
+        dst = work / "raw-copy.bin"
+        shutil.copyfile(path, dst)
+        with open(dst, "rb+") as f:
+            os.fsync(f.fileno())
+        times.append(time.time() - start)
+        dst.unlink()
+    return statistics.median(times)
 
 
 # -- 2. sync vs async -----------------------------------------------------------------------------------------
