@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import os
 import uuid
+from pathlib import Path
 
 import httpx
 import pytest
@@ -138,3 +139,23 @@ def test_staging_publish_retention_and_restart(server, run_id, redis_url, tmp_pa
     assert not (tmp_path / "weights" / run_id / ".tmp-v8-deadbeef").exists()
     r = httpx.get(f"{server.url}/v1/runs/{run_id}/versions/4/{MANIFEST}")
     assert r.status_code == 200 and r.json()["version"] == 4
+
+
+def test_trusting_server_records_declared_hashes_and_hashes_undeclared_files(redis_url, database_url, run_id,
+                                                                              tmp_path):
+    ws = WeightServer(redis_url, database_url, tmp_path / "weights", VERIFY_STAGING="false").start()
+    try:
+        for version, declare in ((1, True), (2, False)):
+            staging = tmp_path / "weights" / f"staging-{version}"
+            staging.mkdir(parents=True)
+            files = _files(1, 5000)
+            for name, data in files.items():
+                (staging / name).write_bytes(data)
+            body = {"staging_path": str(staging),
+                    "files": {n: hashlib.sha256(d).hexdigest() if declare else "" for n, d in files.items()}}
+            r = httpx.post(f"{ws.url}/v1/runs/{run_id}/versions/{version}/publish", json=body, timeout=30)
+            assert r.status_code == 200, r.text
+            msg = WeightsPublished.model_validate(r.json())
+            verify_folder(Path(msg.path), msg.sha256, full=True)  # the manifest matches the bytes either way
+    finally:
+        ws.stop()

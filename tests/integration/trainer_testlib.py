@@ -21,12 +21,12 @@ def _free_port() -> int:
 
 
 class WeightServer:
-    def __init__(self, redis_url: str, database_url: str, weights_dir: Path, keep_last: int = 2):
+    def __init__(self, redis_url: str, database_url: str, weights_dir: Path, keep_last: int = 2, **env: str):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.env = {**os.environ, "REDIS_URL": redis_url, "DATABASE_URL": database_url,
                     "WEIGHTS_DIR": str(weights_dir), "WEIGHT_SERVER_PORT": str(self.port),
-                    "KEEP_LAST": str(keep_last), "LOG_FORMAT": "text"}
+                    "KEEP_LAST": str(keep_last), "LOG_FORMAT": "text", **env}
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> WeightServer:
