@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+from sqlalchemy import text
 
 from bench.live import (
     PostgresServer,
@@ -65,15 +66,20 @@ class Scenario:
     name: str
     inject: Callable[[Chaos], None]
     doc: str
+    kind: str = "eval"  # "train": a training run (trainer, weight server, hot reload) instead of an evaluation
+
+
+TRAIN_STEPS = 6  # policy versions a training scenario trains (4 tasks x 4 samples each)
 
 
 class Chaos:
     """One live system under test, from servers to a running evaluation run."""
 
-    def __init__(self, tmp: Path, tasks: int, samples: int, latency_ms: float):
+    def __init__(self, tmp: Path, tasks: int, samples: int, latency_ms: float, kind: str = "eval"):
         from infra.local_stack import LocalStack
 
         self.tmp, self.tasks, self.samples, self.latency_ms = tmp, tasks, samples, latency_ms
+        self.kind = kind
         self.redis = RedisServer(tmp / "redis")
         self.postgres = PostgresServer(tmp / "postgres")
         self.redis.start()
@@ -89,6 +95,8 @@ class Chaos:
     def start(self) -> None:
         from shared.db.session import make_engine
 
+        if self.kind == "train":
+            return self._start_training()
         model_dir = self._tokenizer()
         mock_port = free_port()
         self.mock = subprocess.Popen(
@@ -102,6 +110,36 @@ class Chaos:
         self.engine = make_engine(self.postgres.url)
         self._dataset()
         self.run_id = self._start_run(model_dir, f"http://127.0.0.1:{mock_port}/v1")
+
+    def _start_training(self) -> None:
+        """The demo's learnable digit task through every training service: trainer (verl), weight server,
+        HF rollout workers that hot-reload each version."""
+        from bench.demo import PROMPT, build_tiny_model, demo_config
+        from shared.datasets import DatasetRegistry
+        from shared.db.session import make_engine
+
+        model_dir = build_tiny_model(self.tmp / "model")
+        self.stack.start(services=["weight-server", "env-worker", "rollout-worker", "trainer", "controller", "api"],
+                         counts={"rollout-worker": 2})
+        self.stack.wait_healthy(180)
+        self.engine = make_engine(self.postgres.url)
+        rows = [{"task_id": f"d{i}", "question": PROMPT} for i in range(TRAIN_STEPS * 4)]
+        DatasetRegistry(self.engine).register("digits", rows, "train")
+        config = demo_config(model_dir, TRAIN_STEPS, tasks=4, n=4, lr=1e-2, max_staleness=1)
+        resp = self.api().post("/v1/runs", json=config)
+        resp.raise_for_status()
+        self.run_id = resp.json()["id"]
+
+    def progress(self) -> int:
+        """Trajectories stored (eval) or policy versions trained (train); -1 while Postgres is unreachable."""
+        if self.kind == "eval":
+            return self.stored()
+        try:
+            with self.engine.connect() as c:
+                return c.execute(text("SELECT policy_version FROM runs WHERE id = :r"),
+                                 {"r": self.run_id}).scalar_one()
+        except Exception:
+            return -1
 
     def _tokenizer(self) -> str:
         return build_tokenizer(self.tmp / "model")
@@ -131,18 +169,19 @@ class Chaos:
     def status(self) -> str:
         return run_status(self.engine, self.run_id)
 
-    def wait_stored(self, n: int, timeout_s: float = 120) -> None:
+    def wait_progress(self, n: int, timeout_s: float = 180) -> None:
         deadline = time.monotonic() + timeout_s
-        while self.stored() < n:
+        while self.progress() < n:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"fewer than {n} trajectories stored after {timeout_s:.0f}s")
+                raise TimeoutError(f"progress below {n} ({self.kind}) after {timeout_s:.0f}s")
             time.sleep(0.2)
 
-    def wait_first_store_after(self, baseline: int, timeout_s: float) -> float | None:
-        """Seconds until the stored count exceeds `baseline` (None if it never does in time)."""
+    def wait_progress_after(self, baseline: int, timeout_s: float) -> float | None:
+        """Seconds until progress exceeds `baseline`: a new trajectory stored, or a new version trained
+        (None if it never does in time)."""
         t0 = time.monotonic()
         while time.monotonic() - t0 < timeout_s:
-            if self.stored() > baseline or self.status() == "completed":
+            if self.progress() > baseline or self.status() == "completed":
                 return round(time.monotonic() - t0, 2)
             time.sleep(0.1)
         return None
@@ -156,7 +195,14 @@ class Chaos:
         return False
 
     def accounting(self) -> dict[str, int]:
-        return accounting(self.engine, self.run_id)
+        counts = accounting(self.engine, self.run_id)
+        if self.kind == "train":  # train_samples' key makes a second use of a sample impossible; show the use
+            with self.engine.connect() as c:
+                counts["trained_samples"] = c.execute(text(
+                    "SELECT count(*) FROM train_samples WHERE run_id = :r AND status = 'used'"),
+                    {"r": self.run_id}).scalar_one()
+                counts["versions_trained"] = self.progress()
+        return counts
 
     # -- teardown ----------------------------------------------------------------------------------------------
     def close(self) -> None:
@@ -225,21 +271,23 @@ SCENARIOS = [
     Scenario("redis_data_lost", redis_data_lost, "Redis crashes and comes back empty"),
     Scenario("postgres_outage_30s", postgres_outage, "stop PostgreSQL for 30 s"),
     Scenario("sigstop_rollout_worker", sigstop_rollout_worker, "SIGSTOP a rollout worker past the reclaim timeout"),
+    Scenario("kill_trainer", kill_and_restart("trainer"), "kill -9 the trainer mid-run, restart: it resumes",
+             kind="train"),
 ]
 
 
 def run_scenario(scenario: Scenario, tasks: int = 60, samples: int = 2, latency_ms: float = 400,
                  timeout_s: float = 240) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix=f"fw-chaos-{scenario.name}-"))
-    chaos = Chaos(tmp, tasks, samples, latency_ms)
+    chaos = Chaos(tmp, tasks, samples, latency_ms, scenario.kind)
     t0 = time.monotonic()
-    result: dict = {"name": scenario.name, "fault": scenario.doc}
+    result: dict = {"name": scenario.name, "fault": scenario.doc, "run": scenario.kind}
     try:
         chaos.start()
-        chaos.wait_stored(max(1, tasks * samples // 5))
+        chaos.wait_progress(2 if scenario.kind == "train" else max(1, tasks * samples // 5))
         scenario.inject(chaos)
-        baseline = max(chaos.stored(), 0)
-        result["recovery_s"] = chaos.wait_first_store_after(baseline, timeout_s)
+        baseline = max(chaos.progress(), 0)
+        result["recovery_s"] = chaos.wait_progress_after(baseline, timeout_s)
         result["completed"] = chaos.wait_done(timeout_s)
         result.update(chaos.accounting())
     except Exception as e:  # a scenario that breaks is reported as such, the suite goes on
