@@ -156,8 +156,9 @@ class PolicyEngine:
         from verl.utils import tensordict_utils as tu
 
         rows = t["input_ids"].shape[0]
+        total = rows * dist.get_world_size()
         td = self._tensordict(t, {"values": values, "returns": returns}, compute_loss=True, calculate_entropy=False,
-                              global_batch_size=rows, mini_batch_size=rows, epochs=self.algo.ppo_epochs, seed=0,
+                              global_batch_size=total, mini_batch_size=total, epochs=self.algo.ppo_epochs, seed=0,
                               dataloader_kwargs={"shuffle": False}, micro_batch_size_per_gpu=self._micro(rows))
         out = self.critic.train_mini_batch(td)
         return {k: _mean(v) for k, v in tu.get(out, "metrics").items()}
@@ -167,8 +168,9 @@ class PolicyEngine:
         """ppo_epochs x ppo_mini_batches optimizer steps of verl's PPO loss on this batch; verl's metrics."""
         from verl.utils import tensordict_utils as tu
 
-        batch_size = t["input_ids"].shape[0]
-        minis = self.algo.ppo_mini_batches if batch_size % self.algo.ppo_mini_batches == 0 else 1
+        rows = t["input_ids"].shape[0]  # this rank's rows; verl's batch sizes are global (all ranks)
+        batch_size = rows * dist.get_world_size()
+        minis = self.algo.ppo_mini_batches if rows % self.algo.ppo_mini_batches == 0 else 1
         extra = {"old_log_probs": old_log_probs, "advantages": advantages, "rollout_is_weights": is_weights}
         if ref_log_probs is not None:
             extra["ref_log_prob"] = ref_log_probs
@@ -177,7 +179,7 @@ class PolicyEngine:
                               global_batch_size=batch_size // minis,
                               mini_batch_size=batch_size // minis, epochs=self.algo.ppo_epochs, seed=seed,
                               dataloader_kwargs={"shuffle": False},
-                              micro_batch_size_per_gpu=self._micro(batch_size // minis))
+                              micro_batch_size_per_gpu=self._micro(rows // minis))
         out = self.actor.train_mini_batch(td)
         return {k: _mean(v) for k, v in tu.get(out, "metrics").items()}
 

@@ -1,0 +1,125 @@
+"""Data parallelism under torchrun (`torchrun --nproc_per_node=N -m services.trainer.main`).
+
+Rank 0 runs the service and wraps each PolicyEngine in a `ShardedEngine`: every engine call is broadcast to
+all ranks (the method and the full batch), each rank runs it on its contiguous slice of rows (verl's FSDP
+collectives need every rank in every forward and backward), and per-row results are gathered back in order.
+Ranks > 0 run `follow()` instead of the service: they build the same engines and execute the calls until
+rank 0 tells them to stop. Batches must split evenly: rows (tasks_per_batch x samples_per_task) % N == 0.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from services.trainer.engine import PolicyEngine
+
+ROW_METHODS = ("log_probs", "values")  # results with one row per sample: gathered across ranks
+_ENGINES: dict[str, PolicyEngine] = {}
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def shard(x: Any, rank: int, size: int) -> Any:
+    """This rank's contiguous slice of every per-row tensor/array in `x` (dicts, lists and tuples walked)."""
+    if isinstance(x, dict):
+        return {k: shard(v, rank, size) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return type(x)(shard(v, rank, size) for v in x)
+    if isinstance(x, torch.Tensor | np.ndarray) and x.ndim > 0:
+        rows = x.shape[0]
+        if rows % size:
+            raise ValueError(f"a batch of {rows} rows does not split over {size} ranks: make "
+                             "tasks_per_batch x samples_per_task a multiple of the number of trainer ranks")
+        chunk = rows // size
+        return x[rank * chunk:(rank + 1) * chunk]
+    return x
+
+
+class ShardedEngine:
+    """Rank 0's handle on an engine that lives on every rank. Attributes come from the local engine."""
+
+    def __init__(self, key: str, *args, **kwargs):
+        self.key = key
+        _broadcast(("new", key, args, kwargs))
+        self.local = _ENGINES[key] = PolicyEngine(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self.local, name)
+
+    def _call(self, method: str, *args, **kwargs):
+        _broadcast(("call", self.key, method, args, kwargs))
+        return _execute(self.key, method, args, kwargs)
+
+    def log_probs(self, t: dict, *, reference: bool = False):
+        return self._call("log_probs", t, reference=reference)
+
+    def values(self, t: dict):
+        return self._call("values", t)
+
+    def update(self, *args, **kwargs):
+        return self._call("update", *args, **kwargs)
+
+    def update_critic(self, *args, **kwargs):
+        return self._call("update_critic", *args, **kwargs)
+
+    def save(self, folder, step: int) -> None:
+        self._call("save", folder, step)
+
+    def load(self, folder) -> None:
+        self._call("load", folder)
+
+    def export_hf(self, folder) -> None:
+        self._call("export_hf", folder)
+
+    def close(self) -> None:
+        _broadcast(("drop", self.key))
+        _ENGINES.pop(self.key, None)
+
+
+def _execute(key: str, method: str, args: tuple, kwargs: dict):
+    rank, size = dist.get_rank(), dist.get_world_size()
+    out = getattr(_ENGINES[key], method)(*shard(args, rank, size), **shard(kwargs, rank, size))
+    if method in ROW_METHODS:
+        out = _gather_rows(out, size)
+    dist.barrier()  # e.g. every rank's checkpoint shard is written before rank 0 marks the step complete
+    return out
+
+
+def _gather_rows(out, size: int):
+    parts: list = [None] * size
+    dist.all_gather_object(parts, out)
+    if isinstance(out, tuple):
+        return tuple(torch.cat([p[i] for p in parts]) for i in range(len(out)))
+    return torch.cat(parts)
+
+
+def _broadcast(msg: tuple) -> None:
+    if world_size() > 1:
+        dist.broadcast_object_list([msg], src=0)
+
+
+def follow() -> None:
+    """Ranks > 0: mirror rank 0's engine calls until it stops."""
+    while True:
+        box: list = [None]
+        dist.broadcast_object_list(box, src=0)
+        op, *rest = box[0]
+        if op == "stop":
+            return
+        if op == "new":
+            key, args, kwargs = rest
+            _ENGINES[key] = PolicyEngine(*args, **kwargs)
+        elif op == "drop":
+            _ENGINES.pop(rest[0], None)
+        else:
+            _execute(*rest)
+
+
+def stop_followers() -> None:
+    _broadcast(("stop",))
