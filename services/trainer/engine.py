@@ -34,12 +34,16 @@ def setup_distributed(device: str) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if device == "cpu":
         from services.trainer.cpu_platform import use_cpu_platform
 
         use_cpu_platform()
         if not dist.is_initialized():
-            dist.init_process_group("gloo", rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+            dist.init_process_group("gloo", rank=rank, world_size=size)
+    elif launched and not dist.is_initialized():  # ranks exchange engine calls before verl builds anything
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("cpu:gloo,cuda:nccl", rank=rank, world_size=size)
 
 
 class PolicyEngine:

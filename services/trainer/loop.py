@@ -21,6 +21,7 @@ import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 
 from prometheus_client import Counter, Gauge, Histogram
 from redis.asyncio import Redis
@@ -154,10 +155,12 @@ class Trainer:
         """Load the model (from the latest complete checkpoint, if any) and finish an interrupted step."""
         from services.trainer.engine import PolicyEngine
         from services.trainer.learner import Learner
+        from services.trainer.ranks import ShardedEngine, world_size
 
         config = RunConfig.model_validate(row.config)
         s = self.settings
-        engine = PolicyEngine(config.model, config.algorithm, device=s.device, dtype=s.dtype,
+        make = partial(ShardedEngine, row.id) if world_size() > 1 else PolicyEngine
+        engine = make(config.model, config.algorithm, device=s.device, dtype=s.dtype,
                               micro_batch_size=s.micro_batch_size, group_size=config.samples_per_task,
                               temperature=config.sampling.temperature)
         ckpts = CheckpointDir(s.state_dir, row.id, s.keep_checkpoints)
@@ -190,14 +193,19 @@ class Trainer:
         against trimming); otherwise they stay pending for whichever trainer takes the run next."""
         run = self.runs.pop(run_id, None)
         if run is not None:
+            if hasattr(run.engine, "close"):  # data parallel: the other ranks drop their copy too
+                await self._in_torch(run.engine.close)
             if ack_held:
                 await self.consumer.ack(list({d.id: d for d in run.held.values()}.values()))
             log.info("released run %s at version %d", run_id, run.version, extra={"run_id": run_id})
         await db.release_lease(self.redis, run_id, self.worker_id)
 
     async def close(self) -> None:
+        from services.trainer.ranks import stop_followers
+
         for run_id in list(self.runs):
             await self.close_run(run_id)
+        await self._in_torch(stop_followers)
         self.torch_thread.shutdown(wait=True)
 
     # -- intake -----------------------------------------------------------------------------------------------

@@ -18,6 +18,18 @@ def main() -> int:
     setup_logging(settings.service_name, settings.log_level, settings.log_format)
     get_logger(__name__).info("config: %s", settings.loggable())
 
+    import os
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun: rank 0 serves, the other ranks follow it
+        from services.trainer.engine import setup_distributed
+
+        setup_distributed(settings.device)
+        if int(os.environ["RANK"]) > 0:
+            from services.trainer.ranks import follow
+
+            follow()
+            return 0
+
     from services.trainer.loop import Trainer
     from shared.db.session import make_engine
     from shared.service import ServiceRuntime

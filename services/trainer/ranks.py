@@ -105,7 +105,12 @@ def _broadcast(msg: tuple) -> None:
 
 
 def follow() -> None:
-    """Ranks > 0: mirror rank 0's engine calls until it stops."""
+    """Ranks > 0: mirror rank 0's engine calls until it stops. SIGTERM/SIGINT are ignored here: rank 0 gets
+    them too and finishes its step (collectives included) before telling the followers to stop."""
+    import signal
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
     while True:
         box: list = [None]
         dist.broadcast_object_list(box, src=0)

@@ -81,15 +81,18 @@ def _publish_batch(redis_url: str, run_id: str, batch: int, version: int) -> set
     return keys
 
 
-def _start_trainer(redis_url, database_url, ws: WeightServer, tmp_path: Path, fault: str | None = None):
+def _start_trainer(redis_url, database_url, ws: WeightServer, tmp_path: Path, fault: str | None = None,
+                   launcher: tuple[str, ...] = ()):
     env = {**os.environ, "REDIS_URL": redis_url, "DATABASE_URL": database_url, "WEIGHT_SERVER_URL": ws.url,
            "WEIGHTS_DIR": ws.env["WEIGHTS_DIR"], "STATE_DIR": str(tmp_path / "trainer"), "WORKER_ID": "trainer-t",
            "LOG_FORMAT": "text", "RUNS_POLL_S": "0.2", "PYTHONPATH": str(REPO)}
     if fault:
         env["FAULT_POINT"] = fault
     log = open(tmp_path / f"trainer-{fault or 'clean'}.log", "w")
-    return subprocess.Popen([sys.executable, "-m", "services.trainer.main"], cwd=REPO, env=env, stdout=log,
-                            stderr=subprocess.STDOUT)
+    for key in ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE"):
+        env.pop(key, None)
+    return subprocess.Popen([sys.executable, *launcher, "-m", "services.trainer.main"], cwd=REPO, env=env,
+                            stdout=log, stderr=subprocess.STDOUT)
 
 
 def _wait_version(database_url: str, run_id: str, version: int, proc, timeout_s: float = 120) -> None:
@@ -212,3 +215,24 @@ def test_trainer_killed_mid_step_resumes_with_nothing_lost_or_doubled(stack, red
     finally:
         proc.terminate()
         proc.wait(60)
+
+
+@pytest.mark.slow
+def test_trainer_service_under_torchrun_two_ranks(stack, redis_url, database_url, model_dir, tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run_id = _insert_run(database_url, model_dir)
+    keys = _publish_batch(redis_url, run_id, 0, 0) | _publish_batch(redis_url, run_id, 1, 0)
+    proc = _start_trainer(redis_url, database_url, stack, tmp_path, launcher=(
+        "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}"))
+    try:
+        _wait_version(database_url, run_id, 2, proc)
+        rows = _trained(database_url, run_id)
+        assert {(r.task_id, r.sample_idx) for r in rows} == keys
+        assert _published_versions(redis_url, run_id) == [1, 2]
+    finally:
+        proc.terminate()  # torchrun passes SIGTERM on; rank 0 stops the follower, every process exits
+        proc.wait(90)
