@@ -281,13 +281,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--max-staleness", type=int, default=1)
     parser.add_argument("--out", type=Path, default=Path("bench/results/demo.json"))
+    parser.add_argument("--data-dir", type=Path, default=None,
+                        help="where the stack keeps its data and logs (default: a new .data/demo-* folder, kept)")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="flywheel-demo-") as tmp:
-        if args.inprocess:
-            rewards = run_inprocess(build_tiny_model(Path(tmp) / "model"), steps=args.steps, lr=1e-2)
-            result = {"initial_reward": rewards[0], "final_reward": rewards[-1], "mode": "inprocess"}
-        else:
-            result = run_stack(Path(tmp), steps=args.steps, max_staleness=args.max_staleness)
+    Path(".data").mkdir(exist_ok=True)
+    data_dir = args.data_dir or Path(tempfile.mkdtemp(prefix="demo-", dir=Path(".data").resolve()))
+    if args.inprocess:
+        rewards = run_inprocess(build_tiny_model(data_dir / "model"), steps=args.steps, lr=1e-2)
+        result = {"initial_reward": rewards[0], "final_reward": rewards[-1], "mode": "inprocess"}
+    else:
+        result = run_stack(data_dir, steps=args.steps, max_staleness=args.max_staleness)
+        print(f"service logs: {data_dir / 'logs'}")
     write_result(args.out, result)
     print(json.dumps(result, indent=1))
     ok = (result["initial_reward"] or 1) <= 0.3 and (result["final_reward"] or 0) >= 0.8
