@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 from pathlib import Path
@@ -71,27 +72,9 @@ def _with_db(url: str, db: str) -> str:
     return make_url(url).set(database=db).render_as_string(hide_password=False)
 
 
-@pytest.fixture(scope="session")
-def empty_database_url(pg_admin_url: str):
-    """A fresh, empty Postgres database (no migrations applied), dropped afterwards."""
-    from sqlalchemy import create_engine, text
-
-    from shared.settings import ServiceSettings
-
-    admin = ServiceSettings(database_url=pg_admin_url).database_url
-    name = f"fw_test_{uuid.uuid4().hex[:10]}"
-    eng = create_engine(admin, isolation_level="AUTOCOMMIT")
-    with eng.connect() as c:
-        c.execute(text(f'CREATE DATABASE "{name}"'))
-    yield _with_db(admin, name)
-    with eng.connect() as c:
-        c.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-    eng.dispose()
-
-
-@pytest.fixture(scope="session")
-def database_url(pg_admin_url: str):
-    """A fresh database migrated to head with alembic (never create_all), dropped afterwards."""
+@contextlib.contextmanager
+def scratch_database(pg_admin_url: str, *, migrate: bool):
+    """A fresh Postgres database (migrated with alembic when asked, never create_all), dropped afterwards."""
     from sqlalchemy import create_engine, text
 
     from shared.db.migrate import upgrade
@@ -103,11 +86,41 @@ def database_url(pg_admin_url: str):
     with eng.connect() as c:
         c.execute(text(f'CREATE DATABASE "{name}"'))
     url = _with_db(admin, name)
-    upgrade(url)
-    yield url
-    with eng.connect() as c:
-        c.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-    eng.dispose()
+    try:
+        if migrate:
+            upgrade(url)
+        yield url
+    finally:
+        with eng.connect() as c:
+            c.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        eng.dispose()
+
+
+@pytest.fixture(scope="session")
+def empty_database_url(pg_admin_url: str):
+    """A fresh, empty Postgres database (no migrations applied)."""
+    with scratch_database(pg_admin_url, migrate=False) as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def database_url(pg_admin_url: str):
+    """A fresh database migrated to head, shared by the session's tests."""
+    with scratch_database(pg_admin_url, migrate=True) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def isolated_urls(redis_url: str, pg_admin_url: str):
+    """(redis_url, database_url) holding nothing from earlier test modules: the session's Redis database
+    flushed and a fresh migrated Postgres database. For modules that run whole stacks (a trainer or controller
+    would otherwise pick up earlier modules' runs, leases and stream entries). Module-scoped stacks end with
+    their module, so flushing at the start of one is safe."""
+    import redis
+
+    redis.Redis.from_url(redis_url).flushdb()
+    with scratch_database(pg_admin_url, migrate=True) as url:
+        yield redis_url, url
 
 
 @pytest.fixture

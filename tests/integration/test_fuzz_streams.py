@@ -99,9 +99,10 @@ TRAINER_GROUP = ("trainer", "train")  # the second group on `trajectories`
 
 
 @pytest.fixture(scope="module")
-def live(redis_url, database_url, tmp_path_factory):
+def live(isolated_urls, tmp_path_factory):
     from shared.db.session import make_engine
 
+    redis_url, database_url = isolated_urls
     tmp = tmp_path_factory.mktemp("fuzz")
     model = build_tokenizer(tmp / "model")
     port = free_port()

@@ -10,7 +10,8 @@ from bench.demo import run_stack
 
 
 @pytest.mark.slow
-def test_reward_climbs_through_hot_reloaded_versions(tmp_path, redis_url, database_url):
+def test_reward_climbs_through_hot_reloaded_versions(tmp_path, isolated_urls):
+    redis_url, database_url = isolated_urls  # no earlier module's runs competing for the trainer
     result = run_stack(tmp_path, steps=10, tasks=8, n=8, lr=1e-2, max_staleness=1, timeout_s=300,
                        env={"REDIS_URL": redis_url, "DATABASE_URL": database_url}, log=lambda *_: None)
     rewards = result["reward_by_version"]
