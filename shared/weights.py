@@ -46,6 +46,27 @@ class CheckpointManifest(BaseModel):
         return sum(f.bytes for f in self.files.values())
 
 
+def fsync_path(path: Path) -> None:
+    """Flush a file's data, or a directory's entries (after a rename into it), to disk. A read-only descriptor
+    is enough for both on Linux."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(folder: Path) -> None:
+    """Every file, then every directory, below and including `folder`."""
+    paths = [folder, *folder.rglob("*")]
+    for p in paths:
+        if p.is_file():
+            fsync_path(p)
+    for p in paths:
+        if p.is_dir():
+            fsync_path(p)
+
+
 def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

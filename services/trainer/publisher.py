@@ -7,7 +7,6 @@ request, checksum mismatch) is not transient and raises."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import time
 import uuid
@@ -17,7 +16,7 @@ import httpx
 
 from shared.logs import get_logger
 from shared.messages import WeightsPublished
-from shared.weights import CHUNK, sha256_file
+from shared.weights import CHUNK, fsync_path, sha256_file
 
 log = get_logger(__name__)
 
@@ -38,7 +37,8 @@ class WeightPublisher:
         files = sorted(p.name for p in folder.iterdir() if p.is_file())
         body = {"metrics": metrics, "best_metric": best_metric}
         if self.weights_dir:
-            _fsync_all(folder, files)  # durable before the server renames it into place
+            for name in files:  # durable before the server renames it into place
+                fsync_path(folder / name)
             # Declared hashes let a server with VERIFY_STAGING=false skip re-reading; one that verifies compares.
             body |= {"staging_path": str(folder), "files": {n: sha256_file(folder / n) for n in files}}
         else:
@@ -84,9 +84,3 @@ class WeightPublisher:
             log.warning("publish retry in %.1fs: %r", delay, error)
             time.sleep(delay)
             delay = min(delay * 2, 10.0)
-
-
-def _fsync_all(folder: Path, names: list[str]) -> None:
-    for name in names:
-        with open(folder / name, "rb+") as f:
-            os.fsync(f.fileno())

@@ -11,6 +11,7 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from services.trainer.engine import PolicyEngine
+from shared.weights import fsync_path, fsync_tree
 
 MARKER = "STEP.json"
 
@@ -40,11 +41,11 @@ class CheckpointDir:
         shutil.rmtree(tmp, ignore_errors=True)
         engine.save(tmp, record.version)
         (tmp / MARKER).write_text(record.model_dump_json())
-        _fsync_tree(tmp)
+        fsync_tree(tmp)
         final = self.root / f"step_{record.version}"
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-        _fsync(self.root)
+        fsync_path(self.root)
         self._prune()
         return final
 
@@ -62,20 +63,3 @@ class CheckpointDir:
         steps = sorted((int(p.name.split("_")[1]), p) for p in self.root.glob("step_*"))
         for _, path in steps[:-self.keep]:
             shutil.rmtree(path, ignore_errors=True)
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(folder: Path) -> None:
-    for p in folder.rglob("*"):
-        if p.is_file():
-            with open(p, "rb+") as f:
-                os.fsync(f.fileno())
-    for d in [folder, *[p for p in folder.rglob("*") if p.is_dir()]]:
-        _fsync(d)

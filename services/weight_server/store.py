@@ -25,26 +25,21 @@ from shared.db.models import Checkpoint
 from shared.logs import get_logger
 from shared.messages import WeightsPublished, encode
 from shared.streams import WEIGHTS
-from shared.weights import MANIFEST, CheckpointManifest, ChecksumError, FileEntry, read_manifest, sha256_file
+from shared.weights import (
+    MANIFEST,
+    CheckpointManifest,
+    ChecksumError,
+    FileEntry,
+    fsync_path,
+    read_manifest,
+    sha256_file,
+)
 
 log = get_logger(__name__)
 
 
 class PublishError(ValueError):
     """The publish request is wrong (missing file, bad name, checksum mismatch); the message says which."""
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb+") as f:
-        os.fsync(f.fileno())
 
 
 def check_name(name: str) -> str:
@@ -122,7 +117,7 @@ class CheckpointStore:
         if final.exists():  # a previous attempt renamed but crashed before the row: replace it
             shutil.rmtree(final)
         os.replace(tmp, final)
-        _fsync_dir(final.parent)
+        fsync_path(final.parent)
         msg = self._register(run_id, version, final, metrics)
         self.apply_retention(run_id, best_metric)
         return msg
@@ -139,7 +134,7 @@ class CheckpointStore:
             trusted = not self.verify_staging and not source.name.startswith(".upload-") and all(files.values())
             entries = self._sync_declared(tmp, files) if trusted else self._verify_and_sync(tmp, files)
             _write_manifest(tmp, CheckpointManifest(run_id=run_id, version=version, files=entries))
-            _fsync_dir(tmp)
+            fsync_path(tmp)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -153,14 +148,14 @@ class CheckpointStore:
             actual = sha256_file(folder / name)
             if expected and actual != expected:
                 raise PublishError(f"{name}: sha256 {actual} on disk differs from the declared {expected}")
-            _fsync_file(folder / name)
+            fsync_path(folder / name)
             entries[name] = FileEntry(sha256=actual, bytes=(folder / name).stat().st_size)
         return entries
 
     def _sync_declared(self, folder: Path, files: dict[str, str]) -> dict[str, FileEntry]:
         """Trust the co-located publisher's sha256 (VERIFY_STAGING=false): fsync only."""
         for name in files:
-            _fsync_file(folder / name)
+            fsync_path(folder / name)
         return {n: FileEntry(sha256=h, bytes=(folder / n).stat().st_size) for n, h in sorted(files.items())}
 
     def _register(self, run_id: str, version: int, folder: Path, metrics: dict[str, float]) -> WeightsPublished:
