@@ -3,6 +3,8 @@ on the split batch gives the same weights as one update of a single process on t
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -61,9 +63,8 @@ def test_two_rank_data_parallel_update_equals_single_process(tmp_path):
         launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
                     f"--master_port={_free_port()}"] \
             if mode == "dp" else [sys.executable]
-        run = subprocess.run([*launcher, str(script), str(model_dir), str(tmp_path / mode), mode], cwd=REPO,
-                             capture_output=True, text=True, timeout=240, env=_env())
-        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        code, output = _run_group([*launcher, str(script), str(model_dir), str(tmp_path / mode), mode], 240)
+        assert code == 0, output[-6000:]
     torch.testing.assert_close(torch.load(tmp_path / "dp" / "old.pt"), torch.load(tmp_path / "single" / "old.pt"))
     single = load_file(tmp_path / "single" / "hf" / "model.safetensors")
     dp = load_file(tmp_path / "dp" / "hf" / "model.safetensors")
@@ -72,6 +73,20 @@ def test_two_rank_data_parallel_update_equals_single_process(tmp_path):
     assert not torch.equal(single[name], original[name])
     for key in single:
         torch.testing.assert_close(dp[key], single[key], atol=1e-5, rtol=1e-4)
+
+
+def _run_group(args: list[str], timeout_s: float) -> tuple[int, str]:
+    """Run in its own process group and kill the whole group on timeout: torchrun's ranks are its children,
+    and killing only the launcher would leave them running."""
+    proc = subprocess.Popen(args, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        return -9, f"timed out after {timeout_s}s\n{out}"
+    return proc.returncode, out
 
 
 def _free_port() -> int:
