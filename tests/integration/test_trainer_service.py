@@ -27,6 +27,22 @@ TASKS, N = 2, 4  # groups per batch, samples per group
 
 
 @pytest.fixture(scope="module")
+def database_url(pg_admin_url):
+    """This module's own database: runs left `running` by earlier modules would be leased by the trainer."""
+    from conftest import scratch_database
+
+    with scratch_database(pg_admin_url, migrate=True) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def redis_url(redis_url):
+    """The session's Redis database, flushed: no stream groups or trainer leases from earlier modules."""
+    redis.Redis.from_url(redis_url).flushdb()
+    return redis_url
+
+
+@pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("model") / "digit")
 
