@@ -159,7 +159,8 @@ class StreamBus:
             need = _next_id(_parse_id(g["last-delivered-id"]))
             if g["pending"]:
                 summary = await self.redis.xpending(stream, g["name"])
-                need = min(need, _parse_id(summary["min"]))
+                if summary["min"] is not None:  # None: the pending entries were acked since XINFO
+                    need = min(need, _parse_id(summary["min"]))
             floor = need if floor is None else min(floor, need)
         assert floor is not None
         return await self.redis.xtrim(stream, minid=f"{floor[0]}-{floor[1]}", approximate=False)
