@@ -13,6 +13,8 @@ The services themselves come from infra.local_stack.LocalStack.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
 import signal
 import socket
@@ -27,6 +29,51 @@ from sqlalchemy import Engine, text
 
 REPO = Path(__file__).resolve().parents[1]
 TERMINAL = ("completed", "failed", "stopped")
+
+
+@contextlib.contextmanager
+def leased_redis_db(base_url: str, ttl_s: int = 3 * 3600):
+    """A Redis logical database nobody else uses while we hold it (SET NX lease `fwtest:lease:N` in db 0),
+    flushed before and after: test sessions and benchmarks on one server never share streams."""
+    root = base_url.rsplit("/", 1)[0] if base_url.count("/") >= 3 else base_url
+    admin = redis.Redis.from_url(root + "/0")
+    for n in range(1, 16):
+        if admin.set(f"fwtest:lease:{n}", os.getpid(), nx=True, ex=ttl_s):
+            url = f"{root}/{n}"
+            redis.Redis.from_url(url).flushdb()
+            try:
+                yield url
+            finally:
+                redis.Redis.from_url(url).flushdb()
+                admin.delete(f"fwtest:lease:{n}")
+            return
+    raise RuntimeError("all 15 Redis logical databases are leased; delete stale keys fwtest:lease:* in db 0")
+
+
+@contextlib.contextmanager
+def scratch_database(admin_url: str, *, migrate: bool = True):
+    """A fresh Postgres database next to `admin_url` (migrated with alembic when asked, never create_all),
+    dropped afterwards."""
+    from sqlalchemy import create_engine
+    from sqlalchemy.engine import make_url
+
+    from shared.db.migrate import upgrade
+    from shared.settings import ServiceSettings
+
+    admin = ServiceSettings(database_url=admin_url).database_url
+    name = f"fw_test_{uuid.uuid4().hex[:10]}"
+    eng = create_engine(admin, isolation_level="AUTOCOMMIT")
+    with eng.connect() as c:
+        c.execute(text(f'CREATE DATABASE "{name}"'))
+    url = make_url(admin).set(database=name).render_as_string(hide_password=False)
+    try:
+        if migrate:
+            upgrade(url)
+        yield url
+    finally:
+        with eng.connect() as c:
+            c.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        eng.dispose()
 
 
 def free_port() -> int:

@@ -32,8 +32,9 @@ from pathlib import Path
 
 import psutil
 import redis
-from sqlalchemy import create_engine, insert, text
+from sqlalchemy import insert, text
 
+from bench.live import leased_redis_db, scratch_database
 from shared.db.models import Dataset, DatasetRow, RolloutTaskRow, Run
 from shared.db.session import make_engine
 from shared.messages import EnvReply, EnvRequest, EpisodeResult, decode, encode
@@ -62,26 +63,12 @@ def _redis(tmp: Path):
         yield f"unix://{server.socket_file}?db=0"
         server.shutdown()
         return
-    root = base.rsplit("/", 1)[0] if base.count("/") >= 3 else base
-    admin = redis.Redis.from_url(root + "/0")
-    for n in range(15, 0, -1):  # a leased logical DB, like the test fixtures, so nobody shares our streams
-        if admin.set(f"fwtest:lease:{n}", os.getpid(), nx=True, ex=3600):
-            url = f"{root}/{n}"
-            redis.Redis.from_url(url).flushdb()
-            try:
-                yield url
-            finally:
-                redis.Redis.from_url(url).flushdb()
-                admin.delete(f"fwtest:lease:{n}")
-            return
-    raise RuntimeError("no free Redis logical database (keys fwtest:lease:* in db 0)")
+    with leased_redis_db(base) as url:
+        yield url
 
 
 @contextlib.contextmanager
 def _postgres(tmp: Path):
-    from shared.db.migrate import upgrade
-    from shared.settings import ServiceSettings
-
     admin = os.environ.get("DATABASE_URL") or (
         "postgresql+psycopg://postgres@127.0.0.1:5432/postgres" if _port_open(5432) else None)
     server = None
@@ -90,19 +77,10 @@ def _postgres(tmp: Path):
 
         server = pgserver.get_server(str(tmp / "pg"), cleanup_mode="stop")
         admin = server.get_uri()
-    admin = ServiceSettings(database_url=admin).database_url
-    name = f"fw_bench_{uuid.uuid4().hex[:8]}"
-    eng = create_engine(admin, isolation_level="AUTOCOMMIT")
-    with eng.connect() as c:
-        c.execute(text(f'CREATE DATABASE "{name}"'))
-    url = admin.rsplit("/", 1)[0] + f"/{name}"
     try:
-        upgrade(url)
-        yield url
+        with scratch_database(admin) as url:
+            yield url
     finally:
-        with eng.connect() as c:
-            c.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        eng.dispose()
         if server is not None:
             server.cleanup()
 

@@ -8,26 +8,15 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import uuid
 from pathlib import Path
 
 import pytest
 
+from bench.live import leased_redis_db, scratch_database
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _lease_redis_db(base_url: str) -> tuple[str, int]:
-    import redis
-
-    admin = redis.Redis.from_url(base_url.rsplit("/", 1)[0] + "/0")
-    for n in range(1, 16):
-        if admin.set(f"fwtest:lease:{n}", os.getpid(), nx=True, ex=3 * 3600):
-            url = base_url.rsplit("/", 1)[0] + f"/{n}"
-            redis.Redis.from_url(url).flushdb()
-            return url, n
-    raise RuntimeError("all 15 Redis test databases are leased; delete stale keys fwtest:lease:* in db 0")
 
 
 @pytest.fixture(scope="session")
@@ -42,14 +31,8 @@ def redis_url() -> str:
         yield f"unix://{server.socket_file}?db=0"
         server.shutdown()
         return
-    if "://" in base and base.count("/") < 3:
-        base += "/0"
-    url, n = _lease_redis_db(base)
-    yield url
-    import redis
-
-    redis.Redis.from_url(url).flushdb()
-    redis.Redis.from_url(base.rsplit("/", 1)[0] + "/0").delete(f"fwtest:lease:{n}")
+    with leased_redis_db(base) as url:
+        yield url
 
 
 @pytest.fixture(scope="session")
@@ -64,36 +47,6 @@ def pg_admin_url() -> str:
     server = pgserver.get_server(str(tmp), cleanup_mode="stop")
     yield server.get_uri()
     server.cleanup()
-
-
-def _with_db(url: str, db: str) -> str:
-    from sqlalchemy.engine import make_url
-
-    return make_url(url).set(database=db).render_as_string(hide_password=False)
-
-
-@contextlib.contextmanager
-def scratch_database(pg_admin_url: str, *, migrate: bool):
-    """A fresh Postgres database (migrated with alembic when asked, never create_all), dropped afterwards."""
-    from sqlalchemy import create_engine, text
-
-    from shared.db.migrate import upgrade
-    from shared.settings import ServiceSettings
-
-    admin = ServiceSettings(database_url=pg_admin_url).database_url
-    name = f"fw_test_{uuid.uuid4().hex[:10]}"
-    eng = create_engine(admin, isolation_level="AUTOCOMMIT")
-    with eng.connect() as c:
-        c.execute(text(f'CREATE DATABASE "{name}"'))
-    url = _with_db(admin, name)
-    try:
-        if migrate:
-            upgrade(url)
-        yield url
-    finally:
-        with eng.connect() as c:
-            c.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        eng.dispose()
 
 
 @pytest.fixture(scope="session")
