@@ -18,9 +18,11 @@ class WeightServerSettings(ServiceSettings):
     )
     keep_last: int = Field(3, ge=1, description="versions kept per run besides the best one")
     announce_path: bool = Field(True, description="announce the shared-volume path for co-located readers")
+    # The co-located trainer hashes its files as read back from this same volume after fsync, so re-reading
+    # them here checks the same bytes on the same disk a second time; HTTP uploads are always hashed.
     verify_staging: bool = Field(
-        True, description="re-hash files a co-located trainer publishes by staging path; false trusts the sha256 "
-        "it declares (saves one read of the checkpoint; HTTP uploads are always hashed as they arrive)")
+        False, description="re-hash files a co-located trainer publishes by staging path instead of trusting the "
+        "sha256 it declares (one more read of the checkpoint per version; HTTP uploads are always hashed)")
 
     @model_validator(mode="after")
     def _defaults(self) -> WeightServerSettings:

@@ -95,17 +95,22 @@ def test_checksum_mismatch_on_upload_is_rejected_and_nothing_is_announced(server
     assert httpx.get(f"{server.url}/v1/runs/{run_id}/versions").json() == []
 
 
-def test_staging_publish_with_wrong_declared_sha_is_rejected(server, run_id, redis_url, tmp_path):
-    staging = tmp_path / "weights" / "staging-1"
-    staging.mkdir(parents=True)
-    files = _files(1)
-    for name, data in files.items():
-        (staging / name).write_bytes(data)
-    bad = {"files": {n: "f" * 64 for n in files}, "staging_path": str(staging)}
-    r = httpx.post(f"{server.url}/v1/runs/{run_id}/versions/1/publish", json=bad, timeout=30)
-    assert r.status_code == 422 and "sha256" in r.json()["detail"]
-    assert _announced(redis_url) == []
-    assert not (tmp_path / "weights" / run_id / "v1").exists()
+def test_verifying_server_rejects_staging_publish_with_wrong_declared_sha(run_id, redis_url, database_url, tmp_path):
+    redis.Redis.from_url(redis_url).delete(WEIGHTS)
+    ws = WeightServer(redis_url, database_url, tmp_path / "weights", VERIFY_STAGING="true").start()
+    try:
+        staging = tmp_path / "weights" / "staging-1"
+        staging.mkdir(parents=True)
+        files = _files(1)
+        for name, data in files.items():
+            (staging / name).write_bytes(data)
+        bad = {"files": {n: "f" * 64 for n in files}, "staging_path": str(staging)}
+        r = httpx.post(f"{ws.url}/v1/runs/{run_id}/versions/1/publish", json=bad, timeout=30)
+        assert r.status_code == 422 and "sha256" in r.json()["detail"]
+        assert _announced(redis_url) == []
+        assert not (tmp_path / "weights" / run_id / "v1").exists()
+    finally:
+        ws.stop()
 
 
 def test_staging_publish_retention_and_restart(server, run_id, redis_url, tmp_path):
@@ -143,7 +148,7 @@ def test_staging_publish_retention_and_restart(server, run_id, redis_url, tmp_pa
 
 def test_trusting_server_records_declared_hashes_and_hashes_undeclared_files(redis_url, database_url, run_id,
                                                                               tmp_path):
-    ws = WeightServer(redis_url, database_url, tmp_path / "weights", VERIFY_STAGING="false").start()
+    ws = WeightServer(redis_url, database_url, tmp_path / "weights").start()  # the default trusts declared hashes
     try:
         for version, declare in ((1, True), (2, False)):
             staging = tmp_path / "weights" / f"staging-{version}"
