@@ -1,8 +1,9 @@
 """The controller's loops. One process drives many runs; each run is driven by whichever controller holds
 its lease on the runs row. Four loops, each short:
 
-- drive: renew leases and read run status / policy version (every poll_interval_s), then per run: pick up
-  ended ledger rows, flip lifecycle status, dispatch into the window (ledger row first, then XADD).
+- drive: renew leases and read run status, policy version and groups the trainer dropped (every
+  poll_interval_s), then per run: pick up ended ledger rows, flip lifecycle status, dispatch into the window
+  (ledger row first, then XADD).
   Woken early whenever the store commits results, so dispatch keeps up with completions.
 - store: group "store" on `trajectories` -> TrajectoryStore, ack after commit (any controller stores any run).
   Every reconcile_interval_s it also marks dispatched tasks whose lease expired as lost (re-dispatched as
@@ -107,7 +108,16 @@ class Controller:
                 driver.status, driver.policy_version = row.status, row.policy_version
         for run_id in set(self.drivers) - seen:
             self._drop(run_id)
+        train = [d for d in self.drivers.values() if not d.plan.is_eval]
+        if train:
+            await asyncio.to_thread(self._tx, self._count_dropped, train)
         self.status["runs"] = self.health()
+
+    @staticmethod
+    def _count_dropped(conn, drivers: list[RunDriver]) -> None:
+        """Groups the trainer consumed without a step widen the dispatch window, so dropped groups are refilled."""
+        for d in drivers:
+            d.dropped_groups = ledger.dropped_groups(conn, d.run_id, d.plan.slots_per_task, d.final_failed)
 
     def _drop(self, run_id: str) -> None:
         self.drivers.pop(run_id, None)
@@ -136,6 +146,8 @@ class Controller:
         tasks = ledger.load_tasks(conn, cfg.dataset, cfg.dataset_split, cfg.max_tasks)
         driver = RunDriver(row, cfg, tasks)
         driver.rebuild(ledger.ledger_rows(conn, row.id))
+        if not driver.plan.is_eval:
+            self._count_dropped(conn, [driver])
         for task_id, sample_idx in driver.final_failed:  # in case we crashed before recording them
             self._final_failure_event(conn, driver, task_id, sample_idx, driver.states[(task_id, sample_idx)].attempt)
         return driver

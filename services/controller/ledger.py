@@ -132,6 +132,20 @@ def insert_dispatched(conn: Connection, run_id: str, items: list[tuple[Slot, int
     return {tuple(r) for r in rows}
 
 
+def dropped_groups(conn: Connection, run_id: str, slots_per_task: int, final_failed: set[tuple[str, int]]) -> int:
+    """Groups of a train run consumed without a step: those the trainer dropped (train_samples rows that are
+    neither used nor a baseline) and those with a finally failed slot (never complete, perhaps never seen by the
+    trainer). A group is (task, epoch), and sample_idx = epoch * slots_per_task + s (see plan.py)."""
+    tasks, samples = ([k[0] for k in final_failed], [k[1] for k in final_failed])
+    return conn.execute(text(
+        """SELECT count(*) FROM (
+               SELECT task_id, sample_idx / :spt FROM train_samples
+               WHERE run_id = :r AND status NOT IN ('used', 'baseline')
+               UNION
+               SELECT t, s / :spt FROM unnest(CAST(:t AS text[]), CAST(:s AS int[])) AS f(t, s)) AS g"""
+    ), {"r": run_id, "spt": slots_per_task, "t": tasks, "s": samples}).scalar_one()
+
+
 def expire_leases(conn: Connection, run_id: str) -> list[tuple[str, int, int]]:
     """Mark dispatched rows past their lease as lost (their result never arrived, or Redis lost it)."""
     return [tuple(r) for r in conn.execute(text(

@@ -5,6 +5,12 @@ A slot is one (task, sample) of the plan. Eval: every task x samples_per_task, o
 holds `tasks_per_batch` tasks of epoch b // batches_per_epoch, in a seeded per-epoch shuffle, each with
 samples_per_task samples plus, for ReMax, one greedy baseline sample (s = samples_per_task). sample_idx is
 unique within the run: epoch * slots_per_task + s, so epoch 0 has sample_idx = s.
+
+The dispatch window counts groups (one task's slots in one batch), the unit the trainer consumes: a step takes
+`tasks_per_batch` groups, and a group it drops (stale, filtered, incomplete) is consumed without a step. So
+groups [0, group_limit) may be dispatched, where group_limit stays (max_staleness + 1) batches of groups ahead
+of what the trainer consumed (steps * tasks_per_batch + dropped groups), capped at what the planned steps need.
+Batches past num_batches continue the epochs (same seeded shuffle) to replace dropped groups.
 """
 
 from __future__ import annotations
@@ -48,11 +54,17 @@ class Plan:
         """Optimizer steps after which a training run is complete (one policy version per batch)."""
         return self.num_batches
 
-    def window_end(self, policy_version: int) -> int:
-        """Batches [0, window_end) may be dispatched now: b - policy_version <= max_staleness."""
+    def group_limit(self, policy_version: int, dropped_groups: int = 0) -> int:
+        """Groups [0, group_limit) may be dispatched now (eval: all of them)."""
         if self.is_eval:
-            return 1
-        return min(self.num_batches, policy_version + self.cfg.max_staleness + 1)
+            return len(self.task_ids)
+        steps = min(policy_version + self.cfg.max_staleness + 1, self.planned_steps)
+        return steps * self.cfg.tasks_per_batch + dropped_groups
+
+    def group_index(self, b: int, i: int) -> int:
+        """Position in dispatch order of the group holding slot i of batch b (epochs need not split evenly)."""
+        epoch, j = divmod(b, self.batches_per_epoch)
+        return epoch * len(self.task_ids) + j * self.cfg.tasks_per_batch + i // self.slots_per_task
 
     def _batch(self, b: int) -> list[Slot]:
         if self.is_eval:

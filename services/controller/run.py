@@ -36,6 +36,7 @@ class RunDriver:
         self.final_failed: set[SlotKey] = set()
         self.num_completed = 0
         self.cursor = (0, 0)  # (batch, index within batch) of the next never-dispatched slot
+        self.dropped_groups = 0  # groups consumed without a step (trainer drops, final failures): refilled
         self.stopping_since: float | None = None
         self.stale = False  # the ledger has rows this driver did not put there: rebuild
 
@@ -79,13 +80,15 @@ class RunDriver:
     def next_items(self, limit: int) -> list[tuple[Slot, int]]:
         """Up to `limit` (slot, attempt) pairs: retries first, then new slots inside the staleness window."""
         items = [(self.states[k].slot, self.states[k].attempt + 1) for k in list(self.retry)[:limit]]
-        end = self.plan.window_end(self.policy_version)
+        end = self.plan.group_limit(self.policy_version, self.dropped_groups)
         b, i = self.cursor
-        while len(items) < limit and b < end:
+        while len(items) < limit:
             batch = self.plan.batch(b)
             if i >= len(batch):
                 b, i = b + 1, 0
                 continue
+            if self.plan.group_index(b, i) >= end:
+                break
             if batch[i].key not in self.states:
                 items.append((batch[i], 0))
             i += 1

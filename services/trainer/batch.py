@@ -110,6 +110,9 @@ class GroupBuffer:
     def complete_groups(self) -> list[Group]:
         return [g for g in self.groups.values() if g.complete(self.n, self.need_greedy)]
 
+    def incomplete_groups(self) -> list[Group]:
+        return [g for g in self.groups.values() if not g.complete(self.n, self.need_greedy)]
+
     def remove(self, groups: list[Group]) -> None:
         for g in groups:
             self.groups.pop(g.key, None)
@@ -141,6 +144,12 @@ def select_groups(
             s.weight = 1.0 / (1 + max(0, version - s.min_version - max_staleness))
         chosen.append(g)
     return chosen, dropped
+
+
+def doomed_groups(waiting: list[Group], final_failures: set[tuple[str, int]]) -> list[Group]:
+    """The incomplete groups with a slot out of attempts (`final_failures`: (task_id, batch_idx) of each
+    such slot, greedy baselines included): they can never complete."""
+    return [g for g in waiting if (g.key[0], g.key[1]) in final_failures]
 
 
 def staleness(samples: list[Sample], version: int) -> list[int]:

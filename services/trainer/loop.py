@@ -10,7 +10,14 @@ Exactly-once training, across crashes:
 A crash before 2 re-trains the same entries from the previous checkpoint; between 2 and 3 the record is
 replayed from STEP.json at start-up; after 3 the entries are recognised as used and acknowledged unused.
 
-This process is the only consumer of the "train" group: at start-up it claims every pending entry.
+A group that will not be trained on (older than max_staleness, all rewards equal under dynamic sampling, or
+missing a slot the controller gave up on: `final_failure`) is recorded in `train_samples` with that reason at
+once, then acknowledged; the controller counts such groups and dispatches replacements.
+
+Several trainers may share the "train" group, each training the runs whose Redis lease it holds. Entries a
+trainer held when it died stay pending under its name, so whenever this process opens a run (at start-up or
+taking over a dead trainer's lease) it claims every pending entry and keeps those of runs it owns; entries of
+runs another trainer owns stay pending (re-owned by name only: XACK by id works from any consumer).
 """
 
 from __future__ import annotations
@@ -59,7 +66,7 @@ class RunState:
     ckpts: CheckpointDir
     buffer: GroupBuffer
     held: dict[SampleKey, Delivery] = field(default_factory=dict)
-    dropped: dict[str, list[Group]] = field(default_factory=dict)
+    dropped: dict[str, int] = field(default_factory=dict)  # samples dropped since the last step, by reason
     counts: dict[str, int] = field(default_factory=dict)
 
     def count(self, what: str, n: int = 1) -> None:
@@ -83,25 +90,32 @@ class Trainer:
         self.runs: dict[str, RunState] = {}
         self.foreign: set[str] = set()  # runs another trainer holds
         self.broken: dict[str, str] = {}  # runs this trainer cannot train (error), left alone until restart
+        self.claim_due = True  # a run was opened: pending entries of the group may be ours now
         self.status: dict = {}
 
     # -- the loop ---------------------------------------------------------------------------------------------
     async def serve(self, stop: asyncio.Event) -> None:
         await self.consumer.start()
         await self.refresh_runs()
-        await self.claim_pending()
         next_poll = time.monotonic() + self.settings.runs_poll_s
         while not stop.is_set():
             if time.monotonic() >= next_poll:
                 await self.refresh_runs()
+                for run in list(self.runs.values()):
+                    await self.drop_incomplete(run)
                 next_poll = time.monotonic() + self.settings.runs_poll_s
+            while self.claim_due:  # routing claimed entries may open further runs
+                self.claim_due = False
+                await self.claim_pending()
             await self.route(await self.consumer.read())
             for run in list(self.runs.values()):
                 await self.maybe_step(run)
         await self.close()
 
     async def claim_pending(self) -> None:
-        """Take over every entry the group still has pending (a previous trainer's, ours before a crash)."""
+        """Take over every entry the group still has pending (a dead trainer's, ours before a crash) and route
+        it: entries of our runs are held (those already held are recognised), those of runs another trainer
+        owns are left pending, those of runs nobody trains are acknowledged."""
         cursor = "0-0"
         while True:
             cursor, entries, *_ = await self.redis.xautoclaim(
@@ -148,6 +162,7 @@ class Trainer:
             await db.release_lease(self.redis, row.id, self.worker_id)
             return
         self.runs[row.id] = run
+        self.claim_due = True
         VERSION.labels(row.id).set(run.version)
         log.info("training run %s from version %d", row.id, run.version, extra={"run_id": row.id})
 
@@ -264,53 +279,68 @@ class Trainer:
             run.buffer.complete_groups(), cfg.tasks_per_batch, dynamic_sampling=cfg.algorithm.dynamic_sampling,
             version=run.version, max_staleness=cfg.max_staleness, stale_policy=cfg.stale_policy)
         for reason, groups in dropped.items():
-            run.buffer.remove(groups)
-            run.dropped.setdefault(reason, []).extend(groups)
+            await self.drop(run, reason, groups)
         if len(chosen) == cfg.tasks_per_batch:
             run.buffer.remove(chosen)
             with STEP_SECONDS.time():
                 await self.step(run, chosen)
 
+    async def drop(self, run: RunState, reason: str, groups: list[Group]) -> None:
+        """Record groups that will never be trained on as consumed (reason as status), then acknowledge them.
+        A crash in between is safe: re-delivered entries of recorded samples are duplicates."""
+        run.buffer.remove(groups)
+        records = self._records(groups, reason)
+        await asyncio.to_thread(db.record_dropped, self.db, run.run_id, run.version, records)
+        await self.consumer.ack(self._release(run, records))
+        run.dropped[reason] = run.dropped.get(reason, 0) + len(records)
+        log.info("dropped %d groups (%s)", len(groups), reason, extra={"run_id": run.run_id})
+
+    async def drop_incomplete(self, run: RunState) -> None:
+        """Groups with a slot the controller gave up on (out of attempts) can never complete: drop them."""
+        waiting = run.buffer.incomplete_groups()
+        if not waiting:
+            return
+        groups = batching.doomed_groups(waiting, await asyncio.to_thread(db.final_failures, self.db, run.run_id))
+        if groups:
+            await self.drop(run, "incomplete", groups)
+
     async def step(self, run: RunState, groups: list[Group]) -> None:
         version = run.version + 1
         metrics = await self._in_torch(run.learner.step, groups, run.version, version)
-        metrics |= {f"dropped_{k}": float(len([s for g in v for s in g.samples.values()]))
-                    for k, v in run.dropped.items()}
+        metrics |= {f"dropped_{k}": float(n) for k, n in run.dropped.items()}
         metrics |= {f"samples_{k}": float(n) for k, n in run.counts.items()}
-        record = StepRecord(run_id=run.run_id, version=version, samples=self._records(run, groups), metrics=metrics)
+        record = StepRecord(run_id=run.run_id, version=version, samples=self._records(groups), metrics=metrics)
         self._fault("trained", version)
         await self._in_torch(run.ckpts.save, run.engine, record)
         self._fault("checkpointed", version)
         await asyncio.to_thread(db.commit_step, self.db, record)
         self._fault("committed", version)
         await self._in_torch(self._publish, run.run_id, run.engine, version, metrics)
-        await self.consumer.ack(self._release(run, record))
+        await self.consumer.ack(self._release(run, record.samples))
         run.version, run.dropped, run.counts = version, {}, {}
         STEPS.labels(run.run_id).inc()
         VERSION.labels(run.run_id).set(version)
         log.info("v%d reward %.3f (%d samples, %.2fs)", version, metrics["reward_mean"], len(record.samples),
                  metrics["step_s"], extra={"run_id": run.run_id, "policy_version": version})
 
-    def _records(self, run: RunState, groups: list[Group]) -> list[SampleRecord]:
+    @staticmethod
+    def _records(groups: list[Group], dropped: str | None = None) -> list[SampleRecord]:
+        """One record per sample: used (the greedy baseline: baseline), or the reason the group was dropped."""
         def rec(s, status):
             return SampleRecord(task_id=s.key[1], sample_idx=s.key[2], attempt=s.attempt, status=status,
                                 generated_version=s.min_version)
         out = {}
         for g in groups:
             for s in g.samples.values():
-                out[s.key] = rec(s, "used")
+                out[s.key] = rec(s, dropped or "used")
             if g.greedy:
-                out[g.greedy.key] = rec(g.greedy, "baseline")
-        for reason, dropped in run.dropped.items():
-            for g in dropped:
-                for s in g.all_samples():
-                    out.setdefault(s.key, rec(s, reason))
+                out[g.greedy.key] = rec(g.greedy, dropped or "baseline")
         return list(out.values())
 
     @staticmethod
-    def _release(run: RunState, record: StepRecord) -> list[Delivery]:
+    def _release(run: RunState, records: list[SampleRecord]) -> list[Delivery]:
         out = {}
-        for s in record.samples:
+        for s in records:
             d = run.held.pop((run.run_id, s.task_id, s.sample_idx), None)
             if d is not None:
                 out[d.id] = d

@@ -8,7 +8,7 @@ from redis.asyncio import Redis
 from sqlalchemy import Engine, func, select, text, update
 from sqlalchemy.dialects.postgresql import insert
 
-from services.trainer.state import StepRecord
+from services.trainer.state import SampleRecord, StepRecord
 from shared.db.models import Checkpoint, Metric, RolloutTaskRow, Run, RunEvent, TrainSample
 from shared.streams import trainer_lease_key
 
@@ -81,6 +81,28 @@ def commit_step(db: Engine, record: StepRecord) -> None:
             c.execute(insert(Metric).values([
                 dict(run_id=run, name=k, step=record.version, value=float(v)) for k, v in record.metrics.items()
             ]))
+
+
+def record_dropped(db: Engine, run_id: str, version: int, samples: list[SampleRecord]) -> None:
+    """Samples of groups that will never be trained on, consumed with their drop reason as status (at the
+    current policy version). Idempotent."""
+    if samples:
+        with db.begin() as c:
+            c.execute(insert(TrainSample).values([
+                dict(run_id=uuid.UUID(run_id), version=version, **s.model_dump()) for s in samples
+            ]).on_conflict_do_nothing())
+
+
+def final_failures(db: Engine, run_id: str) -> set[tuple[str, int]]:
+    """(task_id, batch_idx) of every group with a slot the controller gave up on (a `final_failure` event)."""
+    with db.connect() as c:
+        rows = c.execute(text(
+            """SELECT DISTINCT t.task_id, t.batch_idx FROM run_events e
+               JOIN rollout_tasks t ON t.run_id = e.run_id AND t.task_id = e.data->>'task_id'
+                                   AND t.sample_idx = CAST(e.data->>'sample_idx' AS int)
+               WHERE e.run_id = :r AND e.kind = 'final_failure'"""
+        ), {"r": uuid.UUID(run_id)}).all()
+    return {tuple(r) for r in rows}
 
 
 def is_published(db: Engine, run_id: str, version: int) -> bool:

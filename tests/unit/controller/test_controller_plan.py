@@ -21,7 +21,8 @@ def test_eval_plan_is_every_task_times_samples():
     plan = Plan(config(kind="eval", samples_per_task=3), [f"t{i}" for i in range(4)])
     slots = plan.batch(0)
     assert {(s.task_id, s.sample_idx) for s in slots} == {(f"t{i}", s) for i in range(4) for s in range(3)}
-    assert plan.window_end(0) == 1 and plan.num_batches == 1
+    assert plan.group_limit(0) == 4 and plan.num_batches == 1
+    assert plan.group_index(1, 0) >= plan.group_limit(0)  # nothing past batch 0
 
 
 def test_train_plan_epochs_cover_each_task_once_and_are_seeded():
@@ -42,7 +43,7 @@ def test_train_plan_epochs_cover_each_task_once_and_are_seeded():
 def test_total_steps_overrides_epochs_and_window_follows_staleness():
     plan = Plan(config(samples_per_task=2, tasks_per_batch=2, total_steps=5, max_staleness=2), ["a", "b"])
     assert plan.planned_steps == 5 and plan.batch(4)[0].epoch == 4
-    assert [plan.window_end(v) for v in (0, 1, 3, 9)] == [3, 4, 5, 5]
+    assert [plan.group_limit(v) for v in (0, 1, 3, 9)] == [6, 8, 10, 10]  # groups: 2 per batch, capped at 5 steps
 
 
 def test_remax_adds_one_greedy_sample_per_task():
@@ -81,3 +82,66 @@ def test_driver_rebuild_retries_lost_and_stops_at_max_attempts():
     assert driver_items and driver.apply("t1", 0, 1, "lost") is True  # second bad attempt: final
     assert driver.apply("t3", 0, 0, "completed") is False and driver.apply("t3", 0, 0, "completed") is False
     assert driver.num_completed == 2
+
+
+def _dispatch_all(driver: RunDriver) -> list:
+    items = driver.next_items(10_000)
+    driver.mark_dispatched(items, {(s.task_id, s.sample_idx, a) for s, a in items})
+    return items
+
+
+def _groups(items) -> set[tuple[str, int]]:
+    return {(s.task_id, s.epoch) for s, _ in items}
+
+
+def test_dropped_groups_widen_the_window_past_the_planned_batches():
+    cfg = config(samples_per_task=2, tasks_per_batch=2, total_steps=2, max_staleness=0, max_in_flight=10_000)
+    driver = RunDriver(RunRow("r1", "running", {}, 0), cfg, tasks(3))
+    first = _dispatch_all(driver)
+    assert len(_groups(first)) == 2 and {s.batch_idx for s, _ in first} == {0}
+    driver.dropped_groups = 1  # the trainer dropped one group of batch 0: one more group, from batch 1
+    refill = _dispatch_all(driver)
+    assert len(_groups(refill)) == 1 and {s.batch_idx for s, _ in refill} == {1}
+    driver.policy_version, driver.dropped_groups = 1, 4  # at the last planned step, 4 groups dropped so far
+    more = _dispatch_all(driver)
+    assert len(_groups(first + refill + more)) == 2 * 2 + 4 and not driver.is_done  # both steps + the drops
+    assert max(s.batch_idx for s, _ in more) >= driver.plan.num_batches  # past the plan: epoch 1, 2, ...
+    assert {s.epoch for s, _ in more} >= {1}
+    driver.policy_version = 2
+    assert driver.is_done  # done at the planned steps, however many groups were dispatched
+
+
+def test_plan_continues_past_num_batches_with_the_seeded_epochs():
+    cfg = config(samples_per_task=2, tasks_per_batch=2, epochs=1, seed=3)
+    plan = Plan(cfg, [f"t{i}" for i in range(4)])
+    assert plan.num_batches == 2
+    later = [s for b in (2, 3) for s in plan.batch(b)]
+    assert sorted({s.task_id for s in later}) == [f"t{i}" for i in range(4)]  # epoch 1: every task once more
+    assert {s.epoch for s in later} == {1} and {s.sample_idx for s in later} == {2, 3}
+    assert Plan(cfg, [f"t{i}" for i in range(4)]).batch(3) == plan.batch(3)
+
+
+def test_window_never_runs_more_than_max_staleness_ahead_of_what_was_consumed():
+    for staleness in (0, 1, 3):
+        cfg = config(samples_per_task=2, tasks_per_batch=3, total_steps=6, max_staleness=staleness,
+                     max_in_flight=10_000)
+        driver = RunDriver(RunRow("r1", "running", {}, 0), cfg, tasks(5))  # 5 tasks: epochs split unevenly
+        dispatched: set[tuple[str, int]] = set()
+        for version, dropped in [(0, 0), (0, 1), (0, 2), (1, 2), (1, 7), (2, 7), (4, 9), (5, 9), (6, 9)]:
+            driver.policy_version, driver.dropped_groups = version, dropped
+            dispatched |= _groups(_dispatch_all(driver))
+            consumed = version * 3 + dropped  # groups the trainer used or dropped
+            need = min(version + staleness + 1, 6) * 3 + dropped  # what the trainer may ask for in the window
+            assert len(dispatched) == need  # enough to never starve ...
+            assert len(dispatched) - consumed <= (staleness + 1) * 3  # ... and never further ahead
+
+
+def test_uneven_epochs_still_dispatch_enough_groups_for_the_planned_steps():
+    cfg = config(samples_per_task=2, tasks_per_batch=3, epochs=2, max_staleness=0, max_in_flight=10_000)
+    driver = RunDriver(RunRow("r1", "running", {}, 0), cfg, tasks(7))
+    assert driver.plan.planned_steps == 6  # 3 batches of 3, 3, 1 tasks per epoch
+    dispatched = set()
+    for version in range(6):
+        driver.policy_version = version
+        dispatched |= _groups(_dispatch_all(driver))
+        assert len(dispatched) == (version + 1) * 3  # whole steps' worth, the last one from epoch 2

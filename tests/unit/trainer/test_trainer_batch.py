@@ -10,6 +10,7 @@ import torch
 from services.trainer.batch import (
     GroupBuffer,
     build_tensors,
+    doomed_groups,
     excluded_reason,
     samples_from_result,
     select_groups,
@@ -122,3 +123,25 @@ def test_oldest_trained_token_decides_a_samples_version():
     (s,) = samples_from_result(result("a", 0, 1.0, response=(8, 9, 10), mask=(0, 1, 1), versions=(1, 3, 4)))
     assert s.min_version == 3  # the masked observation token's version does not count
     assert torch.tensor(s.logprobs).shape == (3,)
+
+
+def test_groups_waiting_on_a_finally_failed_slot_are_doomed():
+    buf = buffer_of([result("a", 0, 1.0), result("b", 0, 1.0, batch=1), result("a", 4, 1.0, batch=2),
+                     result("c", 0, 1.0), result("c", 1, 0.0),  # complete samples, but no greedy baseline yet
+                     result("d", 0, 1.0), result("d", 1, 0.0), result("d", 2, 0.0, greedy=True)],
+                    need_greedy=True)
+    waiting = buf.incomplete_groups()
+    assert sorted(g.key[0] for g in waiting) == ["a", "a", "b", "c"]
+    # final failures: a's slot 1 in batch 0, c's greedy baseline; d is complete, so never doomed
+    doomed = doomed_groups(waiting, {("a", 0), ("c", 0), ("d", 0)})
+    assert sorted(g.key[:2] for g in doomed) == [("a", 0), ("c", 0)]
+
+
+def test_dropped_groups_are_recorded_with_their_reason_greedy_included():
+    from services.trainer.loop import Trainer
+
+    buf = buffer_of([result("a", 0, 1.0), result("a", 1, 1.0), result("a", 2, 1.0, greedy=True)], need_greedy=True)
+    records = Trainer._records(buf.complete_groups(), "filtered")
+    assert sorted((r.sample_idx, r.status) for r in records) == [(0, "filtered"), (1, "filtered"), (2, "filtered")]
+    used = Trainer._records(buf.complete_groups())
+    assert sorted((r.sample_idx, r.status) for r in used) == [(0, "used"), (1, "used"), (2, "baseline")]
