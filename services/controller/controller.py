@@ -85,9 +85,11 @@ class Controller:
                 log.warning("database unavailable: %r", e)
                 await sleep_or_stop(stop, self.cfg.poll_interval_s)
                 continue
+            # Cleared before the pass, not after: results stored while it runs must wake the next one at once
+            # (clearing afterwards lost those wake-ups, so slots idled up to dispatch_interval_s).
+            self.wake.clear()
             for driver in list(self.drivers.values()):
                 await self.step(driver)
-            self.wake.clear()
             try:
                 await asyncio.wait_for(self.wake.wait(), self.cfg.dispatch_interval_s)
             except TimeoutError:
