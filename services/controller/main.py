@@ -6,7 +6,6 @@ Drives every active run it can lease (see controller.py); several controllers ma
 
 from __future__ import annotations
 
-import asyncio
 import sys
 
 
@@ -17,7 +16,9 @@ def main() -> None:
     cfg = ControllerConfig()
     setup_logging(cfg.service_name, cfg.log_level, cfg.log_format)
     get_logger(__name__).info("controller config: %s", cfg.loggable())
-    sys.exit(asyncio.run(serve(cfg)))
+    from shared.service import run_service
+
+    sys.exit(run_service(serve(cfg)))
 
 
 async def serve(cfg) -> int:

@@ -6,7 +6,6 @@ Reads `env.requests` (group "env") and its own inbox `env.inbox.<WORKER_ID>`; se
 
 from __future__ import annotations
 
-import asyncio
 import sys
 
 
@@ -17,7 +16,9 @@ def main() -> None:
     cfg = EnvWorkerConfig()
     setup_logging(cfg.service_name, cfg.log_level, cfg.log_format)
     get_logger(__name__).info("env-worker config: %s", cfg.loggable())
-    sys.exit(asyncio.run(serve(cfg)))
+    from shared.service import run_service
+
+    sys.exit(run_service(serve(cfg)))
 
 
 async def serve(cfg) -> int:

@@ -6,7 +6,6 @@ Consumes `rollout.tasks` (group "rollout"), publishes EpisodeResults to `traject
 
 from __future__ import annotations
 
-import asyncio
 import os
 import sys
 
@@ -21,7 +20,9 @@ def main() -> None:
     cfg = RolloutWorkerConfig()
     setup_logging(cfg.service_name, cfg.log_level, cfg.log_format)
     get_logger(__name__).info("rollout-worker config: %s", cfg.loggable())
-    sys.exit(asyncio.run(serve(cfg)))
+    from shared.service import run_service
+
+    sys.exit(run_service(serve(cfg)))
 
 
 async def serve(cfg) -> int:

@@ -6,7 +6,6 @@ each new version on the `weights` stream once it is durable.
 
 from __future__ import annotations
 
-import asyncio
 import sys
 
 
@@ -23,7 +22,7 @@ def main() -> int:
     from services.weight_server.app import build_router
     from services.weight_server.store import CheckpointStore
     from shared.db.session import make_engine
-    from shared.service import ServiceRuntime
+    from shared.service import ServiceRuntime, run_service
 
     engine = make_engine(settings.database_url)
     store = CheckpointStore(settings.weights_dir, engine, redis.Redis.from_url(settings.redis_url),
@@ -33,7 +32,7 @@ def main() -> int:
     runtime = ServiceRuntime(settings, settings.service_name)
     runtime.app.include_router(build_router(store))
     runtime.status["weights_dir"] = str(settings.weights_dir)
-    return asyncio.run(runtime.run([runtime.stop.wait()], on_stop=_dispose(engine)))
+    return run_service(runtime.run([runtime.stop.wait()], on_stop=_dispose(engine)))
 
 
 def _dispose(engine):
