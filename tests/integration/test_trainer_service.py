@@ -8,6 +8,7 @@ import os
 import random
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -18,9 +19,9 @@ from sqlalchemy import create_engine, text
 from trainer_testlib import REPO, WeightServer
 
 from bench.demo import build_tiny_model
-from shared.messages import EpisodeResult, TrajectoryRecord, decode, encode
+from shared.messages import EpisodeResult, RolloutTask, TrajectoryRecord, decode, encode
 from shared.run_config import RunConfig
-from shared.streams import GROUP_TRAIN, TRAJECTORIES, WEIGHTS
+from shared.streams import GROUP_ROLLOUT, GROUP_TRAIN, ROLLOUT_TASKS, TRAJECTORIES, WEIGHTS, trainer_lease_key
 from shared.types import TerminationReason
 
 TASKS, N = 2, 4  # groups per batch, samples per group
@@ -50,7 +51,7 @@ def model_dir(tmp_path_factory) -> Path:
 @pytest.fixture
 def stack(redis_url, database_url, tmp_path):
     client = redis.Redis.from_url(redis_url)
-    client.delete(TRAJECTORIES, WEIGHTS)
+    client.delete(TRAJECTORIES, WEIGHTS, ROLLOUT_TASKS)
     ws = WeightServer(redis_url, database_url, tmp_path / "weights", keep_last=10).start()
     yield ws
     ws.stop()
@@ -63,7 +64,7 @@ def _stop_runs(database_url):
         c.execute(text("UPDATE runs SET status = 'stopped' WHERE status = 'running'"))
 
 
-def _insert_run(database_url: str, model_dir: Path, **overrides) -> str:
+def _insert_run(database_url: str, model_dir: Path, status: str = "running", **overrides) -> str:
     fields = dict(name="trainer-test", model=str(model_dir), dataset="digits", agent={"name": "math"},
                   env={"name": "math"}, samples_per_task=N, tasks_per_batch=TASKS, max_staleness=1,
                   algorithm={"adv_estimator": "grpo", "lr": 1e-3})
@@ -71,8 +72,8 @@ def _insert_run(database_url: str, model_dir: Path, **overrides) -> str:
     run_id = uuid.uuid4()
     with create_engine(database_url).begin() as c:
         c.execute(text("INSERT INTO runs (id, name, kind, status, config, policy_version, summary) "
-                       "VALUES (:id, 'trainer-test', 'train', 'running', CAST(:cfg AS jsonb), 0, '{}')"),
-                  {"id": run_id, "cfg": config.model_dump_json()})
+                       "VALUES (:id, 'trainer-test', 'train', :status, CAST(:cfg AS jsonb), 0, '{}')"),
+                  {"id": run_id, "cfg": config.model_dump_json(), "status": status})
     return str(run_id)
 
 
@@ -98,9 +99,9 @@ def _publish_batch(redis_url: str, run_id: str, batch: int, version: int) -> set
 
 
 def _start_trainer(redis_url, database_url, ws: WeightServer, tmp_path: Path, fault: str | None = None,
-                   launcher: tuple[str, ...] = ()):
+                   launcher: tuple[str, ...] = (), worker_id: str = "trainer-t"):
     env = {**os.environ, "REDIS_URL": redis_url, "DATABASE_URL": database_url, "WEIGHT_SERVER_URL": ws.url,
-           "WEIGHTS_DIR": ws.env["WEIGHTS_DIR"], "STATE_DIR": str(tmp_path / "trainer"), "WORKER_ID": "trainer-t",
+           "WEIGHTS_DIR": ws.env["WEIGHTS_DIR"], "STATE_DIR": str(tmp_path / "trainer"), "WORKER_ID": worker_id,
            "LOG_FORMAT": "text", "RUNS_POLL_S": "0.2", "PYTHONPATH": str(REPO)}
     if fault:
         env["FAULT_POINT"] = fault
@@ -228,6 +229,130 @@ def test_trainer_killed_mid_step_resumes_with_nothing_lost_or_doubled(stack, red
         assert sorted({r.version for r in rows}) == [1, 2, 3, 4]
         assert _published_versions(redis_url, run_id) == [1, 2, 3, 4]
         assert _pending(redis_url) == 0
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+def _wait(pred, what: str, procs=(), timeout_s: float = 90) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        for p in procs:
+            assert p.poll() is None, f"a service exited with {p.returncode} while waiting for {what}"
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(0.2)
+
+
+def _start_controller(redis_url: str, database_url: str, tmp_path: Path) -> subprocess.Popen:
+    env = {**os.environ, "REDIS_URL": redis_url, "DATABASE_URL": database_url, "HEALTH_PORT": "0",
+           "WORKER_ID": "ctl-t", "LOG_FORMAT": "text", "POLL_INTERVAL_S": "0.2", "RUN_LEASE_S": "2",
+           "RECONCILE_INTERVAL_S": "0.3", "STORE_CLAIM_IDLE_MS": "1000"}
+    return subprocess.Popen([sys.executable, "-m", "services.controller.main"], cwd=REPO, env=env,
+                            stdout=open(tmp_path / "controller.log", "w"), stderr=subprocess.STDOUT)
+
+
+def _fake_rollouts(redis_url: str, stop: threading.Event, answer) -> None:
+    """Plays the rollout worker: answers each rollout task with `answer(task)` -> reward, or None: the attempt
+    failed (infrastructure error)."""
+    client = redis.Redis.from_url(redis_url)
+    try:
+        client.xgroup_create(ROLLOUT_TASKS, GROUP_ROLLOUT, id="0", mkstream=True)
+    except redis.ResponseError:
+        pass
+    while not stop.is_set():
+        for _, entries in client.xreadgroup(GROUP_ROLLOUT, "fake", {ROLLOUT_TASKS: ">"}, count=100, block=100):
+            for entry_id, fields in entries:
+                t = decode(fields, RolloutTask)
+                reward = answer(t)
+                if reward is None:
+                    msg = EpisodeResult(run_id=t.run_id, task_id=t.task_id, sample_idx=t.sample_idx,
+                                        attempt=t.attempt, status="failed", termination_reason="infra_error",
+                                        error="env session lost", batch_idx=t.batch_idx, task=t.task)
+                else:
+                    traj = TrajectoryRecord(uid=uuid.uuid4().hex, reward=reward, termination_reason="env_done",
+                                            prompt_ids=[62, 32, 12], response_ids=[random.randrange(2, 64)],
+                                            loss_mask=[1], logprobs=[-4.1], versions=[t.dispatch_version])
+                    msg = EpisodeResult(run_id=t.run_id, task_id=t.task_id, sample_idx=t.sample_idx,
+                                        attempt=t.attempt, status="completed", termination_reason="env_done",
+                                        reward=reward, trajectories=[traj], batch_idx=t.batch_idx, task=t.task)
+                client.xadd(TRAJECTORIES, encode(msg))
+                client.xack(ROLLOUT_TASKS, GROUP_ROLLOUT, entry_id)
+
+
+def test_dropped_and_incomplete_groups_are_refilled_until_total_steps(stack, redis_url, database_url, model_dir,
+                                                                     tmp_path):
+    """Controller + trainer + a fake rollout worker: with dynamic sampling, task t0's groups (all rewards equal)
+    are filtered every epoch, and one slot of the first batch fails for good (max_attempts=1), so its group can
+    never complete. The trainer drops and records both kinds at once, the controller dispatches replacements
+    (further epochs), and the run reaches total_steps and completes."""
+    dataset = f"refill-{uuid.uuid4().hex[:6]}"
+    engine = create_engine(database_url)
+    with engine.begin() as c:
+        ds = c.execute(text("INSERT INTO datasets (id, name, split, source, num_rows, info) VALUES "
+                            "(gen_random_uuid(), :n, 'train', 'test', 4, '{}') RETURNING id"), {"n": dataset}).scalar()
+        for i in range(4):
+            c.execute(text("INSERT INTO dataset_rows (dataset_id, idx, task_id, data, data_source) "
+                           "VALUES (:d, :i, :t, '{}', 'test')"), {"d": ds, "i": i, "t": f"t{i}"})
+    run_id = _insert_run(database_url, model_dir, status="pending", dataset=dataset, samples_per_task=2,
+                         total_steps=3, max_staleness=0, stale_policy="drop", max_attempts=1,
+                         algorithm={"adv_estimator": "grpo", "lr": 1e-3, "dynamic_sampling": True})
+    doomed: list[str] = []  # the first task dispatched: its slot 1 in epoch 0 fails for good
+
+    def answer(t: RolloutTask) -> float | None:
+        if not doomed:
+            doomed.append(t.task_id)
+        if t.task_id == doomed[0] and t.sample_idx == 1:
+            return None
+        return 1.0 if t.task_id == "t0" else float(t.sample_idx % 2)
+
+    stop = threading.Event()
+    worker = threading.Thread(target=_fake_rollouts, args=(redis_url, stop, answer), daemon=True)
+    worker.start()
+    ctl = _start_controller(redis_url, database_url, tmp_path)
+    proc = _start_trainer(redis_url, database_url, stack, tmp_path)
+    try:
+        def status() -> str:
+            with engine.connect() as c:
+                return c.execute(text("SELECT status FROM runs WHERE id = :id"), {"id": run_id}).scalar()
+        _wait(lambda: status() == "completed", "the run to complete", (ctl, proc), timeout_s=120)
+        rows = _trained(database_url, run_id)
+        used = [r for r in rows if r.status == "used"]
+        assert sorted({r.version for r in used}) == [1, 2, 3] and len(used) == 3 * TASKS * 2
+        assert not any(r.task_id == "t0" for r in used)  # never trained on a group without signal
+        assert any(r.task_id == "t0" and r.status == "filtered" for r in rows)
+        assert [(r.task_id, r.sample_idx) for r in rows if r.status == "incomplete"] == [(doomed[0], 0)]
+        assert max(r.sample_idx for r in used) >= 2  # replacements came from a further epoch
+        _wait(lambda: _pending(redis_url) == 0, "the trainer to release what it held", (proc,))
+    finally:
+        stop.set()
+        for p in (ctl, proc):
+            p.terminate()
+            p.wait(60)
+        worker.join(10)
+
+
+def test_trainer_taking_over_a_dead_trainers_run_gets_its_pending_entries(stack, redis_url, database_url,
+                                                                        model_dir, tmp_path):
+    """The first trainer read a batch and died (entries pending under its name, its lease not yet expired).
+    A second trainer, already running, opens the run when the lease expires and trains on those entries."""
+    run_id = _insert_run(database_url, model_dir)
+    client = redis.Redis.from_url(redis_url)
+    client.xgroup_create(TRAJECTORIES, GROUP_TRAIN, id="0", mkstream=True)
+    keys = _publish_batch(redis_url, run_id, 0, 0)
+    client.xreadgroup(GROUP_TRAIN, "trainer-dead", {TRAJECTORIES: ">"})
+    client.set(trainer_lease_key(run_id), "trainer-dead")
+    proc = _start_trainer(redis_url, database_url, stack, tmp_path, worker_id="trainer-next")
+    try:
+        def claimed_at_start() -> bool:  # its start-up claim ran while the run was still the dead trainer's
+            consumers = client.xpending(TRAJECTORIES, GROUP_TRAIN)["consumers"]
+            return [c["name"] for c in consumers] == [b"trainer-next"]
+        _wait(claimed_at_start, "the second trainer's start-up claim", (proc,))
+        client.delete(trainer_lease_key(run_id))  # the dead trainer's lease expires
+        _wait_version(database_url, run_id, 1, proc, timeout_s=60)
+        rows = _trained(database_url, run_id)
+        assert {(r.task_id, r.sample_idx) for r in rows} == keys and {r.version for r in rows} == {1}
+        _wait(lambda: _pending(redis_url) == 0, "the entries to be acknowledged", (proc,))
     finally:
         proc.terminate()
         proc.wait(60)
