@@ -85,10 +85,14 @@ class SessionHost:
         except ValueError as e:
             return self.error(req, "bad_request", str(e))
         self.drop(req.session_id)  # a redelivered reset starts the session afresh
-        env = await self.call(req, lambda: cls.from_dict({**(req.task or {}), **req.env_args}))
+
+        def make_and_reset():  # one thread hop per request: hops, not env code, dominated cheap envs' latency
+            env = cls.from_dict({**(req.task or {}), **req.env_args})
+            return env, *env.reset()
+
+        env, observation, info = await self.call(req, make_and_reset)
         self.sessions[req.session_id] = Session(env, req.run_id, req.env, req.session_ttl_s)
         SESSIONS.set(len(self.sessions))
-        observation, info = await self.call(req, env.reset)
         return self.ok(req, observation=observation, info=info or {})
 
     async def step(self, req: EnvRequest) -> EnvReply:
@@ -96,13 +100,21 @@ class SessionHost:
         if session is None:
             return self.error(req, "session_lost", f"session {req.session_id} is not hosted by {self.worker_id}")
         session.last_used = time.monotonic()
-        observation, reward, done, info = await self.call(req, lambda: session.env.step(req.action))
-        final = None
-        if done and hasattr(session.env, "compute_final_reward"):
-            final = float(await self.call(req, session.env.compute_final_reward))
+        env = session.env
+
+        def step_and_finish():
+            observation, reward, done, info = env.step(req.action)
+            final = float(env.compute_final_reward()) if done and hasattr(env, "compute_final_reward") else None
+            if done:  # nothing calls a finished env again: close it now and spare the trajectory a close request
+                _close_quietly(env)
+            return observation, reward, done, info, final
+
+        observation, reward, done, info, final = await self.call(req, step_and_finish)
         session.last_used = time.monotonic()
+        if done:
+            self.drop(req.session_id)
         return self.ok(req, observation=observation, reward=float(reward), done=bool(done), info=info or {},
-                       final_reward=final)
+                       final_reward=final, closed=bool(done))
 
     async def close(self, req: EnvRequest) -> EnvReply:
         session = self.sessions.pop(req.session_id, None)

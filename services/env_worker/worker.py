@@ -1,7 +1,7 @@
 """env-worker loop: read `env.requests` (first reset, group "env", shared by all env workers) and this
 worker's own inbox `env.inbox.<id>` (step/close of its sticky sessions) in one blocking XREADGROUP; handle
-each request as its own task; write the EnvReply to `reply_to` and XACK the request in one pipelined round
-trip (ack after the reply is written). Undecodable requests are dead-lettered; no request kills the loop.
+each request as its own task; write the EnvReply to `reply_to`, then XACK the request (the replies and acks
+of concurrent requests share pipelined round trips: `CommandBatcher`). Undecodable requests are dead-lettered; no request kills the loop.
 """
 
 from __future__ import annotations
@@ -80,12 +80,12 @@ class EnvWorker:
         except (TypeError, ValueError) as e:  # the env returned something msgpack cannot carry
             reply = self.host.error_from_reply(reply, f"env returned a value that cannot be sent: {e}")
             body = encode(reply)
+        batcher = self.bus.batcher  # replies of concurrent requests share round trips
         for attempt in range(SEND_ATTEMPTS):  # a lost reply costs the rollout worker a timeout and a retry
             try:
-                async with self.redis.pipeline(transaction=False) as pipe:
-                    pipe.xadd(reply_to, body, maxlen=self.cfg.reply_maxlen, approximate=True)
-                    pipe.xack(stream, GROUP_ENV, entry_id)
-                    await pipe.execute()
+                if reply_to:  # empty: the caller wants no reply (fire-and-forget close)
+                    await batcher.call("xadd", reply_to, body, maxlen=self.cfg.reply_maxlen, approximate=True)
+                await batcher.call("xack", stream, GROUP_ENV, entry_id)
                 return
             except REDIS_DOWN as e:
                 log.warning("reply to %s failed (attempt %d): %r", reply_to, attempt + 1, e)

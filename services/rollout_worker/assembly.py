@@ -27,12 +27,17 @@ class ChatTokenizer:
         self.tokenizer = tokenizer
         self.eos_ids = set(_as_list(tokenizer.eos_token_id))
         self.eos_text = tokenizer.eos_token or ""
+        # Fast tokenizers: encode with the Rust tokenizer directly (the same ids; transformers' __call__
+        # wrapping cost more than the tokenization of a short prompt).
+        self.backend = getattr(tokenizer, "backend_tokenizer", None)
 
     def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                                   tokenize=False)
 
     def encode(self, text: str) -> list[int]:
+        if self.backend is not None:
+            return self.backend.encode(text, add_special_tokens=False).ids
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def decode(self, ids: list[int]) -> str:

@@ -192,6 +192,8 @@ class AgentSession:
             env_args=self.env_args, timeout_s=timeout,
             ttl_s=self.cfg.trajectory_timeout_s + 2 * timeout + 60, **kwargs)
         self.timings["env_s"] += time.perf_counter() - start
+        if reply.closed:  # the env worker closed the finished session itself
+            self.owner = None
         if not reply.ok and reply.error_kind == "session_lost":
             raise EnvSessionLost(reply.error or "env session lost")
         return reply

@@ -24,7 +24,7 @@ class EnvRequest(Message):
     env_args: dict[str, Any] = Field(default_factory=dict)
     task: dict[str, Any] | None = Field(None, description="reset: the dataset row for env.from_dict")
     action: Any = Field(None, description="step: the agent's action")
-    reply_to: str = Field(description="stream for the EnvReply")
+    reply_to: str = Field(description="stream for the EnvReply; empty: send none (fire-and-forget close)")
     timeout_s: float = Field(30.0, gt=0, description="per-call limit on the env method, seconds")
     session_ttl_s: float = Field(900.0, gt=0, description="idle lifetime after which the session is closed")
     sent_at: float = Field(description="unix seconds")
@@ -43,6 +43,8 @@ class EnvReply(Message):
     done: bool = False
     info: dict[str, Any] = Field(default_factory=dict)
     final_reward: float | None = Field(None, description="env.compute_final_reward() when done, if defined")
+    closed: bool = Field(False, description="the env worker closed the session after this step (done): the "
+                         "session is gone and needs no close")
     error: str | None = Field(None, description="traceback or reason when not ok")
     error_kind: EnvErrorKind | None = None
     elapsed_ms: float = 0.0

@@ -277,3 +277,40 @@ async def test_transient_failures_are_retried_not_dead_lettered(redis_client):
     assert await redis_client.xlen(dead_letter(STREAM)) == 1
     await bus.publish(STREAM, _task(3))
     await _drain(consumer, handler, lambda: done == ["t1", "t3"])
+
+
+async def test_command_batcher_shares_round_trips_and_keeps_per_command_results(redis_client):
+    from shared.bus import CommandBatcher
+
+    batcher = CommandBatcher(redis_client)
+    pipelines = 0
+    real_pipeline = redis_client.pipeline
+
+    def counting_pipeline(*args, **kwargs):  # the real pipeline, counted
+        nonlocal pipelines
+        pipelines += 1
+        return real_pipeline(*args, **kwargs)
+
+    redis_client.pipeline = counting_pipeline
+    await redis_client.set("batch.not-a-stream", "x")
+    calls = [batcher.call("xadd", "batch.stream", {b"i": str(i).encode()}) for i in range(200)]
+    calls.insert(100, batcher.call("xadd", "batch.not-a-stream", {b"i": b"bad"}))  # WRONGTYPE, alone
+    results = await asyncio.gather(*calls, return_exceptions=True)
+    assert pipelines <= 2, "200 concurrent commands should share one or two round trips"
+    assert isinstance(results[100], Exception) and "WRONGTYPE" in str(results[100])
+    good = [r for i, r in enumerate(results) if i != 100]
+    ids = [tuple(map(int, r.split(b"-"))) for r in good]
+    assert ids == sorted(ids)  # appended in call order
+    entries = await redis_client.xrange("batch.stream")
+    assert [int(f[b"i"]) for _, f in entries] == list(range(200))
+
+
+async def test_command_batcher_fails_every_caller_when_redis_is_unreachable():
+    from shared.bus import REDIS_DOWN, CommandBatcher, connect
+
+    dead = connect("redis://127.0.0.1:1/0", pool_timeout_s=1)
+    batcher = CommandBatcher(dead)
+    results = await asyncio.wait_for(asyncio.gather(
+        *[batcher.call("xadd", "s", {b"a": b"1"}) for _ in range(5)], return_exceptions=True), 10)
+    assert all(isinstance(r, REDIS_DOWN) for r in results), results
+    await dead.aclose()

@@ -115,6 +115,36 @@ async def test_final_reward_is_reported_on_done(env_workers, redis_client):
     assert second.done and second.final_reward == 0.75
 
 
+async def test_done_step_closes_the_session_and_replyless_close_sends_nothing(env_workers, redis_client, tmp_path):
+    env_workers("env-close")
+    client = Client(redis_client)
+    env, log = "fw_user_plugins:CloseRecordingEnv", tmp_path / "closed.log"
+    for sid in ("d1", "d2"):
+        assert (await client.call(ENV_REQUESTS, "reset", sid, env=env,
+                                  task={"closed_log": str(log), "marker": sid})).ok
+    first = await client.call(env_inbox("env-close"), "step", "d1", env=env, action="a")
+    assert not first.done and not first.closed
+    done = await client.call(env_inbox("env-close"), "step", "d1", env=env, action="a")
+    assert done.done and done.closed and done.final_reward == 0.75
+    assert log.read_text().split() == ["d1"]  # closed with the done step: no close request needed
+    again = await client.call(env_inbox("env-close"), "step", "d1", env=env, action="a")
+    assert again.error_kind == "session_lost"
+
+    # a close that asks for no reply (reply_to ""): the session is closed and nothing is written back
+    replies_before = await redis_client.xlen(REPLIES)
+    req = EnvRequest(request_id=uuid.uuid4().hex, op="close", session_id="d2", run_id="r1", env=env, reply_to="",
+                     sent_at=time.time())
+    await redis_client.xadd(env_inbox("env-close"), encode(req))
+    for _ in range(100):
+        if log.read_text().split() == ["d1", "d2"]:
+            break
+        await asyncio.sleep(0.05)
+    assert log.read_text().split() == ["d1", "d2"]
+    pending = await redis_client.xpending(env_inbox("env-close"), "env")
+    assert pending["pending"] == 0  # acknowledged
+    assert await redis_client.xlen(REPLIES) == replies_before
+
+
 async def test_idle_session_expires_and_is_counted(env_workers, redis_client):
     health = env_workers("env-ttl")
     client = Client(redis_client)

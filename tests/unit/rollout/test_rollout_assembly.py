@@ -88,3 +88,10 @@ def test_rewritten_history_is_retemplated_and_detected(chat):
     p2 = builder.prompt_ids(messages)
     assert p2 == chat.encode(chat.render(messages, add_generation_prompt=True))
     assert assemble([step(p1, generated), step(p2, [5])]).mismatch
+
+
+def test_fast_encode_equals_the_tokenizers_own_encoding(chat):
+    assert chat.backend is not None  # the tiny tokenizer is a fast one: the Rust path is taken
+    texts = ["What is 2 + 2?", "<|im_start|>user\nhi<|im_end|>\n", "  spaced   out\n\n", "ünïcödé \\boxed{42}", ""]
+    for text in texts:
+        assert chat.encode(text) == chat.tokenizer(text, add_special_tokens=False)["input_ids"], text
