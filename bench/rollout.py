@@ -168,7 +168,7 @@ def add_run(engine, args, model_dir: str, base_url: str) -> str:
         "name": "bench-rollout", "kind": "eval", "model": model_dir, "dataset": "bench-arith",
         "dataset_split": "test", "agent": {"name": "math"}, "env": {"name": "math"},
         "engine": {"type": "openai", "base_url": base_url}, "samples_per_task": 1,
-        "max_in_flight": args.concurrency, "max_response_tokens": 32, "trajectory_timeout_s": 120.0,
+        "max_in_flight": args.max_in_flight or 2 * args.concurrency, "max_response_tokens": 32, "trajectory_timeout_s": 120.0,
     }
     run_id = uuid.uuid4()
     with engine.begin() as c:
@@ -306,6 +306,9 @@ def main() -> None:
     ap.add_argument("--tasks", type=int, default=1024)
     ap.add_argument("--concurrency", type=int, default=128)
     ap.add_argument("--latency-ms", type=float, default=50.0)
+    ap.add_argument("--max-in-flight", type=int, default=None,
+                    help="the run's max_in_flight (controller's dispatch bound); default 2 x concurrency, so the "
+                         "rollout worker's `concurrency` slots stay busy while finished slots are being stored")
     ap.add_argument("--env-rtt-samples", type=int, default=300)
     ap.add_argument("--timeout-s", type=float, default=600)
     ap.add_argument("--out", type=Path, default=RESULTS)
@@ -343,6 +346,7 @@ def run_bench(args, tmp: Path, redis_url: str, db_url: str) -> dict:
         before = cpu_s(system + others)
         run_id = add_run(engine, args, model_dir, f"http://127.0.0.1:{port}/v1")
         run = wait_run(engine, run_id, procs, args.timeout_s)
+        redis_pids = {p.pid for p in redis_server()}
         others = redis_server() + pg_backends(engine)  # backends opened during the run count from zero
         after = cpu_s(system + others)
         if run["status"] != "completed":
@@ -352,6 +356,7 @@ def run_bench(args, tmp: Path, redis_url: str, db_url: str) -> dict:
             stored = c.execute(text("SELECT count(*) FROM trajectories WHERE run_id = :r"), {"r": run_id}).scalar()
         cpu = {p.pid: after.get(p.pid, 0.0) - before.get(p.pid, 0.0) for p in system + others}
         phases = latency_phases(engine, run_id)
+        steady = steady_rate(engine, run_id)
         env_rtt = measure_env_rtt(redis_url, args.env_rtt_samples)
         ingest = measure_ingest(db_url, read_results(redis_url, run_id), 256)
     finally:
@@ -369,10 +374,13 @@ def run_bench(args, tmp: Path, redis_url: str, db_url: str) -> dict:
         "cpu_ms_per_traj": round(sum(cpu.values()) * 1000 / args.tasks, 3),
         "cpu_ms_per_traj_by_process": {
             **{name: round(cpu[pid] * 1000 / args.tasks, 3) for pid, name in names.items()},
-            "postgres_and_redis": round(sum(v for pid, v in cpu.items() if pid not in names) * 1000 / args.tasks, 3),
+            "redis": round(sum(v for pid, v in cpu.items() if pid in redis_pids) * 1000 / args.tasks, 3),
+            "postgres": round(sum(v for pid, v in cpu.items() if pid not in names and pid not in redis_pids)
+                              * 1000 / args.tasks, 3),
         },
         "cpu_count": os.cpu_count(),
         "latency_phases_ms": phases,
+        **steady,
     }
 
 
@@ -382,12 +390,40 @@ SELECT
   percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM e.finished_at - e.started_at)) AS episode,
   percentile_cont(0.5) WITHIN GROUP (ORDER BY (tr.info->>'gen_s')::float) AS generate,
   percentile_cont(0.5) WITHIN GROUP (ORDER BY (tr.info->>'env_s')::float) AS env_calls,
-  percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM t.finished_at - e.finished_at)) AS stored_after
+  percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM t.finished_at - e.finished_at)) AS stored_after,
+  avg(extract(epoch FROM e.started_at - t.dispatched_at)) AS queued_mean,
+  avg(extract(epoch FROM e.finished_at - e.started_at)) AS episode_mean,
+  avg(extract(epoch FROM t.finished_at - e.finished_at)) AS stored_after_mean,
+  percentile_cont(0.99) WITHIN GROUP (ORDER BY extract(epoch FROM e.started_at - t.dispatched_at)) AS queued_p99,
+  percentile_cont(0.99) WITHIN GROUP (ORDER BY extract(epoch FROM e.finished_at - e.started_at)) AS episode_p99,
+  percentile_cont(0.99) WITHIN GROUP (ORDER BY extract(epoch FROM t.finished_at - e.finished_at)) AS stored_after_p99,
+  max(extract(epoch FROM t.finished_at - t.dispatched_at)) AS slot_max
 FROM rollout_tasks t
 JOIN episodes e USING (run_id, task_id, sample_idx, attempt)
 JOIN trajectories tr ON tr.episode_id = e.id
 WHERE t.run_id = :r
 """)
+
+
+def steady_rate(engine, run_id: str) -> dict:
+    """Trajectories stored per second between the 10th and 90th percentile of finish times: the rate once the
+    workers have loaded the run (tokenizer, engine) and before the last slots drain; and the mean number of
+    ledger slots in flight (dispatched, not finished) over that window, of max_in_flight."""
+    with engine.connect() as c:
+        t = [float(r[0]) for r in c.execute(text(
+            "SELECT extract(epoch FROM finished_at) FROM rollout_tasks WHERE run_id = :r AND finished_at IS NOT NULL "
+            "ORDER BY finished_at"), {"r": run_id})]
+        lo, hi = t[len(t) // 10], t[len(t) * 9 // 10]
+        busy = c.execute(text(
+            "SELECT sum(extract(epoch FROM least(finished_at, to_timestamp(:hi)) - greatest(dispatched_at, "
+            "to_timestamp(:lo)))) FROM rollout_tasks WHERE run_id = :r AND finished_at > to_timestamp(:lo) "
+            "AND dispatched_at < to_timestamp(:hi)"), {"r": run_id, "lo": lo, "hi": hi}).scalar()
+        first = float(c.execute(text(
+            "SELECT extract(epoch FROM min(dispatched_at)) FROM rollout_tasks WHERE run_id = :r"), {"r": run_id}).scalar())
+    span = max(hi - lo, 1e-9)
+    return {"steady_traj_per_s": round((len(t) * 8 // 10) / span, 1),
+            "steady_mean_in_flight": round(float(busy or 0) / span, 1),
+            "ramp_up_s": round(lo - first, 3), "ramp_down_s": round(t[-1] - hi, 3)}
 
 
 def latency_phases(engine, run_id: str) -> dict:

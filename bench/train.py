@@ -67,10 +67,10 @@ def bench_weight_sync_workers(work: Path, redis_url: str, database_url: str, wor
 
     from bench.demo import demo_config
     from infra.local_stack import LocalStack
-    from services.trainer.publisher import WeightPublisher, _fsync_all
+    from services.trainer.publisher import WeightPublisher
     from shared.messages import RolloutTask, encode
     from shared.streams import ROLLOUT_TASKS
-    from shared.weights import sha256_file
+    from shared.weights import fsync_tree, sha256_file
 
     model_dir = build_model(work / "model", hidden=1024, layers=6)
     run_id = str(uuid.uuid4())
@@ -104,7 +104,7 @@ def bench_weight_sync_workers(work: Path, redis_url: str, database_url: str, wor
                 if f.is_file():
                     shutil.copyfile(f, staging / f.name)
             files = {f.name: sha256_file(f) for f in staging.iterdir()}
-            _fsync_all(staging, list(files))
+            fsync_tree(staging)
             start = time.time()
             publisher.post_publish(run_id, version, staging, files, {"reward_mean": 0.0})
             publish.append(time.time() - start)

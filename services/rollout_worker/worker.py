@@ -45,6 +45,9 @@ class RolloutWorker:
         self.weights_cursor = "$"
 
     async def start(self) -> None:
+        # transformers takes seconds to import: pay it before the heartbeat says we serve, not in the first
+        # trajectories of every run (it was most of bench-rollout's ramp-up).
+        await asyncio.to_thread(_preload_transformers)
         await self.consumer.start()
         await self.envs.start()
         self.weights_cursor = await self._stream_end(WEIGHTS)
@@ -151,3 +154,9 @@ class RolloutWorker:
     async def close(self) -> None:
         await self.runs.close()
 
+
+def _preload_transformers() -> None:
+    try:
+        from transformers import AutoTokenizer  # noqa: F401
+    except ImportError:  # the engine reports it, with the extra to install, when a run needs it
+        pass
