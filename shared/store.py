@@ -81,6 +81,7 @@ class StoreOutcome:
     duplicates: int = 0  # re-deliveries of results already applied
     late: list[Key] = field(default_factory=list)
     rows: int = 0  # rows inserted across the four trajectory tables
+    ended: list[tuple[Key, str]] = field(default_factory=list)  # ledger rows this write ended, new status
 
 
 def episode_id(key: Key) -> uuid.UUID:
@@ -114,6 +115,7 @@ class TrajectoryStore:
                 insert(cur, table, table_rows)
             _finish_ledger(cur, accepted)
             _record_late(cur, late)
+        outcome.ended = [(r.key, r.status) for r in accepted]
         return outcome
 
 

@@ -156,8 +156,9 @@ class Controller:
 
     async def step(self, d: RunDriver) -> None:
         started = time.perf_counter()
+        stored_here, d.stored_here = d.stored_here, []
         try:
-            tasks = await asyncio.to_thread(self._tx, self._step_sync, d)
+            tasks = await asyncio.to_thread(self._tx, self._step_sync, d, stored_here)
         except SQLAlchemyError as e:  # the transaction rolled back: our in-memory view may be ahead of it
             log.warning("dispatch pass failed, rebuilding from the ledger: %r", e, extra={"run_id": d.run_id})
             self._drop(d.run_id)
@@ -174,9 +175,16 @@ class Controller:
             DISPATCH_LATENCY.observe(time.perf_counter() - started)
         IN_FLIGHT.labels(d.run_id).set(len(d.in_flight))
 
-    def _step_sync(self, conn, d: RunDriver) -> list[RolloutTask]:
-        for task_id, sample_idx, attempt, status in ledger.ended_among(conn, d.run_id, d.in_flight_keys()):
-            self._ended(conn, d, task_id, sample_idx, attempt, status)
+    def _step_sync(self, conn, d: RunDriver, stored_here: list[tuple[str, int, int, str]]) -> list[RolloutTask]:
+        # Results our own store loop committed are applied as they come; the ledger itself (results other
+        # controllers stored, dead-lettered tasks) is read every poll_interval_s. Reading it on every pass
+        # cost a query per pass that grew with the run.
+        for ended in stored_here:
+            self._ended(conn, d, *ended)
+        if time.monotonic() >= d.next_ledger_scan:
+            d.next_ledger_scan = time.monotonic() + self.cfg.poll_interval_s
+            for task_id, sample_idx, attempt, status in ledger.ended_among(conn, d.run_id, d.in_flight_keys()):
+                self._ended(conn, d, task_id, sample_idx, attempt, status)
         if d.status == "pending" and ledger.set_status(conn, d.run_id, "pending", "running"):
             d.status = "running"
         if d.status == "stopping":
@@ -251,6 +259,10 @@ class Controller:
 
     async def _store_batch(self, deliveries: list[Delivery]) -> None:
         out = await asyncio.to_thread(self.store.write, [d.message for d in deliveries])
+        for (run_id, task_id, sample_idx, attempt), status in out.ended:
+            driver = self.drivers.get(run_id)
+            if driver is not None:
+                driver.stored_here.append((task_id, sample_idx, attempt, status))
         STORED.inc(out.stored)
         FAILED.inc(out.failed)
         LATE.inc(len(out.late))

@@ -106,10 +106,13 @@ def ended_among(conn: Connection, run_id: str, keys: list[tuple[str, int, int]])
         return []
     tasks, samples, attempts = (list(c) for c in zip(*keys, strict=True))
     return [tuple(r) for r in conn.execute(text(
-        """SELECT t.task_id, t.sample_idx, t.attempt, t.status FROM rollout_tasks t
-           JOIN unnest(CAST(:t AS text[]), CAST(:s AS int[]), CAST(:a AS int[])) AS k(task_id, sample_idx, attempt)
-             USING (task_id, sample_idx, attempt)
-           WHERE t.run_id = :r AND t.status <> 'dispatched'"""
+        # LATERAL: one primary-key probe per key. A plain join let the planner hash every ended row of the run,
+        # a cost that grew with the run on every pass.
+        """SELECT t.task_id, t.sample_idx, t.attempt, t.status
+           FROM unnest(CAST(:t AS text[]), CAST(:s AS int[]), CAST(:a AS int[])) AS k(task_id, sample_idx, attempt)
+           JOIN LATERAL (SELECT * FROM rollout_tasks r WHERE r.run_id = :r AND r.task_id = k.task_id
+                         AND r.sample_idx = k.sample_idx AND r.attempt = k.attempt) t ON true
+           WHERE t.status <> 'dispatched'"""
     ), {"r": run_id, "t": tasks, "s": samples, "a": attempts}).all()]
 
 

@@ -39,6 +39,8 @@ class RunDriver:
         self.dropped_groups = 0  # groups consumed without a step (trainer drops, final failures): refilled
         self.stopping_since: float | None = None
         self.stale = False  # the ledger has rows this driver did not put there: rebuild
+        self.stored_here: list[tuple[str, int, int, str]] = []  # ended by our own store loop, not yet applied
+        self.next_ledger_scan = 0.0  # monotonic time of the next read of ended ledger rows
 
     # -- ledger -> state ----------------------------------------------------------------------------------------
     def rebuild(self, rows: list[LedgerRow]) -> None:
