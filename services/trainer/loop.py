@@ -11,8 +11,9 @@ A crash before 2 re-trains the same entries from the previous checkpoint; betwee
 replayed from STEP.json at start-up; after 3 the entries are recognised as used and acknowledged unused.
 
 A group that will not be trained on (older than max_staleness, all rewards equal under dynamic sampling, or
-missing a slot the controller gave up on: `final_failure`) is recorded in `train_samples` with that reason at
-once, then acknowledged; the controller counts such groups and dispatches replacements.
+missing a slot the controller gave up on: `final_failure`, or with a stored result that has nothing to train
+on, itself recorded as `excluded`) is recorded in `train_samples` with that reason at once, then
+acknowledged; the controller counts such groups and dispatches replacements.
 
 Several trainers may share the "train" group, each training the runs whose Redis lease it holds. Entries a
 trainer held when it died stay pending under its name, so whenever this process opens a run (at start-up or
@@ -68,6 +69,14 @@ class RunState:
     held: dict[SampleKey, Delivery] = field(default_factory=dict)
     dropped: dict[str, int] = field(default_factory=dict)  # samples dropped since the last step, by reason
     counts: dict[str, int] = field(default_factory=dict)
+    # (task_id, epoch) of groups with a stored result that is never trained on (an empty trajectory, say): the
+    # controller does not retry a completed result, so the group cannot complete and is dropped (refilled).
+    unusable: set[tuple[str, int]] = field(default_factory=set)
+
+    def group_of(self, task_id: str, sample_idx: int) -> tuple[str, int]:
+        """A train plan has a task once per epoch and sample_idx = epoch * slots_per_task + s (plan.py)."""
+        slots = self.config.samples_per_task + int(self.config.algorithm.adv_estimator == "remax")
+        return task_id, sample_idx // slots
 
     def count(self, what: str, n: int = 1) -> None:
         self.counts[what] = self.counts.get(what, 0) + n
@@ -182,8 +191,10 @@ class Trainer:
         version = self._recover(row, engine, ckpts)
         tokenizer = engine.model_config.tokenizer
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-        return RunState(row.id, config, version, Learner(engine, config.algorithm, pad_id), engine, ckpts,
-                        GroupBuffer(config.samples_per_task, need_greedy=config.algorithm.adv_estimator == "remax"))
+        run = RunState(row.id, config, version, Learner(engine, config.algorithm, pad_id), engine, ckpts,
+                       GroupBuffer(config.samples_per_task, need_greedy=config.algorithm.adv_estimator == "remax"))
+        run.unusable = {run.group_of(t, i) for t, i in db.excluded_samples(self.db, row.id)}
+        return run
 
     def _recover(self, row: db.RunRow, engine, ckpts: CheckpointDir) -> int:
         latest = ckpts.latest()
@@ -245,17 +256,33 @@ class Trainer:
         """Apply the acceptance rule; hold what will be trained on, acknowledge the rest now."""
         keys = [(d.message.task_id, d.message.sample_idx, d.message.attempt) for d in deliveries]
         used, late = await asyncio.to_thread(db.screen, self.db, run.run_id, keys)
-        ack_now = []
+        ack_now, unusable = [], []
         for d, key in zip(deliveries, keys, strict=True):
             outcome = self._classify(run, d, key, used, late)
             if outcome == "held":
                 run.held[(run.run_id, key[0], key[1])] = d
                 for sample in batching.samples_from_result(d.message):
                     run.buffer.add(sample)
+            elif outcome == "excluded" and d.message.status == "completed":
+                unusable.append(d)  # final: recorded below, and its group is dropped
             elif outcome != "already_held":
                 ack_now.append(d)
             run.count(outcome)
+        if unusable:  # recorded before the ack: a re-delivery after a crash is then a duplicate
+            records = [SampleRecord(task_id=d.message.task_id, sample_idx=d.message.sample_idx,
+                                    attempt=d.message.attempt, status="excluded",
+                                    generated_version=d.message.policy_versions[0]) for d in unusable]
+            await asyncio.to_thread(db.record_dropped, self.db, run.run_id, run.version, records)
+            run.unusable |= {run.group_of(d.message.task_id, d.message.sample_idx) for d in unusable}
+            ack_now += unusable
         await self.consumer.ack(ack_now)
+        await self.drop_unusable(run)
+
+    async def drop_unusable(self, run: RunState) -> None:
+        groups = [g for g in run.buffer.groups.values()
+                  if run.group_of(*next(iter(g.all_samples())).key[1:]) in run.unusable]
+        if groups:
+            await self.drop(run, "incomplete", groups)
 
     @staticmethod
     def _classify(run: RunState, d: Delivery, key, used: set, late: set) -> str:

@@ -93,6 +93,13 @@ def record_dropped(db: Engine, run_id: str, version: int, samples: list[SampleRe
             ]).on_conflict_do_nothing())
 
 
+def excluded_samples(db: Engine, run_id: str) -> list[tuple[str, int]]:
+    """(task_id, sample_idx) of stored results the trainer recorded as never trainable (status excluded)."""
+    with db.connect() as c:
+        return [tuple(r) for r in c.execute(select(TrainSample.task_id, TrainSample.sample_idx).where(
+            TrainSample.run_id == uuid.UUID(run_id), TrainSample.status == "excluded")).all()]
+
+
 def final_failures(db: Engine, run_id: str) -> set[tuple[str, int]]:
     """(task_id, batch_idx) of every group with a slot the controller gave up on (a `final_failure` event)."""
     with db.connect() as c:

@@ -20,7 +20,7 @@ class SampleRecord(BaseModel):
     task_id: str
     sample_idx: int
     attempt: int
-    status: str  # used | baseline | stale | filtered | incomplete
+    status: str  # used | baseline | stale | filtered | incomplete | excluded
     generated_version: int | None = None
 
 

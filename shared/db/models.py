@@ -282,8 +282,9 @@ class Job(Base):
 
 class TrainSample(Base):
     """What the trainer consumed: each accepted (run, task, sample) once, with the policy version whose step
-    used it (`status="used"`) or why it was not trained on (stale, filtered, excluded). The primary key is the
-    acceptance rule's identity, so no sample can be trained on twice, even across trainer restarts."""
+    used it (`status="used"`, `baseline` for ReMax's greedy sample) or why it was not trained on (stale,
+    filtered, incomplete, excluded). The primary key is the acceptance rule's identity, so no sample can be
+    trained on twice, even across trainer restarts."""
 
     __tablename__ = "train_samples"
 
@@ -292,7 +293,7 @@ class TrainSample(Base):
     sample_idx: Mapped[int] = mapped_column(Integer, primary_key=True)
     attempt: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
     version: Mapped[int] = mapped_column(Integer, nullable=False)  # the policy version the step produced
-    status: Mapped[str] = mapped_column(String(16), nullable=False)  # used | stale | filtered | excluded
+    status: Mapped[str] = mapped_column(String(16), nullable=False)  # used | baseline | stale | filtered | incomplete | excluded
     generated_version: Mapped[int | None] = mapped_column(Integer)  # oldest policy version in the sample
     created_at: Mapped[datetime] = _now()
 

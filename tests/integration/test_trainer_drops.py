@@ -19,6 +19,7 @@ from shared.db.session import make_engine
 from shared.messages import EpisodeResult, TrajectoryRecord, encode
 from shared.run_config import RunConfig
 from shared.streams import GROUP_TRAIN, TRAJECTORIES, trainer_lease_key
+from shared.types import TerminationReason
 
 
 @pytest.fixture
@@ -159,3 +160,42 @@ async def test_a_run_opened_later_claims_the_entries_a_dead_trainer_left_pending
     finally:
         stop.set()
         await serving
+
+
+async def test_a_stored_result_never_trained_on_drops_its_group_even_after_a_restart(trainer):
+    """A completed result with nothing to train on (the prompt was too long, no token generated) is final: the
+    controller does not retry it, so its group can never complete. It is recorded as excluded, its group's
+    other samples (before or after it) are dropped as incomplete, and the controller counts the group."""
+    run = _add_run(trainer, version=0)
+    r = run.run_id
+    empty = _result(r, "long", 1, 0.0, 0, 0).model_copy(update={
+        "termination_reason": TerminationReason.PROMPT_TRUNCATION,
+        "trajectories": [TrajectoryRecord(uid="x", reward=0.0, termination_reason="prompt_truncation")]})
+    failed = _result(r, "retry", 0, 0.0, 0, 0).model_copy(update={"status": "failed", "trajectories": []})
+    for msg in (_result(r, "long", 0, 1.0, 0, 0), empty, failed):
+        await trainer.redis.xadd(TRAJECTORIES, encode(msg))
+    await trainer.route(await trainer.consumer.read())
+    assert _recorded(trainer, r) == {("long", 1): "excluded", ("long", 0): "incomplete"}
+    assert not run.buffer.groups and await _pending(trainer) == 0  # all acknowledged
+    assert run.dropped == {"incomplete": 1}
+
+    # epoch 1 of the same task is another group: not affected. A failed attempt is retried by the controller,
+    # so it is not recorded (its retry must not be a duplicate).
+    await trainer.redis.xadd(TRAJECTORIES, encode(_result(r, "long", 2, 1.0, 0, 1)))
+    await trainer.route(await trainer.consumer.read())
+    assert ("long", 2) not in _recorded(trainer, r) and ("retry", 0) not in _recorded(trainer, r)
+    assert {k[0] for k in run.buffer.groups} == {"long"}
+
+    # a restarted trainer knows the excluded groups from the database: a late sample of one is dropped at once
+    late = _result(r, "gone", 0, 1.0, 0, 0)
+    with trainer.db.begin() as c:
+        c.execute(text("INSERT INTO train_samples (run_id, task_id, sample_idx, attempt, status, version) "
+                       "VALUES (:r, 'gone', 1, 0, 'excluded', 0)"), {"r": r})
+    from services.trainer import runs as db
+    run.unusable = {run.group_of(t, i) for t, i in db.excluded_samples(trainer.db, r)}
+    assert run.group_of("gone", 1) in run.unusable
+    await trainer.redis.xadd(TRAJECTORIES, encode(late))
+    await trainer.route(await trainer.consumer.read())
+    assert _recorded(trainer, r)[("gone", 0)] == "incomplete"
+    with trainer.db.begin() as c:  # long (epoch 0) and gone
+        assert ledger.dropped_groups(c, r, 2, set()) == 2
