@@ -11,6 +11,7 @@ goes unnoticed); `/healthz` reports 503 once the service is stopping or a check 
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import signal
@@ -131,6 +132,9 @@ class ServiceRuntime:
         self, loops: list[Coroutine[Any, Any, Any]], on_stop: Callable[[], Awaitable[None]] | None = None
     ) -> int:
         """Run the service's loops until a signal or a loop failure; returns the process exit code."""
+        # What start-up imported and built (transformers alone: millions of objects) stays out of the cyclic
+        # collector's full passes, which otherwise stalled the event loop ~0.2 s each under load.
+        gc.freeze()
         self._install_signals()
         UP.labels(self.service).set(1)
         tasks = [asyncio.create_task(c) for c in loops]
