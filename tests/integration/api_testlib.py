@@ -27,6 +27,7 @@ from shared.db.models import (
     RunEvent,
     StepRow,
     TokenArrayRow,
+    TrainSample,
     TrajectoryRow,
 )
 
@@ -158,6 +159,10 @@ def _seed_version(s: Session, run_id: uuid.UUID, v: int, num_tasks: int, samples
             s.flush()
             s.add(RolloutTaskRow(run_id=run_id, task_id=f"task-{t}", sample_idx=k + v * samples, attempt=0,
                                  status="completed", batch_idx=v, dispatch_version=v))
+            # what the trainer consumed: trained on at the next version, task-0's first group filtered out
+            s.add(TrainSample(run_id=run_id, task_id=f"task-{t}", sample_idx=k + v * samples, attempt=0,
+                              status="filtered" if (t, v) == (0, 0) else "used", version=v + 1,
+                              generated_version=v))
             _seed_trajectory(s, run_id, ep, reason, correct, v)
 
 
