@@ -194,22 +194,25 @@ def run_inprocess(model_dir: Path, steps: int = 12, tasks: int = 8, n: int = 8, 
 
 
 # -- the full stack ------------------------------------------------------------------------------------------
-def demo_config(model_dir: Path, steps: int, tasks: int, n: int, lr: float, max_staleness: int) -> dict:
+def demo_config(model_dir: Path, steps: int, tasks: int, n: int, lr: float, max_staleness: int,
+                stale_policy: str = "drop") -> dict:
     return {
         "name": "digit-demo", "kind": "train", "model": str(model_dir), "dataset": "digits",
         "agent": {"name": "bench.demo:DigitAgent"}, "env": {"name": "bench.demo:DigitEnv"},
         "engine": {"type": "hf", "max_batch_size": tasks * n}, "sampling": {"temperature": 1.0},
         "algorithm": {"adv_estimator": "grpo", "lr": lr, "grad_clip": 1.0},
         "samples_per_task": n, "tasks_per_batch": tasks, "max_prompt_tokens": 64, "max_response_tokens": 1,
-        # Reload lag can leave a few samples one version past the bound; down-weight rather than drop them so
-        # the last batches are never starved (the controller does not re-dispatch dropped groups).
-        "max_staleness": max_staleness, "stale_policy": "downweight", "total_steps": steps, "max_in_flight": 4 * tasks * n,
+        # Reload lag leaves a few samples one version past the bound: dropped (the default; the controller
+        # dispatches replacement groups) or, with --stale-policy downweight, trained on with less weight.
+        "max_staleness": max_staleness, "stale_policy": stale_policy, "total_steps": steps,
+        "max_in_flight": 4 * tasks * n,
         "trajectory_timeout_s": 60, "env_step_timeout_s": 10,
     }
 
 
 def run_stack(data_dir: Path, *, steps: int = 20, tasks: int = 8, n: int = 8, lr: float = 1e-2,
-              max_staleness: int = 1, timeout_s: float = 600.0, env: dict | None = None, log=print) -> dict:
+              max_staleness: int = 1, stale_policy: str = "drop", timeout_s: float = 600.0, env: dict | None = None,
+              log=print) -> dict:
     """Start every service (embedded Redis/Postgres unless REDIS_URL/DATABASE_URL are set), create a training
     run through the REST API, print reward per policy version until `steps` versions are trained."""
     import secrets
@@ -232,7 +235,7 @@ def run_stack(data_dir: Path, *, steps: int = 20, tasks: int = 8, n: int = 8, lr
         rows = "\n".join(json.dumps({"task_id": f"d{i}", "question": PROMPT}) for i in range(steps * tasks))
         api.post("/v1/datasets", data={"name": "digits"},
                  files={"file": ("digits.jsonl", rows.encode())}).raise_for_status()
-        run = api.post("/v1/runs", json=demo_config(model_dir, steps, tasks, n, lr, max_staleness))
+        run = api.post("/v1/runs", json=demo_config(model_dir, steps, tasks, n, lr, max_staleness, stale_policy))
         run.raise_for_status()
         run_id = run.json()["id"]
         log(f"run {run_id}: {steps} versions of {tasks} tasks x {n} samples, max_staleness {max_staleness}")
@@ -280,6 +283,8 @@ def main() -> None:
     parser.add_argument("--inprocess", action="store_true", help="no services: sampler and trainer in-process")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--max-staleness", type=int, default=1)
+    parser.add_argument("--stale-policy", choices=("drop", "downweight"), default="drop",
+                        help="samples older than max_staleness versions: dropped (and replaced) or down-weighted")
     parser.add_argument("--out", type=Path, default=Path("bench/results/demo.json"))
     parser.add_argument("--data-dir", type=Path, default=None,
                         help="where the stack keeps its data and logs (default: a new .data/demo-* folder, kept)")
@@ -290,7 +295,8 @@ def main() -> None:
         rewards = run_inprocess(build_tiny_model(data_dir / "model"), steps=args.steps, lr=1e-2)
         result = {"initial_reward": rewards[0], "final_reward": rewards[-1], "mode": "inprocess"}
     else:
-        result = run_stack(data_dir, steps=args.steps, max_staleness=args.max_staleness)
+        result = run_stack(data_dir, steps=args.steps, max_staleness=args.max_staleness,
+                           stale_policy=args.stale_policy)
         print(f"service logs: {data_dir / 'logs'}")
     write_result(args.out, result)
     print(json.dumps(result, indent=1))
