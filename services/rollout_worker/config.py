@@ -23,6 +23,8 @@ class RolloutWorkerConfig(ServiceSettings):
                                    "the rest stay unacknowledged and are reclaimed by other workers, seconds")
     hf_batch_wait_ms: float = Field(5.0, ge=0, description="hf engine: how long requests gather into one "
                                     "batch, milliseconds")
+    run_idle_s: float = Field(600.0, gt=0, description="a run with no task on this worker for this long has its "
+                              "engine, model and tokenizer released (built again if its tasks return), seconds")
     checkpoint_cache_dir: Path | None = Field(
         None, description="CHECKPOINT_CACHE_DIR: where checkpoints fetched over HTTP are kept (not used when the "
         "weight server's volume is mounted: those are read in place); default DATA_DIR/rollout-weights")

@@ -4,6 +4,7 @@ and hot reload of the run's weights (newest checkpoint in Postgres at first use,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from dataclasses import dataclass
@@ -41,6 +42,18 @@ class RunContext:
     agent_cls: Any
     workflow_cls: Any | None
     reload_lock: asyncio.Lock
+    running: int = 0  # tasks of this run in progress on this worker
+    last_used: float = 0.0  # monotonic time a task of this run last started or ended here
+
+    @contextlib.contextmanager
+    def in_use(self):
+        """Around one task of this run: the context is not evicted while any task runs."""
+        self.running += 1
+        try:
+            yield self
+        finally:
+            self.running -= 1
+            self.last_used = time.monotonic()
 
     def sampling(self, greedy: bool) -> SamplingParams:
         s = self.config.sampling
@@ -59,14 +72,35 @@ class RunRegistry:
         self._locks: dict[str, asyncio.Lock] = {}
 
     async def get(self, run_id: str) -> RunContext:
-        if run_id in self.contexts:
-            return self.contexts[run_id]
-        async with self._locks.setdefault(run_id, asyncio.Lock()):
-            if run_id not in self.contexts:
-                ctx = await self.build(run_id)
-                await self.load_newest(ctx)
-                self.contexts[run_id] = ctx
-        return self.contexts[run_id]
+        if run_id not in self.contexts:
+            async with self._locks.setdefault(run_id, asyncio.Lock()):
+                if run_id not in self.contexts:
+                    ctx = await self.build(run_id)
+                    await self.load_newest(ctx)
+                    self.contexts[run_id] = ctx
+        ctx = self.contexts[run_id]
+        ctx.last_used = time.monotonic()
+        return ctx
+
+    async def evict_idle(self, idle_s: float) -> list[str]:
+        """Release the engines of runs with no task here for `idle_s` (a long-lived worker serves many runs in
+        turn; each context can hold a model). A task of such a run that comes back builds it again, loading the
+        newest checkpoint."""
+        now = time.monotonic()
+        idle = [c for c in self.contexts.values()
+                if c.running == 0 and now - c.last_used > idle_s and not c.reload_lock.locked()]
+        for ctx in idle:
+            del self.contexts[ctx.run_id]
+            self._locks.pop(ctx.run_id, None)
+            with contextlib.suppress(KeyError):  # never labelled if it failed before serving
+                WEIGHT_VERSION.remove(ctx.run_id)
+            try:
+                await ctx.engine.close()
+            except Exception:
+                log.warning("closing the engine of run %s failed", ctx.run_id, exc_info=True)
+            log.info("released run %s after %.0fs without tasks", ctx.run_id, now - ctx.last_used,
+                     extra={"run_id": ctx.run_id})
+        return [c.run_id for c in idle]
 
     async def build(self, run_id: str) -> RunContext:
         config = await asyncio.to_thread(self.load_config, run_id)

@@ -53,7 +53,13 @@ class RolloutWorker:
         self.weights_cursor = await self._stream_end(WEIGHTS)
 
     def loops(self, stop: asyncio.Event) -> list:
-        return [self.task_loop(stop), self.keepalive_loop(stop), self.envs.reader(stop), self.weights_loop(stop)]
+        return [self.task_loop(stop), self.keepalive_loop(stop), self.envs.reader(stop), self.weights_loop(stop),
+                self.evict_loop(stop)]
+
+    async def evict_loop(self, stop: asyncio.Event) -> None:
+        while not await sleep_or_stop(stop, min(60.0, self.cfg.run_idle_s / 4)):
+            await self.runs.evict_idle(self.cfg.run_idle_s)
+            self.status["runs"] = len(self.runs.contexts)
 
     # -- tasks -----------------------------------------------------------------------------------------------
     async def task_loop(self, stop: asyncio.Event) -> None:
@@ -93,7 +99,8 @@ class RolloutWorker:
             log.exception("cannot serve run %s", task.run_id, extra={"run_id": task.run_id})
             result = failed(task, f"rollout worker cannot serve the run: {e}")
         else:
-            result = await run_episode(ctx, self.envs, task, self.worker_id, self.cfg.error_retries)
+            with ctx.in_use():
+                result = await run_episode(ctx, self.envs, task, self.worker_id, self.cfg.error_retries)
             result.worker_id = self.worker_id
         await self.publish(result)
         await self.consumer.ack([delivery])  # only after the result is in `trajectories`
