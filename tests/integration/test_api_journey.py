@@ -17,13 +17,11 @@ import threading
 import time
 
 import pytest
-import redis
 from api_testlib import REPO, run_config, service_env, start_api, stop, wait_for
+from fixtures.fake_rollouts import serve_rollout_tasks
 
-from shared.messages.codec import decode, encode
 from shared.messages.rollout import RolloutTask
 from shared.messages.trajectory import EpisodeResult, StepRecord, TrajectoryRecord
-from shared.streams import GROUP_ROLLOUT, ROLLOUT_TASKS, TRAJECTORIES
 
 pytest.importorskip("services.controller.main")
 
@@ -37,22 +35,6 @@ def stack(database_url, redis_url, tmp_path_factory):
     yield api
     stop(controller)
     stop(api.proc)
-
-
-def fake_rollout_worker(redis_url: str, stop_event: threading.Event, only_run: str) -> None:
-    """Answer every task of `only_run`: correct when the sample index is even."""
-    r = redis.Redis.from_url(redis_url)
-    try:
-        r.xgroup_create(ROLLOUT_TASKS, GROUP_ROLLOUT, id="0", mkstream=True)
-    except redis.ResponseError:
-        pass
-    while not stop_event.is_set():
-        for _, entries in r.xreadgroup(GROUP_ROLLOUT, "fake-worker", {ROLLOUT_TASKS: ">"}, count=50, block=200) or []:
-            for entry_id, fields in entries:
-                task = decode(fields, RolloutTask)
-                if task.run_id == only_run:
-                    r.xadd(TRAJECTORIES, encode(answer(task)))
-                r.xack(ROLLOUT_TASKS, GROUP_ROLLOUT, entry_id)
 
 
 def answer(task: RolloutTask) -> EpisodeResult:
@@ -85,7 +67,8 @@ def test_user_journey(stack, redis_url):
         assert r.status_code == 201, r.text
         eval_id = r.json()["id"]
         stop_worker = threading.Event()
-        worker = threading.Thread(target=fake_rollout_worker, args=(redis_url, stop_worker, eval_id), daemon=True)
+        worker = threading.Thread(target=serve_rollout_tasks, daemon=True, args=(
+            redis_url, stop_worker, lambda t: answer(t) if t.run_id == eval_id else None))
         worker.start()
         try:
             run = wait_for(lambda: (x := api.get(f"/v1/runs/{eval_id}").json())["status"] in

@@ -15,13 +15,14 @@ from pathlib import Path
 
 import pytest
 import redis
+from fixtures.fake_rollouts import serve_rollout_tasks
 from sqlalchemy import create_engine, text
 from trainer_testlib import REPO, WeightServer
 
 from bench.demo import build_tiny_model
 from shared.messages import EpisodeResult, RolloutTask, TrajectoryRecord, decode, encode
 from shared.run_config import RunConfig
-from shared.streams import GROUP_ROLLOUT, GROUP_TRAIN, ROLLOUT_TASKS, TRAJECTORIES, WEIGHTS, trainer_lease_key
+from shared.streams import GROUP_TRAIN, ROLLOUT_TASKS, TRAJECTORIES, WEIGHTS, trainer_lease_key
 from shared.types import TerminationReason
 
 TASKS, N = 2, 4  # groups per batch, samples per group
@@ -252,32 +253,18 @@ def _start_controller(redis_url: str, database_url: str, tmp_path: Path) -> subp
                             stdout=open(tmp_path / "controller.log", "w"), stderr=subprocess.STDOUT)
 
 
-def _fake_rollouts(redis_url: str, stop: threading.Event, answer) -> None:
-    """Plays the rollout worker: answers each rollout task with `answer(task)` -> reward, or None: the attempt
-    failed (infrastructure error)."""
-    client = redis.Redis.from_url(redis_url)
-    try:
-        client.xgroup_create(ROLLOUT_TASKS, GROUP_ROLLOUT, id="0", mkstream=True)
-    except redis.ResponseError:
-        pass
-    while not stop.is_set():
-        for _, entries in client.xreadgroup(GROUP_ROLLOUT, "fake", {ROLLOUT_TASKS: ">"}, count=100, block=100):
-            for entry_id, fields in entries:
-                t = decode(fields, RolloutTask)
-                reward = answer(t)
-                if reward is None:
-                    msg = EpisodeResult(run_id=t.run_id, task_id=t.task_id, sample_idx=t.sample_idx,
-                                        attempt=t.attempt, status="failed", termination_reason="infra_error",
-                                        error="env session lost", batch_idx=t.batch_idx, task=t.task)
-                else:
-                    traj = TrajectoryRecord(uid=uuid.uuid4().hex, reward=reward, termination_reason="env_done",
-                                            prompt_ids=[62, 32, 12], response_ids=[random.randrange(2, 64)],
-                                            loss_mask=[1], logprobs=[-4.1], versions=[t.dispatch_version])
-                    msg = EpisodeResult(run_id=t.run_id, task_id=t.task_id, sample_idx=t.sample_idx,
-                                        attempt=t.attempt, status="completed", termination_reason="env_done",
-                                        reward=reward, trajectories=[traj], batch_idx=t.batch_idx, task=t.task)
-                client.xadd(TRAJECTORIES, encode(msg))
-                client.xack(ROLLOUT_TASKS, GROUP_ROLLOUT, entry_id)
+def _episode(t: RolloutTask, reward: float | None) -> EpisodeResult:
+    """The rollout worker's answer to `t`: one trajectory with `reward`, or None: the attempt failed (infra)."""
+    if reward is None:
+        return EpisodeResult(run_id=t.run_id, task_id=t.task_id, sample_idx=t.sample_idx, attempt=t.attempt,
+                             status="failed", termination_reason="infra_error", error="env session lost",
+                             batch_idx=t.batch_idx, task=t.task)
+    traj = TrajectoryRecord(uid=uuid.uuid4().hex, reward=reward, termination_reason="env_done",
+                            prompt_ids=[62, 32, 12], response_ids=[random.randrange(2, 64)], loss_mask=[1],
+                            logprobs=[-4.1], versions=[t.dispatch_version])
+    return EpisodeResult(run_id=t.run_id, task_id=t.task_id, sample_idx=t.sample_idx, attempt=t.attempt,
+                         status="completed", termination_reason="env_done", reward=reward, trajectories=[traj],
+                         batch_idx=t.batch_idx, task=t.task)
 
 
 def test_dropped_and_incomplete_groups_are_refilled_until_total_steps(stack, redis_url, database_url, model_dir,
@@ -307,7 +294,8 @@ def test_dropped_and_incomplete_groups_are_refilled_until_total_steps(stack, red
         return 1.0 if t.task_id == "t0" else float(t.sample_idx % 2)
 
     stop = threading.Event()
-    worker = threading.Thread(target=_fake_rollouts, args=(redis_url, stop, answer), daemon=True)
+    worker = threading.Thread(target=serve_rollout_tasks, args=(redis_url, stop, lambda t: _episode(t, answer(t))),
+                              daemon=True)
     worker.start()
     ctl = _start_controller(redis_url, database_url, tmp_path)
     proc = _start_trainer(redis_url, database_url, stack, tmp_path)
