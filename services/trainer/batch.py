@@ -17,7 +17,7 @@ from shared.messages import EpisodeResult
 from shared.types import TerminationReason
 
 SampleKey = tuple[str, str, int]  # (run_id, task_id, sample_idx): the acceptance rule's identity
-GroupKey = tuple[str, int, str]  # (task_id, batch_idx, trajectory name)
+GroupKey = tuple[str, int]  # (task_id, batch_idx): every episode of one task in one batch
 
 
 @dataclass
@@ -33,10 +33,13 @@ class Sample:
     min_version: int
     greedy: bool = False
     weight: float = 1.0  # stale samples may be down-weighted
+    traj_idx: int = 0  # position in its episode: a workflow may produce several trajectories of one name
+    name: str = "agent"  # the trajectory's role (solver, judge, ...)
 
     @property
     def uid(self) -> str:
-        return "/".join(map(str, self.group))
+        """verl's group index: the trajectories of one role across the task's episodes are compared."""
+        return f"{self.group[0]}/{self.group[1]}/{self.name}"
 
 
 def excluded_reason(result: EpisodeResult) -> str | None:
@@ -54,16 +57,17 @@ def samples_from_result(result: EpisodeResult) -> list[Sample]:
     """One sample per trajectory. A user-env ERROR keeps its reward in the group but contributes no loss."""
     masked = result.termination_reason == TerminationReason.ERROR
     out = []
-    for traj in result.trajectories:
+    for traj_idx, traj in enumerate(result.trajectories):
         if not traj.response_ids:
             continue
         mask = [0] * len(traj.response_ids) if masked or traj.mismatch else list(traj.loss_mask)
         logprobs = list(traj.logprobs) or [0.0] * len(traj.response_ids)
         out.append(Sample(
             key=(result.run_id, result.task_id, result.sample_idx), attempt=result.attempt,
-            group=(result.task_id, result.batch_idx, traj.name), prompt_ids=list(traj.prompt_ids),
+            group=(result.task_id, result.batch_idx), prompt_ids=list(traj.prompt_ids),
             response_ids=list(traj.response_ids), loss_mask=mask, logprobs=logprobs, reward=float(traj.reward),
             min_version=_min_version(traj.versions, mask, traj.policy_versions[0]), greedy=result.greedy,
+            traj_idx=traj_idx, name=traj.name,
         ))
     return out
 
@@ -79,18 +83,22 @@ def _min_version(versions: list[int], mask: list[int], fallback: int | None) -> 
 @dataclass
 class Group:
     key: GroupKey
-    samples: dict[int, Sample] = field(default_factory=dict)  # sample_idx -> sample
-    greedy: Sample | None = None
+    # (sample_idx, traj_idx) -> sample: every trajectory of the task's n episodes. Groups are chosen, dropped
+    # and recorded whole (per episode); advantages compare trajectories of one role (`Sample.uid`), so a
+    # solver-judge episode's two "solver" trajectories join the other episodes' solvers.
+    samples: dict[tuple[int, int], Sample] = field(default_factory=dict)
+    greedy: dict[str, Sample] = field(default_factory=dict)  # ReMax's greedy baseline trajectory per role
 
     @property
     def rewards(self) -> list[float]:
         return [s.reward for s in self.samples.values()]
 
     def complete(self, n: int, need_greedy: bool) -> bool:
-        return len(self.samples) >= n and (self.greedy is not None or not need_greedy)
+        episodes = {k[0] for k in self.samples}  # an episode's trajectories arrive together
+        return len(episodes) >= n and (bool(self.greedy) or not need_greedy)
 
     def all_samples(self) -> list[Sample]:
-        return list(self.samples.values()) + ([self.greedy] if self.greedy else [])
+        return list(self.samples.values()) + list(self.greedy.values())
 
 
 class GroupBuffer:
@@ -103,9 +111,9 @@ class GroupBuffer:
     def add(self, sample: Sample) -> None:
         group = self.groups.setdefault(sample.group, Group(sample.group))
         if sample.greedy:
-            group.greedy = group.greedy or sample
+            group.greedy.setdefault(sample.name, sample)
         else:
-            group.samples.setdefault(sample.key[2], sample)
+            group.samples.setdefault((sample.key[2], sample.traj_idx), sample)
 
     def complete_groups(self) -> list[Group]:
         return [g for g in self.groups.values() if g.complete(self.n, self.need_greedy)]
@@ -160,7 +168,7 @@ def build_tensors(groups: list[Group], pad_id: int) -> dict:
     """Left-padded prompts, right-padded responses, masks, outcome rewards on the last trained token,
     behaviour logprobs, the group index (`uid`) and ReMax's greedy baseline reward per row."""
     rows = [s for g in groups for s in g.samples.values()]
-    baselines = [g.greedy.reward if g.greedy else 0.0 for g in groups for _ in g.samples]
+    baselines = [g.greedy[s.name].reward if s.name in g.greedy else 0.0 for g in groups for s in g.samples.values()]
     P = max(len(s.prompt_ids) for s in rows)
     R = max(len(s.response_ids) for s in rows)
     B = len(rows)

@@ -360,8 +360,8 @@ class Trainer:
         for g in groups:
             for s in g.samples.values():
                 out[s.key] = rec(s, dropped or "used")
-            if g.greedy:
-                out[g.greedy.key] = rec(g.greedy, dropped or "baseline")
+            for greedy in g.greedy.values():
+                out[greedy.key] = rec(greedy, dropped or "baseline")
         return list(out.values())
 
     @staticmethod

@@ -145,3 +145,26 @@ def test_dropped_groups_are_recorded_with_their_reason_greedy_included():
     assert sorted((r.sample_idx, r.status) for r in records) == [(0, "filtered"), (1, "filtered"), (2, "filtered")]
     used = Trainer._records(buf.complete_groups())
     assert sorted((r.sample_idx, r.status) for r in used) == [(0, "used"), (1, "used"), (2, "baseline")]
+
+
+def test_every_trajectory_of_a_multi_agent_episode_is_trained_in_its_role_group():
+    """A solver-judge episode carries two "solver" trajectories and one "judge": the task's group holds every
+    trajectory of its n episodes (none silently dropped), is complete once n episodes arrived, and its
+    advantages compare trajectories of one role (verl's uid)."""
+    def episode(sample: int, rewards: tuple[float, float, float]) -> EpisodeResult:
+        trajs = [TrajectoryRecord(uid=f"{sample}-{i}", name=name, reward=r, termination_reason=TR.ENV_DONE,
+                                  prompt_ids=[5, 6], response_ids=[8 + i], loss_mask=[1], logprobs=[-1.0],
+                                  versions=[0])
+                 for i, (name, r) in enumerate(zip(("solver", "solver", "judge"), rewards, strict=True))]
+        msg = EpisodeResult(run_id="r", task_id="a", sample_idx=sample, status="completed",
+                            termination_reason=TR.ENV_DONE, reward=rewards[2], trajectories=trajs)
+        return decode(encode(msg))
+
+    buf = buffer_of([episode(0, (1.0, 0.0, 1.0))], n=2)
+    assert buf.complete_groups() == []  # one episode of two
+    buf = buffer_of([episode(0, (1.0, 0.0, 1.0)), episode(1, (0.0, 0.0, 0.0))], n=2)
+    (group,) = buf.complete_groups()
+    assert len(group.samples) == 6 and sorted(group.rewards) == [0.0, 0.0, 0.0, 0.0, 1.0, 1.0]
+    t = build_tensors([group], pad_id=0)
+    uids = list(t["uid"])
+    assert uids.count("a/0/solver") == 4 and uids.count("a/0/judge") == 2  # a GRPO group of four, one of two
