@@ -135,13 +135,13 @@ async def test_done_step_closes_the_session_and_replyless_close_sends_nothing(en
     req = EnvRequest(request_id=uuid.uuid4().hex, op="close", session_id="d2", run_id="r1", env=env, reply_to="",
                      sent_at=time.time())
     await redis_client.xadd(env_inbox("env-close"), encode(req))
-    for _ in range(100):
-        if log.read_text().split() == ["d1", "d2"]:
+    for _ in range(100):  # the env closes in a thread; the ack follows once the handler returns
+        pending = (await redis_client.xpending(env_inbox("env-close"), "env"))["pending"]
+        if log.read_text().split() == ["d1", "d2"] and pending == 0:
             break
         await asyncio.sleep(0.05)
     assert log.read_text().split() == ["d1", "d2"]
-    pending = await redis_client.xpending(env_inbox("env-close"), "env")
-    assert pending["pending"] == 0  # acknowledged
+    assert pending == 0  # acknowledged
     assert await redis_client.xlen(REPLIES) == replies_before
 
 
