@@ -154,10 +154,10 @@ def select_groups(
     return chosen, dropped
 
 
-def doomed_groups(waiting: list[Group], final_failures: set[tuple[str, int]]) -> list[Group]:
-    """The incomplete groups with a slot out of attempts (`final_failures`: (task_id, batch_idx) of each
-    such slot, greedy baselines included): they can never complete."""
-    return [g for g in waiting if (g.key[0], g.key[1]) in final_failures]
+def doomed_groups(waiting: list[Group], unfinishable: set[GroupKey]) -> list[Group]:
+    """The waiting groups that can never complete (`unfinishable`: keys of groups with a slot out of attempts,
+    greedy baselines included, or a stored result with nothing to train on)."""
+    return [g for g in waiting if g.key in unfinishable]
 
 
 def staleness(samples: list[Sample], version: int) -> list[int]:

@@ -37,7 +37,7 @@ from sqlalchemy import Engine
 
 from services.trainer import batch as batching
 from services.trainer import runs as db
-from services.trainer.batch import Group, GroupBuffer, SampleKey
+from services.trainer.batch import Group, GroupBuffer, GroupKey, SampleKey
 from services.trainer.config import TrainerSettings
 from services.trainer.publisher import WeightPublisher
 from services.trainer.state import CheckpointDir, SampleRecord, StepRecord
@@ -69,14 +69,9 @@ class RunState:
     held: dict[SampleKey, Delivery] = field(default_factory=dict)
     dropped: dict[str, int] = field(default_factory=dict)  # samples dropped since the last step, by reason
     counts: dict[str, int] = field(default_factory=dict)
-    # (task_id, epoch) of groups with a stored result that is never trained on (an empty trajectory, say): the
-    # controller does not retry a completed result, so the group cannot complete and is dropped (refilled).
-    unusable: set[tuple[str, int]] = field(default_factory=set)
-
-    def group_of(self, task_id: str, sample_idx: int) -> tuple[str, int]:
-        """A train plan has a task once per epoch and sample_idx = epoch * slots_per_task + s (plan.py)."""
-        slots = self.config.samples_per_task + int(self.config.algorithm.adv_estimator == "remax")
-        return task_id, sample_idx // slots
+    # Keys of groups that can never complete: a slot out of attempts, or a stored result with nothing to train
+    # on (the controller does not retry a completed result). Their samples are dropped (and refilled).
+    unfinishable: set[GroupKey] = field(default_factory=set)
 
     def count(self, what: str, n: int = 1) -> None:
         self.counts[what] = self.counts.get(what, 0) + n
@@ -111,7 +106,7 @@ class Trainer:
             if time.monotonic() >= next_poll:
                 await self.refresh_runs()
                 for run in list(self.runs.values()):
-                    await self.drop_incomplete(run)
+                    await self.drop_unfinishable(run, refresh=True)
                 next_poll = time.monotonic() + self.settings.runs_poll_s
             while self.claim_due:  # routing claimed entries may open further runs
                 self.claim_due = False
@@ -193,7 +188,7 @@ class Trainer:
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
         run = RunState(row.id, config, version, Learner(engine, config.algorithm, pad_id), engine, ckpts,
                        GroupBuffer(config.samples_per_task, need_greedy=config.algorithm.adv_estimator == "remax"))
-        run.unusable = {run.group_of(t, i) for t, i in db.excluded_samples(self.db, row.id)}
+        run.unfinishable = db.unfinishable_groups(self.db, row.id)
         return run
 
     def _recover(self, row: db.RunRow, engine, ckpts: CheckpointDir) -> int:
@@ -273,16 +268,10 @@ class Trainer:
                                     attempt=d.message.attempt, status="excluded",
                                     generated_version=d.message.policy_versions[0]) for d in unusable]
             await asyncio.to_thread(db.record_dropped, self.db, run.run_id, run.version, records)
-            run.unusable |= {run.group_of(d.message.task_id, d.message.sample_idx) for d in unusable}
+            run.unfinishable |= {(d.message.task_id, d.message.batch_idx) for d in unusable}
             ack_now += unusable
         await self.consumer.ack(ack_now)
-        await self.drop_unusable(run)
-
-    async def drop_unusable(self, run: RunState) -> None:
-        groups = [g for g in run.buffer.groups.values()
-                  if run.group_of(*next(iter(g.all_samples())).key[1:]) in run.unusable]
-        if groups:
-            await self.drop(run, "incomplete", groups)
+        await self.drop_unfinishable(run)
 
     @staticmethod
     def _classify(run: RunState, d: Delivery, key, used: set, late: set) -> str:
@@ -322,12 +311,15 @@ class Trainer:
         run.dropped[reason] = run.dropped.get(reason, 0) + len(records)
         log.info("dropped %d groups (%s)", len(groups), reason, extra={"run_id": run.run_id})
 
-    async def drop_incomplete(self, run: RunState) -> None:
-        """Groups with a slot the controller gave up on (out of attempts) can never complete: drop them."""
+    async def drop_unfinishable(self, run: RunState, refresh: bool = False) -> None:
+        """Drop the waiting groups that can never complete. `refresh`: first learn from Postgres which slots
+        the controller has since given up on (at each runs poll, and only while some group waits)."""
         waiting = run.buffer.incomplete_groups()
         if not waiting:
             return
-        groups = batching.doomed_groups(waiting, await asyncio.to_thread(db.final_failures, self.db, run.run_id))
+        if refresh:
+            run.unfinishable |= await asyncio.to_thread(db.unfinishable_groups, self.db, run.run_id)
+        groups = batching.doomed_groups(waiting, run.unfinishable)
         if groups:
             await self.drop(run, "incomplete", groups)
 

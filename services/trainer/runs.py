@@ -93,21 +93,20 @@ def record_dropped(db: Engine, run_id: str, version: int, samples: list[SampleRe
             ]).on_conflict_do_nothing())
 
 
-def excluded_samples(db: Engine, run_id: str) -> list[tuple[str, int]]:
-    """(task_id, sample_idx) of stored results the trainer recorded as never trainable (status excluded)."""
-    with db.connect() as c:
-        return [tuple(r) for r in c.execute(select(TrainSample.task_id, TrainSample.sample_idx).where(
-            TrainSample.run_id == uuid.UUID(run_id), TrainSample.status == "excluded")).all()]
-
-
-def final_failures(db: Engine, run_id: str) -> set[tuple[str, int]]:
-    """(task_id, batch_idx) of every group with a slot the controller gave up on (a `final_failure` event)."""
+def unfinishable_groups(db: Engine, run_id: str) -> set[tuple[str, int]]:
+    """(task_id, batch_idx) of every group that can never complete: one with a slot the controller gave up on
+    (a `final_failure` event) or a stored result the trainer recorded as having nothing to train on
+    (`excluded`, never retried)."""
     with db.connect() as c:
         rows = c.execute(text(
-            """SELECT DISTINCT t.task_id, t.batch_idx FROM run_events e
+            """SELECT t.task_id, t.batch_idx FROM run_events e
                JOIN rollout_tasks t ON t.run_id = e.run_id AND t.task_id = e.data->>'task_id'
                                    AND t.sample_idx = CAST(e.data->>'sample_idx' AS int)
-               WHERE e.run_id = :r AND e.kind = 'final_failure'"""
+               WHERE e.run_id = :r AND e.kind = 'final_failure'
+               UNION
+               SELECT t.task_id, t.batch_idx FROM train_samples s
+               JOIN rollout_tasks t USING (run_id, task_id, sample_idx)
+               WHERE s.run_id = :r AND s.status = 'excluded'"""
         ), {"r": uuid.UUID(run_id)}).all()
     return {tuple(r) for r in rows}
 

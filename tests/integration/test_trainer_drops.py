@@ -97,11 +97,11 @@ async def test_dropped_groups_are_recorded_at_once_acknowledged_and_counted_by_t
     assert await _pending(trainer) == 3  # good's two and half's one are still held
     assert {k[0] for k in run.buffer.groups} == {"good", "half"}
 
-    await trainer.drop_incomplete(run)  # nothing failed yet: half keeps waiting
+    await trainer.drop_unfinishable(run, refresh=True)  # nothing failed yet: half keeps waiting
     assert await _pending(trainer) == 3
     _final_failure(trainer, r, "half", 1, 1)
     _final_failure(trainer, r, "ghost", 0, 1)  # a group none of whose samples arrived: only the controller knows
-    await trainer.drop_incomplete(run)
+    await trainer.drop_unfinishable(run, refresh=True)
     assert _recorded(trainer, r)[("half", 0)] == "incomplete"
     assert await _pending(trainer) == 2 and {k[0] for k in run.buffer.groups} == {"good"}
     assert run.dropped == {"filtered": 2, "stale": 2, "incomplete": 1}  # the next step's metrics
@@ -189,11 +189,13 @@ async def test_a_stored_result_never_trained_on_drops_its_group_even_after_a_res
     # a restarted trainer knows the excluded groups from the database: a late sample of one is dropped at once
     late = _result(r, "gone", 0, 1.0, 0, 0)
     with trainer.db.begin() as c:
+        c.execute(text("INSERT INTO rollout_tasks (run_id, task_id, sample_idx, attempt, status, batch_idx, epoch, "
+                       "greedy, dispatch_version) VALUES (:r, 'gone', 1, 0, 'completed', 0, 0, false, 0)"), {"r": r})
         c.execute(text("INSERT INTO train_samples (run_id, task_id, sample_idx, attempt, status, version) "
                        "VALUES (:r, 'gone', 1, 0, 'excluded', 0)"), {"r": r})
     from services.trainer import runs as db
-    run.unusable = {run.group_of(t, i) for t, i in db.excluded_samples(trainer.db, r)}
-    assert run.group_of("gone", 1) in run.unusable
+    run.unfinishable = db.unfinishable_groups(trainer.db, r)  # as _build_run loads it
+    assert ("gone", 0) in run.unfinishable
     await trainer.redis.xadd(TRAJECTORIES, encode(late))
     await trainer.route(await trainer.consumer.read())
     assert _recorded(trainer, r)[("gone", 0)] == "incomplete"
