@@ -1,7 +1,8 @@
 """env-worker loop: read `env.requests` (first reset, group "env", shared by all env workers) and this
 worker's own inbox `env.inbox.<id>` (step/close of its sticky sessions) in one blocking XREADGROUP; handle
 each request as its own task; write the EnvReply to `reply_to`, then XACK the request (the replies and acks
-of concurrent requests share pipelined round trips: `CommandBatcher`). Undecodable requests are dead-lettered; no request kills the loop.
+of concurrent requests share pipelined round trips: `CommandBatcher`). Undecodable requests are
+dead-lettered; no request kills the loop.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from prometheus_client import Histogram
 
-from shared.bus import REDIS_DOWN, CommandBatcher, decode_or_skip
+from shared.bus import REDIS_DOWN, StreamBus, decode_or_skip
 from shared.logs import get_logger
 from shared.messages import EnvReply, EnvRequest, encode
 from shared.streams import ENV_REQUESTS, env_inbox, env_replies
@@ -31,9 +31,9 @@ class EnvSessionLost(Exception):
 
 
 class EnvClient:
-    def __init__(self, redis: aioredis.Redis, worker_id: str, reply_margin_s: float):
-        self.redis = redis
-        self.batcher = CommandBatcher(redis)  # the requests of concurrent trajectories share round trips
+    def __init__(self, bus: StreamBus, worker_id: str, reply_margin_s: float):
+        self.redis = bus.redis
+        self.batcher = bus.batcher  # requests share round trips with each other and the worker's publishes/acks
         self.reply_stream = env_replies(worker_id)
         self.margin_s = reply_margin_s
         self.waiters: dict[str, tuple[asyncio.Future, float]] = {}  # request id -> (future, deadline)

@@ -38,7 +38,7 @@ class RolloutWorker:
         self.consumer = StreamConsumer(self.bus, ROLLOUT_TASKS, GROUP_ROLLOUT, worker_id, expect=RolloutTask,
                                        max_deliveries=cfg.max_deliveries, claim_idle_ms=cfg.claim_idle_ms,
                                        block_ms=cfg.read_block_ms, batch_size=cfg.max_concurrency)
-        self.envs = EnvClient(redis, worker_id, cfg.env_reply_margin_s)
+        self.envs = EnvClient(self.bus, worker_id, cfg.env_reply_margin_s)
         self.runs = RunRegistry(db, cfg.weights_cache, cfg.hf_batch_wait_ms)
         self.running: dict[asyncio.Task, Delivery] = {}
         self.status: dict = {}
