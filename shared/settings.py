@@ -10,6 +10,8 @@ from urllib.parse import urlsplit, urlunsplit
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from shared.messages.codec import DEFAULT_MAX_ENTRY_BYTES
+
 
 class ServiceSettings(BaseSettings):
     """What every service reads at start. Build it in `main`, never at import."""
@@ -28,7 +30,7 @@ class ServiceSettings(BaseSettings):
     health_port: int = Field(0, description="Port for /healthz and /metrics; 0 picks a free port")
     heartbeat_interval_s: float = Field(2.0, gt=0)
     max_entry_bytes: int = Field(
-        16 * 1024 * 1024, ge=1024, description="Largest stream entry this process decodes, bytes; larger entries "
+        DEFAULT_MAX_ENTRY_BYTES, ge=1024, description="Largest stream entry this process decodes, bytes; larger entries "
         "are dead-lettered (or skipped by readers without a group)"
     )
 

@@ -131,8 +131,8 @@ class CheckpointStore:
                 if not src.is_file():
                     raise PublishError(f"{name}: declared by the publisher but not in {source}")
                 os.replace(src, tmp / name) if _same_volume(src, tmp) else shutil.copyfile(src, tmp / name)
-            trusted = not self.verify_staging and not source.name.startswith(".upload-") and all(files.values())
-            entries = self._sync_declared(tmp, files) if trusted else self._verify_and_sync(tmp, files)
+            trust = not self.verify_staging and not source.name.startswith(".upload-")
+            entries = self._hash_and_sync(tmp, files, trust_declared=trust)
             _write_manifest(tmp, CheckpointManifest(run_id=run_id, version=version, files=entries))
             fsync_path(tmp)
         except BaseException:
@@ -141,22 +141,20 @@ class CheckpointStore:
         _remove_if_empty(source)  # files were moved out: the staging folder is spent
         return tmp
 
-    def _verify_and_sync(self, folder: Path, files: dict[str, str]) -> dict[str, FileEntry]:
-        """Hash each file once (for the manifest and against what the publisher declared) and fsync it."""
+    @staticmethod
+    def _hash_and_sync(folder: Path, files: dict[str, str], *, trust_declared: bool) -> dict[str, FileEntry]:
+        """Hash each file once (for the manifest, checked against what the publisher declared) and fsync it.
+        `trust_declared` (a co-located publisher with VERIFY_STAGING=false, the default): a declared sha256 is
+        recorded without reading the file again; undeclared files are still hashed."""
         entries = {}
-        for name, expected in sorted(files.items()):
-            actual = sha256_file(folder / name)
-            if expected and actual != expected:
-                raise PublishError(f"{name}: sha256 {actual} on disk differs from the declared {expected}")
-            fsync_path(folder / name)
-            entries[name] = FileEntry(sha256=actual, bytes=(folder / name).stat().st_size)
+        for name, declared in sorted(files.items()):
+            path = folder / name
+            digest = declared if trust_declared and declared else sha256_file(path)
+            if declared and digest != declared:
+                raise PublishError(f"{name}: sha256 {digest} on disk differs from the declared {declared}")
+            fsync_path(path)
+            entries[name] = FileEntry(sha256=digest, bytes=path.stat().st_size)
         return entries
-
-    def _sync_declared(self, folder: Path, files: dict[str, str]) -> dict[str, FileEntry]:
-        """Trust the co-located publisher's sha256 (VERIFY_STAGING=false, the default): fsync only."""
-        for name in files:
-            fsync_path(folder / name)
-        return {n: FileEntry(sha256=h, bytes=(folder / n).stat().st_size) for n, h in sorted(files.items())}
 
     def _register(self, run_id: str, version: int, folder: Path, metrics: dict[str, float]) -> WeightsPublished:
         manifest_sha = hashlib.sha256((folder / MANIFEST).read_bytes()).hexdigest()
