@@ -17,6 +17,7 @@ import uuid
 
 from sqlalchemy import text
 
+# Kept as SQL: one reporting query, documented above, that reads the same when pasted into psql.
 ACCOUNTING_SQL = text("""
 WITH dispatched AS (
     SELECT DISTINCT task_id, sample_idx FROM rollout_tasks WHERE run_id = :run

@@ -1,13 +1,22 @@
-"""The Redis streams transport every service uses (redis-py asyncio).
+"""The Redis streams transport every service uses (redis-py asyncio). No service issues stream commands itself;
+it uses one of these patterns, each of whose class docstring states its delivery guarantee (checked by
+tests/integration/test_bus.py and test_bus_patterns.py):
 
-Delivery guarantee: **at-least-once**. A consumer acknowledges an entry only after `handler` returned, i.e.
+| pattern | producer side | consumer side | used for |
+|---|---|---|---|
+| work queue, held until done | `StreamBus.publish` / `publish_many` | `StreamConsumer` (a consumer group) | `rollout.tasks`, `trajectories`, `results.accepted`, `trainer.progress`, `<stream>.dlq` |
+| request/reply | `RequestClient.call` / `send` | `RequestServer` (group on a shared stream + own inbox) | env sessions |
+| broadcast | `StreamBus.publish`, `announce` (sync) | `BroadcastReader` (own cursor, no group) | `weights` |
+| inspection | - | `stream_stats` (sync, read-only) | the API's /metrics |
+
+Work queue guarantee: **at-least-once**. A consumer acknowledges an entry only after `handler` returned, i.e.
 after its effect is durable; so a crash between effect and ack re-delivers the entry, and every handler must
 be idempotent (natural keys make duplicates harmless). Specifically:
 
 - `publish` appends with an approximate MAXLEN cap (a safety bound; producers apply backpressure so the cap is
   not reached in normal operation) and `trim_acknowledged` trims only entries every group has acknowledged.
 - A consumer that dies leaves its entries pending; any consumer of the group claims them with XAUTOCLAIM once
-  they are idle for `claim_idle_ms`.
+  they are idle for `claim_idle_ms` (a consumer working on an entry for longer calls `keep_alive`).
 - An entry whose handler raised is retried (XCLAIM to self) after `retry_delay_s`; after `max_deliveries`
   failures, or deliveries by consumers that died, it goes to `<stream>.dlq` with the reason, and is acked.
   Exceptions the consumer declares `transient` (its database is down, say) mean "not now", not "poison":
@@ -24,21 +33,26 @@ re-dispatches work whose result never arrived.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import traceback
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import redis.asyncio as aioredis
 from prometheus_client import Counter
+from redis import Redis as SyncRedis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared.logs import get_logger
 from shared.messages.codec import Message, MessageDecodeError, decode, encode
+from shared.retry import RetryPolicy
 from shared.streams import dead_letter
 
+M = TypeVar("M", bound=Message)
 MESSAGES_PUBLISHED = Counter("bus_messages_published_total", "Stream entries appended", ["stream"])
 MESSAGES_ACKED = Counter("bus_messages_acked_total", "Stream entries acknowledged", ["stream", "group"])
 MESSAGES_RECLAIMED = Counter("bus_messages_reclaimed_total", "Entries claimed from dead consumers", ["stream", "group"])
@@ -54,6 +68,12 @@ DEFAULT_MAXLEN = 1_000_000
 # Redis unreachable (restarting, network blip). Consumers ride these out; see StreamConsumer.read/ack/fail.
 REDIS_DOWN = (OSError, TimeoutError, RedisConnectionError, RedisTimeoutError)
 log = get_logger(__name__)
+
+
+def data_lost(e: ResponseError) -> bool:
+    """The error of a group or stream that vanished with Redis's data (NOGROUP), or of one deleted under a
+    blocked read (UNBLOCKED, Redis 7 FLUSHALL): every loop takes it as "recreate and go on", never dies of it."""
+    return "NOGROUP" in str(e) or "UNBLOCKED" in str(e)
 
 
 def connect(url: str, *, max_connections: int = 100, pool_timeout_s: float = 30.0) -> aioredis.Redis:
@@ -113,6 +133,7 @@ class Delivery:
     message: Message
     deliveries: int
     fields: dict[bytes, bytes]
+    stream: str = ""  # set by readers of several streams (RequestServer)
 
 
 class CommandBatcher:
@@ -212,6 +233,29 @@ class StreamBus:
         assert floor is not None
         return await self.redis.xtrim(stream, minid=f"{floor[0]}-{floor[1]}", approximate=False)
 
+    async def withdraw_unread(self, stream: str, group: str, expect: type[M], match: Callable[[M], bool]) -> list[M]:
+        """Delete the entries of `stream` that no consumer of `group` has read yet (after its last-delivered id)
+        and that `match`, and return them. An entry a consumer reads between the scan and the delete is still
+        delivered to it (and returned here too); undecodable entries are left alone. No stream: nothing to do."""
+        try:
+            groups = {g["name"]: g for g in await self.redis.xinfo_groups(stream)}
+        except ResponseError:  # no such stream
+            return []
+        info = groups.get(group.encode())
+        start = "-" if info is None else "(" + info["last-delivered-id"].decode()
+        ids, out = [], []
+        for entry_id, fields in await self.redis.xrange(stream, min=start, max="+"):
+            try:
+                msg = decode(fields, expect)
+            except MessageDecodeError:
+                continue
+            if match(msg):
+                ids.append(entry_id)
+                out.append(msg)
+        if ids:
+            await self.redis.xdel(stream, *ids)
+        return out
+
     async def close(self) -> None:
         await self.redis.aclose()
 
@@ -221,11 +265,18 @@ DeadLetterHook = Callable[[Delivery | None, bytes, str], Awaitable[None]]
 
 
 class StreamConsumer:
-    """Consumer-group reader with reclaim, retry and dead-lettering. See the module docstring for guarantees.
+    """Work queue, held until done: a consumer-group reader with reclaim, retry and dead-lettering.
 
-    The handler receives a batch of deliveries and must make their effects durable before returning; then
-    the whole batch is acked. If a batch handler raises, each delivery is retried alone so that one poison
-    entry cannot hold back the others.
+    Guarantee (module docstring): at-least-once; an entry is acknowledged only after its handler returned (or
+    by an explicit `ack` once its effect is durable); a dead consumer's entries are reclaimed after
+    `claim_idle_ms` by the others; a failing entry is dead-lettered after `max_deliveries`, never for a
+    `transient` error. The handler receives a batch of deliveries and must make their effects durable before
+    returning; then the whole batch is acked. If a batch handler raises, each delivery is retried alone so
+    that one poison entry cannot hold back the others.
+
+    `claim_idle_ms=None`: entries are never reclaimed on a timer (a consumer that holds entries for as long as
+    it likes takes a dead peer's over with `take_over_pending`); `max_deliveries=None`: never dead-lettered
+    for the number of deliveries or failures. `block_ms=None`: `read` does not wait for new entries.
     """
 
     def __init__(
@@ -236,11 +287,11 @@ class StreamConsumer:
         consumer: str,
         *,
         expect: type[Message] | None = None,
-        max_deliveries: int = 5,
-        claim_idle_ms: int = 30_000,
+        max_deliveries: int | None = 5,
+        claim_idle_ms: int | None = 30_000,
         retry_delay_s: float = 1.0,
         batch_size: int = 64,
-        block_ms: int = 1000,
+        block_ms: int | None = 1000,
         on_dead_letter: DeadLetterHook | None = None,
         transient: tuple[type[BaseException], ...] = (),
     ):
@@ -271,12 +322,15 @@ class StreamConsumer:
         try:
             return await self._read()
         except ResponseError as e:
-            if "NOGROUP" not in str(e):
+            if not data_lost(e):
                 raise
-            log.warning("%s: group %s is gone (Redis lost its data?); recreating it", self.stream, self.group)
+            log.warning("%s: group %s is missing (new, or Redis lost its data); creating it", self.stream, self.group)
             self._retry_at.clear()
             self._claim_cursor = b"0-0"
-            await self.start()
+            try:
+                await self.start()
+            except REDIS_DOWN:
+                pass  # the next read tries again
             return []
         except REDIS_DOWN as e:
             log.warning("%s: Redis unavailable (%r); retrying", self.stream, e)
@@ -287,7 +341,9 @@ class StreamConsumer:
         raw = await self._claim_due_retries()
         raw += await self._reclaim_idle()
         if not raw:
-            block = self.block_ms if not self._retry_at else min(self.block_ms, int(self.retry_delay_s * 1000))
+            block = self.block_ms
+            if block is not None and self._retry_at:
+                block = min(block, int(self.retry_delay_s * 1000))
             resp = await self.redis.xreadgroup(
                 self.group, self.consumer, {self.stream: ">"}, count=self.batch_size, block=block
             )
@@ -305,6 +361,8 @@ class StreamConsumer:
         return await self._with_counts([(eid, f) for eid, f in claimed if f is not None])
 
     async def _reclaim_idle(self) -> list[tuple[bytes, dict, int]]:
+        if self.claim_idle_ms is None:
+            return []
         resp = await self.redis.xautoclaim(
             self.stream, self.group, self.consumer, self.claim_idle_ms, start_id=self._claim_cursor,
             count=self.batch_size,
@@ -337,10 +395,10 @@ class StreamConsumer:
             except MessageDecodeError as e:
                 await self._dead_letter(None, eid, fields, count, f"undecodable: {e}", "undecodable")
                 continue
-            delivery = Delivery(eid, msg, count, fields)
+            delivery = Delivery(eid, msg, count, fields, self.stream)
             # More deliveries than allowed without a recorded failure: consumers died holding it (a poison
             # entry that crashes the process, say). Stop the crash loop.
-            if count > self.max_deliveries:
+            if self.max_deliveries is not None and count > self.max_deliveries:
                 await self._dead_letter(
                     delivery, eid, fields, count, f"delivered {count} times without being acknowledged", "redelivered"
                 )
@@ -367,13 +425,47 @@ class StreamConsumer:
             return
         MESSAGES_ACKED.labels(self.stream, self.group).inc(len(ids))
 
+    async def keep_alive(self, deliveries: Sequence[Delivery]) -> None:
+        """Reset the idle time of entries this consumer is still working on, so that no other consumer takes
+        them for a dead one's (call it more often than claim_idle_ms). Redis down: skipped, tried next time."""
+        if not deliveries:
+            return
+        try:
+            await self.redis.xclaim(self.stream, self.group, self.consumer, 0, [d.id for d in deliveries],
+                                    justid=True)
+        except REDIS_DOWN as e:
+            log.warning("%s: keep-alive of %d entries failed: %r", self.stream, len(deliveries), e)
+        except ResponseError as e:  # the entries went with Redis's data; whoever dispatched them re-sends
+            if not data_lost(e):
+                raise
+            log.warning("%s: nothing to keep alive, the group is gone (Redis lost its data?)", self.stream)
+
+    async def take_over_pending(self) -> AsyncIterator[list[Delivery]]:
+        """Claim every entry the group has pending, whoever holds it and however briefly (a dead peer's, or
+        this consumer's own from before a restart), page by page. Undecodable ones are dead-lettered."""
+        cursor = b"0-0"
+        while True:
+            try:
+                cursor, entries, *_ = await self.redis.xautoclaim(
+                    self.stream, self.group, self.consumer, 0, start_id=cursor, count=self.batch_size)
+            except ResponseError as e:  # nothing pending is left with a group lost with Redis's data
+                if not data_lost(e):
+                    raise
+                await self.bus.ensure_group(self.stream, self.group)
+                return
+            claimed = [(eid, f) for eid, f in entries if f is not None]
+            if claimed:
+                yield await self._decode_all(await self._with_counts(claimed))
+            if cursor in (b"0-0", "0-0"):
+                return
+
     async def fail(self, delivery: Delivery, error: BaseException | str) -> None:
         """Record a handler failure: retry later, or dead-letter once max_deliveries failures are reached."""
         HANDLER_FAILURES.labels(self.stream, self.group).inc()
         reason = error if isinstance(error, str) else "".join(traceback.format_exception(error))[-4000:]
         try:
             failures = await self.redis.hincrby(self._failures_key, delivery.id, 1)
-            if failures >= self.max_deliveries:
+            if self.max_deliveries is not None and failures >= self.max_deliveries:
                 await self._dead_letter(
                     delivery, delivery.id, delivery.fields, delivery.deliveries,
                     f"handler failed {failures} times; last error: {reason}", "handler",
@@ -442,15 +534,254 @@ class StreamConsumer:
             self._retry_at[d.id] = time.monotonic() + delay
 
     async def run(self, handler: Handler, stop: asyncio.Event) -> None:
-        """Read, handle, ack until `stop` is set. Redis outages are waited out, not fatal."""
-        while not stop.is_set():
-            try:
-                await self.start()
-                break
-            except REDIS_DOWN:
-                await asyncio.sleep(1.0)
+        """Read, handle, ack until `stop` is set. Redis outages are waited out, not fatal (`read` creates the
+        group when it is missing and pauses while Redis is unreachable)."""
+        with contextlib.suppress(*REDIS_DOWN):
+            await self.start()
         while not stop.is_set():
             await self.process(handler, await self.read())
+
+
+# -- broadcast ---------------------------------------------------------------------------------------------------
+def announce(redis: SyncRedis, stream: str, msg: Message, *, maxlen: int = DEFAULT_MAXLEN) -> bytes:
+    """Broadcast from synchronous code (the weight server): the same append as `StreamBus.publish`."""
+    entry_id = redis.xadd(stream, encode(msg), maxlen=maxlen, approximate=True)
+    MESSAGES_PUBLISHED.labels(stream).inc()
+    return entry_id
+
+
+class BroadcastReader:
+    """Broadcast, read with this process's own cursor (no group, nothing acknowledged).
+
+    Guarantee: every entry appended after `start` is returned by `read`, once, in append order, as long as
+    this reader keeps up within the producer's MAXLEN (entries trimmed before it read them are missed).
+    Entries appended before `start` are not (a new reader starts at the stream's end), nor, after a restart,
+    those appended while the process was down: a consumer that must not miss one re-reads the state from
+    Postgres (rollout workers load a run's latest checkpoint when they open it). Undecodable entries are skipped
+    and counted (`decode_or_skip`). Redis unreachable: `read` pauses and returns [], keeping its cursor, so
+    nothing appended meanwhile is missed."""
+
+    def __init__(self, redis: aioredis.Redis, stream: str, expect: type[Message], *, count: int = 16,
+                 block_ms: int = 500):
+        self.redis, self.stream, self.expect, self.count, self.block_ms = redis, stream, expect, count, block_ms
+        self.cursor = "$"
+
+    async def start(self) -> None:
+        self.cursor = await _stream_end(self.redis, self.stream)
+
+    async def read(self) -> list[Message]:
+        try:
+            resp = await self.redis.xread({self.stream: self.cursor}, count=self.count, block=self.block_ms)
+        except REDIS_DOWN:
+            await asyncio.sleep(0.5)
+            return []
+        out = []
+        for _, entries in resp or []:
+            for entry_id, fields in entries:
+                self.cursor = entry_id
+                msg = decode_or_skip(self.stream, fields, self.expect)
+                if msg is not None:
+                    out.append(msg)
+        return out
+
+
+async def _stream_end(redis: aioredis.Redis, stream: str) -> bytes | str:
+    try:
+        return (await redis.xinfo_stream(stream))["last-generated-id"]
+    except ResponseError:  # no such stream yet
+        return "0-0"
+
+
+# -- request/reply ------------------------------------------------------------------------------------------------
+class RequestClient:
+    """Request/reply, the caller's side. A request goes on a stream a `RequestServer` serves; its reply comes
+    back on this client's own stream (`reply_stream`, the request's `reply_to`), read by one background reader
+    (`run`) that resolves the waiting call. Requests and replies carry a `request_id`.
+
+    Guarantee: `call` returns the reply to its request, or raises TimeoutError once `wait_s` passed (request or
+    reply lost, the server dead or slow): it never hangs; deadlines are swept every `sweep_ms` (not a timer per
+    call), so a call may overrun wait_s by that much. At most one reply is returned per call: replies that come
+    after the call gave up, duplicates, and replies to a previous incarnation of this client are discarded. The
+    server may execute a request more than once (its side is at-least-once), so a request must tolerate that.
+    `send` wants no reply and is best effort."""
+
+    def __init__(self, bus: StreamBus, reply_stream: str, expect: type[Message], *,
+                 request_maxlen: int = DEFAULT_MAXLEN, sweep_ms: int = 100, read_count: int = 512):
+        self.redis, self.batcher = bus.redis, bus.batcher  # requests share round trips with other commands
+        self.reply_stream, self.expect = reply_stream, expect
+        self.request_maxlen, self.sweep_ms, self.read_count = request_maxlen, sweep_ms, read_count
+        self.waiters: dict[str, tuple[asyncio.Future, float]] = {}  # request id -> (future, deadline)
+        self.cursor: bytes | str = "0-0"
+
+    async def start(self) -> None:
+        """Read replies from the current end of our stream (older ones belong to a previous incarnation)."""
+        self.cursor = await _stream_end(self.redis, self.reply_stream)
+
+    async def run(self, stop: asyncio.Event, trim_every: int = 1000) -> None:
+        """The reader: resolve waiting calls until `stop`; trim what it read (it is the stream's only reader)."""
+        read = 0
+        while not stop.is_set():
+            self.expire_waiters()
+            try:
+                resp = await self.redis.xread({self.reply_stream: self.cursor}, count=self.read_count,
+                                              block=self.sweep_ms)
+            except REDIS_DOWN:
+                await asyncio.sleep(0.5)
+                continue
+            for _, entries in resp or []:
+                for entry_id, fields in entries:
+                    self.cursor = entry_id
+                    self.resolve(fields)
+                read += len(entries)
+            if read >= trim_every:
+                await self.redis.xtrim(self.reply_stream, minid=self.cursor, approximate=True)
+                read = 0
+
+    def expire_waiters(self) -> None:
+        now = time.monotonic()
+        for future, deadline in list(self.waiters.values()):
+            if now > deadline and not future.done():
+                future.set_exception(TimeoutError())
+
+    def resolve(self, fields: dict) -> None:
+        reply = decode_or_skip(self.reply_stream, fields, self.expect)
+        if reply is None:
+            return
+        waiter = self.waiters.pop(reply.request_id, None)
+        if waiter is not None and not waiter[0].done():
+            waiter[0].set_result(reply)
+
+    async def call(self, stream: str, request: Message, wait_s: float) -> Message:
+        """Send `request` to `stream` and wait for its reply (TimeoutError after wait_s; REDIS_DOWN errors if
+        it could not be sent)."""
+        future = asyncio.get_running_loop().create_future()
+        self.waiters[request.request_id] = (future, time.monotonic() + wait_s)
+        try:
+            await self.send(stream, request)
+            return await future
+        finally:
+            self.waiters.pop(request.request_id, None)
+
+    def send(self, stream: str, request: Message) -> asyncio.Future:
+        return self.batcher.call("xadd", stream, encode(request), maxlen=self.request_maxlen, approximate=True)
+
+
+REPLY_RETRY = RetryPolicy(REDIS_DOWN, attempts=8, first_wait_s=0.1, max_wait_s=2.0, what="reply")
+
+
+class RequestServer:
+    """Request/reply, the server's side. Reads, in one blocking read of group `group`, a shared stream (any
+    server may take a request: it creates state, e.g. an env session) and this server's own inbox (requests
+    for state only it holds).
+
+    Guarantee: a request is acknowledged only once its reply is written (`reply`), it is given up (`drop`: its
+    caller stopped waiting), or it is dead-lettered (undecodable, at once, never handed out). A shared request
+    held by a dead server is taken over by another through `reclaim` once idle `idle_ms`; inbox requests of a
+    dead server are not (the state they need died with it): their callers time out. Writing a reply is retried
+    through short Redis outages (`REPLY_RETRY`, ~10 s), then given up: the caller times out. The shared group
+    starts at the stream's end: requests sent while no server existed were given up by their callers."""
+
+    def __init__(self, bus: StreamBus, shared: str, inbox: str, group: str, consumer: str, expect: type[Message],
+                 *, read_count: int = 64, block_ms: int = 1000, reply_maxlen: int = 100_000):
+        self.bus, self.redis = bus, bus.redis
+        self.shared, self.inbox, self.group, self.consumer, self.expect = shared, inbox, group, consumer, expect
+        self.read_count, self.block_ms, self.reply_maxlen = read_count, block_ms, reply_maxlen
+
+    async def start(self) -> None:
+        await self.bus.ensure_group(self.shared, self.group, start_id="$")
+        await self.bus.ensure_group(self.inbox, self.group, start_id="0")
+
+    async def read(self) -> list[Delivery]:
+        """New requests of both streams (blocking up to block_ms). Never raises for an unreachable Redis or a
+        group lost with Redis's data."""
+        try:
+            resp = await self.redis.xreadgroup(self.group, self.consumer, {self.shared: ">", self.inbox: ">"},
+                                               count=self.read_count, block=self.block_ms)
+        except REDIS_DOWN:
+            await asyncio.sleep(0.5)
+            return []
+        except ResponseError as e:
+            if not data_lost(e):
+                raise
+            await self.start()
+            return []
+        return [d for stream, entries in resp or [] for d in await self._decode_all(stream.decode(), entries)]
+
+    async def reclaim(self, idle_ms: int) -> list[Delivery]:
+        """Shared requests left pending by a server that died (idle `idle_ms`), now this server's."""
+        try:
+            resp = await self.redis.xautoclaim(self.shared, self.group, self.consumer, idle_ms, start_id="0-0",
+                                               count=self.read_count)
+        except ResponseError as e:  # lost with Redis's data: nothing of a dead server is left to reclaim
+            if not data_lost(e):
+                raise
+            return []
+        return await self._decode_all(self.shared, [(eid, f) for eid, f in resp[1] if f is not None])
+
+    async def reply(self, request: Delivery, reply_to: str, reply: Message) -> None:
+        """Write the reply to `reply_to` (empty: the caller wants none), then acknowledge the request. Replies
+        and acks of concurrent requests share round trips. Raises only if `reply` cannot be encoded."""
+        body = encode(reply)
+
+        async def send() -> None:
+            if reply_to:
+                await self.bus.batcher.call("xadd", reply_to, body, maxlen=self.reply_maxlen, approximate=True)
+            await self.bus.batcher.call("xack", request.stream, self.group, request.id)
+
+        try:
+            await REPLY_RETRY.call_async(send)
+        except REDIS_DOWN as e:  # the caller times out and retries
+            log.warning("reply to %s given up: %r", reply_to, e)
+
+    async def drop(self, request: Delivery) -> None:
+        """Acknowledge a request without replying (its caller stopped waiting)."""
+        await self.redis.xack(request.stream, self.group, request.id)
+
+    async def trim(self) -> None:
+        """Drop what every group has acknowledged from both streams."""
+        for stream in (self.shared, self.inbox):
+            try:
+                await self.bus.trim_acknowledged(stream)
+            except REDIS_DOWN as e:
+                log.warning("trim of %s failed: %r", stream, e)
+
+    async def _decode_all(self, stream: str, entries: list) -> list[Delivery]:
+        out = []
+        for entry_id, fields in entries:
+            try:
+                out.append(Delivery(entry_id, decode(fields, self.expect), 1, fields, stream))
+            except MessageDecodeError as e:
+                log.warning("undecodable request %s on %s: %s", entry_id, stream, e)
+                await dead_letter_entry(self.redis, stream, self.group, self.consumer, entry_id, fields, str(e))
+        return out
+
+
+# -- inspection -----------------------------------------------------------------------------------------------
+@dataclass
+class GroupStats:
+    name: str
+    pending: int  # delivered, not yet acknowledged
+    lag: int  # not yet delivered (0 when Redis cannot tell)
+
+
+@dataclass
+class StreamStats:
+    stream: str
+    length: int
+    dead_letters: int  # length of `<stream>.dlq`
+    groups: list[GroupStats]
+
+
+def stream_stats(redis: SyncRedis, stream: str) -> StreamStats:
+    """Read-only figures of one stream for monitoring (synchronous: the API's /metrics). A stream that does not
+    exist yet has length 0 and no groups."""
+    try:
+        groups = redis.xinfo_groups(stream)
+    except ResponseError:  # no such stream
+        groups = []
+    return StreamStats(stream, redis.xlen(stream), redis.xlen(dead_letter(stream)), [
+        GroupStats(g["name"].decode() if isinstance(g["name"], bytes) else g["name"], g["pending"], g.get("lag") or 0)
+        for g in groups])
 
 
 def _parse_id(value: bytes | str) -> tuple[int, int]:

@@ -1,9 +1,14 @@
 """Datasets stored in Postgres (tables `datasets` + `dataset_rows`), in the spirit of rLLM's DatasetRegistry.
 
     registry = DatasetRegistry(engine)
-    registry.register("gsm8k-tiny", rows, split="train")        # replaces an existing (name, split)
-    ds = registry.load("gsm8k-tiny", "train")                   # Dataset: .rows, .task_ids, len(), repeat(n)
-    registry.splits("gsm8k-tiny"); registry.list(); registry.delete("gsm8k-tiny")
+    registry.register("gsm8k-tiny", rows, split="train")        # a new version: 1, then 2, ...
+    ds = registry.load("gsm8k-tiny", "train")                   # the latest version; version=1 for the first
+    registry.splits("gsm8k-tiny"); registry.versions("gsm8k-tiny", "train"); registry.list()
+    registry.delete("gsm8k-tiny", "train", version=1)           # refused while a live run reads version 1
+
+Versions are immutable: registering a (name, split) again adds version n+1 and leaves earlier versions' rows
+alone, so a run that pinned a version (`RunConfig.dataset_version`, set when the run is created) reads the same
+rows for its whole life. A version that a run not yet stopped, completed or failed pins cannot be deleted.
 
 File loaders (`load_rows`) read jsonl, csv, parquet and HF `datasets` folders saved with `save_to_disk`.
 Every row must be a JSON object; a row's task id is its "task_id" or "id" field if present, else its index.
@@ -21,10 +26,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, delete, func, insert, select
+from sqlalchemy import Connection, Engine, Integer, Text, and_, cast, delete, func, insert, select
+from sqlalchemy.orm import aliased
 
+from shared.db.models import TERMINAL_RUN_STATUSES, DatasetRow, Run
 from shared.db.models import Dataset as DatasetModel
-from shared.db.models import DatasetRow
 
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,199}$")
 MAX_TASK_ID_CHARS = 200
@@ -40,15 +46,27 @@ class DatasetNotFound(KeyError):
         return str(self.args[0]) if self.args else "dataset not found"
 
 
+class DatasetInUse(DatasetError):
+    """A version some unfinished run reads: it may be deleted once those runs end (or are stopped)."""
+
+    def __init__(self, name: str, runs: list[tuple[str, str, int]]):
+        self.runs = runs
+        listed = ", ".join(f"run {r} ({status}, version {v})" for r, status, v in runs[:5])
+        more = f" and {len(runs) - 5} more" if len(runs) > 5 else ""
+        super().__init__(f"dataset {name!r} is in use by {listed}{more}; stop those runs or wait for them to "
+                         "finish, or delete only versions no live run pins (`version=`)")
+
+
 @dataclass
 class Dataset:
-    """Rows of one (name, split) in index order."""
+    """Rows of one version of (name, split) in index order."""
 
     name: str
     split: str
     rows: list[dict[str, Any]]
     task_ids: list[str] = field(default_factory=list)
     info: dict[str, Any] = field(default_factory=dict)
+    version: int = 1
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -62,7 +80,7 @@ class Dataset:
             raise DatasetError(f"repeat(n) needs n >= 1, got {n}")
         rows = [r for r in self.rows for _ in range(n)]
         ids = [t for t in self.task_ids for _ in range(n)]
-        return Dataset(self.name, self.split, rows, ids, dict(self.info))
+        return Dataset(self.name, self.split, rows, ids, dict(self.info), self.version)
 
 
 def validate_name(name: str, what: str = "name") -> str:
@@ -201,15 +219,19 @@ class DatasetRegistry:
     def register(
         self, name: str, rows: list[Any], split: str = "train", *, source: str = "", info: dict | None = None
     ) -> dict[str, Any]:
-        """Validate and store rows under (name, split), replacing what was there, in one transaction."""
+        """Validate and store rows as the next version of (name, split), in one transaction."""
         validate_name(name)
         validate_name(split, "split")
         clean = validate_rows(list(rows))
         with self.engine.begin() as conn:
-            conn.execute(delete(DatasetModel).where(DatasetModel.name == name, DatasetModel.split == split))
+            # Concurrent imports of one (name, split) take turns, so each gets its own version number.
+            conn.execute(select(func.pg_advisory_xact_lock(func.hashtext(f"dataset:{name}/{split}"))))
+            latest = conn.execute(select(func.max(DatasetModel.version)).where(
+                DatasetModel.name == name, DatasetModel.split == split)).scalar()
             ds_id = conn.execute(
                 insert(DatasetModel)
-                .values(name=name, split=split, source=source, num_rows=len(clean), info=info or {})
+                .values(name=name, split=split, version=(latest or 0) + 1, source=source, num_rows=len(clean),
+                        info=info or {})
                 .returning(DatasetModel.id)
             ).scalar_one()
             records = [
@@ -219,28 +241,21 @@ class DatasetRegistry:
             ]
             for start in range(0, len(records), _INSERT_CHUNK):
                 conn.execute(insert(DatasetRow), records[start:start + _INSERT_CHUNK])
-        return self.describe(name, split)
+        return self.describe(name, split, (latest or 0) + 1)
 
-    def _dataset(self, conn, name: str, split: str) -> Any:
-        row = conn.execute(
-            select(DatasetModel).where(DatasetModel.name == name, DatasetModel.split == split)
-        ).first()
-        if row is None:
-            raise DatasetNotFound(f"dataset {name!r} has no split {split!r}; registered: {self.splits(name) or 'none'}")
-        return row  # a Core row: columns by attribute (id, name, split, ...)
-
-    def describe(self, name: str, split: str = "train") -> dict[str, Any]:
+    def describe(self, name: str, split: str = "train", version: int | None = None) -> dict[str, Any]:
         with self.engine.connect() as conn:
-            ds = self._dataset(conn, name, split)
-        return _describe(ds)
+            return _describe(find_version(conn, name, split, version))
 
-    def load(self, name: str, split: str = "train", *, offset: int = 0, limit: int | None = None) -> Dataset:
+    def load(self, name: str, split: str = "train", version: int | None = None, *, offset: int = 0,
+             limit: int | None = None) -> Dataset:
+        """Rows of one version (default: the latest) in index order."""
         with self.engine.connect() as conn:
-            ds = self._dataset(conn, name, split)
+            ds = find_version(conn, name, split, version)
             q = (select(DatasetRow.task_id, DatasetRow.data).where(DatasetRow.dataset_id == ds.id)
                  .order_by(DatasetRow.idx).offset(offset).limit(limit))
             rows = conn.execute(q).all()
-        return Dataset(name, split, [r.data for r in rows], [r.task_id for r in rows], dict(ds.info))
+        return Dataset(name, split, [r.data for r in rows], [r.task_id for r in rows], dict(ds.info), ds.version)
 
     def exists(self, name: str, split: str | None = None) -> bool:
         splits = self.splits(name)
@@ -248,38 +263,95 @@ class DatasetRegistry:
 
     def splits(self, name: str) -> list[str]:
         with self.engine.connect() as conn:
-            q = select(DatasetModel.split).where(DatasetModel.name == name).order_by(DatasetModel.split)
+            q = select(DatasetModel.split).where(DatasetModel.name == name).distinct().order_by(DatasetModel.split)
             return list(conn.execute(q).scalars())
 
-    def list(self) -> list[dict[str, Any]]:
+    def versions(self, name: str, split: str = "train") -> list[dict[str, Any]]:
+        """Every version of (name, split), oldest first."""
         with self.engine.connect() as conn:
-            q = select(DatasetModel).order_by(DatasetModel.name, DatasetModel.split)
+            q = (select(DatasetModel).where(DatasetModel.name == name, DatasetModel.split == split)
+                 .order_by(DatasetModel.version))
             return [_describe(d) for d in conn.execute(q)]
 
-    def delete(self, name: str, split: str | None = None) -> int:
-        """Delete one split, or every split of `name`; returns how many splits went. Rows cascade."""
-        q = delete(DatasetModel).where(DatasetModel.name == name)
+    def list(self) -> list[dict[str, Any]]:
+        """The latest version of every (name, split), with the numbers of all its versions."""
+        with self.engine.connect() as conn:
+            all_versions = conn.execute(select(DatasetModel).order_by(
+                DatasetModel.name, DatasetModel.split, DatasetModel.version)).all()
+        latest: dict[tuple[str, str], dict[str, Any]] = {}
+        for d in all_versions:
+            numbers = latest.get((d.name, d.split), {}).get("versions", [])
+            latest[(d.name, d.split)] = _describe(d) | {"versions": [*numbers, d.version]}
+        return list(latest.values())
+
+    def delete(self, name: str, split: str | None = None, version: int | None = None) -> int:
+        """Delete one version, one split (every version) or the whole dataset; returns how many versions went.
+        Refused (DatasetInUse) while a run that has not ended pins any of them. Rows cascade."""
+        q = select(DatasetModel.id, DatasetModel.split, DatasetModel.version).where(DatasetModel.name == name)
         if split is not None:
             q = q.where(DatasetModel.split == split)
+        if version is not None:
+            q = q.where(DatasetModel.version == version)
         with self.engine.begin() as conn:
-            n = conn.execute(q).rowcount
-        if n == 0:
-            raise DatasetNotFound(f"dataset {name!r}" + (f" split {split!r}" if split else "") + " does not exist")
-        return n
+            # Row locks: a run being created pins its version FOR SHARE (find_version(lock=True)), so it
+            # either commits first (and is seen below) or waits and finds the version gone.
+            doomed = conn.execute(q.with_for_update()).all()
+            if not doomed:
+                what = f"dataset {name!r}" + (f" split {split!r}" if split else "")
+                raise DatasetNotFound(what + (f" version {version}" if version else "") + " does not exist")
+            users = runs_using(conn, name, {(d.split, d.version) for d in doomed})
+            if users:
+                raise DatasetInUse(name, users)
+            conn.execute(delete(DatasetModel).where(DatasetModel.id.in_([d.id for d in doomed])))
+        return len(doomed)
+
+
+def find_version(conn: Connection, name: str, split: str, version: int | None = None, *, lock: bool = False) -> Any:
+    """The `datasets` row of one version (default: the latest); DatasetNotFound names what exists. `lock` holds
+    it FOR SHARE until the transaction ends, so it cannot be deleted under a run being created."""
+    q = select(DatasetModel).where(DatasetModel.name == name, DatasetModel.split == split)
+    q = q.where(DatasetModel.version == version) if version is not None else q.order_by(DatasetModel.version.desc())
+    row = conn.execute((q.with_for_update(read=True) if lock else q).limit(1)).first()
+    if row is None:
+        known = conn.execute(select(DatasetModel.split, DatasetModel.version).where(DatasetModel.name == name)
+                             .order_by(DatasetModel.split, DatasetModel.version)).all()
+        registered = ", ".join(f"{s} v{v}" for s, v in known) or "nothing"
+        wanted = f"split {split!r}" + (f" version {version}" if version is not None else "")
+        raise DatasetNotFound(f"dataset {name!r} has no {wanted}; registered: {registered}")
+    return row  # a Core row: columns by attribute (id, name, split, version, ...)
+
+
+def runs_using(conn: Connection, name: str, versions: set[tuple[str, int]]) -> list[tuple[str, str, int]]:
+    """(run id, status, version) of runs not yet ended that read one of these (split, version)s of `name`.
+    A run whose config names no version reads the latest one."""
+    r, d, other = Run, DatasetModel, aliased(DatasetModel)
+    latest = select(func.max(other.version)).where(other.name == d.name, other.split == d.split).scalar_subquery()
+    pinned = func.coalesce(cast(r.config["dataset_version"].astext, Integer), latest)
+    reads = and_(d.name == r.config["dataset"].astext,
+                 d.split == func.coalesce(r.config["dataset_split"].astext, "train"), d.version == pinned)
+    rows = conn.execute(select(cast(r.id, Text), r.status, d.split, d.version).join(d, reads)
+                        .where(d.name == name, r.status.not_in(TERMINAL_RUN_STATUSES)).order_by(r.created_at)).all()
+    return [(r[0], r[1], r[3]) for r in rows if (r[2], r[3]) in versions]
 
 
 def _describe(ds: Any) -> dict[str, Any]:
     return {
-        "id": str(ds.id), "name": ds.name, "split": ds.split, "source": ds.source, "num_rows": ds.num_rows,
-        "info": ds.info, "created_at": ds.created_at.isoformat() if ds.created_at else None,
+        "id": str(ds.id), "name": ds.name, "split": ds.split, "version": ds.version, "source": ds.source,
+        "num_rows": ds.num_rows, "info": ds.info, "created_at": ds.created_at.isoformat() if ds.created_at else None,
     }
 
 
-def count_rows(engine: Engine, name: str, split: str) -> int | None:
-    """Rows in (name, split), or None when it does not exist (cheap check for run validation)."""
-    with engine.connect() as conn:
-        q = select(func.coalesce(func.max(DatasetModel.num_rows), -1)).where(
-            DatasetModel.name == name, DatasetModel.split == split
-        )
-        n = conn.execute(q).scalar_one()
-    return None if n < 0 else n
+def pin_version(conn: Connection, name: str, split: str, version: int | None = None) -> tuple[int, int]:
+    """(version, rows) a new run will read: the given version or the latest, locked until the caller's
+    transaction commits (so a concurrent delete sees the run). Raises DatasetNotFound."""
+    ds = find_version(conn, name, split, version, lock=True)
+    return ds.version, ds.num_rows
+
+
+def count_rows(engine: Engine, name: str, split: str, version: int | None = None) -> int | None:
+    """Rows in one version (default: the latest) of (name, split), or None when it does not exist."""
+    try:
+        with engine.connect() as conn:
+            return find_version(conn, name, split, version).num_rows
+    except DatasetNotFound:
+        return None

@@ -36,7 +36,12 @@ REWARDS: dict[str, str] = {
     "countdown": "shared.builtin.rewards:countdown_reward",
     "search": "shared.builtin.rewards:search_reward",
 }
-REGISTRIES = {"agent": AGENTS, "env": ENVS, "workflow": WORKFLOWS, "reward": REWARDS}
+# Agent programs (any framework, calling the OpenAI-compatible gateway): `async def run(task, client) -> reward`.
+# "external": the program runs anywhere; it claims sessions from a rollout worker's gateway and posts rewards.
+AGENT_PROGRAMS: dict[str, str] = {"external": "shared.registry:EXTERNAL_AGENT_PROGRAM"}
+EXTERNAL_AGENT_PROGRAM = "external"
+REGISTRIES = {"agent": AGENTS, "env": ENVS, "workflow": WORKFLOWS, "reward": REWARDS,
+              "agent_program": AGENT_PROGRAMS}
 
 
 def import_path_for(kind: str, name: str) -> str:

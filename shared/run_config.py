@@ -39,9 +39,16 @@ class EngineConfig(_Strict):
     api_key_env: str | None = Field(None, description="name of the env var holding the server's API key")
     device: str = Field("cpu", description="hf: torch device")
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    weights_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="dtype the trainer publishes weights in (what the engines receive; deltas are taken "
+        "in it); auto: the model's own torch_dtype from its config.json (bfloat16 for most released models)")
     max_batch_size: int = Field(32, ge=1, description="hf: requests batched into one generate call")
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="vllm")
     tensor_parallel_size: int = Field(1, ge=1, description="vllm")
+    max_model_len: int | None = Field(None, ge=16, description="vllm: longest prompt + response served (sizes the "
+                                      "KV cache); default the model's context length")
+    enforce_eager: bool = Field(False, description="vllm: skip torch.compile and CUDA graphs (start-up ~30 s "
+                                "faster on CPU, slower decoding on GPU)")
     request_timeout_s: float = Field(120.0, gt=0, description="one generation request")
     max_retries: int = Field(3, ge=0, description="transient inference errors retried before INFRA_ERROR")
 
@@ -105,10 +112,17 @@ class RunConfig(_Strict):
     tokenizer: str | None = Field(None, description="defaults to `model`")
     dataset: str = Field(..., min_length=1, description="registered dataset name")
     dataset_split: str = "train"
+    dataset_version: int | None = Field(
+        None, ge=1, description="dataset version the run reads; unset: the latest, pinned when the run is created"
+    )
     max_tasks: int | None = Field(None, ge=1, description="use only the first N rows of the dataset")
     agent: ComponentSpec
     env: ComponentSpec
     workflow: ComponentSpec | None = Field(None, description="multi-agent episodes; replaces the agent loop")
+    agent_program: ComponentSpec | None = Field(
+        None, description="an agent program by import path (`my_pkg.agent:run`, `async def run(task, client)` "
+        "returning a reward or {reward, info}): run per (task, sample) in its own process against the rollout "
+        "worker's OpenAI-compatible gateway; replaces the agent loop (agent and env are then unused)")
     engine: EngineConfig = Field(default_factory=EngineConfig)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
@@ -124,11 +138,17 @@ class RunConfig(_Strict):
     stale_policy: Literal["drop", "downweight"] = "drop"
     max_in_flight: int = Field(256, ge=1, description="rollout tasks dispatched and not yet finished")
     max_attempts: int = Field(3, ge=1, description="attempts per (task, sample) on infrastructure failure")
+    priority: float = Field(1.0, gt=0, le=1000, description="weight of this run's share of rollout capacity "
+                            "against the other running runs (where the controller caps it: ROLLOUT_CAPACITY)")
+    fail_fast_after: int | None = Field(
+        None, ge=1, description="fail the run, with the reason in its error, once this many attempts in a row (none "
+        "completed in between) failed for the same reason; default max(20, 2 * max_in_flight), so the sessions one "
+        "dead worker held do not fail a run")
     epochs: int = Field(1, ge=1)
     total_steps: int | None = Field(None, ge=1, description="stop after this many optimizer steps")
     seed: int = 0
 
-    @field_validator("agent", "env", "workflow")
+    @field_validator("agent", "env", "workflow", "agent_program")
     @classmethod
     def _component(cls, v: ComponentSpec | None, info) -> ComponentSpec | None:
         if v is None:
@@ -137,6 +157,15 @@ class RunConfig(_Strict):
         if v.name not in REGISTRIES[info.field_name]:  # a user import path must resolve now, not in a worker
             resolve(info.field_name, v.name)
         return v
+
+    @model_validator(mode="before")
+    @classmethod
+    def _program_needs_no_agent(cls, data: Any) -> Any:
+        # An agent program replaces the agent loop; agent/env stay required fields of every other run, so an
+        # agent-program config may leave them out (placeholders, never used).
+        if isinstance(data, dict) and data.get("agent_program"):
+            data = {"agent": {"name": "math"}, "env": {"name": "math"}, **data}
+        return data
 
     @model_validator(mode="after")
     def _cross(self) -> RunConfig:
@@ -156,6 +185,10 @@ class RunConfig(_Strict):
         if self.max_trajectory_tokens is not None and self.max_trajectory_tokens < self.max_prompt_tokens:
             raise ValueError("max_trajectory_tokens must be >= max_prompt_tokens")
         return self
+
+    @property
+    def fail_fast_threshold(self) -> int:
+        return self.fail_fast_after or max(20, 2 * self.max_in_flight)
 
     @property
     def tokenizer_path(self) -> str:

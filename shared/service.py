@@ -1,11 +1,25 @@
-"""What every long-lived service process has: `/healthz` and `/metrics` over HTTP, a heartbeat key in Redis,
-signal handling, and a bounded, idempotent shutdown. A service supplies its loops as coroutines:
+"""The one skeleton every service process runs on. A service's `main` is its settings and a `build`:
 
-    runtime = ServiceRuntime(settings, "env-worker")
-    await runtime.run([worker.serve(runtime.stop)], on_stop=worker.close)
+    def main() -> int:
+        return run_service(EnvWorkerConfig(), build, dependencies=("redis",))
+
+    async def build(cfg: EnvWorkerConfig, runtime: ServiceRuntime) -> list[Coroutine]:
+        redis = connect(cfg.redis_url)
+        runtime.on_stop(redis.aclose)            # cleanups run after the loops end, last registered first
+        worker = EnvWorker(cfg, runtime.worker_id, redis)
+        runtime.on_stop(worker.close)
+        return worker.loops(runtime.stop)        # the service's loops; they return once runtime.stop is set
+
+`run_service` sets up logging, logs the resolved config once with its secrets masked (`ServiceSettings.loggable`),
+runs `build` and the loops on uvloop (EVENT_LOOP=asyncio opts out) beside what every process has: `/healthz`,
+`/readyz` and `/metrics` over HTTP on HEALTH_HOST:HEALTH_PORT (a service may serve its own app there instead,
+as the API does), a heartbeat key in Redis, SIGTERM/SIGINT handling, and a bounded, idempotent shutdown.
 
 If any loop dies with an exception the runtime logs it and exits non-zero (a dead background task never
-goes unnoticed); `/healthz` reports 503 once the service is stopping or a check fails.
+goes unnoticed). `/healthz` is liveness: 503 once the service is stopping or a check fails, never because a
+dependency is down (restarting the process would not bring Redis back). `/readyz` is readiness: 503 while any
+of the service's `dependencies` (Redis PING, Postgres SELECT 1) does not answer within 2 s, so a service that
+cannot reach Redis or Postgres says so instead of looking fine while it loops on retries.
 """
 
 from __future__ import annotations
@@ -16,16 +30,18 @@ import json
 import os
 import signal
 import socket
+import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any
+from typing import Any, TypeVar
 
 import uvicorn
 from fastapi import FastAPI, Response
 from prometheus_client import CONTENT_TYPE_LATEST, Gauge, generate_latest
 
 from shared.bus import connect
-from shared.logs import get_logger
+from shared.db.session import DB_DOWN
+from shared.logs import get_logger, setup_logging
 from shared.messages.codec import set_max_entry_bytes
 from shared.settings import ServiceSettings
 from shared.streams import heartbeat_key
@@ -34,9 +50,51 @@ log = get_logger(__name__)
 UP = Gauge("service_up", "1 while the service loop runs", ["service"])
 
 
-def run_service(main: Coroutine[Any, Any, int]) -> int:
-    """Run a service's main coroutine on uvloop when it is installed (EVENT_LOOP=asyncio opts out): the
-    services spend most of their CPU in event-loop and socket work, which uvloop does in C."""
+Loops = list[Coroutine[Any, Any, Any]]
+S = TypeVar("S", bound=ServiceSettings)
+
+
+def run_service(
+    settings: S, build: Callable[[S, ServiceRuntime], Awaitable[Loops]] | None = None, *,
+    dependencies: tuple[str, ...] = ("redis", "postgres"), shutdown_timeout_s: float = 20.0,
+    foreground: Callable[[S], object] | None = None,
+) -> int:
+    """Run a service process (module docstring); returns its exit code.
+
+    `build(settings, runtime)` creates the service's parts, registers their cleanups with `runtime.on_stop`
+    and returns its loops ([] when HTTP is all it serves). `foreground(settings)`, for a framework that owns the
+    main thread and its signals (Celery), runs in the main thread while the runtime runs beside it in a thread
+    without signal handlers; the runtime stops when `foreground` returns or raises."""
+    setup_service(settings)
+    runtime = ServiceRuntime(settings, settings.service_name, shutdown_timeout_s=shutdown_timeout_s,
+                             dependencies=dependencies, handle_signals=foreground is None)
+
+    async def serve() -> int:
+        return await runtime.run(await build(settings, runtime) if build is not None else [])
+
+    if foreground is None:
+        return _event_loop_run(serve())
+    codes: list[int] = []
+    thread = threading.Thread(target=lambda: codes.append(_event_loop_run(serve())), name="runtime", daemon=True)
+    thread.start()
+    try:
+        foreground(settings)
+    finally:
+        runtime.stop_threadsafe()
+        thread.join(timeout=shutdown_timeout_s + 5)
+    return codes[0] if codes else 1
+
+
+def setup_service(settings: ServiceSettings) -> None:
+    """Logging for this process, and its resolved config logged once, secrets masked. `run_service` calls it;
+    a process that does not run the service (a trainer rank > 0) calls it alone."""
+    setup_logging(settings.service_name, settings.log_level, settings.log_format)
+    log.info("%s config: %s", settings.service_name, settings.loggable())
+
+
+def _event_loop_run(main: Coroutine[Any, Any, int]) -> int:
+    """uvloop when installed (EVENT_LOOP=asyncio opts out): the services spend most of their CPU in event-loop
+    and socket work, which uvloop does in C."""
     if os.environ.get("EVENT_LOOP", "uvloop") == "uvloop":
         try:
             import uvloop
@@ -61,20 +119,43 @@ def default_worker_id(service: str) -> str:
     return f"{service}-{socket.gethostname()}-{os.getpid()}"
 
 
+READINESS_TIMEOUT_S = 2.0
+
+
 class ServiceRuntime:
-    def __init__(self, settings: ServiceSettings, service: str, *, shutdown_timeout_s: float = 20.0):
+    def __init__(self, settings: ServiceSettings, service: str, *, shutdown_timeout_s: float = 20.0,
+                 dependencies: tuple[str, ...] = ("redis", "postgres"), handle_signals: bool = True):
+        unknown = set(dependencies) - {"redis", "postgres"}
+        if unknown:
+            raise ValueError(f"unknown dependencies {sorted(unknown)}: readiness checks exist for redis, postgres")
         self.settings = settings
         self.service = service
+        self.dependencies = dependencies
         self.worker_id = settings.worker_id or default_worker_id(service)
         self.stop = asyncio.Event()
         self.shutdown_timeout_s = shutdown_timeout_s
+        self.handle_signals = handle_signals  # False where another framework owns the main thread (Celery)
+        self._cleanups: list[Callable[[], Awaitable[None] | None]] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.status: dict[str, Any] = {}  # extra fields reported by /healthz and the heartbeat
         self.checks: list[Callable[[], Awaitable[bool]]] = []
         self.started_at = time.time()
         self.port: int | None = None
         self.redis = connect(settings.redis_url)
         set_max_entry_bytes(settings.max_entry_bytes)  # every reader in this process refuses larger entries
-        self.app = self._build_app()
+        self.app = self._build_app()  # served on HEALTH_HOST:HEALTH_PORT; a service may replace it with its own
+
+    def on_stop(self, cleanup: Callable[[], Awaitable[None] | None]) -> None:
+        """Call `cleanup` (sync or async) at shutdown, after the loops ended; the last registered runs first, so
+        a part is closed before what it uses."""
+        self._cleanups.append(cleanup)
+
+    def stop_threadsafe(self) -> None:
+        """Ask the service to stop from another thread (set `stop` directly when on the loop's own thread)."""
+        if self._loop is None or self._loop.is_closed():
+            self.stop.set()
+        else:
+            self._loop.call_soon_threadsafe(self.stop.set)
 
     def _build_app(self) -> FastAPI:
         app = FastAPI(title=f"{self.service} health", docs_url=None, redoc_url=None, openapi_url=None)
@@ -84,11 +165,37 @@ class ServiceRuntime:
             ok = not self.stop.is_set() and all([await c() for c in self.checks])
             return Response(json.dumps(self.health()), status_code=200 if ok else 503, media_type="application/json")
 
+        @app.get("/readyz")
+        async def readyz() -> Response:
+            reachable = await self.reachable()
+            ok = not self.stop.is_set() and all(reachable.values()) and all([await c() for c in self.checks])
+            body = {"ready": ok, "service": self.service, "worker_id": self.worker_id, **reachable}
+            return Response(json.dumps(body), status_code=200 if ok else 503, media_type="application/json")
+
         @app.get("/metrics")
         async def metrics() -> Response:
             return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
         return app
+
+    async def reachable(self) -> dict[str, bool]:
+        """Whether each dependency answers now, each within READINESS_TIMEOUT_S."""
+        probes = {"redis": self._redis_answers, "postgres": self._postgres_answers}
+        answers = await asyncio.gather(*(_within(probes[d](), READINESS_TIMEOUT_S) for d in self.dependencies))
+        return dict(zip(self.dependencies, answers, strict=True))
+
+    async def _redis_answers(self) -> bool:
+        return bool(await self.redis.ping())
+
+    async def _postgres_answers(self) -> bool:
+        import psycopg
+        from sqlalchemy.engine import make_url
+
+        # A connection per probe, not the service's pool: the probe must not queue behind busy work.
+        url = make_url(self.settings.database_url).set(drivername="postgresql").render_as_string(hide_password=False)
+        async with await psycopg.AsyncConnection.connect(url, connect_timeout=2) as conn:
+            await conn.execute("SELECT 1")
+        return True
 
     def health(self) -> dict[str, Any]:
         return {
@@ -113,9 +220,9 @@ class ServiceRuntime:
     async def _serve_http(self) -> None:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("0.0.0.0", self.settings.health_port))
+        sock.bind((self.settings.health_host, self.settings.health_port))
         self.port = sock.getsockname()[1]
-        config = uvicorn.Config(self.app, log_level="warning", lifespan="off")
+        config = uvicorn.Config(self.app, log_level="warning", lifespan="off", timeout_graceful_shutdown=10)
         server = uvicorn.Server(config)
         server.install_signal_handlers = lambda: None  # the runtime owns signals
         task = asyncio.create_task(server.serve(sockets=[sock]))
@@ -124,21 +231,23 @@ class ServiceRuntime:
         await task
 
     def _install_signals(self) -> None:
+        if not self.handle_signals:
+            return
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stop.set)
 
-    async def run(
-        self, loops: list[Coroutine[Any, Any, Any]], on_stop: Callable[[], Awaitable[None]] | None = None
-    ) -> int:
-        """Run the service's loops until a signal or a loop failure; returns the process exit code."""
+    async def run(self, loops: list[Coroutine[Any, Any, Any]]) -> int:
+        """Run the service's loops until a signal or a loop failure, then shut down (loops, then the `on_stop`
+        cleanups) within `shutdown_timeout_s`; returns the process exit code."""
+        self._loop = asyncio.get_running_loop()
         # What start-up imported and built (transformers alone: millions of objects) stays out of the cyclic
         # collector's full passes, which otherwise stalled the event loop ~0.2 s each under load.
         gc.freeze()
         self._install_signals()
         UP.labels(self.service).set(1)
         tasks = [asyncio.create_task(c) for c in loops]
-        infra = [asyncio.create_task(self._serve_http()), asyncio.create_task(self._heartbeat())]
+        http, beat = asyncio.create_task(self._serve_http()), asyncio.create_task(self._heartbeat())
         stop_wait = asyncio.create_task(self.stop.wait())
         done, _ = await asyncio.wait([*tasks, stop_wait], return_when=asyncio.FIRST_COMPLETED)
         code = 0
@@ -150,19 +259,35 @@ class ServiceRuntime:
         self.stop.set()
         UP.labels(self.service).set(0)
         try:
-            await asyncio.wait_for(self._shutdown(tasks, on_stop), self.shutdown_timeout_s)
+            await asyncio.wait_for(self._shutdown(tasks, http), self.shutdown_timeout_s)
         except TimeoutError:
             log.error("shutdown exceeded %.0fs; cancelling", self.shutdown_timeout_s)
             for t in tasks:
                 t.cancel()
             code = code or 1
-        for t in infra:
+        for t in (http, beat):
             t.cancel()
-        await asyncio.gather(*infra, return_exceptions=True)
+        await asyncio.gather(http, beat, return_exceptions=True)
         await self.redis.aclose()
         return code
 
-    async def _shutdown(self, tasks: list[asyncio.Task], on_stop: Callable[[], Awaitable[None]] | None) -> None:
-        await asyncio.gather(*tasks, return_exceptions=True)
-        if on_stop is not None:
-            await on_stop()
+    async def _shutdown(self, tasks: list[asyncio.Task], http: asyncio.Task) -> None:
+        # The loops end and the HTTP server finishes the requests in flight (uploads, API calls) before the
+        # cleanups close what they use.
+        await asyncio.gather(*tasks, http, return_exceptions=True)
+        for cleanup in reversed(self._cleanups):
+            try:
+                if asyncio.iscoroutine(done := cleanup()):
+                    await done
+            except Exception:  # the other parts still get closed
+                log.exception("%s: cleanup %r failed", self.service, cleanup)
+
+
+async def _within(probe: Awaitable[bool], timeout_s: float) -> bool:
+    """A probe's answer, or False when it fails or takes longer than timeout_s."""
+    from redis.exceptions import RedisError
+
+    try:
+        return await asyncio.wait_for(probe, timeout_s)
+    except (TimeoutError, OSError, RedisError, *DB_DOWN):
+        return False

@@ -27,6 +27,7 @@ class ServiceSettings(BaseSettings):
     worker_id: str | None = Field(None, description="Stable consumer name; defaults to <host>-<pid>")
     log_format: str = Field("auto", description="'json', 'text', or 'auto' (json when not a TTY)")
     log_level: str = Field("INFO")
+    health_host: str = Field("0.0.0.0", description="Interface the /healthz and /metrics server binds")
     health_port: int = Field(0, description="Port for /healthz and /metrics; 0 picks a free port")
     heartbeat_interval_s: float = Field(2.0, gt=0)
     max_entry_bytes: int = Field(

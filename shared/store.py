@@ -1,4 +1,5 @@
-"""TrajectoryStore: writes EpisodeResults (stream `trajectories`, group "store") into Postgres.
+"""TrajectoryStore: writes EpisodeResults (stream `trajectories`, group "store") into Postgres; the one place
+that decides whether a result is accepted.
 
     store = TrajectoryStore(make_engine(url))
     outcome = store.write(results)   # one transaction; ack the stream entries after it returns
@@ -15,6 +16,11 @@ Guarantees:
 - `status="failed"` results mark the ledger row failed with the error and store the episode row (no
   trajectories: they are never trained on); the controller re-dispatches attempt+1 while attempts remain.
 
+- What to train on (`StoreOutcome.to_train`): the completed results of training runs that this write accepted,
+  plus completed re-deliveries of attempts already stored (the first publish may have been lost in a crash).
+  The caller publishes them to `results.accepted` after the commit and before acknowledging `trajectories`,
+  so the trainer sees only what the store accepted: a late result never reaches it.
+
 Ledger rows are locked (SELECT ... FOR UPDATE, in key order) so two store consumers never both apply
 results for the same attempt. Rows go in with a binary COPY into temp tables then INSERT ... SELECT ... ON
 CONFLICT DO NOTHING (`method="copy"`, the default: measured faster in bench/rollout.py), or with multi-row
@@ -24,6 +30,7 @@ INSERT ... VALUES (`method="values"`).
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -34,39 +41,30 @@ import numpy as np
 from psycopg.adapt import Dumper
 from psycopg.pq import Format
 from psycopg.types.json import Jsonb
-from sqlalchemy import Engine
+from sqlalchemy import Column, Engine, Table, and_, select
+from sqlalchemy.dialects import postgresql
 
+from shared.db.models import EpisodeRow, StepRow, TokenArrayRow, TrajectoryRow
 from shared.messages.trajectory import EpisodeResult, TrajectoryRecord
 
 _ID_NAMESPACE = uuid.UUID("5b0c4cf0-6f5e-4c1d-9a56-6a1f0f8f4f10")
 _MAX_PARAMS = 60_000  # Postgres caps bind parameters per statement at 65535
 
-# (table, [(column, postgres type)]); the order is the row tuples' order.
+
+def _copy_spec(table: Table) -> list[tuple[str, str]]:
+    """(column, Postgres type) of the columns the store writes, in the models' order (the row tuples' order):
+    all but those the database fills itself (created_at). Types as psycopg's COPY names them: "FLOAT" is
+    Postgres's float8, and lengths such as varchar(200) are the column's business, not the wire's."""
+    def pg_type(column: Column) -> str:
+        name = re.sub(r"\(\d+\)", "", column.type.compile(dialect=postgresql.dialect()).lower())
+        return {"float": "float8"}.get(name, name)
+
+    return [(c.name, pg_type(c)) for c in table.columns if c.server_default is None]
+
+
+# The four tables a result writes, derived from shared/db/models.py (the one copy of the schema).
 TABLES: dict[str, list[tuple[str, str]]] = {
-    "episodes": [
-        ("id", "uuid"), ("run_id", "uuid"), ("task_id", "text"), ("sample_idx", "int4"), ("attempt", "int4"),
-        ("status", "text"), ("termination_reason", "text"), ("is_correct", "bool"), ("reward", "float8"),
-        ("greedy", "bool"), ("batch_idx", "int4"), ("policy_version_min", "int4"), ("policy_version_max", "int4"),
-        ("task", "jsonb"), ("metrics", "jsonb"), ("info", "jsonb"), ("error", "text"), ("worker_id", "text"),
-        ("started_at", "timestamptz"), ("finished_at", "timestamptz"),
-    ],
-    "trajectories": [
-        ("id", "uuid"), ("episode_id", "uuid"), ("run_id", "uuid"), ("task_id", "text"), ("sample_idx", "int4"),
-        ("attempt", "int4"), ("traj_idx", "int4"), ("uid", "text"), ("name", "text"), ("reward", "float8"),
-        ("termination_reason", "text"), ("num_steps", "int4"), ("prompt_tokens", "int4"),
-        ("response_tokens", "int4"), ("policy_version_min", "int4"), ("policy_version_max", "int4"),
-        ("mismatch", "bool"), ("info", "jsonb"),
-    ],
-    "steps": [
-        ("trajectory_id", "uuid"), ("step_idx", "int4"), ("chat_completions", "jsonb"), ("observation", "jsonb"),
-        ("thought", "text"), ("action", "jsonb"), ("model_response", "text"), ("reward", "float8"),
-        ("done", "bool"), ("mc_return", "float8"), ("info", "jsonb"), ("weight_version", "int4"),
-        ("prompt_tokens", "int4"), ("response_tokens", "int4"), ("gen_ms", "float8"), ("env_ms", "float8"),
-    ],
-    "token_arrays": [
-        ("trajectory_id", "uuid"), ("step_idx", "int4"), ("prompt_ids", "int4[]"), ("response_ids", "int4[]"),
-        ("logprobs", "float4[]"), ("loss_mask", "int2[]"), ("versions", "int4[]"),
-    ],
+    model.__tablename__: _copy_spec(model.__table__) for model in (EpisodeRow, TrajectoryRow, StepRow, TokenArrayRow)
 }
 
 Key = tuple[str, str, int, int]  # (run_id, task_id, sample_idx, attempt)
@@ -82,6 +80,7 @@ class StoreOutcome:
     late: list[Key] = field(default_factory=list)
     rows: int = 0  # rows inserted across the four trajectory tables
     ended: list[tuple[Key, str]] = field(default_factory=list)  # ledger rows this write ended, new status
+    to_train: list[EpisodeResult] = field(default_factory=list)  # for `results.accepted` (module docstring)
 
 
 def episode_id(key: Key) -> uuid.UUID:
@@ -106,7 +105,7 @@ class TrajectoryStore:
             return outcome
         with self.engine.begin() as conn:
             cur = conn.connection.driver_connection.cursor()
-            ledger = _lock_ledger(cur, [r.key for r in results])
+            ledger, train_runs = _lock_ledger(cur, [r.key for r in results])
             accepted, late = _classify(results, ledger, outcome)
             rows = build_rows(accepted)
             outcome.rows = sum(len(v) for v in rows.values())
@@ -116,11 +115,20 @@ class TrajectoryStore:
             _finish_ledger(cur, accepted)
             _record_late(cur, late)
         outcome.ended = [(r.key, r.status) for r in accepted]
+        stored = {r.key for r in accepted} | {k for k, status in ledger.items() if status == "completed"}
+        once: dict[Key, EpisodeResult] = {}
+        for r in results:  # the first of a key is the one stored
+            if r.status == "completed" and r.key in stored and r.run_id in train_runs:
+                once.setdefault(r.key, r)
+        outcome.to_train = list(once.values())
         return outcome
 
 
 # -- acceptance -------------------------------------------------------------------------------------------------
-def _lock_ledger(cur, keys: list[Key]) -> dict[Key, str]:
+# The write path runs on the driver's cursor: binary COPY and one array per column keep ingest fast
+# (bench/rollout.py), and the ledger lock (FOR UPDATE in key order) is spelled out where it is taken.
+def _lock_ledger(cur, keys: list[Key]) -> tuple[dict[Key, str], set[str]]:
+    """Ledger status of each key (locked until commit), and which of their runs are training runs."""
     cur.execute(
         """SELECT t.run_id::text, t.task_id, t.sample_idx, t.attempt, t.status FROM rollout_tasks t
            JOIN unnest(%s::uuid[], %s::text[], %s::int[], %s::int[]) AS k(run_id, task_id, sample_idx, attempt)
@@ -128,7 +136,12 @@ def _lock_ledger(cur, keys: list[Key]) -> dict[Key, str]:
            ORDER BY 1, 2, 3, 4 FOR UPDATE OF t""",
         [list(col) for col in zip(*sorted(set(keys)), strict=True)],
     )
-    return {(r[0], r[1], r[2], r[3]): r[4] for r in cur.fetchall()}
+    ledger = {(r[0], r[1], r[2], r[3]): r[4] for r in cur.fetchall()}
+    # The run kinds apart: joining `runs` into the query above made the planner hash-join a sequential scan of
+    # the whole ledger (Postgres CPU per stored trajectory grew with the run, 4 ms at 24k tasks).
+    cur.execute("SELECT id::text FROM runs WHERE id = ANY(%s::uuid[]) AND kind = 'train'",
+                [sorted({k[0] for k in ledger})])
+    return ledger, {r[0] for r in cur.fetchall()}
 
 
 def _classify(
@@ -180,6 +193,38 @@ def _record_late(cur, late: list[tuple[EpisodeResult, str | None]]) -> None:
                 f"{ledger_status or 'never dispatched'}; not stored",
             },
         )
+
+
+# -- reading back -----------------------------------------------------------------------------------------------
+def load_results(conn, run_id: str, groups: set[tuple[str, int]] | None = None) -> list[EpisodeResult]:
+    """The stored completed results of a run (those of `groups`, (task_id, batch_idx), when given), rebuilt from
+    their rows with what training needs: each trajectory's assembled tokens, rewards and reasons. For replaying
+    `results.accepted` when Redis lost it (the steps' texts are not reloaded)."""
+    e, t, a = EpisodeRow, TrajectoryRow, TokenArrayRow
+    rows = conn.execute(
+        select(e.task_id, e.sample_idx, e.attempt, e.termination_reason, e.is_correct, e.reward, e.batch_idx,
+               e.greedy, e.worker_id, t.uid, t.name, t.reward.label("t_reward"),
+               t.termination_reason.label("t_reason"), t.mismatch, a.prompt_ids, a.response_ids, a.logprobs,
+               a.loss_mask, a.versions)
+        .outerjoin(t, t.episode_id == e.id).outerjoin(a, and_(a.trajectory_id == t.id, a.step_idx == -1))
+        .where(e.run_id == uuid.UUID(run_id), e.status == "completed")
+        .order_by(e.task_id, e.sample_idx, e.attempt, t.traj_idx)).all()
+    out: dict[tuple, EpisodeResult] = {}
+    for r in rows:
+        if groups is not None and (r.task_id, r.batch_idx) not in groups:
+            continue
+        key = (r.task_id, r.sample_idx, r.attempt)
+        if key not in out:
+            out[key] = EpisodeResult(
+                run_id=run_id, task_id=r.task_id, sample_idx=r.sample_idx, attempt=r.attempt, status="completed",
+                termination_reason=r.termination_reason, is_correct=r.is_correct, reward=r.reward,
+                batch_idx=r.batch_idx, greedy=r.greedy, worker_id=r.worker_id)
+        if r.uid is not None:
+            out[key].trajectories.append(TrajectoryRecord(
+                uid=r.uid, name=r.name, reward=r.t_reward, termination_reason=r.t_reason, mismatch=r.mismatch,
+                prompt_ids=r.prompt_ids or [], response_ids=r.response_ids or [], logprobs=r.logprobs or [],
+                loss_mask=r.loss_mask or [], versions=r.versions or []))
+    return list(out.values())
 
 
 # -- rows -------------------------------------------------------------------------------------------------------

@@ -1,15 +1,36 @@
-"""Every Redis key and stream name the system uses, in one place. Direction is noted on each."""
+"""Every Redis key and stream name the system uses, in one place.
 
-ROLLOUT_TASKS = "rollout.tasks"  # controller -> rollout workers (group "rollout")
-ENV_REQUESTS = "env.requests"  # rollout worker -> any env worker: first `reset` of a session (group "env")
-TRAJECTORIES = "trajectories"  # rollout workers -> groups "store" (controller) and "train" (trainer)
-WEIGHTS = "weights"  # weight server -> rollout workers (each reads with its own cursor, no group)
-RUN_EVENTS = "run.events"  # any service -> API/dashboard (informational, trimmed)
+The path of a trajectory is linear: rollout worker -> `trajectories` -> the store (the one place that decides
+acceptance, under row locks on the ledger) -> `results.accepted` -> trainer. The trainer reports back to the
+controller on `trainer.progress`; nothing crosses services through another service's tables.
+
+| stream | producer | consumer (group) | message | acknowledged when |
+|---|---|---|---|---|
+| `rollout.tasks` | controller (after the ledger row commits) | rollout workers (`rollout`) | `RolloutTask` | the task's `EpisodeResult` is on `trajectories` |
+| `env.requests` | rollout worker: first `reset` of a session | any env worker (`env`) | `EnvRequest` | the reply is written (the session now lives in that worker) |
+| `env.inbox.<env worker>` | rollout worker: `step` / `close` of a session | that env worker (`env`) | `EnvRequest` | the reply is written |
+| `env.replies.<rollout worker>` | env workers | that rollout worker (no group, own cursor) | `EnvReply` | never (read by cursor; trimmed by MAXLEN) |
+| `trajectories` | rollout workers | controller's store (`store`) | `EpisodeResult` | the store transaction committed and every accepted result's `AcceptedResult` is on `results.accepted` |
+| `results.accepted` | controller: completed results the store accepted (after commit) and slots out of attempts | trainer (`train`) | `AcceptedResult` | the trainer's effect is durable: the step that used it committed, or its drop / exclusion recorded in `train_samples` |
+| `trainer.progress` | trainer, after each step is recorded and published / each drop is recorded (and again when it opens a run) | controller (`controller`) | `TrainerProgress` | `runs.policy_version` and `consumed_groups` are updated |
+| `weights` | weight server, after a checkpoint is durable | rollout workers (no group, own cursor) | `WeightsPublished` | never (read by cursor; trimmed by MAXLEN) |
+| `<stream>.dlq` | `StreamConsumer` of `<stream>` | controller (`controller`) for `rollout.tasks.dlq`; people otherwise | the original entry + `dlq_*` fields | the failure is recorded in the ledger (`rollout.tasks.dlq`) |
+| `run.events` | reserved (nothing publishes to it yet) | API (monitoring only) | - | - |
+"""
+
+ROLLOUT_TASKS = "rollout.tasks"
+ENV_REQUESTS = "env.requests"
+TRAJECTORIES = "trajectories"
+ACCEPTED_RESULTS = "results.accepted"
+TRAINER_PROGRESS = "trainer.progress"
+WEIGHTS = "weights"
+RUN_EVENTS = "run.events"
 
 GROUP_ROLLOUT = "rollout"
 GROUP_ENV = "env"
 GROUP_STORE = "store"
 GROUP_TRAIN = "train"
+GROUP_CONTROLLER = "controller"
 
 
 def env_inbox(env_worker_id: str) -> str:
@@ -35,6 +56,7 @@ def heartbeat_key(service: str, worker_id: str) -> str:
 HEARTBEAT_PATTERN = "heartbeat:*"
 
 
-def trainer_lease_key(run_id: str) -> str:
-    """Expiring key naming the trainer process that owns a training run (value: its worker id)."""
-    return f"trainer:lease:{run_id}"
+def epoch_key() -> str:
+    """Key the controller sets once Redis holds its streams. Its absence means Redis lost its data (or is new):
+    the controller then replays from Postgres what the trainer may never have received (`results.accepted`)."""
+    return "streams:epoch"

@@ -58,6 +58,9 @@ class Step:
     advantage: list[float] | float | None = None
     # Policy version of the weights that produced response_ids (None before generation).
     weight_version: int | None = None
+    # Milliseconds spent generating this step's response and in the environment's step (the rollout worker).
+    gen_ms: float = 0.0
+    env_ms: float = 0.0
 
     def __post_init__(self):
         self.chat_completions = copy.deepcopy(self.chat_completions)

@@ -13,7 +13,7 @@ from typing import Any
 from shared.agent import BaseEnv
 from shared.builtin import rewards
 from shared.builtin.sandbox import SandboxLimits, run_python
-from shared.builtin.tools import Bm25Index, PythonTool, SearchTool, load_corpus_index
+from shared.builtin.tools import Bm25Index, FinishTool, PythonTool, SearchTool, load_corpus_index
 
 
 def _response_text(action: Any) -> str:
@@ -22,8 +22,15 @@ def _response_text(action: Any) -> str:
     return "" if action is None else str(action)
 
 
+# `required_fields`: the fields every dataset row (merged with env.args) must have, each entry a tuple of
+# alternatives; POST /v1/runs refuses a dataset with rows that lack one, before any rollout.
+GROUND_TRUTH = ("ground_truth", "answer", "solution")  # what rewards.ground_truths reads
+
+
 class SingleTurnEnv(BaseEnv):
     """Shows the task, grades one response with `reward_fn`, done."""
+
+    required_fields: tuple[tuple[str, ...], ...] = ()
 
     reward_fn = staticmethod(rewards.math_reward)
 
@@ -45,6 +52,8 @@ class SingleTurnEnv(BaseEnv):
 class MathEnv(SingleTurnEnv):
     """Question in `question` (or `problem`), reference in `ground_truth`; rewards.math_reward grades."""
 
+    required_fields = (("question", "problem"), GROUND_TRUTH)
+
     def __init__(self, task: dict):
         if "question" not in task and "problem" in task:
             task = {**task, "question": task["problem"]}
@@ -54,6 +63,7 @@ class MathEnv(SingleTurnEnv):
 
 class CountdownEnv(SingleTurnEnv):
     reward_fn = staticmethod(rewards.countdown_reward)
+    required_fields = (("nums",), ("target",))
 
     def __init__(self, task: dict):
         for key in ("nums", "target"):
@@ -68,6 +78,7 @@ class FrozenLakeEnv(BaseEnv):
     Actions are the words Left/Down/Right/Up (or gymnasium's ids 0-3). Reward 1 on reaching G."""
 
     ACTIONS = {"left": 0, "down": 1, "right": 2, "up": 3}
+    required_fields = (("map",),)
 
     def __init__(self, desc: list[str], is_slippery: bool = False, seed: int = 0, max_turns: int = 32):
         from gymnasium.envs.toy_text.frozen_lake import FrozenLakeEnv as GymFrozenLake
@@ -113,10 +124,15 @@ class FrozenLakeEnv(BaseEnv):
 
 class ToolEnv(BaseEnv):
     """Multi-turn tool use. An action is {"tool_calls": [{"name", "arguments"}]} (tools run, their outputs are
-    the next observation) or a final response string (graded with `reward_fn`, done)."""
+    the next observation) or a final response string (graded with `reward_fn`, done). As in rLLM, every tool env
+    also offers `finish`: a call to it ends the episode, its `response` argument graded as the final response
+    (other calls in the same turn are not run)."""
+
+    required_fields = (GROUND_TRUTH,)
 
     def __init__(self, task: dict, tools: dict[str, Any], reward_fn=rewards.math_reward, max_turns: int = 5):
-        self.task, self.tools, self.reward_fn, self.max_turns = task, tools, reward_fn, max_turns
+        self.task, self.reward_fn, self.max_turns = task, reward_fn, max_turns
+        self.tools = {**tools, FinishTool.name: FinishTool()}
         self.turns = 0
 
     def reset(self) -> tuple[dict, dict]:
@@ -127,10 +143,17 @@ class ToolEnv(BaseEnv):
         self.turns += 1
         calls = action.get("tool_calls") if isinstance(action, dict) else None
         if not calls:
-            out = self.reward_fn(self.task, _response_text(action))
-            return {}, out.reward, True, {"is_correct": out.is_correct, **out.metadata}
+            return self.finish(_response_text(action))
+        finish = next((c for c in calls if isinstance(c, dict) and c.get("name") == FinishTool.name), None)
+        if finish is not None:
+            return self.finish(FinishTool.final_response(finish.get("arguments")), via_tool=True)
         outputs = [{"name": c.get("name"), "content": self.call_tool(c)} for c in calls]
         return {"tool_outputs": outputs}, 0.0, self.turns >= self.max_turns, {"num_tool_calls": len(calls)}
+
+    def finish(self, response: str, via_tool: bool = False) -> tuple[dict, float, bool, dict]:
+        out = self.reward_fn(self.task, response)
+        info = {"is_correct": out.is_correct, **out.metadata}
+        return {}, out.reward, True, ({**info, "finished_by": "finish_tool"} if via_tool else info)
 
     def call_tool(self, call: dict) -> str:
         tool = self.tools.get(call.get("name"))
@@ -151,6 +174,7 @@ class CodeEnv(BaseEnv):
     """Runs the response's last ```python block followed by the task's `tests` (assert statements) in the
     sandbox. Reward 1 when everything passes; with `max_turns` > 1 a failure is shown as feedback."""
 
+    required_fields = (("tests",),)
     CODE_BLOCK = re.compile(r"```(?:python|py)?\n(.*?)```", re.S)
 
     def __init__(self, task: dict, max_turns: int = 1, limits: SandboxLimits | None = None):

@@ -1,4 +1,5 @@
-"""Tools the built-in tool-use envs offer: a sandboxed Python interpreter and BM25 search over a local corpus.
+"""Tools the built-in tool-use envs offer: a sandboxed Python interpreter, BM25 search over a local corpus, and
+`finish` (rLLM's: the call that ends the episode with a final answer, graded by the env).
 
 A tool has a `name`, a JSON `schema` (OpenAI function format, what Qwen's chat template lists in <tools>) and
 `__call__(**arguments) -> str` (the observation the agent sees). Tools never raise on bad arguments: the
@@ -37,6 +38,28 @@ class PythonTool:
         if result.ok:
             return result.stdout or "(no output; use print())"
         return f"Error: {result.error}\n{result.stdout}{result.stderr[-2000:]}".strip()
+
+
+class FinishTool:
+    """Ends the episode: ToolEnv grades `response` as the final answer instead of running anything."""
+
+    name = "finish"
+    schema = {
+        "type": "function",
+        "function": {
+            "name": "finish",
+            "description": "Submit your final answer and end the task. Put the answer in `response` the way the "
+                           "task asks for it (e.g. \\boxed{...} for math).",
+            "parameters": {"type": "object", "properties": {"response": {"type": "string"}},
+                           "required": ["response"]},
+        },
+    }
+
+    @staticmethod
+    def final_response(arguments: Any) -> str:
+        """The answer a finish call submits ("" when the call is malformed: graded as no answer)."""
+        response = arguments.get("response") if isinstance(arguments, dict) else None
+        return response if isinstance(response, str) else ""
 
 
 _TOKEN = re.compile(r"\w+")

@@ -55,15 +55,39 @@ class Run(Base):
     policy_version: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
     error: Mapped[str | None] = mapped_column(Text)
     summary: Mapped[dict] = mapped_column(JSONB, nullable=False, default=dict)  # e.g. pass@k for eval runs
-    # Controller lease: at most one controller drives a run; another takes over once it expires.
-    lease_owner: Mapped[str | None] = mapped_column(String(200))
-    lease_expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     created_at: Mapped[datetime] = _now()
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     updated_at: Mapped[datetime] = mapped_column(
         DateTime(timezone=True), server_default=func.now(), onupdate=func.now(), nullable=False
     )
+
+
+class RunLease(Base):
+    """Who owns a run, per role ("controller", "trainer"): see shared/leases.py. Expiry is judged by the
+    database's clock, so hosts with skewed clocks never both believe they hold a lease."""
+
+    __tablename__ = "run_leases"
+
+    run_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    role: Mapped[str] = mapped_column(String(32), primary_key=True)
+    owner: Mapped[str] = mapped_column(String(200), nullable=False)
+    expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
+
+
+class ConsumedGroup(Base):
+    """The controller's record of what the trainer consumed, one row per group (task, batch), from the
+    `trainer.progress` stream: used by a step, or dropped with a reason (stale, filtered, incomplete, excluded).
+    Dropped groups widen the dispatch window so replacements are dispatched."""
+
+    __tablename__ = "consumed_groups"
+
+    run_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    task_id: Mapped[str] = mapped_column(String(200), primary_key=True)
+    batch_idx: Mapped[int] = mapped_column(Integer, primary_key=True)
+    status: Mapped[str] = mapped_column(String(16), nullable=False)
+    version: Mapped[int] = mapped_column(Integer, nullable=False)
+    created_at: Mapped[datetime] = _now()
 
 
 class RunEvent(Base):
@@ -78,12 +102,16 @@ class RunEvent(Base):
 
 
 class Dataset(Base):
+    """One immutable version of a dataset split: re-importing (name, split) adds version n+1 and never touches
+    the rows of earlier versions, which the runs that pinned them keep reading."""
+
     __tablename__ = "datasets"
-    __table_args__ = (UniqueConstraint("name", "split", name="uq_datasets_name_split"),)
+    __table_args__ = (UniqueConstraint("name", "split", "version", name="uq_datasets_name_split_version"),)
 
     id: Mapped[uuid.UUID] = _uuid_pk()
     name: Mapped[str] = mapped_column(String(200), nullable=False)
     split: Mapped[str] = mapped_column(String(64), nullable=False, default="train")
+    version: Mapped[int] = mapped_column(Integer, nullable=False, default=1, server_default="1")
     source: Mapped[str] = mapped_column(Text, nullable=False, default="")  # file path, generator name, upload
     num_rows: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
     info: Mapped[dict] = mapped_column(JSONB, nullable=False, default=dict)
@@ -281,10 +309,10 @@ class Job(Base):
 
 
 class TrainSample(Base):
-    """What the trainer consumed: each accepted (run, task, sample) once, with the policy version whose step
-    used it (`status="used"`, `baseline` for ReMax's greedy sample) or why it was not trained on (stale,
-    filtered, incomplete, excluded). The primary key is the acceptance rule's identity, so no sample can be
-    trained on twice, even across trainer restarts."""
+    """The trainer's own record of what it consumed from `results.accepted`: each (run, task, sample) once,
+    with the policy version whose step used it (`status="used"`, `baseline` for ReMax's greedy sample) or why it
+    was not trained on (stale, filtered, incomplete, excluded; `abandoned`: the controller announced the slot
+    out of attempts). The primary key makes a second use of a sample impossible, even across restarts."""
 
     __tablename__ = "train_samples"
 
@@ -293,7 +321,8 @@ class TrainSample(Base):
     sample_idx: Mapped[int] = mapped_column(Integer, primary_key=True)
     attempt: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
     version: Mapped[int] = mapped_column(Integer, nullable=False)  # the policy version the step produced
-    status: Mapped[str] = mapped_column(String(16), nullable=False)  # used | baseline | stale | filtered | incomplete | excluded
+    status: Mapped[str] = mapped_column(String(16), nullable=False)  # used | baseline | stale | filtered | incomplete | excluded | abandoned
     generated_version: Mapped[int | None] = mapped_column(Integer)  # oldest policy version in the sample
+    batch_idx: Mapped[int | None] = mapped_column(Integer)  # with task_id, the sample's group
     created_at: Mapped[datetime] = _now()
 

@@ -8,10 +8,12 @@
 from shared.messages.codec import MESSAGE_TYPES, Message, MessageDecodeError, decode, encode
 from shared.messages.env import EnvReply, EnvRequest
 from shared.messages.rollout import RolloutTask
+from shared.messages.training import AcceptedResult, ConsumedGroup, TrainerProgress
 from shared.messages.trajectory import EpisodeResult, StepRecord, TrajectoryRecord
 from shared.messages.weights import WeightsPublished
 
 __all__ = [
-    "MESSAGE_TYPES", "EnvReply", "EnvRequest", "EpisodeResult", "Message", "MessageDecodeError",
-    "RolloutTask", "StepRecord", "TrajectoryRecord", "WeightsPublished", "decode", "encode",
+    "MESSAGE_TYPES", "AcceptedResult", "ConsumedGroup", "EnvReply", "EnvRequest", "EpisodeResult", "Message",
+    "MessageDecodeError", "RolloutTask", "StepRecord", "TrainerProgress", "TrajectoryRecord", "WeightsPublished",
+    "decode", "encode",
 ]

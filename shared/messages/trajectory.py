@@ -1,4 +1,5 @@
-"""Stream `trajectories`: rollout workers -> trajectory store (group "store") and trainer (group "train").
+"""Stream `trajectories`: rollout workers -> the trajectory store (group "store"), which passes what it accepts on
+to the trainer (`results.accepted`, see shared/messages/training.py).
 
 One `EpisodeResult` per (run, task, sample, attempt). `status="failed"` is an infrastructure failure (lost env
 session, inference down after retries): recorded, re-dispatched by the controller as a new attempt, never
@@ -41,7 +42,8 @@ class StepRecord(BaseModel):
             prompt_ids=step.prompt_ids, response_ids=step.response_ids, logprobs=step.logprobs,
             chat_completions=step.chat_completions, observation=step.observation, thought=step.thought,
             action=action, model_response=step.model_response, info=step.info, reward=step.reward,
-            done=step.done, mc_return=step.mc_return, weight_version=step.weight_version, **timing,
+            done=step.done, mc_return=step.mc_return, weight_version=step.weight_version,
+            **({"gen_ms": step.gen_ms, "env_ms": step.env_ms} | timing),
         )
 
 
