@@ -10,10 +10,13 @@ import hashlib
 import hmac
 import secrets
 from dataclasses import dataclass
+from typing import Annotated
 
-from fastapi import HTTPException, Request
+from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy import select
 
+from services.api.errors import ApiError
 from shared.db.models import ApiToken
 
 SCOPES = ("read", "write", "admin")
@@ -55,12 +58,16 @@ def required_scope(request: Request) -> str:
     return "read" if request.method in ("GET", "HEAD", "OPTIONS") else "write"
 
 
-def _bearer(request: Request) -> str:
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not token.strip():
-        raise HTTPException(401, "missing bearer token: send 'Authorization: Bearer <token>'",
-                            headers={"WWW-Authenticate": "Bearer"})
-    return token.strip()
+# Declares the bearer scheme in the OpenAPI (so tools can test auth); errors are ours, in the one error shape.
+BEARER = HTTPBearer(auto_error=False, description="API_TOKEN, or a token made with POST /v1/tokens")
+CHALLENGE = {"WWW-Authenticate": "Bearer"}
+
+
+def _bearer(credentials: HTTPAuthorizationCredentials | None) -> str:
+    if credentials is None or not credentials.credentials.strip():
+        raise ApiError(401, "missing bearer token", hint="send 'Authorization: Bearer <token>' (the dashboard: "
+                       "enter the token top right, or open /ui/?token=<token>)", headers=CHALLENGE)
+    return credentials.credentials.strip()
 
 
 def principal_for(request: Request, token: str) -> Principal | None:
@@ -75,12 +82,14 @@ def principal_for(request: Request, token: str) -> Principal | None:
     return Principal(row.name, frozenset(row.scopes)) if row else None
 
 
-def authorize(request: Request) -> Principal:
+def authorize(request: Request,
+              credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(BEARER)]) -> Principal:
     """Router dependency of every /v1 route: 401 without a valid token, 403 without the route's scope."""
-    principal = principal_for(request, _bearer(request))
+    principal = principal_for(request, _bearer(credentials))
     if principal is None:
-        raise HTTPException(401, "invalid or revoked token", headers={"WWW-Authenticate": "Bearer"})
+        raise ApiError(401, "invalid or revoked token", hint="check FLYWHEEL_TOKEN / API_TOKEN", headers=CHALLENGE)
     scope = required_scope(request)
     if not principal.can(scope):
-        raise HTTPException(403, f"token {principal.name!r} lacks the {scope!r} scope this route needs")
+        raise ApiError(403, f"token {principal.name!r} lacks the {scope!r} scope this route needs",
+                       hint="create a token with that scope: `flywheel tokens create NAME --scope SCOPE`")
     return principal

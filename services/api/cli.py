@@ -24,6 +24,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from services.api.schemas import ErrorBody
+
 app = typer.Typer(help="flywheel: RL post-training for LLM agents", no_args_is_help=True)
 runs_app = typer.Typer(help="start, list, watch and control runs", no_args_is_help=True)
 datasets_app = typer.Typer(help="import and list datasets", no_args_is_help=True)
@@ -48,20 +50,28 @@ def client() -> httpx.Client:
 
 
 def call(method: str, path: str, **kw) -> Any:
-    """One API call; an error response ends the command with the API's explanation."""
+    """One API call; an error response ends the command with the API's explanation (each problem's field,
+    message and hint)."""
     try:
         with client() as c:
             r = c.request(method, path, **kw)
     except httpx.HTTPError as e:
         _fail(f"cannot reach the API at {os.environ.get('FLYWHEEL_API_URL', 'http://127.0.0.1:8000')}: {e}")
     if r.status_code >= 400:
-        try:
-            body = r.json()
-            detail = body.get("message") or body.get("detail", body)
-        except ValueError:
-            detail = r.text
-        _fail(f"{r.status_code}: {detail if isinstance(detail, str) else json.dumps(detail)}")
+        _fail(f"{r.status_code}: {_error_text(r)}")
     return r.json() if r.content else None
+
+
+def _error_text(r: httpx.Response) -> str:
+    try:
+        body = ErrorBody.model_validate(r.json())
+    except ValueError:
+        return r.text[:2000]
+    if len(body.detail) == 1 and not body.detail[0].hint:
+        return body.message
+    lines = [(f"{i.field}: " if i.field else "") + i.message + (f"\n    hint: {i.hint}" if i.hint else "")
+             for i in body.detail]
+    return "\n  " + "\n  ".join(lines)
 
 
 def _fail(message: str) -> None:
@@ -108,22 +118,35 @@ def runs_list(status: Annotated[str | None, typer.Option(help="only runs with th
               limit: int = 50) -> None:
     params = {"limit": limit} | ({"status": status} if status else {})
     page = call("GET", "/v1/runs", params=params)
-    _table(f"runs ({page['total']})", ["id", "name", "kind", "status", "version", "created"],
+    _table(f"runs ({page['count']})", ["id", "name", "kind", "status", "version", "created"],
            [[r["id"], r["name"], r["kind"], r["status"], r["policy_version"], r["created_at"][:19]]
-            for r in page["items"]])
+            for r in page["data"]])
 
 
 @runs_app.command("show")
 def runs_show(run_id: str) -> None:
     run = call("GET", f"/v1/runs/{run_id}")
     console.print(f"[bold]{run['name']}[/bold] ({run['kind']}) status={run['status']} "
-                  f"policy_version={run['policy_version']}" + (f" error={run['error']}" if run["error"] else ""))
-    progress = run["progress"]
-    console.print(f"trajectories {progress['trajectories']}/{progress['expected'] or '?'}  ledger {run['ledger']}")
+                  f"policy_version={run['policy_version']}")
+    if run["error"]:
+        console.print(f"[red]error[/red] {run['error']}")
+    console.print(f"progress {_progress_text(run['progress'])}")
+    units, attempts = run["ledger"]["units"], run["ledger"]["attempts"]
+    console.print("samples " + _counts(units) + "\nattempts " + _counts(attempts))
     _table("latest metrics", ["metric", "step", "value"],
            [[k, v["step"], v["value"]] for k, v in sorted(run["latest_metrics"].items())])
     if run.get("pass_at_k"):
         _pass_at_k_table(run["pass_at_k"])
+
+
+def _progress_text(p: dict) -> str:
+    return f"{p['done']}/{p['total'] if p['total'] is not None else '?'} {p['unit']}"
+
+
+def _counts(c: dict[str, int]) -> str:
+    """"total 10 = completed 8 + failed 1 + ..." (the parts add up to the total)."""
+    parts = [f"{k.replace('_', ' ')} {v}" for k, v in c.items() if k != "total" and (v or k == "completed")]
+    return f"{c['total']} = " + " + ".join(parts)
 
 
 def _pass_at_k_table(pass_at_k: dict[str, float]) -> None:
@@ -132,9 +155,10 @@ def _pass_at_k_table(pass_at_k: dict[str, float]) -> None:
 
 @runs_app.command("watch")
 def runs_watch(run_id: str, interval_s: Annotated[float, typer.Option(help="poll period, seconds")] = 1.0) -> None:
-    """Live progress bar and mean reward per policy version until the run ends."""
+    """Live progress bar and mean reward per policy version until the run ends; when the output is not a
+    terminal, one progress line per change instead (so logs and pipes see it as it happens)."""
     run = _follow(run_id, interval_s)
-    console.print(f"run {run['name']} ended: {run['status']}" + (f" ({run['error']})" if run["error"] else ""))
+    console.print(f"run {run['name']} ended: {run['status']}" + (f": {run['error']}" if run["error"] else ""))
     if run.get("pass_at_k"):
         _pass_at_k_table(run["pass_at_k"])
     if run["status"] == "failed":
@@ -144,14 +168,20 @@ def runs_watch(run_id: str, interval_s: Annotated[float, typer.Option(help="poll
 def _follow(run_id: str, interval_s: float) -> dict:
     printed: set[int] = set()
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
-    with Progress(*columns, console=console) as bar:
-        task = bar.add_task("trajectories", total=None)
+    last_line = ""
+    with Progress(*columns, console=console, disable=not console.is_terminal) as bar:
+        task = bar.add_task("progress", total=None)
         while True:
             run = call("GET", f"/v1/runs/{run_id}")
             p = run["progress"]
-            bar.update(task, completed=p["trajectories"], total=p["expected"],
-                       description=f"{run['status']} v{run['policy_version']}")
-            for r in call("GET", f"/v1/runs/{run_id}/rewards")["items"]:
+            bar.update(task, completed=p["done"], total=p["total"],
+                       description=f"{run['status']} v{run['policy_version']} {p['unit']}")
+            line = f"{run['status']} v{run['policy_version']}: {_progress_text(p)}, failed samples " \
+                   f"{run['ledger']['units']['failed']}"
+            if not console.is_terminal and line != last_line:  # no live bar: print what changed
+                console.print(line)
+                last_line = line
+            for r in call("GET", f"/v1/runs/{run_id}/rewards")["data"]:
                 v = r["policy_version"]
                 if v is not None and v not in printed and (v < run["policy_version"] or run["status"] in TERMINAL):
                     printed.add(v)  # a version is printed once its trajectories are complete
@@ -245,7 +275,7 @@ def datasets_import(
 
 @datasets_app.command("list")
 def datasets_list() -> None:
-    items = call("GET", "/v1/datasets")["items"]
+    items = call("GET", "/v1/datasets")["data"]
     _table("datasets", ["name", "split", "rows", "source", "created"],
            [[d["name"], d["split"], d["num_rows"], d["source"], (d["created_at"] or "")[:19]] for d in items])
 
@@ -270,10 +300,10 @@ def sql(query: str, max_rows: int = 1000, as_json: Annotated[bool, typer.Option(
 
 @app.command("up", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def up(ctx: typer.Context) -> None:
-    """Start every service as local processes (infra.local_stack; options pass through, see `flywheel-stack
+    """Start every service as local processes (harness.stack; options pass through, see `flywheel-stack
     --help`); embedded Redis/Postgres when REDIS_URL/DATABASE_URL are unset."""
     try:
-        from infra.local_stack import main as stack_main
+        from harness.stack import main as stack_main
     except ImportError as e:
         _fail(f"the local stack is not available ({e}); use `docker compose up`")
     sys.argv = ["flywheel-stack", *ctx.args]  # the stack parses its own options

@@ -21,10 +21,17 @@ class ApiConfig(ServiceSettings):
     )
     sql_max_rows: int = Field(10_000, ge=1, description="rows returned by POST /v1/sql at most")
     max_upload_mb: int = Field(200, ge=1, description="largest dataset upload, MiB")
+    check_model_paths: bool = Field(
+        True, description="CHECK_MODEL_PATHS: refuse runs whose local model folder does not exist here (relative "
+        "paths resolve against the API's working directory); false when the API does not see the workers' files")
     page_limit_max: int = Field(1000, ge=1, description="largest `limit` a list route accepts")
+    gateway_token: str | None = Field(
+        None, description="GATEWAY_TOKEN: the rollout workers' token for claiming agent sessions, sent when "
+        "POST /v1/runs/{id}/sessions forwards a claim to them (unset when they need none)")
 
     @model_validator(mode="after")
     def _token(self) -> ApiConfig:
         if self.api_token is not None and len(self.api_token) < 8:
             raise ValueError("API_TOKEN must be at least 8 characters (or unset it and create tokens with the CLI)")
+        self.health_host, self.health_port = self.api_host, self.api_port  # one HTTP server: the API serves /healthz
         return self

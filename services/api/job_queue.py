@@ -6,11 +6,11 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from fastapi import HTTPException
 from kombu.exceptions import OperationalError
 from sqlalchemy import update
 from sqlalchemy.orm import Session
 
+from services.api.errors import ApiError
 from shared.db.models import Job
 from shared.jobs import JOB_TASKS
 
@@ -24,7 +24,7 @@ def submit_job(session: Session, celery, kind: str, params: dict[str, Any], run_
     except OperationalError as e:
         session.execute(update(Job).where(Job.id == job.id).values(status="failed", error=f"broker: {e}"))
         session.commit()
-        raise HTTPException(503, f"the job queue (Redis) is unreachable: {e}") from e
+        raise ApiError(503, f"the job queue (Redis) is unreachable: {e}", hint="retry once Redis is back") from e
     return job_out(job)
 
 

@@ -1,26 +1,27 @@
-"""`flywheel-api` (or `python -m services.api.main`): the REST API and dashboard on API_PORT (default 8000).
-
-uvicorn serves the app; it owns signals (SIGTERM/SIGINT: graceful shutdown, bounded by a timeout)."""
+"""`flywheel-api` (or `python -m services.api.main`): the REST API and dashboard on API_HOST:API_PORT (default
+0.0.0.0:8000), served by the service runtime (signals, heartbeat, graceful shutdown bounded by a timeout)."""
 
 from __future__ import annotations
 
+import sys
+
 from services.api.config import ApiConfig
-from shared.logs import get_logger, setup_logging
-
-log = get_logger(__name__)
+from shared.service import Loops, ServiceRuntime, run_service
 
 
-def main() -> None:
-    config = ApiConfig()
-    setup_logging(config.service_name, config.log_level, config.log_format)
-    log.info("api config: %s", config.loggable())
-    import uvicorn
+def main() -> int:
+    return run_service(ApiConfig(), build)
 
+
+async def build(config: ApiConfig, runtime: ServiceRuntime) -> Loops:
     from services.api.app import create_app
 
-    uvicorn.run(create_app(config), host=config.api_host, port=config.api_port, log_level="warning",
-                timeout_graceful_shutdown=10)
+    app = create_app(config)
+    runtime.on_stop(app.state.engine.dispose)
+    runtime.on_stop(app.state.gateway_http.aclose)
+    runtime.app = app  # the API's own /healthz, /readyz and /metrics replace the runtime's bare ones
+    return []  # HTTP is all it serves
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,43 +1,51 @@
-"""How far a run is: the dispatched-task ledger, expected work, latest metrics and pass@k (eval runs)."""
+"""How far a run is: the ledger in (task, sample) units and in attempts (the `run_ledger` view, so the API, the
+CLI and SQL agree), progress, latest metrics and pass@k (eval runs)."""
 
 from __future__ import annotations
 
 import uuid
 from typing import Any
 
-from sqlalchemy import case, func, select
+from sqlalchemy import case, func, select, text
 from sqlalchemy.orm import Session
 
 from shared.db.models import EpisodeRow, Metric, Run, TrajectoryRow
-from shared.ledger import ledger_summary
 from shared.passk import pass_at_k as pass_at_k_one
-from shared.run_config import RunConfig
+
+UNIT_COLUMNS = ("total", "completed", "in_flight", "retrying", "failed", "cancelled")
+ATTEMPT_COLUMNS = ("total", "completed", "in_flight", "failed", "lost", "cancelled")
 
 
-def ledger(session: Session, run_id: uuid.UUID) -> dict[str, int]:
-    """{dispatched (attempts), in_flight, completed, failed, lost, cancelled, finished} from the ledger."""
-    return ledger_summary(session, run_id)
+def ledger(session: Session, run_id: uuid.UUID) -> dict[str, dict[str, int]]:
+    """{"units": {total, completed, in_flight, retrying, failed, cancelled}, "attempts": {total, completed,
+    in_flight, failed, lost, cancelled}}: each set's columns other than total add up to its total."""
+    # run_ledger is a view (migration 0005), not a model: read it as SQL.
+    row = session.execute(text("SELECT * FROM run_ledger WHERE run_id = :r"), {"r": run_id}).mappings().first()
+    row = row or {}
+    return {"units": {c: int(row.get(f"units_{c}", 0)) for c in UNIT_COLUMNS},
+            "attempts": {c: int(row.get(f"attempts_{c}", 0)) for c in ATTEMPT_COLUMNS}}
 
 
-def expected_samples(config: dict[str, Any], num_rows: int | None) -> int | None:
-    """Trajectories the run will have produced when it completes (None when unbounded or unknown)."""
-    try:
-        cfg = RunConfig.model_construct(**config)
-        samples, tasks_per_batch = int(cfg.samples_per_task), int(cfg.tasks_per_batch)
-    except (TypeError, ValueError):
-        return None
-    if cfg.kind == "train" and config.get("total_steps"):
-        return int(config["total_steps"]) * tasks_per_batch * samples
+def progress(run: Run, units: dict[str, int], num_rows: int | None) -> dict[str, Any]:
+    """Training runs with `total_steps` progress in optimizer steps (policy versions); other runs in
+    (task, sample) units finished (completed or failed) out of those the run plans. Never above the total:
+    replacement groups a training run dispatches for groups not trained on are work, not progress."""
+    cfg = run.config
+    if run.kind == "train" and cfg.get("total_steps"):
+        done, total, unit = run.policy_version, int(cfg["total_steps"]), "steps"
+    else:
+        done, total, unit = units["completed"] + units["failed"], planned_units(cfg, num_rows), "samples"
+    if total is not None:
+        done = min(done, total)
+    return {"unit": unit, "done": done, "total": total, "fraction": done / total if total else None}
+
+
+def planned_units(config: dict[str, Any], num_rows: int | None) -> int | None:
+    """(task, sample) units an epoch-bounded run plans: tasks x samples_per_task x epochs (None if unknown)."""
     if num_rows is None:
         return None
     tasks = min(num_rows, int(config.get("max_tasks") or num_rows))
-    return tasks * samples * int(config.get("epochs") or 1)
-
-
-def stored_trajectories(session: Session, run_id: uuid.UUID) -> int:
-    return session.execute(
-        select(func.count(func.distinct(TrajectoryRow.episode_id))).where(TrajectoryRow.run_id == run_id)
-    ).scalar_one()
+    return tasks * int(config.get("samples_per_task") or 1) * int(config.get("epochs") or 1)
 
 
 def latest_metrics(session: Session, run_id: uuid.UUID) -> dict[str, dict[str, Any]]:
@@ -49,7 +57,7 @@ def latest_metrics(session: Session, run_id: uuid.UUID) -> dict[str, dict[str, A
         .where(Metric.run_id == run_id).subquery()
     )
     rows = session.execute(select(ranked).where(ranked.c.rn == 1)).all()
-    return {r.name: {"step": r.step, "value": r.value, "ts": r.ts.isoformat()} for r in rows}
+    return {r.name: {"step": r.step, "value": r.value, "ts": r.ts} for r in rows}
 
 
 def pass_at_k(session: Session, run_id: uuid.UUID, max_k: int | None = None) -> dict[str, float]:
@@ -81,10 +89,6 @@ def run_out(run: Run) -> dict[str, Any]:
     return {
         "id": str(run.id), "name": run.name, "kind": run.kind, "status": run.status,
         "policy_version": run.policy_version, "error": run.error, "summary": run.summary, "config": run.config,
-        "created_at": _iso(run.created_at), "started_at": _iso(run.started_at),
-        "finished_at": _iso(run.finished_at), "updated_at": _iso(run.updated_at),
+        "created_at": run.created_at, "started_at": run.started_at,
+        "finished_at": run.finished_at, "updated_at": run.updated_at,
     }
-
-
-def _iso(ts) -> str | None:
-    return ts.isoformat() if ts is not None else None

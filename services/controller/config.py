@@ -25,6 +25,11 @@ class ControllerConfig(ServiceSettings):
     store_claim_idle_ms: int = Field(30_000, ge=1, description="idle time before a dead store consumer's "
                                      "entries are reclaimed, milliseconds")
     max_runs: int = Field(64, ge=1, description="runs one controller drives at once")
+    rollout_capacity: int | None = Field(
+        None, ge=1, description="rollout tasks in flight across all running runs this controller drives, shared "
+        "between them by their `priority` (set it to the rollout workers' total MAX_CONCURRENCY, so one slow run "
+        "cannot queue the others behind it); unset: the MAX_CONCURRENCY live rollout workers advertise in their "
+        "heartbeats, once two or more runs dispatch")
     store_method: str = Field("copy", description="'copy' (binary COPY + INSERT SELECT) or 'values'")
 
     @model_validator(mode="after")

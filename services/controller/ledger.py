@@ -1,4 +1,5 @@
-"""The controller's reads and writes of `runs`, `dataset_rows` and the ledger (`rollout_tasks`). Sync
+"""The controller's reads and writes of `runs` (and its leases), `dataset_rows`, the ledger (`rollout_tasks`) and
+what the trainer reported consuming (`consumed_groups`, from `trainer.progress`). Sync
 SQLAlchemy on a Connection; callers run these in a thread. Every write is conditional (compare-and-set on
 the status it expects) so that a controller that lost its lease, or a concurrent API change, is never
 overwritten."""
@@ -8,10 +9,36 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from psycopg.types.json import Jsonb
-from sqlalchemy import Connection, text
+from sqlalchemy import (
+    Connection,
+    Integer,
+    Text,
+    and_,
+    cast,
+    delete,
+    exists,
+    func,
+    insert,
+    literal,
+    select,
+    text,
+    update,
+)
+from sqlalchemy.dialects.postgresql import JSONB, UUID
 
 from services.controller.plan import Slot
+from shared import leases
+from shared.db.models import (
+    ConsumedGroup,
+    Dataset,
+    DatasetRow,
+    EpisodeRow,
+    Metric,
+    RolloutTaskRow,
+    Run,
+    RunEvent,
+)
+from shared.messages import TrainerProgress
 
 ACTIVE_STATUSES = ("pending", "running", "paused", "stopping")
 
@@ -36,30 +63,28 @@ class LedgerRow:
 
 
 def lease_runs(conn: Connection, owner: str, lease_s: float, limit: int) -> list[RunRow]:
-    """Take or renew the lease of every active run that is free, expired, or already ours (up to `limit`)."""
-    rows = conn.execute(text(
-        """UPDATE runs SET lease_owner = :owner, lease_expires_at = now() + make_interval(secs => :lease)
-           WHERE id IN (SELECT id FROM runs WHERE status = ANY(:active)
-                          AND (lease_owner IS NULL OR lease_owner = :owner OR lease_expires_at < now())
-                        ORDER BY created_at LIMIT :limit FOR UPDATE SKIP LOCKED)
-           RETURNING id::text, status, config, policy_version"""
-    ), {"owner": owner, "lease": lease_s, "active": list(ACTIVE_STATUSES), "limit": limit}).all()
+    """Take or renew the controller lease (shared/leases.py) of up to `limit` active runs, ours first, then the
+    free or expired ones in creation order; returns the runs now held."""
+    active_runs = select(cast(Run.id, Text)).where(Run.status.in_(ACTIVE_STATUSES)).order_by(Run.created_at)
+    active = conn.execute(active_runs).scalars().all()
+    held = leases.acquire(conn, leases.CONTROLLER, owner,
+                          leases.free_or_ours(conn, leases.CONTROLLER, owner, active)[:limit], lease_s)
+    rows = conn.execute(select(cast(Run.id, Text), Run.status, Run.config, Run.policy_version)
+                        .where(Run.id.in_(list(held)), Run.status.in_(ACTIVE_STATUSES))
+                        .order_by(Run.created_at)).all()
     return [RunRow(*r) for r in rows]
 
 
 def release_runs(conn: Connection, owner: str) -> None:
-    conn.execute(text("UPDATE runs SET lease_owner = NULL, lease_expires_at = NULL WHERE lease_owner = :o"),
-                 {"o": owner})
+    leases.release(conn, leases.CONTROLLER, owner)
 
 
 def set_status(conn: Connection, run_id: str, old: str, new: str, *, error: str | None = None) -> bool:
     """Compare-and-set runs.status; stamps started_at / finished_at. False when someone changed it first."""
-    stamps = {"running": ", started_at = coalesce(started_at, now())",
-              "stopped": ", finished_at = now()", "completed": ", finished_at = now()", "failed": ", finished_at = now()"}
-    done = conn.execute(text(
-        f"UPDATE runs SET status = :new, error = coalesce(:error, error){stamps.get(new, '')} "
-        "WHERE id = :id AND status = :old"
-    ), {"id": run_id, "old": old, "new": new, "error": error}).rowcount == 1
+    stamps = {"running": {"started_at": func.coalesce(Run.started_at, func.now())},
+              **dict.fromkeys(("stopped", "completed", "failed"), {"finished_at": func.now()})}
+    done = conn.execute(update(Run).where(Run.id == run_id, Run.status == old).values(
+        status=new, error=func.coalesce(error, Run.error), **stamps.get(new, {}))).rowcount == 1
     if done:
         add_event(conn, run_id, "status_changed", f"{old} -> {new}" + (f": {error}" if error else ""),
                   {"from": old, "to": new})
@@ -69,23 +94,24 @@ def set_status(conn: Connection, run_id: str, old: str, new: str, *, error: str 
 def add_event(conn: Connection, run_id: str, kind: str, message: str, data: dict[str, Any],
               *, once: bool = False) -> None:
     """Append a run event; `once` skips it if an event of this kind with the same data exists (idempotent)."""
-    guard = " WHERE NOT EXISTS (SELECT 1 FROM run_events WHERE run_id = CAST(:r AS uuid) AND kind = CAST(:k AS varchar) AND data @> CAST(:d AS jsonb))" if once else ""
-    conn.execute(text(
-        "INSERT INTO run_events (run_id, kind, message, data) "
-        f"SELECT CAST(:r AS uuid), CAST(:k AS varchar), CAST(:m AS text), CAST(:d AS jsonb){guard}"
-    ), {"r": run_id, "k": kind, "m": message, "d": _jsonb(data)})
+    row = select(literal(run_id, UUID), literal(kind), literal(message), literal(data, JSONB))
+    if once:
+        e = RunEvent
+        row = row.where(~exists().where(e.run_id == run_id, e.kind == kind, e.data.contains(data)))
+    conn.execute(insert(RunEvent).from_select(["run_id", "kind", "message", "data"], row))
 
 
-def load_tasks(conn: Connection, name: str, split: str, limit: int | None) -> list[tuple[str, dict, str]]:
-    """(task_id, data, data_source) of a dataset split in row order; raises ValueError when it is missing."""
-    found = conn.execute(text("SELECT id FROM datasets WHERE name = :n AND split = :s"),
-                         {"n": name, "s": split}).scalar()
+def load_tasks(conn: Connection, name: str, split: str, version: int | None,
+               limit: int | None) -> list[tuple[str, dict, str]]:
+    """(task_id, data, data_source) of the run's pinned dataset version (None: the latest) in row order; raises
+    ValueError when it is missing. Versions are immutable, so a rebuilt plan reads the rows the run started with."""
+    found = conn.execute(_dataset_version(name, split, version)).scalar()
     if found is None:
-        raise ValueError(f"dataset {name!r} split {split!r} is not registered; register it (POST /v1/datasets) "
-                         "or fix `dataset` / `dataset_split` in the run config")
-    rows = conn.execute(text(
-        "SELECT task_id, data, data_source FROM dataset_rows WHERE dataset_id = :d ORDER BY idx LIMIT :lim"
-    ), {"d": found, "lim": limit}).all()
+        which = f" version {version}" if version is not None else ""
+        raise ValueError(f"dataset {name!r} split {split!r}{which} is not registered; register it "
+                         "(POST /v1/datasets) or fix `dataset` / `dataset_split` / `dataset_version` in the run config")
+    rows = conn.execute(select(DatasetRow.task_id, DatasetRow.data, DatasetRow.data_source)
+                        .where(DatasetRow.dataset_id == found).order_by(DatasetRow.idx).limit(limit)).all()
     ids = [r[0] for r in rows]
     if len(set(ids)) != len(ids):
         raise ValueError(f"dataset {name!r} split {split!r} has duplicate task ids; give each row a unique "
@@ -93,22 +119,31 @@ def load_tasks(conn: Connection, name: str, split: str, limit: int | None) -> li
     return [tuple(r) for r in rows]
 
 
+def _dataset_version(name: str, split: str, version: int | None):
+    """The id of a dataset's version (None: the latest), as a query."""
+    query = select(Dataset.id).where(Dataset.name == name, Dataset.split == split)
+    if version is not None:
+        query = query.where(Dataset.version == version)
+    return query.order_by(Dataset.version.desc()).limit(1)
+
+
 def ledger_rows(conn: Connection, run_id: str) -> list[LedgerRow]:
-    return [LedgerRow(*r) for r in conn.execute(text(
-        "SELECT task_id, sample_idx, attempt, status, batch_idx, epoch, greedy FROM rollout_tasks "
-        "WHERE run_id = :r ORDER BY attempt"
-    ), {"r": run_id}).all()]
+    t = RolloutTaskRow
+    return [LedgerRow(*r) for r in conn.execute(
+        select(t.task_id, t.sample_idx, t.attempt, t.status, t.batch_idx, t.epoch, t.greedy)
+        .where(t.run_id == run_id).order_by(t.attempt)).all()]
 
 
-def ended_among(conn: Connection, run_id: str, keys: list[tuple[str, int, int]]) -> list[tuple[str, int, int, str]]:
-    """Which of these (task, sample, attempt) rows are no longer 'dispatched', and their status."""
+def ended_among(conn: Connection, run_id: str, keys: list[tuple[str, int, int]]
+                ) -> list[tuple[str, int, int, str, str | None]]:
+    """Which of these (task, sample, attempt) rows are no longer 'dispatched', their status and error."""
     if not keys:
         return []
     tasks, samples, attempts = (list(c) for c in zip(*keys, strict=True))
-    return [tuple(r) for r in conn.execute(text(
+    return [tuple(r) for r in conn.execute(text(  # hand-tuned: the plan matters here, and Core would hide it
         # LATERAL: one primary-key probe per key. A plain join let the planner hash every ended row of the run,
         # a cost that grew with the run on every pass.
-        """SELECT t.task_id, t.sample_idx, t.attempt, t.status
+        """SELECT t.task_id, t.sample_idx, t.attempt, t.status, t.error
            FROM unnest(CAST(:t AS text[]), CAST(:s AS int[]), CAST(:a AS int[])) AS k(task_id, sample_idx, attempt)
            JOIN LATERAL (SELECT * FROM rollout_tasks r WHERE r.run_id = :r AND r.task_id = k.task_id
                          AND r.sample_idx = k.sample_idx AND r.attempt = k.attempt) t ON true
@@ -123,7 +158,7 @@ def insert_dispatched(conn: Connection, run_id: str, items: list[tuple[Slot, int
     if not items:
         return set()
     cols = list(zip(*[(s.task_id, s.sample_idx, a, s.batch_idx, s.epoch, s.greedy) for s, a in items], strict=True))
-    rows = conn.execute(text(
+    rows = conn.execute(text(  # hand-tuned: one array per column (unnest) instead of a bind parameter per value
         """INSERT INTO rollout_tasks (run_id, task_id, sample_idx, attempt, status, batch_idx, epoch, greedy,
                                       dispatch_version, lease_expires_at)
            SELECT :r, t, s, a, 'dispatched', b, e, g, :v, now() + make_interval(secs => :lease)
@@ -135,62 +170,116 @@ def insert_dispatched(conn: Connection, run_id: str, items: list[tuple[Slot, int
     return {tuple(r) for r in rows}
 
 
-def dropped_groups(conn: Connection, run_id: str, slots_per_task: int, final_failed: set[tuple[str, int]]) -> int:
-    """Groups of a train run consumed without a step: those the trainer dropped (train_samples rows that are
-    neither used nor a baseline) and those with a finally failed slot (never complete, perhaps never seen by the
-    trainer). A group is (task, epoch), and sample_idx = epoch * slots_per_task + s (see plan.py)."""
-    tasks, samples = ([k[0] for k in final_failed], [k[1] for k in final_failed])
-    return conn.execute(text(
+def dropped_groups(conn: Connection, run_id: str, final_failed: list[tuple[str, int]]) -> int:
+    """Groups of a train run consumed without a step: those the trainer reported dropped (`consumed_groups`,
+    from `trainer.progress`) and those with a finally failed slot (never complete, perhaps never seen by the
+    trainer). `final_failed`: (task_id, batch_idx) of the finally failed slots. A group is (task, batch)."""
+    tasks, batches = [k[0] for k in final_failed], [k[1] for k in final_failed]
+    return conn.execute(text(  # kept as SQL: a UNION with an unnest of arrays reads plainer than its Core form
         """SELECT count(*) FROM (
-               SELECT task_id, sample_idx / :spt FROM train_samples
-               WHERE run_id = :r AND status NOT IN ('used', 'baseline')
+               SELECT task_id, batch_idx FROM consumed_groups WHERE run_id = :r AND status <> 'used'
                UNION
-               SELECT t, s / :spt FROM unnest(CAST(:t AS text[]), CAST(:s AS int[])) AS f(t, s)) AS g"""
-    ), {"r": run_id, "spt": slots_per_task, "t": tasks, "s": samples}).scalar_one()
+               SELECT t, b FROM unnest(CAST(:t AS text[]), CAST(:b AS int[])) AS f(t, b)) AS g"""
+    ), {"r": run_id, "t": tasks, "b": batches}).scalar_one()
+
+
+def record_progress(conn: Connection, msgs: list[TrainerProgress]) -> None:
+    """Apply `trainer.progress`: the run's policy version (never backwards) and the groups it consumed (the
+    first report of a group wins). Idempotent: the trainer re-sends freely. Runs that no longer exist are
+    skipped."""
+    for m in msgs:
+        conn.execute(update(Run).where(Run.id == m.run_id)
+                     .values(policy_version=func.greatest(Run.policy_version, m.version)))
+        if m.groups:
+            conn.execute(text(  # hand-tuned: one array per column (unnest), skipped whole when the run is gone
+                """INSERT INTO consumed_groups (run_id, task_id, batch_idx, status, version)
+                   SELECT CAST(:r AS uuid), t, b, s, :v FROM unnest(CAST(:t AS text[]), CAST(:b AS int[]),
+                                                                  CAST(:s AS text[])) AS g(t, b, s)
+                   WHERE EXISTS (SELECT 1 FROM runs WHERE id = CAST(:r AS uuid))
+                   ON CONFLICT DO NOTHING"""
+            ), {"r": m.run_id, "v": m.version, "t": [g.task_id for g in m.groups],
+                "b": [g.batch_idx for g in m.groups], "s": [g.status for g in m.groups]})
+
+
+def unconsumed_groups(conn: Connection, run_id: str) -> set[tuple[str, int]]:
+    """(task_id, batch_idx) of the groups with stored completed results that the trainer has not reported
+    consuming."""
+    e, g = EpisodeRow, ConsumedGroup
+    consumed = exists().where(g.run_id == e.run_id, g.task_id == e.task_id, g.batch_idx == e.batch_idx)
+    query = select(e.task_id, e.batch_idx).distinct().where(e.run_id == run_id, e.status == "completed", ~consumed)
+    return {tuple(r) for r in conn.execute(query).all()}
+
+
+def final_failures(conn: Connection, run_id: str) -> list[tuple[str, int, int, int, bool]]:
+    """(task_id, sample_idx, attempt, batch_idx, greedy) of every slot recorded out of attempts."""
+    t, e = RolloutTaskRow, RunEvent
+    slot = and_(t.run_id == e.run_id, t.task_id == e.data["task_id"].astext,
+                t.sample_idx == cast(e.data["sample_idx"].astext, Integer),
+                t.attempt == cast(e.data["attempt"].astext, Integer))
+    return [tuple(r) for r in conn.execute(
+        select(t.task_id, t.sample_idx, t.attempt, t.batch_idx, t.greedy).select_from(e).join(t, slot)
+        .where(e.run_id == run_id, e.kind == "final_failure")).all()]
+
+
+def active_train_runs(conn: Connection) -> list[str]:
+    return list(conn.execute(select(cast(Run.id, Text))
+                             .where(Run.kind == "train", Run.status.in_(ACTIVE_STATUSES))).scalars())
 
 
 def expire_leases(conn: Connection, run_id: str) -> list[tuple[str, int, int]]:
     """Mark dispatched rows past their lease as lost (their result never arrived, or Redis lost it)."""
-    return [tuple(r) for r in conn.execute(text(
-        """UPDATE rollout_tasks SET status = 'lost', finished_at = now(),
-               error = 'no result before the task lease expired'
-           WHERE run_id = :r AND status = 'dispatched' AND lease_expires_at < now()
-           RETURNING task_id, sample_idx, attempt"""
-    ), {"r": run_id}).all()]
+    t = RolloutTaskRow
+    return [tuple(r) for r in conn.execute(
+        update(t).where(t.run_id == run_id, t.status == "dispatched", t.lease_expires_at < func.now())
+        .values(status="lost", finished_at=func.now(), error="no result before the task lease expired")
+        .returning(t.task_id, t.sample_idx, t.attempt)).all()]
 
 
 def fail_dispatched(conn: Connection, run_id: str, key: tuple[str, int, int], error: str) -> bool:
     """A dead-lettered rollout task: its attempt has failed (retried as attempt+1 if attempts remain)."""
-    return conn.execute(text(
-        """UPDATE rollout_tasks SET status = 'failed', finished_at = now(), error = :err
-           WHERE run_id = :r AND task_id = :t AND sample_idx = :s AND attempt = :a AND status = 'dispatched'"""
-    ), {"r": run_id, "t": key[0], "s": key[1], "a": key[2], "err": error}).rowcount == 1
+    t = RolloutTaskRow
+    return conn.execute(
+        update(t).where(t.run_id == run_id, t.task_id == key[0], t.sample_idx == key[1], t.attempt == key[2],
+                        t.status == "dispatched")
+        .values(status="failed", finished_at=func.now(), error=error)).rowcount == 1
+
+
+def cancel_dispatched(conn: Connection, run_id: str, keys: list[tuple[str, int, int]], error: str
+                      ) -> list[tuple[str, int, int]]:
+    """Cancel these (task, sample, attempt) rows if still dispatched; returns those cancelled."""
+    if not keys:
+        return []
+    tasks, samples, attempts = (list(c) for c in zip(*keys, strict=True))
+    return [tuple(r) for r in conn.execute(text(  # hand-tuned: one array per key column (unnest)
+        """UPDATE rollout_tasks t SET status = 'cancelled', finished_at = now(), error = :err
+           FROM unnest(CAST(:t AS text[]), CAST(:s AS int[]), CAST(:a AS int[])) AS k(task_id, sample_idx, attempt)
+           WHERE t.run_id = :r AND (t.task_id, t.sample_idx, t.attempt) = (k.task_id, k.sample_idx, k.attempt)
+             AND t.status = 'dispatched'
+           RETURNING t.task_id, t.sample_idx, t.attempt"""
+    ), {"r": run_id, "t": tasks, "s": samples, "a": attempts, "err": error}).all()]
 
 
 def cancel_in_flight(conn: Connection, run_id: str) -> int:
-    return conn.execute(text(
-        """UPDATE rollout_tasks SET status = 'cancelled', finished_at = now(), error = 'run stopped'
-           WHERE run_id = :r AND status = 'dispatched'"""
-    ), {"r": run_id}).rowcount
+    t = RolloutTaskRow
+    return conn.execute(update(t).where(t.run_id == run_id, t.status == "dispatched")
+                        .values(status="cancelled", finished_at=func.now(), error="run stopped")).rowcount
 
 
-def eval_samples(conn: Connection, run_id: str, name: str, split: str) -> list[tuple[str, str, bool]]:
-    """(task_id, data_source, is_correct) of every stored completed sample of an eval run."""
-    return [tuple(r) for r in conn.execute(text(
-        """SELECT e.task_id, coalesce(r.data_source, ''), e.is_correct FROM episodes e
-           LEFT JOIN (SELECT dr.task_id, dr.data_source FROM dataset_rows dr JOIN datasets d ON d.id = dr.dataset_id
-                      WHERE d.name = :n AND d.split = :s) r USING (task_id)
-           WHERE e.run_id = :r AND e.status = 'completed'"""
-    ), {"r": run_id, "n": name, "s": split}).all()]
+def eval_samples(conn: Connection, run_id: str, name: str, split: str,
+                 version: int | None) -> list[tuple[str, str, bool]]:
+    """(task_id, data_source, is_correct) of every stored completed sample of an eval run (data_source from the
+    run's dataset version; None: the latest)."""
+    rows = select(DatasetRow.task_id, DatasetRow.data_source) \
+        .where(DatasetRow.dataset_id == _dataset_version(name, split, version).scalar_subquery()).subquery()
+    e = EpisodeRow
+    return [tuple(r) for r in conn.execute(
+        select(e.task_id, func.coalesce(rows.c.data_source, ""), e.is_correct)
+        .outerjoin(rows, rows.c.task_id == e.task_id).where(e.run_id == run_id, e.status == "completed")).all()]
 
 
 def write_summary(conn: Connection, run_id: str, summary: dict, metrics: dict[str, float]) -> None:
-    conn.execute(text("UPDATE runs SET summary = summary || :s WHERE id = :r"), {"r": run_id, "s": _jsonb(summary)})
-    conn.execute(text("DELETE FROM metrics WHERE run_id = :r AND step = 0 AND name LIKE 'eval/%'"), {"r": run_id})
+    conn.execute(update(Run).where(Run.id == run_id)
+                 .values(summary=Run.summary.op("||")(literal(summary, JSONB))))
+    conn.execute(delete(Metric).where(Metric.run_id == run_id, Metric.step == 0, Metric.name.like("eval/%")))
     if metrics:
-        conn.execute(text("INSERT INTO metrics (run_id, name, step, value) VALUES (:r, :n, 0, :v)"),
-                     [{"r": run_id, "n": n, "v": v} for n, v in metrics.items()])
-
-
-def _jsonb(obj: Any) -> Jsonb:
-    return Jsonb(obj)
+        conn.execute(insert(Metric), [dict(run_id=run_id, name=n, step=0, value=v) for n, v in metrics.items()])

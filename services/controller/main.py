@@ -8,38 +8,28 @@ from __future__ import annotations
 
 import sys
 
-
-def main() -> None:
-    from services.controller.config import ControllerConfig
-    from shared.logs import get_logger, setup_logging
-
-    cfg = ControllerConfig()
-    setup_logging(cfg.service_name, cfg.log_level, cfg.log_format)
-    get_logger(__name__).info("controller config: %s", cfg.loggable())
-    from shared.service import run_service
-
-    sys.exit(run_service(serve(cfg)))
+from services.controller.config import ControllerConfig
+from shared.service import Loops, ServiceRuntime, run_service
 
 
-async def serve(cfg) -> int:
+def main() -> int:
+    return run_service(ControllerConfig(), build)
+
+
+async def build(cfg: ControllerConfig, runtime: ServiceRuntime) -> Loops:
     from services.controller.controller import Controller
     from shared.bus import StreamBus, connect
     from shared.db.session import make_engine
-    from shared.service import ServiceRuntime
 
-    runtime = ServiceRuntime(cfg, cfg.service_name)
     engine = make_engine(cfg.database_url, pool_size=4)
+    runtime.on_stop(engine.dispose)
     bus = StreamBus(connect(cfg.redis_url))
+    runtime.on_stop(bus.close)
     controller = Controller(cfg, runtime.worker_id, engine, bus)
-
-    async def on_stop() -> None:
-        await controller.close()
-        await bus.close()
-        engine.dispose()
-
+    runtime.on_stop(controller.close)
     controller.status = runtime.status  # reported by /healthz and the heartbeat
-    return await runtime.run(controller.loops(runtime.stop), on_stop=on_stop)
+    return controller.loops(runtime.stop)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -6,6 +6,7 @@ skips nothing lost), then kept current from ledger rows that ended. Pure bookkee
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from services.controller.ledger import LedgerRow, RunRow
@@ -38,9 +39,14 @@ class RunDriver:
         self.cursor = (0, 0)  # (batch, index within batch) of the next never-dispatched slot
         self.dropped_groups = 0  # groups consumed without a step (trainer drops, final failures): refilled
         self.stopping_since: float | None = None
+        self.withdrawn: list[tuple[str, int, int]] | None = None  # queued tasks taken back at stop (once)
         self.stale = False  # the ledger has rows this driver did not put there: rebuild
-        self.stored_here: list[tuple[str, int, int, str]] = []  # ended by our own store loop, not yet applied
+        self.stored_here: list[tuple] = []  # (task, sample, attempt, status, error) our store loop ended, unapplied
         self.next_ledger_scan = 0.0  # monotonic time of the next read of ended ledger rows
+        self.recount_dropped = False  # the trainer reported dropped groups since the last count
+        self.notices: list = []  # AcceptedResult notices of final failures, published after their commit
+        self.failure_streak: dict[str, int] = {}  # reason -> bad attempts since the last completed one
+        self.fail_reason: str | None = None  # set once a reason's streak reaches the run's fail-fast threshold
 
     # -- ledger -> state ----------------------------------------------------------------------------------------
     def rebuild(self, rows: list[LedgerRow]) -> None:
@@ -55,8 +61,9 @@ class RunDriver:
         for key, st in self.states.items():
             self._settle(key, st)
 
-    def apply(self, task_id: str, sample_idx: int, attempt: int, status: str) -> bool:
-        """A ledger row ended. Returns True when that made the slot a final failure."""
+    def apply(self, task_id: str, sample_idx: int, attempt: int, status: str, error: str | None = None) -> bool:
+        """A ledger row ended (`error`: why, for a failed or lost attempt). Returns True when that made the slot
+        a final failure."""
         key = (task_id, sample_idx)
         st = self.states.get(key)
         if st is None or st.attempt != attempt or st.status != "dispatched":
@@ -64,7 +71,22 @@ class RunDriver:
         st.status = status
         st.bad += status in BAD
         self.in_flight.discard(key)
+        self._track_failures(status, error)
         return self._settle(key, st)
+
+    def _track_failures(self, status: str, error: str | None) -> None:
+        """Fail fast: attempts failing again and again for one reason (a model path that does not exist, an
+        engine the workers lack) will not start succeeding; a completed attempt resets every streak. A lost
+        attempt (its lease expired) says nothing of the run: its workers died or Redis lost the task, and the
+        stack heals from both, so it neither counts nor resets."""
+        if status == "completed":
+            self.failure_streak.clear()
+        elif status == "failed":
+            reason = failure_reason(error or status)
+            key = re.sub(r"0x[0-9a-fA-F]+|\d+", "#", reason)
+            self.failure_streak[key] = self.failure_streak.get(key, 0) + 1
+            if self.failure_streak[key] >= self.cfg.fail_fast_threshold and self.fail_reason is None:
+                self.fail_reason = f"{self.failure_streak[key]} attempts in a row failed: {reason}"
 
     def _settle(self, key: SlotKey, st: SlotState) -> bool:
         if st.status == "dispatched":
@@ -106,6 +128,10 @@ class RunDriver:
             self.retry.pop(slot.key, None)
             self.in_flight.add(slot.key)
 
+    def final_failed_groups(self) -> list[tuple[str, int]]:
+        """(task_id, batch_idx) of each finally failed slot: a group that can never complete."""
+        return [(k[0], self.states[k].slot.batch_idx) for k in self.final_failed]
+
     def in_flight_keys(self) -> list[tuple[str, int, int]]:
         return [(k[0], k[1], self.states[k].attempt) for k in self.in_flight]
 
@@ -115,3 +141,9 @@ class RunDriver:
         if self.plan.is_eval:
             return self.num_completed + len(self.final_failed) == len(self.plan.batch(0))
         return self.policy_version >= self.plan.planned_steps
+
+
+def failure_reason(error: str) -> str:
+    """The line of an error that says what went wrong: a traceback's last line, at most 500 characters."""
+    lines = [line.strip() for line in error.strip().splitlines() if line.strip()]
+    return (lines[-1] if lines else error)[:500]

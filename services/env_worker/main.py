@@ -8,35 +8,25 @@ from __future__ import annotations
 
 import sys
 
-
-def main() -> None:
-    from services.env_worker.config import EnvWorkerConfig
-    from shared.logs import get_logger, setup_logging
-
-    cfg = EnvWorkerConfig()
-    setup_logging(cfg.service_name, cfg.log_level, cfg.log_format)
-    get_logger(__name__).info("env-worker config: %s", cfg.loggable())
-    from shared.service import run_service
-
-    sys.exit(run_service(serve(cfg)))
+from services.env_worker.config import EnvWorkerConfig
+from shared.service import Loops, ServiceRuntime, run_service
 
 
-async def serve(cfg) -> int:
+def main() -> int:
+    return run_service(EnvWorkerConfig(), build, dependencies=("redis",))  # no Postgres: ready with Redis alone
+
+
+async def build(cfg: EnvWorkerConfig, runtime: ServiceRuntime) -> Loops:
     from services.env_worker.worker import EnvWorker
     from shared.bus import connect
-    from shared.service import ServiceRuntime
 
-    runtime = ServiceRuntime(cfg, cfg.service_name)
     redis = connect(cfg.redis_url)
+    runtime.on_stop(redis.aclose)
     worker = EnvWorker(cfg, runtime.worker_id, redis)
-
-    async def on_stop() -> None:
-        await worker.close()
-        await redis.aclose()
-
+    runtime.on_stop(worker.close)
     worker.status = runtime.status  # reported by /healthz and the heartbeat
-    return await runtime.run(worker.loops(runtime.stop), on_stop=on_stop)
+    return worker.loops(runtime.stop)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session
 
 from services.jobs.config import JobsConfig
 from shared import streams
-from shared.datasets import DatasetError, DatasetRegistry, count_rows, load_rows
+from shared.datasets import DatasetError, DatasetNotFound, DatasetRegistry, load_rows, pin_version
 from shared.db.models import (
     TERMINAL_RUN_STATUSES,
     Checkpoint,
@@ -50,14 +50,21 @@ class JobContext:
 
 
 def import_dataset(ctx: JobContext, job: Job) -> dict[str, Any]:
+    """Store the rows as the next version of (name, split). A redelivered job finds the version it already
+    made (tagged with its id) instead of adding another."""
     p = job.params
+    registry = DatasetRegistry(ctx.engine)
+    made = next((v for v in registry.versions(p["name"], p.get("split", "train"))
+                 if v["info"].get("job_id") == str(job.id)), None)
+    if made is not None:
+        return made
     try:
         if p.get("generator"):
             rows, source = _generated_rows(p["generator"], int(p.get("n", 100)), int(p.get("seed", 0)))
         else:
             rows, source = load_rows(p["path"], p.get("format")), f"file:{p['path']}"
-        return DatasetRegistry(ctx.engine).register(p["name"], rows, p.get("split", "train"), source=source,
-                                                    info={"job_id": str(job.id)})
+        return registry.register(p["name"], rows, p.get("split", "train"), source=source,
+                                 info={"job_id": str(job.id)})
     except DatasetError as e:
         raise JobInputError(str(e)) from e
 
@@ -91,8 +98,10 @@ def evaluate(ctx: JobContext, job: Job) -> dict[str, Any]:
             cfg = RunConfig.model_validate(config)
         except ValueError as e:
             raise JobInputError(f"run config: {e}") from e
-        if count_rows(ctx.engine, cfg.dataset, cfg.dataset_split) is None:
-            raise JobInputError(f"dataset {cfg.dataset!r} split {cfg.dataset_split!r} does not exist")
+        try:  # the run reads this one version for its whole life
+            cfg.dataset_version, _ = pin_version(s.connection(), cfg.dataset, cfg.dataset_split, cfg.dataset_version)
+        except DatasetNotFound as e:
+            raise JobInputError(str(e)) from e
         run = Run(name=cfg.name, kind="eval", status="pending", config=cfg.model_dump(mode="json"),
                   policy_version=0, summary={})
         s.add(run)

@@ -101,6 +101,7 @@ def assemble(steps: list[Step]) -> TokenSequence:
         return seq
     seq.prompt_ids = list(steps[0].prompt_ids)
     context = list(steps[0].prompt_ids)
+    missing_logprobs = False
     for i, step in enumerate(steps):
         if i > 0:
             if step.prompt_ids[: len(context)] == context:
@@ -110,12 +111,14 @@ def assemble(steps: list[Step]) -> TokenSequence:
                 new = list(step.prompt_ids)
             _append(seq, new, 0, [0.0] * len(new), -1)
             context = list(step.prompt_ids)
-        logprobs = step.logprobs or [0.0] * len(step.response_ids)
+        missing_logprobs = missing_logprobs or (bool(step.response_ids) and not step.logprobs)
         version = step.weight_version if step.weight_version is not None else -1
-        _append(seq, step.response_ids, 1, logprobs, version)
+        _append(seq, step.response_ids, 1, step.logprobs or [0.0] * len(step.response_ids), version)
         context += step.response_ids
     if seq.mismatch:
         seq.loss_mask = [0] * len(seq.loss_mask)
+    if missing_logprobs:  # a step made without the engine (e.g. by a workflow): no logprobs is said, not guessed
+        seq.logprobs = []
     return seq
 
 

@@ -25,6 +25,17 @@ class RolloutWorkerConfig(ServiceSettings):
                                     "batch, milliseconds")
     run_idle_s: float = Field(600.0, gt=0, description="a run with no task on this worker for this long has its "
                               "engine, model and tokenizer released (built again if its tasks return), seconds")
+    gateway_host: str = Field("127.0.0.1", description="address the agent-program gateway binds; 0.0.0.0 to "
+                              "serve external agent programs on other hosts")
+    gateway_port: int = Field(0, ge=0, description="agent-program gateway port; 0 picks a free one (reported in "
+                              "/healthz and the heartbeat as gateway_port)")
+    gateway_public_host: str | None = Field(None, description="host name agent programs elsewhere (and the API, "
+                                            "forwarding claims) reach this worker by; default gateway_host, or "
+                                            "this machine's host name when gateway_host is 0.0.0.0")
+    gateway_token: str | None = Field(None, description="GATEWAY_TOKEN: bearer token external agent programs "
+                                      "need to claim sessions (POST /v1/runs/<run_id>/sessions); unset = none")
+    agent_memory_bytes: int = Field(4 << 30, ge=64 << 20, description="address-space limit of a managed agent "
+                                    "program's process (RLIMIT_AS), bytes")
     checkpoint_cache_dir: Path | None = Field(
         None, description="CHECKPOINT_CACHE_DIR: where checkpoints fetched over HTTP are kept (not used when the "
         "weight server's volume is mounted: those are read in place); default DATA_DIR/rollout-weights")

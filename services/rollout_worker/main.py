@@ -9,42 +9,35 @@ from __future__ import annotations
 import os
 import sys
 
+from services.rollout_worker.config import RolloutWorkerConfig
+from shared.service import Loops, ServiceRuntime, run_service
 
-def main() -> None:
+
+def main() -> int:
     # Prompts are tokenized one at a time from many coroutines: the tokenizers' thread pool only adds
     # contention on 2-core nodes. Set TOKENIZERS_PARALLELISM=true to override.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from services.rollout_worker.config import RolloutWorkerConfig
-    from shared.logs import get_logger, setup_logging
-
     cfg = RolloutWorkerConfig()
-    setup_logging(cfg.service_name, cfg.log_level, cfg.log_format)
-    get_logger(__name__).info("rollout-worker config: %s", cfg.loggable())
-    from shared.service import run_service
-
-    sys.exit(run_service(serve(cfg)))
+    return run_service(cfg, build, shutdown_timeout_s=cfg.drain_timeout_s + 10)
 
 
-async def serve(cfg) -> int:
-    from services.rollout_worker.worker import RolloutWorker
+async def build(cfg: RolloutWorkerConfig, runtime: ServiceRuntime) -> Loops:
+    from services.rollout_worker.worker import RolloutWorker, available_engines
     from shared.bus import connect
     from shared.db.session import make_engine
-    from shared.service import ServiceRuntime
 
-    runtime = ServiceRuntime(cfg, cfg.service_name, shutdown_timeout_s=cfg.drain_timeout_s + 10)
     redis = connect(cfg.redis_url)
+    runtime.on_stop(redis.aclose)
     db = make_engine(cfg.database_url, pool_size=2)
+    runtime.on_stop(db.dispose)
     worker = RolloutWorker(cfg, runtime.worker_id, redis, db)
     await worker.start()
-
-    async def on_stop() -> None:
-        await worker.close()
-        await redis.aclose()
-        db.dispose()
-
+    runtime.on_stop(worker.close)
     worker.status = runtime.status  # reported by /healthz and the heartbeat
-    return await runtime.run(worker.loops(runtime.stop), on_stop=on_stop)
+    runtime.status["engines"] = available_engines()
+    runtime.status["max_concurrency"] = cfg.max_concurrency  # the controller shares these slots between runs
+    return worker.loops(runtime.stop)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

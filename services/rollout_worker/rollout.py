@@ -126,21 +126,25 @@ class AgentSession:
         max_tokens = self.response_budget(prompt_ids)
         if max_tokens <= 0:
             return TR.PROMPT_TRUNCATION
+        started = time.perf_counter()
         try:
             gen = await self.generate(prompt_ids, max_tokens)
         except TimeoutError:
             return TR.TIMEOUT
+        gen_ms = (time.perf_counter() - started) * 1000
         action = await self.agent_call(self.agent.update_from_model, gen.text)
         step = await self.agent_call(self.agent.get_current_state)
         self.check_agent_output(action, step)
         if step.action is None:
             step.action = action.action
         step.prompt_ids, step.response_ids, step.logprobs = list(prompt_ids), gen.ids, gen.logprobs
-        step.weight_version = gen.weight_version
+        step.weight_version, step.gen_ms = gen.weight_version, gen_ms
         step.info["finish_reason"] = gen.finish_reason
         self.builder.record(messages, prompt_ids, gen.ids, gen.text)
         action = step.action.action if hasattr(step.action, "action") else step.action
+        started = time.perf_counter()
         reply = await self.env_call("step", action=action)
+        step.env_ms = (time.perf_counter() - started) * 1000
         if not reply.ok:
             return self.env_failure(reply)
         step.observation, step.reward, step.done = reply.observation, reply.reward, reply.done

@@ -1,5 +1,8 @@
 """Per-run state a worker builds once: the RunConfig from Postgres, tokenizer, engine, agent/workflow classes;
-and hot reload of the run's weights (newest checkpoint in Postgres at first use, then the `weights` stream)."""
+and hot reload of the run's weights (newest checkpoint in Postgres at first use, then the `weights` stream).
+A delta version is applied in place when the engine supports it and serves the delta's base; otherwise (behind,
+joined late, engine without in-place update, or a delta that does not verify) the worker loads the full
+weights: the snapshot, or the nearest snapshot before it with the deltas since applied and verified."""
 
 from __future__ import annotations
 
@@ -22,7 +25,15 @@ from shared.logs import get_logger
 from shared.messages import WeightsPublished
 from shared.registry import resolve
 from shared.run_config import RunConfig
-from shared.weights import ChecksumError, fetch_checkpoint
+from shared.weights import (
+    CheckpointManifest,
+    ChecksumError,
+    WeightUpdate,
+    fetch_checkpoint,
+    fetch_manifest,
+    materialize,
+    version_source,
+)
 
 log = get_logger(__name__)
 WEIGHT_VERSION = Gauge("rollout_weight_version", "Policy version served", ["run_id"])
@@ -154,8 +165,7 @@ class RunRegistry:
             if msg.version <= ctx.engine.version:
                 return
             try:
-                folder = await asyncio.to_thread(fetch_checkpoint, msg, self.weights_cache)
-                await ctx.engine.load_weights(folder, msg.version)
+                await self._load(ctx, msg)
             except ChecksumError as e:
                 RELOADS.labels("checksum_error").inc()
                 log.error("checkpoint v%d rejected (%s); still serving v%d", msg.version, e, ctx.engine.version,
@@ -168,6 +178,25 @@ class RunRegistry:
                 return
             RELOADS.labels("ok").inc()
             WEIGHT_VERSION.labels(ctx.run_id).set(ctx.engine.version)
+
+    async def _load(self, ctx: RunContext, msg: WeightsPublished) -> None:
+        manifest = await asyncio.to_thread(fetch_manifest, msg)
+        if (manifest.kind == "delta" and ctx.engine.supports_update
+                and ctx.engine.version == manifest.base_version):
+            try:
+                update = await asyncio.to_thread(self._update, msg, manifest)
+                await ctx.engine.apply_update(update)
+                return
+            except ChecksumError as e:
+                RELOADS.labels("delta_rejected").inc()
+                log.warning("delta v%d did not verify (%s); loading the full weights instead", msg.version, e,
+                            extra={"run_id": ctx.run_id})
+        folder = await asyncio.to_thread(materialize, msg, self.weights_cache)
+        await ctx.engine.load_weights(folder, msg.version)
+
+    def _update(self, msg: WeightsPublished, manifest: CheckpointManifest) -> WeightUpdate:
+        base = fetch_manifest(version_source(msg, manifest.base_version, manifest.base_sha256))
+        return WeightUpdate.load(fetch_checkpoint(msg, self.weights_cache), manifest, base)
 
     async def close(self) -> None:
         for ctx in self.contexts.values():

@@ -6,7 +6,7 @@
 - keepalive: tasks still running are re-claimed by this worker every claim_idle_ms/3, so a long trajectory
   of a live worker is never taken for a dead one's.
 - env replies: the EnvClient reader.
-- weights: XREAD of `weights` with our own cursor; hot reload of the runs we serve.
+- weights: the `weights` broadcast, read with our own cursor; hot reload of the runs we serve.
 """
 
 from __future__ import annotations
@@ -17,32 +17,39 @@ import redis.asyncio as aioredis
 from prometheus_client import Gauge
 from sqlalchemy import Engine
 
+from services.rollout_worker.agent_program import AgentPrograms
 from services.rollout_worker.config import RolloutWorkerConfig
 from services.rollout_worker.env_client import EnvClient
 from services.rollout_worker.episodes import failed, run_episode
+from services.rollout_worker.gateway import Gateway
 from services.rollout_worker.runs import RunRegistry
-from shared.bus import REDIS_DOWN, Delivery, StreamBus, StreamConsumer, decode_or_skip
+from shared.bus import REDIS_DOWN, BroadcastReader, Delivery, StreamBus, StreamConsumer
 from shared.logs import get_logger
 from shared.messages import EpisodeResult, RolloutTask, WeightsPublished
+from shared.retry import RetryPolicy
 from shared.service import sleep_or_stop
 from shared.streams import GROUP_ROLLOUT, ROLLOUT_TASKS, TRAJECTORIES, WEIGHTS
 
 log = get_logger(__name__)
 INFLIGHT = Gauge("rollout_tasks_inflight", "Tasks being run")
+# Until Redis takes it: the task is not acked before, so nothing is lost if we die trying.
+PUBLISH_RETRY = RetryPolicy(REDIS_DOWN, first_wait_s=1.0, max_wait_s=1.0, what="publishing an episode")
 
 
 class RolloutWorker:
     def __init__(self, cfg: RolloutWorkerConfig, worker_id: str, redis: aioredis.Redis, db: Engine):
-        self.cfg, self.worker_id, self.redis = cfg, worker_id, redis
+        self.cfg, self.worker_id = cfg, worker_id
         self.bus = StreamBus(redis)
         self.consumer = StreamConsumer(self.bus, ROLLOUT_TASKS, GROUP_ROLLOUT, worker_id, expect=RolloutTask,
                                        max_deliveries=cfg.max_deliveries, claim_idle_ms=cfg.claim_idle_ms,
                                        block_ms=cfg.read_block_ms, batch_size=cfg.max_concurrency)
         self.envs = EnvClient(self.bus, worker_id, cfg.env_reply_margin_s)
         self.runs = RunRegistry(db, cfg.weights_cache, cfg.hf_batch_wait_ms)
+        self.gateway = Gateway(cfg.gateway_host, cfg.gateway_port, cfg.gateway_public_host, cfg.gateway_token)
+        self.programs = AgentPrograms(self.gateway, cfg.agent_memory_bytes)
         self.running: dict[asyncio.Task, Delivery] = {}
         self.status: dict = {}
-        self.weights_cursor = "$"
+        self.weights = BroadcastReader(redis, WEIGHTS, WeightsPublished)
 
     async def start(self) -> None:
         # transformers takes seconds to import: pay it before the heartbeat says we serve, not in the first
@@ -50,9 +57,12 @@ class RolloutWorker:
         await asyncio.to_thread(_preload_transformers)
         await self.consumer.start()
         await self.envs.start()
-        self.weights_cursor = await self._stream_end(WEIGHTS)
+        await self.gateway.start()
+        await self.weights.start()
 
     def loops(self, stop: asyncio.Event) -> list:
+        self.status["gateway_port"] = self.gateway.port  # status is the runtime's dict by now (main.py)
+        self.status["gateway_url"] = f"http://{self.gateway.public_host}:{self.gateway.port}"  # API forwards claims
         return [self.task_loop(stop), self.keepalive_loop(stop), self.envs.reader(stop), self.weights_loop(stop),
                 self.evict_loop(stop)]
 
@@ -88,6 +98,7 @@ class RolloutWorker:
     def _finished(self, task: asyncio.Task) -> None:
         self.running.pop(task, None)
         INFLIGHT.set(len(self.running))
+        self.status["inflight"] = len(self.running)  # else /healthz shows the count of the last read, stale
         if not task.cancelled() and task.exception() is not None:
             log.error("task runner crashed", exc_info=task.exception())
 
@@ -100,30 +111,21 @@ class RolloutWorker:
             result = failed(task, f"rollout worker cannot serve the run: {e}")
         else:
             with ctx.in_use():
-                result = await run_episode(ctx, self.envs, task, self.worker_id, self.cfg.error_retries)
+                if ctx.config.agent_program is not None:  # the user's program, through our gateway
+                    result = await self.programs.run(ctx, task)
+                else:
+                    result = await run_episode(ctx, self.envs, task, self.worker_id, self.cfg.error_retries)
             result.worker_id = self.worker_id
         await self.publish(result)
         await self.consumer.ack([delivery])  # only after the result is in `trajectories`
 
     async def publish(self, result: EpisodeResult) -> None:
-        """Retry until Redis takes it: the task is not acked before, so nothing is lost if we die trying."""
-        while True:
-            try:
-                await self.bus.publish(TRAJECTORIES, result)
-                return
-            except REDIS_DOWN:
-                log.warning("publishing an episode failed; retrying", exc_info=True)
-                await asyncio.sleep(1.0)
+        await PUBLISH_RETRY.call_async(lambda: self.bus.publish(TRAJECTORIES, result))
 
     async def keepalive_loop(self, stop: asyncio.Event) -> None:
         interval = self.cfg.claim_idle_ms / 3000
         while not await sleep_or_stop(stop, interval):
-            ids = [d.id for d in self.running.values()]
-            if ids:
-                try:  # resets the entries' idle time: they are not a dead worker's
-                    await self.redis.xclaim(ROLLOUT_TASKS, GROUP_ROLLOUT, self.worker_id, 0, ids, justid=True)
-                except REDIS_DOWN:
-                    continue
+            await self.consumer.keep_alive(list(self.running.values()))
 
     async def drain(self) -> None:
         if not self.running:
@@ -137,33 +139,28 @@ class RolloutWorker:
     # -- weights ---------------------------------------------------------------------------------------------
     async def weights_loop(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
-            try:
-                resp = await self.redis.xread({WEIGHTS: self.weights_cursor}, count=16, block=500)
-            except REDIS_DOWN:
-                await asyncio.sleep(0.5)
-                continue
-            for _, entries in resp or []:
-                for entry_id, fields in entries:
-                    self.weights_cursor = entry_id
-                    await self.on_weights_entry(fields)
-
-    async def on_weights_entry(self, fields: dict) -> None:
-        msg = decode_or_skip(WEIGHTS, fields, WeightsPublished)
-        if msg is not None:
-            await self.runs.on_weights(msg)
-
-    async def _stream_end(self, stream: str) -> str:
-        try:
-            return (await self.redis.xinfo_stream(stream))["last-generated-id"].decode()
-        except aioredis.ResponseError:
-            return "0-0"
+            for msg in await self.weights.read():
+                await self.runs.on_weights(msg)
 
     async def close(self) -> None:
+        await self.gateway.close()
         await self.runs.close()
+
+
+def available_engines() -> list[str]:
+    """Engine types this worker can run (what its heartbeat advertises; POST /v1/runs refuses an engine no
+    live worker offers). Checked by installed package, without importing it."""
+    from importlib.util import find_spec
+
+    needs = {"hf": ("torch", "transformers"), "openai": ("httpx",), "vllm": ("vllm",)}
+    return [engine for engine, modules in needs.items() if all(find_spec(m) is not None for m in modules)]
 
 
 def _preload_transformers() -> None:
     try:
+        import safetensors.numpy  # noqa: F401  (the first weight delta must not pay for these imports)
+        import xxhash  # noqa: F401
+        import zstandard  # noqa: F401
         from transformers import AutoTokenizer  # noqa: F401
     except ImportError:  # the engine reports it, with the extra to install, when a run needs it
         pass

@@ -7,17 +7,21 @@ batches are made of whole groups, so group-relative estimators (GRPO, RLOO, ...)
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from prometheus_client import Counter
 
 from shared.messages import EpisodeResult
 from shared.types import TerminationReason
 
 SampleKey = tuple[str, str, int]  # (run_id, task_id, sample_idx): the acceptance rule's identity
 GroupKey = tuple[str, int]  # (task_id, batch_idx): every episode of one task in one batch
+WITHOUT_LOGPROBS = Counter("trainer_samples_without_logprobs_total", "Samples masked out of the loss because "
+                           "they carry no behaviour logprob for some trained token (never replaced by a guess)")
 
 
 @dataclass
@@ -54,14 +58,22 @@ def excluded_reason(result: EpisodeResult) -> str | None:
 
 
 def samples_from_result(result: EpisodeResult) -> list[Sample]:
-    """One sample per trajectory. A user-env ERROR keeps its reward in the group but contributes no loss."""
+    """One sample per trajectory. A user-env ERROR keeps its reward in the group but contributes no loss.
+
+    A trajectory without a real behaviour logprob for every trained token (none sent, misaligned, or not
+    finite) keeps its reward in the group but contributes no loss, and is counted in
+    `trainer_samples_without_logprobs_total`: a made-up value would bias the importance-sampling weights."""
     masked = result.termination_reason == TerminationReason.ERROR
     out = []
     for traj_idx, traj in enumerate(result.trajectories):
         if not traj.response_ids:
             continue
         mask = [0] * len(traj.response_ids) if masked or traj.mismatch else list(traj.loss_mask)
-        logprobs = list(traj.logprobs) or [0.0] * len(traj.response_ids)
+        logprobs = list(traj.logprobs)
+        if not _has_behaviour_logprobs(logprobs, mask):
+            WITHOUT_LOGPROBS.inc()
+            mask = [0] * len(traj.response_ids)
+            logprobs = [0.0] * len(traj.response_ids)  # never read: zero mask, and build_tensors multiplies by it
         out.append(Sample(
             key=(result.run_id, result.task_id, result.sample_idx), attempt=result.attempt,
             group=(result.task_id, result.batch_idx), prompt_ids=list(traj.prompt_ids),
@@ -70,6 +82,12 @@ def samples_from_result(result: EpisodeResult) -> list[Sample]:
             traj_idx=traj_idx, name=traj.name,
         ))
     return out
+
+
+def _has_behaviour_logprobs(logprobs: list[float], mask: list[int]) -> bool:
+    if len(logprobs) != len(mask):
+        return False
+    return all(math.isfinite(lp) for lp, m in zip(logprobs, mask, strict=True) if m)
 
 
 def _min_version(versions: list[int], mask: list[int], fallback: int | None) -> int:

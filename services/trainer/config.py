@@ -22,15 +22,14 @@ class TrainerSettings(ServiceSettings):
     micro_batch_size: int = Field(64, ge=1, description="sequences per forward/backward pass")
     keep_checkpoints: int = Field(2, ge=1, description="trainer checkpoints kept per run")
     runs_poll_s: float = Field(0.5, gt=0, description="how often the runs table is read, seconds")
-    lease_ttl_s: float = Field(15.0, gt=0, description="a run's trainer lease expires this long after renewal")
-    read_block_ms: int = Field(200, ge=1, description="blocking read on the trajectories stream, milliseconds")
+    lease_ttl_s: float = Field(15.0, gt=0, description="a run's trainer lease (shared/leases.py) expires this long after renewal")
+    read_block_ms: int = Field(200, ge=1, description="blocking read on results.accepted, milliseconds")
     read_batch: int = Field(256, ge=1, description="stream entries per read")
     publish_timeout_s: float = Field(600.0, gt=0, description="total budget to publish one version")
+    delta_zstd_level: int = Field(
+        1, ge=-7, le=22, description="zstd level of weight deltas (1: fast and ~2.4x smaller than the changed "
+        "elements' raw bytes; negative: zstd's faster levels, for a co-located weight server where bytes are cheap)")
     best_metric: str = Field("reward_mean", description="metric the weight server keeps the best version by")
-    fault_point: str | None = Field(
-        None, description="testing only: exit abruptly at '<phase>:<version>', phase one of "
-        "trained (before the checkpoint), checkpointed (before the DB commit), committed (before publish); "
-        "the process SIGKILLs itself there")
 
     @model_validator(mode="after")
     def _defaults(self) -> TrainerSettings:

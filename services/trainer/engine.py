@@ -67,11 +67,11 @@ class PolicyEngine:
                                                 lr_warmup_steps=lr_warmup_steps)
         self.actor_config = actor_config(algo, self.engine_config, self.optim_config, batch_size=micro_batch_size,
                                          micro_batch_size=micro_batch_size, group_size=group_size)
-        self.model_config = _model_config(model_path)
+        self.model_config = _model_config(model_path, fused=device != "cpu")
         self.actor = self._worker(self.model_config, forward_only=False)
         # verl builds forward-only engines with pinned-memory CPU offload, which needs an accelerator: on CPU
         # the frozen reference is an ordinary engine that is simply never updated.
-        self.ref = (self._worker(_model_config(model_path), forward_only=device != "cpu")
+        self.ref = (self._worker(_model_config(model_path, fused=device != "cpu"), forward_only=device != "cpu")
                     if algo.kl_coef > 0 else None)
         self.critic = self._critic(model_path) if algo.adv_estimator == "gae" else None
 
@@ -105,7 +105,7 @@ class PolicyEngine:
 
         optim = FSDPOptimizerConfig(lr=self.algo.critic_lr, weight_decay=self.algo.weight_decay,
                                     clip_grad=self.algo.grad_clip)
-        model_config = _model_config(model_path)
+        model_config = _model_config(model_path, fused=False)  # a value head has no vocabulary projection
         worker = TrainingWorker(TrainingWorkerConfig(
             model_type="value_model", model_config=model_config, engine_config=deepcopy(self.engine_config),
             optimizer_config=optim, checkpoint_config=CheckpointConfig(
@@ -198,35 +198,46 @@ class PolicyEngine:
         if self.critic is not None:
             self.critic.load_checkpoint(str(folder / "critic"))
 
-    def export_hf(self, folder: Path) -> None:
-        """HF folder (model.safetensors + config + tokenizer) with the current weights; flat file names."""
+    def export_hf(self, folder: Path, dtype: str = "auto", *, weights: bool = True) -> dict | None:
+        """HF folder (model.safetensors + config + tokenizer) with the current weights in `dtype` (a torch dtype
+        name; auto: the model config's dtype, else the training dtype); flat file names. Returns the exported
+        tensors on rank 0 (None elsewhere); `weights=False` leaves out model.safetensors (the publisher writes it
+        only when it sends a full snapshot, not for a delta)."""
         from safetensors.torch import save_file
 
         folder.mkdir(parents=True, exist_ok=True)
         gen, _ = self.actor.engine.get_per_tensor_param()
         hf_config = self.model_config.hf_config
         tied = getattr(hf_config, "tie_word_embeddings", False)
-        dtype = torch.float32 if self.engine_config.model_dtype == "fp32" else torch.bfloat16
-        state = {name: p.detach().to("cpu", dtype).contiguous() for name, p in gen
+        if dtype == "auto":
+            dtype = getattr(hf_config, "dtype", None) or self.engine_config.model_dtype
+        dtype = getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}.get(str(dtype), str(dtype)).removeprefix("torch."))
+        state = {name: p.detach().to("cpu", dtype, copy=True).contiguous() for name, p in gen
                  if not (tied and name == "lm_head.weight")}
         if dist.get_rank() != 0:
-            return
-        save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+            return None
+        if weights:
+            save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
         hf_config.save_pretrained(folder)
         self.model_config.tokenizer.save_pretrained(folder)
         if self.model_config.generation_config is not None:
             self.model_config.generation_config.save_pretrained(folder)
+        return state
 
     @property
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.actor.engine.module.parameters())
 
 
-def _model_config(path: str):
+def _model_config(path: str, *, fused: bool):
+    """On CUDA, verl's fused linear + log-prob kernel (torch backend, chunked, fp32 inside): without flash-attn,
+    verl's unfused bf16 log-prob path runs one log_softmax per token (16,384 kernel launches per 16 x 1024
+    batch), which made a 0.5B step CPU-bound at 1.8% MFU. The CPU path keeps plain logits (fp32, exact vs HF)."""
     from verl.workers.config import HFModelConfig
 
     return HFModelConfig(path=path, override_config={"attn_implementation": "sdpa"}, use_remove_padding=False,
-                         enable_gradient_checkpointing=False)
+                         enable_gradient_checkpointing=False, use_fused_kernels=fused,
+                         fused_kernel_options={"impl_backend": "torch"} if fused else {})
 
 
 def _mean(v) -> float:

@@ -1,31 +1,34 @@
-"""The trainer service loop: consume `trajectories` (group "train"), train whole groups with verl, checkpoint,
-record, publish, and only then acknowledge.
+"""The trainer service loop: consume `results.accepted` (group "train"), train whole groups with verl,
+checkpoint, record, report, publish, and only then acknowledge.
 
-Exactly-once training, across crashes:
+The trainer makes no acceptance decision: everything on `results.accepted` was accepted by the store (a late
+result of an expired attempt never gets there). It only keeps its own effects exactly-once, across crashes:
 1. a step's inputs stay pending in the stream (unacknowledged) while it trains;
 2. the step's checkpoint (model + optimizer + STEP.json listing the samples it used) is renamed into place;
-3. one Postgres transaction records the used samples (`train_samples`, keyed by (run, task, sample)),
-   runs.policy_version and the metrics;
-4. the version is published to the weight server; 5. the stream entries are acknowledged.
+3. one Postgres transaction records the used samples (`train_samples`, keyed by (run, task, sample)) and the
+   metrics;
+4. the version is published to the weight server;
+5. the new version and the groups it used go to the controller on `trainer.progress`;
+6. the stream entries are acknowledged.
 A crash before 2 re-trains the same entries from the previous checkpoint; between 2 and 3 the record is
 replayed from STEP.json at start-up; after 3 the entries are recognised as used and acknowledged unused.
+Whatever step 4 (or a drop's report) lost in a crash is re-sent when the run is opened again: the trainer
+reports its whole record then, and the controller applies reports idempotently.
 
 A group that will not be trained on (older than max_staleness, all rewards equal under dynamic sampling, or
-missing a slot the controller gave up on: `final_failure`, or with a stored result that has nothing to train
-on, itself recorded as `excluded`) is recorded in `train_samples` with that reason at once, then
-acknowledged; the controller counts such groups and dispatches replacements.
+missing a slot the controller announced out of attempts, recorded `abandoned`, or with a stored result that
+has nothing to train on, recorded `excluded`) is recorded in `train_samples` with that reason at once,
+reported, then acknowledged; the controller counts such groups and dispatches replacements.
 
-Several trainers may share the "train" group, each training the runs whose Redis lease it holds. Entries a
-trainer held when it died stay pending under its name, so whenever this process opens a run (at start-up or
-taking over a dead trainer's lease) it claims every pending entry and keeps those of runs it owns; entries of
-runs another trainer owns stay pending (re-owned by name only: XACK by id works from any consumer).
+Several trainers may share the "train" group, each training the runs whose lease (shared/leases.py) it holds.
+Entries a trainer held when it died stay pending under its name, so whenever this process opens a run (at
+start-up or taking over a dead trainer's lease) it claims every pending entry and keeps those of runs it owns;
+entries of runs another trainer owns stay pending (re-owned by name only: XACK by id works from any consumer).
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -33,6 +36,7 @@ from functools import partial
 
 from prometheus_client import Counter, Gauge, Histogram
 from redis.asyncio import Redis
+from redis.exceptions import RedisError
 from sqlalchemy import Engine
 
 from services.trainer import batch as batching
@@ -43,9 +47,9 @@ from services.trainer.publisher import WeightPublisher
 from services.trainer.state import CheckpointDir, SampleRecord, StepRecord
 from shared.bus import Delivery, StreamBus, StreamConsumer
 from shared.logs import get_logger
-from shared.messages import EpisodeResult, MessageDecodeError, decode
+from shared.messages import AcceptedResult, ConsumedGroup, TrainerProgress
 from shared.run_config import RunConfig
-from shared.streams import GROUP_TRAIN, TRAJECTORIES
+from shared.streams import ACCEPTED_RESULTS, GROUP_TRAIN, TRAINER_PROGRESS
 
 log = get_logger(__name__)
 STEPS = Counter("trainer_steps_total", "Optimizer steps (policy versions) completed", ["run_id"])
@@ -72,6 +76,7 @@ class RunState:
     # Keys of groups that can never complete: a slot out of attempts, or a stored result with nothing to train
     # on (the controller does not retry a completed result). Their samples are dropped (and refilled).
     unfinishable: set[GroupKey] = field(default_factory=set)
+    report_all: bool = False  # a progress report was lost (Redis down): re-send the whole record at the next poll
 
     def count(self, what: str, n: int = 1) -> None:
         self.counts[what] = self.counts.get(what, 0) + n
@@ -85,11 +90,14 @@ class RunState:
 class Trainer:
     def __init__(self, settings: TrainerSettings, redis: Redis, db_engine: Engine, worker_id: str):
         self.settings, self.redis, self.db, self.worker_id = settings, redis, db_engine, worker_id
+        self.bus = StreamBus(redis)
         self.consumer = StreamConsumer(
-            StreamBus(redis), TRAJECTORIES, GROUP_TRAIN, worker_id, expect=EpisodeResult,
-            max_deliveries=1_000_000, claim_idle_ms=1 << 40,  # held entries wait long: never reclaim our own
-            batch_size=settings.read_batch, block_ms=settings.read_block_ms)
-        self.publisher = WeightPublisher(settings.weight_server_url, settings.weights_dir, settings.publish_timeout_s)
+            self.bus, ACCEPTED_RESULTS, GROUP_TRAIN, worker_id, expect=AcceptedResult,
+            # Entries are held until the step that uses them is durable, however long that takes: no timer takes
+            # them from a live trainer, and no count of deliveries dead-letters them (claim_pending takes over).
+            max_deliveries=None, claim_idle_ms=None, batch_size=settings.read_batch, block_ms=settings.read_block_ms)
+        self.publisher = WeightPublisher(settings.weight_server_url, settings.weights_dir, settings.publish_timeout_s,
+                                         settings.delta_zstd_level)
         self.torch_thread = ThreadPoolExecutor(1, thread_name_prefix="torch")  # all verl work on one thread
         self.runs: dict[str, RunState] = {}
         self.foreign: set[str] = set()  # runs another trainer holds
@@ -106,7 +114,8 @@ class Trainer:
             if time.monotonic() >= next_poll:
                 await self.refresh_runs()
                 for run in list(self.runs.values()):
-                    await self.drop_unfinishable(run, refresh=True)
+                    if run.report_all:
+                        await self.report_record(run)
                 next_poll = time.monotonic() + self.settings.runs_poll_s
             while self.claim_due:  # routing claimed entries may open further runs
                 self.claim_due = False
@@ -120,53 +129,39 @@ class Trainer:
         """Take over every entry the group still has pending (a dead trainer's, ours before a crash) and route
         it: entries of our runs are held (those already held are recognised), those of runs another trainer
         owns are left pending, those of runs nobody trains are acknowledged."""
-        cursor = "0-0"
-        while True:
-            cursor, entries, *_ = await self.redis.xautoclaim(
-                TRAJECTORIES, GROUP_TRAIN, self.worker_id, 0, start_id=cursor, count=self.settings.read_batch)
-            await self.route([d for d in (self._decode(e, f) for e, f in entries if f) if d is not None])
-            if cursor in (b"0-0", "0-0"):
-                return
-
-    def _decode(self, entry_id: bytes, fields: dict) -> Delivery | None:
-        try:
-            return Delivery(entry_id, decode(fields, EpisodeResult), 1, fields)
-        except MessageDecodeError as e:
-            log.error("undecodable trajectories entry %s acknowledged: %s", entry_id, e)
-            asyncio.ensure_future(self.redis.xack(TRAJECTORIES, GROUP_TRAIN, entry_id))
-            return None
+        async for deliveries in self.consumer.take_over_pending():
+            await self.route(deliveries)
 
     # -- runs -------------------------------------------------------------------------------------------------
     async def refresh_runs(self) -> None:
-        active = {r.id: r for r in await asyncio.to_thread(db.active_runs, self.db)}
+        active = {r.id: r for r in await asyncio.to_thread(db.active_runs, self.db) if r.id not in self.broken}
+        held = await self._leases(list(active))
         for run_id in list(self.runs):
             if run_id not in active:  # stopping or ended: nothing will train on what it still holds
                 await self.close_run(run_id, ack_held=True)
-            elif not await self._lease(run_id):
+            elif run_id not in held:  # our lease lapsed and another trainer took the run
                 await self.close_run(run_id)
-        for run_id, row in active.items():
-            if run_id not in self.runs and run_id not in self.broken:
-                await self.open_run(row)
+        self.foreign = set(active) - held
+        for run_id in held - set(self.runs):
+            await self.open_run(active[run_id])
         self.status.update(runs={r.run_id: r.version for r in self.runs.values()}, broken=self.broken)
 
-    async def _lease(self, run_id: str) -> bool:
-        return await db.hold_lease(self.redis, run_id, self.worker_id, self.settings.lease_ttl_s)
+    async def _leases(self, run_ids: list[str]) -> set[str]:
+        return await asyncio.to_thread(db.hold_leases, self.db, self.worker_id, run_ids, self.settings.lease_ttl_s)
 
     async def open_run(self, row: db.RunRow) -> None:
-        if not await self._lease(row.id):
-            self.foreign.add(row.id)
-            return
-        self.foreign.discard(row.id)
+        """Train a run whose lease this process holds: load its state, then report its whole record."""
         try:
             run = await self._in_torch(self._build_run, row)
         except Exception as e:  # one bad run (missing checkpoint, bad model path) must not stop the others
             log.exception("cannot train run %s", row.id, extra={"run_id": row.id})
             self.broken[row.id] = repr(e)
             await asyncio.to_thread(db.record_event, self.db, row.id, "trainer_error", repr(e))
-            await db.release_lease(self.redis, row.id, self.worker_id)
+            await asyncio.to_thread(db.release_leases, self.db, self.worker_id, [row.id])
             return
         self.runs[row.id] = run
         self.claim_due = True
+        await self.report_record(run)
         VERSION.labels(row.id).set(run.version)
         log.info("training run %s from version %d", row.id, run.version, extra={"run_id": row.id})
 
@@ -193,17 +188,18 @@ class Trainer:
 
     def _recover(self, row: db.RunRow, engine, ckpts: CheckpointDir) -> int:
         latest = ckpts.latest()
+        committed = db.recorded_version(self.db, row.id)
         if latest is None:
-            if row.policy_version > 0:
-                raise RuntimeError(f"run {row.id} is at policy version {row.policy_version} but {ckpts.root} has "
+            if committed > 0:
+                raise RuntimeError(f"run {row.id} is at policy version {committed} but {ckpts.root} has "
                                    "no trainer checkpoint: restore STATE_DIR or start a new run")
             return 0
         path, record = latest
-        if record.version < row.policy_version:
+        if record.version < committed:
             raise RuntimeError(f"run {row.id}: newest trainer checkpoint is v{record.version} but the run is at "
-                               f"v{row.policy_version}; restore the newer checkpoint into {ckpts.root}")
+                               f"v{committed}; restore the newer checkpoint into {ckpts.root}")
         engine.load(path)
-        if record.version > row.policy_version:  # crashed between checkpoint and commit: replay the commit
+        if record.version > committed:  # crashed between checkpoint and commit: replay the commit
             db.commit_step(self.db, record)
         if not db.is_published(self.db, row.id, record.version):
             self._publish(row.id, engine, record.version, record.metrics)
@@ -219,7 +215,7 @@ class Trainer:
             if ack_held:
                 await self.consumer.ack(list({d.id: d for d in run.held.values()}.values()))
             log.info("released run %s at version %d", run_id, run.version, extra={"run_id": run_id})
-        await db.release_lease(self.redis, run_id, self.worker_id)
+        await asyncio.to_thread(db.release_leases, self.db, self.worker_id, [run_id])
 
     async def close(self) -> None:
         from services.trainer.ranks import stop_followers
@@ -244,47 +240,77 @@ class Trainer:
 
     async def _maybe_open(self, run_id: str) -> None:
         row = await asyncio.to_thread(db.load_run, self.db, run_id)
-        if row is not None and row.trainable:
+        if row is None or not row.trainable:
+            return
+        if run_id in await self._leases([run_id]):
             await self.open_run(row)
+        else:
+            self.foreign.add(run_id)
 
     async def intake(self, run: RunState, deliveries: list[Delivery]) -> None:
-        """Apply the acceptance rule; hold what will be trained on, acknowledge the rest now."""
+        """Hold what will be trained on; record what never will be (a result with nothing to train on, a slot
+        out of attempts), then acknowledge it and duplicates."""
         keys = [(d.message.task_id, d.message.sample_idx, d.message.attempt) for d in deliveries]
-        used, late = await asyncio.to_thread(db.screen, self.db, run.run_id, keys)
-        ack_now, unusable = [], []
+        recorded = await asyncio.to_thread(db.consumed, self.db, run.run_id, keys)
+        ack_now, final = [], []
         for d, key in zip(deliveries, keys, strict=True):
-            outcome = self._classify(run, d, key, used, late)
+            outcome = self._classify(run, d, key, recorded)
             if outcome == "held":
                 run.held[(run.run_id, key[0], key[1])] = d
-                for sample in batching.samples_from_result(d.message):
+                for sample in batching.samples_from_result(d.message.result):
                     run.buffer.add(sample)
-            elif outcome == "excluded" and d.message.status == "completed":
-                unusable.append(d)  # final: recorded below, and its group is dropped
+            elif outcome in ("excluded", "abandoned"):
+                final.append((d, outcome))  # recorded below, and its group is dropped
+            elif outcome == "duplicate" and (k := (run.run_id, key[0], key[1])) in run.held:
+                ack_now.append(run.held[k])  # keep the newest entry pending: the older may be gone with Redis's data
+                run.held[k] = d
             elif outcome != "already_held":
                 ack_now.append(d)
+            run.report_all = run.report_all or outcome == "duplicate"  # a replay: the reports may be lost too
             run.count(outcome)
-        if unusable:  # recorded before the ack: a re-delivery after a crash is then a duplicate
+        if final:  # recorded before the ack: a re-delivery after a crash is then a duplicate
             records = [SampleRecord(task_id=d.message.task_id, sample_idx=d.message.sample_idx,
-                                    attempt=d.message.attempt, status="excluded",
-                                    generated_version=d.message.policy_versions[0]) for d in unusable]
+                                    attempt=d.message.attempt, status=status, batch_idx=d.message.batch_idx,
+                                    generated_version=d.message.result.policy_versions[0] if d.message.result
+                                    else None) for d, status in final]
             await asyncio.to_thread(db.record_dropped, self.db, run.run_id, run.version, records)
-            run.unfinishable |= {(d.message.task_id, d.message.batch_idx) for d in unusable}
-            ack_now += unusable
+            run.unfinishable |= {(d.message.task_id, d.message.batch_idx) for d, _ in final}
+            await self.report(run, run.version, [ConsumedGroup(task_id=d.message.task_id, batch_idx=d.message.batch_idx,
+                                                               status=s) for d, s in final if s == "excluded"])
+            ack_now += [d for d, _ in final]
         await self.consumer.ack(ack_now)
         await self.drop_unfinishable(run)
 
     @staticmethod
-    def _classify(run: RunState, d: Delivery, key, used: set, late: set) -> str:
+    def _classify(run: RunState, d: Delivery, key, recorded: set) -> str:
         held = run.held.get((run.run_id, key[0], key[1]))
         if held is not None:
             return "already_held" if held.id == d.id else "duplicate"
-        if (key[0], key[1]) in used:
+        if (key[0], key[1]) in recorded:
             return "duplicate"
-        if key in late:
-            return "late"
-        if batching.excluded_reason(d.message) is not None:
-            return "excluded"  # failed attempts are retried by the controller; never trained on
+        if d.message.result is None:
+            return "abandoned"  # the controller gave up on this slot: its group can never complete
+        if batching.excluded_reason(d.message.result) is not None:
+            return "excluded"
         return "held"
+
+    # -- reports to the controller ----------------------------------------------------------------------------
+    async def report(self, run: RunState, version: int, groups: list[ConsumedGroup]) -> None:
+        """Tell the controller the run's version and the groups just consumed. If Redis refuses, the whole
+        record is re-sent at the next poll (reports are idempotent)."""
+        try:
+            await self.bus.publish(TRAINER_PROGRESS, TrainerProgress(run_id=run.run_id, version=version,
+                                                                     groups=groups))
+        except (RedisError, OSError) as e:
+            log.warning("progress report failed, re-sent later: %r", e, extra={"run_id": run.run_id})
+            run.report_all = True
+
+    async def report_record(self, run: RunState, chunk: int = 500) -> None:
+        """Re-send everything this trainer recorded for the run (when it opens it, or after a lost report)."""
+        run.report_all = False
+        groups = await asyncio.to_thread(db.consumed_groups, self.db, run.run_id)
+        for i in range(0, max(len(groups), 1), chunk):
+            await self.report(run, run.version, groups[i:i + chunk])
 
     # -- one step ---------------------------------------------------------------------------------------------
     async def maybe_step(self, run: RunState) -> None:
@@ -307,18 +333,16 @@ class Trainer:
         run.buffer.remove(groups)
         records = self._records(groups, reason)
         await asyncio.to_thread(db.record_dropped, self.db, run.run_id, run.version, records)
+        await self.report(run, run.version, self._consumed(groups, reason))
         await self.consumer.ack(self._release(run, records))
         run.dropped[reason] = run.dropped.get(reason, 0) + len(records)
         log.info("dropped %d groups (%s)", len(groups), reason, extra={"run_id": run.run_id})
 
-    async def drop_unfinishable(self, run: RunState, refresh: bool = False) -> None:
-        """Drop the waiting groups that can never complete. `refresh`: first learn from Postgres which slots
-        the controller has since given up on (at each runs poll, and only while some group waits)."""
+    async def drop_unfinishable(self, run: RunState) -> None:
+        """Drop the waiting groups that can never complete (`run.unfinishable`)."""
         waiting = run.buffer.incomplete_groups()
         if not waiting:
             return
-        if refresh:
-            run.unfinishable |= await asyncio.to_thread(db.unfinishable_groups, self.db, run.run_id)
         groups = batching.doomed_groups(waiting, run.unfinishable)
         if groups:
             await self.drop(run, "incomplete", groups)
@@ -329,12 +353,11 @@ class Trainer:
         metrics |= {f"dropped_{k}": float(n) for k, n in run.dropped.items()}
         metrics |= {f"samples_{k}": float(n) for k, n in run.counts.items()}
         record = StepRecord(run_id=run.run_id, version=version, samples=self._records(groups), metrics=metrics)
-        self._fault("trained", version)
         await self._in_torch(run.ckpts.save, run.engine, record)
-        self._fault("checkpointed", version)
         await asyncio.to_thread(db.commit_step, self.db, record)
-        self._fault("committed", version)
         await self._in_torch(self._publish, run.run_id, run.engine, version, metrics)
+        # reported once published: the controller completes the run at its last version, whose weights exist
+        await self.report(run, version, self._consumed(groups, "used"))
         await self.consumer.ack(self._release(run, record.samples))
         run.version, run.dropped, run.counts = version, {}, {}
         STEPS.labels(run.run_id).inc()
@@ -347,7 +370,7 @@ class Trainer:
         """One record per sample: used (the greedy baseline: baseline), or the reason the group was dropped."""
         def rec(s, status):
             return SampleRecord(task_id=s.key[1], sample_idx=s.key[2], attempt=s.attempt, status=status,
-                                generated_version=s.min_version)
+                                generated_version=s.min_version, batch_idx=s.group[1])
         out = {}
         for g in groups:
             for s in g.samples.values():
@@ -355,6 +378,10 @@ class Trainer:
             for greedy in g.greedy.values():
                 out[greedy.key] = rec(greedy, dropped or "baseline")
         return list(out.values())
+
+    @staticmethod
+    def _consumed(groups: list[Group], status: str) -> list[ConsumedGroup]:
+        return [ConsumedGroup(task_id=g.key[0], batch_idx=g.key[1], status=status) for g in groups]
 
     @staticmethod
     def _release(run: RunState, records: list[SampleRecord]) -> list[Delivery]:
@@ -367,13 +394,10 @@ class Trainer:
 
     def _publish(self, run_id: str, engine, version: int, metrics: dict[str, float]) -> None:
         folder = self.publisher.staging_folder(run_id, version)
-        engine.export_hf(folder)
-        self.publisher.publish(run_id, version, folder, metrics, self.settings.best_metric)
+        run = self.runs.get(run_id)
+        config = run.config if run is not None else RunConfig.model_validate(db.load_run(self.db, run_id).config)
+        tensors = engine.export_hf(folder, config.engine.weights_dtype, weights=False)
+        self.publisher.publish(run_id, version, folder, metrics, self.settings.best_metric, tensors=tensors)
 
     async def _in_torch(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.torch_thread, fn, *args)
-
-    def _fault(self, phase: str, version: int) -> None:
-        if self.settings.fault_point == f"{phase}:{version}":
-            log.warning("fault injection: SIGKILL at %s:%d", phase, version)
-            os.kill(os.getpid(), signal.SIGKILL)

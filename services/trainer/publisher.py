@@ -1,5 +1,12 @@
 """Client of the weight server: publish one exported HF folder as version v of a run.
 
+Each version is sent as a delta on the version before it when the weight server's plan asks for one and this
+publisher still holds that version's exported tensors (it keeps the last one per run in memory, and diffs the
+new export against it in memory: no file is read back); otherwise as the full folder (the first version after a
+start, and every SNAPSHOT_EVERY versions). Either way the manifest states every tensor's digest, which is what
+rollout workers check the weights they serve against: for a delta, the tensors it changes are hashed and the
+others keep the previous version's digest (their bits are the same, compared one by one).
+
 Co-located (WEIGHTS_DIR set): the folder is exported straight into a staging folder on the weight server's
 volume and published by path (the server moves the files, no copy). Remote: every file is uploaded over
 HTTP with its sha256, then published. Transient HTTP errors are retried within `timeout_s`; a 4xx (bad
@@ -10,20 +17,55 @@ from __future__ import annotations
 import shutil
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
 from shared.logs import get_logger
 from shared.messages import WeightsPublished
-from shared.weights import CHUNK, fsync_path, sha256_file
+from shared.retry import RetryPolicy
+from shared.weights import (
+    CHUNK,
+    DELTA_FILE,
+    TensorEntry,
+    changed_names,
+    compress_delta,
+    delta_parts,
+    fsync_path,
+    read_safetensors,
+    sha256_file,
+    tensor_entries,
+)
 
 log = get_logger(__name__)
 
 
+class WeightServerError(Exception):
+    """The weight server answered 5xx: it may succeed when tried again."""
+
+
+TRANSIENT = (httpx.TransportError, WeightServerError)
+
+
+@dataclass
+class _Published:
+    """The last version this publisher sent for a run: the base of the next delta."""
+
+    version: int
+    sha256: str  # of its manifest, as the weight server announced it
+    tensors: dict
+    entries: dict[str, TensorEntry]
+
+
 class WeightPublisher:
-    def __init__(self, url: str, weights_dir: Path | None, timeout_s: float = 600.0):
+    def __init__(self, url: str, weights_dir: Path | None, timeout_s: float = 600.0, zstd_level: int = 1):
         self.url, self.weights_dir, self.timeout_s = url.rstrip("/"), weights_dir, timeout_s
+        self.zstd_level = zstd_level  # of delta files; negative: zstd's fast levels
+        self.last: dict[str, _Published] = {}
+        self.last_kind: str | None = None  # "full" or "delta": what the latest publish sent (for benchmarks)
+        self.last_timings: dict[str, float] = {}  # seconds per stage of the latest publish (for benchmarks)
+        self.http = httpx.Client(timeout=timeout_s)  # one keep-alive connection: a new client costs ~30 ms a call
 
     def staging_folder(self, run_id: str, version: int) -> Path:
         """Where to export version `version` before publishing it."""
@@ -33,9 +75,35 @@ class WeightPublisher:
         return folder
 
     def publish(self, run_id: str, version: int, folder: Path, metrics: dict[str, float],
-                best_metric: str | None = None) -> WeightsPublished:
+                best_metric: str | None = None, tensors: dict | None = None) -> WeightsPublished:
+        """Publish the exported HF `folder` (consumed) as `version`: as a delta when possible, else in full.
+        `tensors`: the exported weights, when the folder was written without them (the trainer's export_hf
+        with weights=False): written to model.safetensors only if a full snapshot is sent."""
+        if tensors is None:
+            tensors = read_safetensors(folder)
+        written = any(folder.glob("*.safetensors"))
+        full_bytes = sum(p.stat().st_size for p in folder.iterdir() if p.is_file()) + (
+            0 if written else sum(t.numel() * t.element_size() for t in tensors.values()))  # ~ the file's size
+        clock = _Stopwatch()
+        plan = self._retry(lambda c: c.get(f"{self.url}/v1/runs/{run_id}/versions/{version}/plan"))
+        clock.lap("plan_s")
+        last = self.last.pop(run_id, None)
+        body = {"metrics": metrics, "best_metric": best_metric, "full_bytes": full_bytes}
+        if (last is not None and plan["base_version"] == last.version and plan["base_sha256"] == last.sha256
+                and _layout(tensors) == {n: (e.dtype, e.shape) for n, e in last.entries.items()}):
+            entries, delta = self._write_delta(run_id, version, last, tensors, clock)
+            shutil.rmtree(folder, ignore_errors=True)
+            folder = delta
+            body |= {"kind": "delta", "base_version": last.version}
+        else:
+            entries = tensor_entries(tensors)
+            clock.lap("hash_s")
+            if not written:
+                from safetensors.torch import save_file
+
+                save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        body["tensors"] = {n: e.model_dump() for n, e in entries.items()}
         files = sorted(p.name for p in folder.iterdir() if p.is_file())
-        body = {"metrics": metrics, "best_metric": best_metric}
         if self.weights_dir:
             for name in files:  # durable before the server renames it into place
                 fsync_path(folder / name)
@@ -43,10 +111,29 @@ class WeightPublisher:
             body |= {"staging_path": str(folder), "files": {n: sha256_file(folder / n) for n in files}}
         else:
             body["files"] = {n: self._upload(run_id, version, folder / n) for n in files}
+        clock.lap("write_s")
         msg = WeightsPublished.model_validate(
             self._retry(lambda c: c.post(f"{self.url}/v1/runs/{run_id}/versions/{version}/publish", json=body)))
+        clock.lap("server_s")
         shutil.rmtree(folder, ignore_errors=True)
+        self.last_timings = clock.laps
+        self.last[run_id] = _Published(version, msg.sha256, tensors, entries)
+        self.last_kind = body.get("kind", "full")
         return msg
+
+    def _write_delta(self, run_id: str, version: int, last: _Published, tensors: dict,
+                     clock: _Stopwatch) -> tuple[dict[str, TensorEntry], Path]:
+        """The manifest's tensor entries of `tensors` (changed ones hashed, the others carried over from `last`)
+        and a staging folder holding the delta from `last` to `tensors`."""
+        parts = delta_parts(last.tensors, tensors)
+        clock.lap("diff_s")
+        entries = last.entries | tensor_entries({n: tensors[n] for n in changed_names(parts)})
+        clock.lap("hash_s")
+        data = compress_delta(parts, self.zstd_level)
+        clock.lap("compress_s")
+        folder = self.staging_folder(run_id, version)
+        (folder / DELTA_FILE).write_bytes(data)  # fsynced by the caller
+        return entries, folder
 
     def post_publish(self, run_id: str, version: int, folder: Path, files: dict[str, str],
                      metrics: dict[str, float]) -> WeightsPublished:
@@ -68,19 +155,36 @@ class WeightPublisher:
         return digest
 
     def _retry(self, request) -> dict:
-        deadline, delay = time.monotonic() + self.timeout_s, 0.5
-        while True:
-            try:
-                with httpx.Client(timeout=self.timeout_s) as client:
-                    resp = request(client)
-                if resp.status_code < 500:
-                    resp.raise_for_status()
-                    return resp.json()
-                error: Exception = httpx.HTTPStatusError(resp.text, request=resp.request, response=resp)
-            except httpx.TransportError as e:
-                error = e
-            if time.monotonic() + delay > deadline:
-                raise TimeoutError(f"weight server {self.url} unavailable: {error!r}")
-            log.warning("publish retry in %.1fs: %r", delay, error)
-            time.sleep(delay)
-            delay = min(delay * 2, 10.0)
+        """One request, retried on transient errors within `timeout_s` in all (each attempt bounded by it too)."""
+        policy = RetryPolicy(TRANSIENT, budget_s=self.timeout_s, attempt_timeout_s=self.timeout_s,
+                             first_wait_s=0.5, max_wait_s=10.0, what="publish")
+
+        def attempt() -> dict:
+            resp = request(self.http)
+            if resp.status_code >= 500:
+                raise WeightServerError(f"{resp.status_code} {resp.text[:300]}")
+            resp.raise_for_status()
+            return resp.json()
+
+        try:
+            return policy.call(attempt)
+        except TRANSIENT as e:
+            raise TimeoutError(f"weight server {self.url} unavailable: {e!r}") from e
+
+
+class _Stopwatch:
+    """Seconds between successive `lap` calls, by name: where a publish spends its time."""
+
+    def __init__(self):
+        self.laps: dict[str, float] = {}
+        self.t = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.laps[name] = now - self.t
+        self.t = now
+
+
+def _layout(tensors: dict) -> dict[str, tuple[str, list[int]]]:
+    """Name -> (dtype, shape) as a TensorEntry states them: a delta needs the same layout as its base."""
+    return {n: (str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in tensors.items()}

@@ -74,8 +74,8 @@ class ShardedEngine:
     def load(self, folder) -> None:
         self._call("load", folder)
 
-    def export_hf(self, folder) -> None:
-        self._call("export_hf", folder)
+    def export_hf(self, folder, dtype: str = "auto", *, weights: bool = True) -> dict | None:
+        return self._call("export_hf", folder, dtype, weights=weights)
 
     def close(self) -> None:
         _broadcast(("drop", self.key))

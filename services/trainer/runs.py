@@ -1,28 +1,28 @@
-"""Postgres side of the trainer: which runs to train, the trainer lease, and each step's durable record."""
+"""Postgres side of the trainer: which runs to train (`runs`), its lease on them (shared/leases.py), and its
+own durable record (`train_samples`, metrics). It reads no table of the controller's: what it trains on arrives
+on `results.accepted`, and what the controller needs from it leaves on `trainer.progress`."""
 
 from __future__ import annotations
 
 import uuid
 
-from redis.asyncio import Redis
-from sqlalchemy import Engine, func, select, text, update
+from sqlalchemy import Engine, delete, func, select
 from sqlalchemy.dialects.postgresql import insert
 
 from services.trainer.state import SampleRecord, StepRecord
-from shared.db.models import Checkpoint, Metric, RolloutTaskRow, Run, RunEvent, TrainSample
-from shared.streams import trainer_lease_key
+from shared import leases
+from shared.db.models import Checkpoint, Metric, Run, RunEvent, TrainSample
+from shared.messages import ConsumedGroup
 
 ACTIVE = ("running", "paused")  # a paused run keeps training on what already arrived
-LATE_LEDGER = ("lost", "cancelled", "failed")  # attempts whose results must not be trained on
-
-_RENEW = """if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end
-if redis.call('set', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 1 end return 0"""
+USED = ("used", "baseline")  # samples a step trained on (the greedy baseline only as a baseline)
+DOOMING = ("excluded", "abandoned")  # a group with such a sample can never complete
 
 
 class RunRow:
     def __init__(self, row):
         self.id, self.kind, self.status = str(row.id), row.kind, row.status
-        self.config, self.policy_version = row.config, row.policy_version
+        self.config = row.config
 
     @property
     def trainable(self) -> bool:
@@ -41,42 +41,36 @@ def active_runs(db: Engine) -> list[RunRow]:
     return [RunRow(r) for r in rows]
 
 
-async def hold_lease(redis: Redis, run_id: str, owner: str, ttl_s: float) -> bool:
-    """Take or renew this process's lease on a run; False while another trainer holds it."""
-    return bool(await redis.eval(_RENEW, 1, trainer_lease_key(run_id), owner, int(ttl_s * 1000)))
+def hold_leases(db: Engine, owner: str, run_ids: list[str], ttl_s: float) -> set[str]:
+    """Take or renew this process's trainer lease on each run; returns those it holds."""
+    with db.begin() as c:
+        return leases.acquire(c, leases.TRAINER, owner, run_ids, ttl_s)
 
 
-async def release_lease(redis: Redis, run_id: str, owner: str) -> None:
-    await redis.eval("if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end "
-                     "return 0", 1, trainer_lease_key(run_id), owner)
+def release_leases(db: Engine, owner: str, run_ids: list[str] | None = None) -> None:
+    with db.begin() as c:
+        leases.release(c, leases.TRAINER, owner, run_ids)
 
 
-def screen(db: Engine, run_id: str, keys: list[tuple[str, int, int]]) -> tuple[set, set]:
-    """(samples already consumed by a step, attempts the ledger says must not be trained on) among `keys`
-    ((task_id, sample_idx, attempt) triples)."""
-    run = uuid.UUID(run_id)
+def consumed(db: Engine, run_id: str, keys: list[tuple[str, int, int]]) -> set[tuple[str, int]]:
+    """(task_id, sample_idx) among `keys` that this trainer already recorded (used, dropped, excluded)."""
     tasks = list({k[0] for k in keys})
     with db.connect() as c:
-        used = c.execute(select(TrainSample.task_id, TrainSample.sample_idx).where(
-            TrainSample.run_id == run, TrainSample.task_id.in_(tasks))).all()
-        late = c.execute(select(RolloutTaskRow.task_id, RolloutTaskRow.sample_idx, RolloutTaskRow.attempt).where(
-            RolloutTaskRow.run_id == run, RolloutTaskRow.task_id.in_(tasks),
-            RolloutTaskRow.status.in_(LATE_LEDGER))).all()
-    return {tuple(r) for r in used}, {tuple(r) for r in late}
+        rows = c.execute(select(TrainSample.task_id, TrainSample.sample_idx).where(
+            TrainSample.run_id == uuid.UUID(run_id), TrainSample.task_id.in_(tasks))).all()
+    return {tuple(r) for r in rows}
 
 
 def commit_step(db: Engine, record: StepRecord) -> None:
-    """One transaction: which samples the step consumed, runs.policy_version, the step's metrics.
-    Idempotent, so recovery can replay it from the checkpoint's STEP.json."""
+    """One transaction: which samples the step consumed and the step's metrics. Idempotent, so recovery can
+    replay it from the checkpoint's STEP.json."""
     run = uuid.UUID(record.run_id)
     with db.begin() as c:
         if record.samples:
             c.execute(insert(TrainSample).values([
                 dict(run_id=run, version=record.version, **s.model_dump()) for s in record.samples
             ]).on_conflict_do_nothing())
-        c.execute(update(Run).where(Run.id == run).values(
-            policy_version=func.greatest(Run.policy_version, record.version)))
-        c.execute(text("DELETE FROM metrics WHERE run_id = :r AND step = :s"), {"r": run, "s": record.version})
+        c.execute(delete(Metric).where(Metric.run_id == run, Metric.step == record.version))
         if record.metrics:
             c.execute(insert(Metric).values([
                 dict(run_id=run, name=k, step=record.version, value=float(v)) for k, v in record.metrics.items()
@@ -84,8 +78,8 @@ def commit_step(db: Engine, record: StepRecord) -> None:
 
 
 def record_dropped(db: Engine, run_id: str, version: int, samples: list[SampleRecord]) -> None:
-    """Samples of groups that will never be trained on, consumed with their drop reason as status (at the
-    current policy version). Idempotent."""
+    """Samples that will never be trained on, consumed with the reason as status (at the current policy
+    version). Idempotent."""
     if samples:
         with db.begin() as c:
             c.execute(insert(TrainSample).values([
@@ -93,22 +87,34 @@ def record_dropped(db: Engine, run_id: str, version: int, samples: list[SampleRe
             ]).on_conflict_do_nothing())
 
 
-def unfinishable_groups(db: Engine, run_id: str) -> set[tuple[str, int]]:
-    """(task_id, batch_idx) of every group that can never complete: one with a slot the controller gave up on
-    (a `final_failure` event) or a stored result the trainer recorded as having nothing to train on
-    (`excluded`, never retried)."""
+def recorded_version(db: Engine, run_id: str) -> int:
+    """The newest version whose step this trainer committed (0: none)."""
     with db.connect() as c:
-        rows = c.execute(text(
-            """SELECT t.task_id, t.batch_idx FROM run_events e
-               JOIN rollout_tasks t ON t.run_id = e.run_id AND t.task_id = e.data->>'task_id'
-                                   AND t.sample_idx = CAST(e.data->>'sample_idx' AS int)
-               WHERE e.run_id = :r AND e.kind = 'final_failure'
-               UNION
-               SELECT t.task_id, t.batch_idx FROM train_samples s
-               JOIN rollout_tasks t USING (run_id, task_id, sample_idx)
-               WHERE s.run_id = :r AND s.status = 'excluded'"""
-        ), {"r": uuid.UUID(run_id)}).all()
+        return c.execute(select(func.coalesce(func.max(TrainSample.version), 0)).where(
+            TrainSample.run_id == uuid.UUID(run_id), TrainSample.status.in_(USED))).scalar_one()
+
+
+def unfinishable_groups(db: Engine, run_id: str) -> set[tuple[str, int]]:
+    """(task_id, batch_idx) of every group that can never complete: one with a slot the controller announced
+    out of attempts (recorded `abandoned`) or a result with nothing to train on (`excluded`, never retried)."""
+    with db.connect() as c:
+        rows = c.execute(select(TrainSample.task_id, TrainSample.batch_idx).distinct().where(
+            TrainSample.run_id == uuid.UUID(run_id), TrainSample.status.in_(DOOMING),
+            TrainSample.batch_idx.is_not(None))).all()
     return {tuple(r) for r in rows}
+
+
+def consumed_groups(db: Engine, run_id: str) -> list[ConsumedGroup]:
+    """Every group this trainer recorded, as `trainer.progress` reports it: used, or the reason it was dropped
+    (abandoned slots are the controller's own news and are not reported)."""
+    with db.connect() as c:
+        s = TrainSample
+        rows = c.execute(select(s.task_id, s.batch_idx, func.bool_or(s.status.in_(USED)).label("used"),
+                                func.min(s.status).filter(s.status != "abandoned").label("reason"))
+                         .where(s.run_id == uuid.UUID(run_id), s.batch_idx.is_not(None))
+                         .group_by(s.task_id, s.batch_idx)).all()
+    return [ConsumedGroup(task_id=r.task_id, batch_idx=r.batch_idx, status="used" if r.used else r.reason)
+            for r in rows if r.used or r.reason]
 
 
 def is_published(db: Engine, run_id: str, version: int) -> bool:

@@ -20,8 +20,9 @@ class SampleRecord(BaseModel):
     task_id: str
     sample_idx: int
     attempt: int
-    status: str  # used | baseline | stale | filtered | incomplete | excluded
+    status: str  # used | baseline | stale | filtered | incomplete | excluded | abandoned
     generated_version: int | None = None
+    batch_idx: int | None = None  # with task_id, the sample's group
 
 
 class StepRecord(BaseModel):

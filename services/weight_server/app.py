@@ -1,6 +1,7 @@
 """HTTP routes of the weight server (mounted on the ServiceRuntime's app, next to /healthz and /metrics).
 
     PUT  /v1/runs/{run}/versions/{v}/files/{name}?sha256=<hex>   streamed upload of one file (remote trainer)
+    GET  /v1/runs/{run}/versions/{v}/plan                          send v as a delta (on which base) or full?
     POST /v1/runs/{run}/versions/{v}/publish                       make the version durable and announce it
     GET  /v1/runs/{run}/versions                                   available versions
     GET  /v1/runs/{run}/versions/{v}/{name}                        streamed download (MANIFEST.json first)
@@ -9,6 +10,7 @@
 from __future__ import annotations
 
 import uuid
+from typing import Literal
 
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.concurrency import run_in_threadpool
@@ -17,7 +19,7 @@ from prometheus_client import Counter, Histogram
 from pydantic import BaseModel, Field
 
 from services.weight_server.store import CheckpointStore, PublishError, check_name
-from shared.weights import ChecksumError
+from shared.weights import ChecksumError, TensorEntry
 
 PUBLISHED = Counter("weight_server_published_total", "Checkpoint versions published")
 REJECTED = Counter("weight_server_rejected_total", "Publishes or uploads rejected", ["reason"])
@@ -30,6 +32,16 @@ class PublishRequest(BaseModel):
     metrics: dict[str, float] = Field(default_factory=dict)
     staging_path: str | None = Field(None, description="co-located trainer: folder on the shared volume")
     best_metric: str | None = Field(None, description="metric that picks the 'best' version kept by retention")
+    kind: Literal["full", "delta"] = Field("full", description="a full snapshot, or a delta file on base_version")
+    base_version: int | None = Field(None, description="delta: the version it applies to (see GET .../plan)")
+    tensors: dict[str, TensorEntry] = Field(
+        default_factory=dict, description="every tensor of the version's full weights: dtype, shape, xxh3-128 digest")
+    full_bytes: int = Field(0, ge=0, description="size of the full weights this version stands for")
+
+
+class PublishPlan(BaseModel):
+    base_version: int | None = Field(description="send a delta on this version; None: send a full snapshot")
+    base_sha256: str | None = Field(description="sha256 of the base version's MANIFEST.json")
 
 
 def _run(run_id: str) -> str:
@@ -65,14 +77,19 @@ def build_router(store: CheckpointStore) -> APIRouter:
     @router.post("/{version}/publish")
     async def publish(run_id: str, version: int, body: PublishRequest) -> dict:
         try:
+            layout = body.model_dump(include={"kind", "base_version", "tensors", "full_bytes"})
             with PUBLISH_SECONDS.time():
                 msg = await run_in_threadpool(store.publish, _run(run_id), version, body.files, body.metrics,
-                                              body.staging_path, body.best_metric)
+                                              body.staging_path, body.best_metric, layout)
         except (PublishError, ChecksumError) as e:
             REJECTED.labels("checksum" if "sha256" in str(e) else "bad_request").inc()
             raise HTTPException(422, str(e)) from None
         PUBLISHED.inc()
         return msg.model_dump(mode="json")
+
+    @router.get("/{version}/plan", response_model=PublishPlan)
+    async def plan(run_id: str, version: int) -> PublishPlan:
+        return PublishPlan(**await run_in_threadpool(store.plan, _run(run_id), version))
 
     @router.get("")
     async def versions(run_id: str) -> list[dict]:

@@ -17,6 +17,8 @@ class WeightServerSettings(ServiceSettings):
         None, description="base URL announced in WeightsPublished.uri; default http://127.0.0.1:<port>"
     )
     keep_last: int = Field(3, ge=1, description="versions kept per run besides the best one")
+    snapshot_every: int = Field(
+        10, ge=1, description="a full snapshot every N versions, deltas (only what changed) in between; 1: always full")
     announce_path: bool = Field(True, description="announce the shared-volume path for co-located readers")
     # The co-located trainer hashes its files as read back from this same volume after fsync, so re-reading
     # them here checks the same bytes on the same disk a second time; HTTP uploads are always hashed.

@@ -8,37 +8,30 @@ from __future__ import annotations
 
 import sys
 
+from services.weight_server.config import WeightServerSettings
+from shared.service import Loops, ServiceRuntime, run_service
+
 
 def main() -> int:
-    from services.weight_server.config import WeightServerSettings
-    from shared.logs import get_logger, setup_logging
+    return run_service(WeightServerSettings(), build)
 
-    settings = WeightServerSettings()
-    setup_logging(settings.service_name, settings.log_level, settings.log_format)
-    get_logger(__name__).info("config: %s", settings.loggable())
 
+async def build(settings: WeightServerSettings, runtime: ServiceRuntime) -> Loops:
     import redis
 
     from services.weight_server.app import build_router
     from services.weight_server.store import CheckpointStore
     from shared.db.session import make_engine
-    from shared.service import ServiceRuntime, run_service
 
     engine = make_engine(settings.database_url)
+    runtime.on_stop(engine.dispose)
     store = CheckpointStore(settings.weights_dir, engine, redis.Redis.from_url(settings.redis_url),
                             settings.public_url, settings.keep_last, settings.announce_path,
-                            settings.verify_staging)
+                            settings.verify_staging, settings.snapshot_every)
     store.reconcile()
-    runtime = ServiceRuntime(settings, settings.service_name)
-    runtime.app.include_router(build_router(store))
+    runtime.app.include_router(build_router(store))  # uploads and downloads beside /healthz, on one port
     runtime.status["weights_dir"] = str(settings.weights_dir)
-    return run_service(runtime.run([runtime.stop.wait()], on_stop=_dispose(engine)))
-
-
-def _dispose(engine):
-    async def stop() -> None:
-        engine.dispose()
-    return stop
+    return []  # HTTP is all it serves
 
 
 if __name__ == "__main__":

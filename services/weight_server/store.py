@@ -1,4 +1,9 @@
-"""Versioned checkpoint storage: WEIGHTS_DIR/<run_id>/v<version>/ (HF files + MANIFEST.json).
+"""Versioned checkpoint storage: WEIGHTS_DIR/<run_id>/v<version>/ (files + MANIFEST.json).
+
+A version is a full snapshot (HF files) or a delta on the version before it (one compressed file; see
+shared/weights.py). `plan` tells the publisher which to send: a full snapshot every `snapshot_every` versions
+(and whenever the previous version is missing or has no per-tensor hashes), deltas in between. Retention keeps
+each kept version's whole chain (its snapshot and every delta after it), so every kept version can be rebuilt.
 
 Publish order (each step durable before the next): files land in a temp folder next to the target (uploaded
 over HTTP, or moved from a staging folder on the same volume), every file is fsynced and checked against the
@@ -21,9 +26,10 @@ import redis
 from sqlalchemy import Engine, select, update
 from sqlalchemy.dialects.postgresql import insert
 
+from shared.bus import announce
 from shared.db.models import Checkpoint
 from shared.logs import get_logger
-from shared.messages import WeightsPublished, encode
+from shared.messages import WeightsPublished
 from shared.streams import WEIGHTS
 from shared.weights import (
     MANIFEST,
@@ -79,9 +85,10 @@ class Upload:
 
 class CheckpointStore:
     def __init__(self, root: Path, engine: Engine, redis_client: redis.Redis, public_url: str,
-                 keep_last: int = 3, announce_path: bool = True, verify_staging: bool = False):
+                 keep_last: int = 3, announce_path: bool = True, verify_staging: bool = False,
+                 snapshot_every: int = 10):
         self.root, self.engine, self.redis = root, engine, redis_client
-        self.verify_staging = verify_staging
+        self.verify_staging, self.snapshot_every = verify_staging, snapshot_every
         self.public_url, self.keep_last, self.announce_path = public_url, keep_last, announce_path
         root.mkdir(parents=True, exist_ok=True)
 
@@ -103,16 +110,43 @@ class CheckpointStore:
         return Upload(self.upload_dir(run_id, version) / check_name(name))
 
     # -- publish ----------------------------------------------------------------------------------------------
+    def manifest(self, run_id: str, version: int) -> CheckpointManifest | None:
+        """The stored manifest of an available version (None when there is none)."""
+        path = self.folder(run_id, version) / MANIFEST
+        return CheckpointManifest.model_validate_json(path.read_bytes()) if path.is_file() else None
+
+    def plan(self, run_id: str, version: int) -> dict:
+        """What the publisher of `version` should send: a delta on `base_version` (manifest sha256
+        `base_sha256`), or a full snapshot when both are None."""
+        full = {"base_version": None, "base_sha256": None}
+        base = self._row(run_id, version - 1)
+        manifest = self.manifest(run_id, version - 1) if base is not None else None
+        if manifest is None or not manifest.tensors or len(self._chain(run_id, version - 1)) >= self.snapshot_every:
+            return full
+        return {"base_version": version - 1, "base_sha256": base.sha256}
+
+    def _chain(self, run_id: str, version: int) -> list[int]:
+        """`version` and the versions it is built on, back to and including its snapshot."""
+        chain, manifest = [version], self.manifest(run_id, version)
+        while manifest is not None and manifest.kind == "delta":
+            chain.append(manifest.base_version)
+            manifest = self.manifest(run_id, manifest.base_version)
+        return chain
+
     def publish(self, run_id: str, version: int, files: dict[str, str], metrics: dict[str, float],
-                staging_path: str | None = None, best_metric: str | None = None) -> WeightsPublished:
-        """Make version `version` of `run_id` durable and announce it. Idempotent for the same version."""
+                staging_path: str | None = None, best_metric: str | None = None,
+                layout: dict | None = None) -> WeightsPublished:
+        """Make version `version` of `run_id` durable and announce it. Idempotent for the same version.
+        `layout`: the manifest's kind, base_version, tensors and full_bytes (default: a full snapshot without
+        per-tensor hashes)."""
         existing = self._row(run_id, version)
         if existing is not None and self.folder(run_id, version).is_dir():
             return self._message(existing)
+        layout = self._check_layout(run_id, version, dict(layout or {}))
         source = Path(staging_path) if staging_path else self.upload_dir(run_id, version)
         if not source.is_dir():
             raise PublishError(f"staging folder {source} does not exist on the weight server's volume")
-        tmp = self._assemble(run_id, version, source, files)
+        tmp = self._assemble(run_id, version, source, files, layout)
         final = self.folder(run_id, version)
         if final.exists():  # a previous attempt renamed but crashed before the row: replace it
             shutil.rmtree(final)
@@ -122,7 +156,19 @@ class CheckpointStore:
         self.apply_retention(run_id, best_metric)
         return msg
 
-    def _assemble(self, run_id: str, version: int, source: Path, files: dict[str, str]) -> Path:
+    def _check_layout(self, run_id: str, version: int, layout: dict) -> dict:
+        if layout.get("kind", "full") == "full":
+            return layout | {"base_version": None, "base_sha256": None}
+        base_version = layout.get("base_version")
+        base = self._row(run_id, base_version) if base_version is not None else None
+        if base is None or not self.folder(run_id, base_version).is_dir():
+            raise PublishError(f"delta v{version} names base version {base_version}, which this server does not "
+                               "hold: publish a full snapshot (GET .../plan says which to send)")
+        if not layout.get("tensors"):
+            raise PublishError(f"delta v{version} lists no tensors: the manifest must state every tensor's digest")
+        return layout | {"base_sha256": base.sha256}
+
+    def _assemble(self, run_id: str, version: int, source: Path, files: dict[str, str], layout: dict) -> Path:
         tmp = self.root / str(uuid.UUID(run_id)) / f".tmp-v{version}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir(parents=True)
         try:
@@ -133,7 +179,7 @@ class CheckpointStore:
                 os.replace(src, tmp / name) if _same_volume(src, tmp) else shutil.copyfile(src, tmp / name)
             trust = not self.verify_staging and not source.name.startswith(".upload-")
             entries = self._hash_and_sync(tmp, files, trust_declared=trust)
-            _write_manifest(tmp, CheckpointManifest(run_id=run_id, version=version, files=entries))
+            _write_manifest(tmp, CheckpointManifest(run_id=run_id, version=version, files=entries, **layout))
             fsync_path(tmp)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -165,7 +211,7 @@ class CheckpointStore:
             c.execute(insert(Checkpoint).values(**row).on_conflict_do_update(
                 index_elements=["run_id", "version"], set_={k: row[k] for k in ("uri", "path", "sha256", "bytes")}))
         msg = self._message(row)
-        self.redis.xadd(WEIGHTS, encode(msg), maxlen=10_000, approximate=True)
+        announce(self.redis, WEIGHTS, msg, maxlen=10_000)
         log.info("published run %s v%d (%d bytes)", run_id, version, manifest.total_bytes)
         return msg
 
@@ -185,7 +231,8 @@ class CheckpointStore:
 
     # -- retention --------------------------------------------------------------------------------------------
     def apply_retention(self, run_id: str, best_metric: str | None) -> list[int]:
-        """Keep the last `keep_last` versions and the best by `best_metric` (higher is better)."""
+        """Keep the last `keep_last` versions and the best by `best_metric` (higher is better), each with the
+        snapshot and deltas it is built on."""
         with self.engine.connect() as c:
             rows = c.execute(select(Checkpoint.version, Checkpoint.metrics).where(
                 Checkpoint.run_id == uuid.UUID(run_id), Checkpoint.status == "available")
@@ -194,6 +241,7 @@ class CheckpointStore:
         scored = [(m[best_metric], v) for v, m in rows if best_metric and best_metric in (m or {})]
         if scored:
             keep.add(max(scored)[1])
+        keep = {v for kept in keep for v in self._chain(run_id, kept)}
         doomed = [v for v, _ in rows if v not in keep]
         for v in doomed:
             with self.engine.begin() as c:

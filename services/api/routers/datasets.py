@@ -1,16 +1,25 @@
 """Datasets: upload (jsonl, csv, parquet), import (server-side file/folder or built-in generator, as a job),
-list, show, preview rows, delete."""
+list, show, preview rows, delete. Each upload or import of a (name, split) adds an immutable version; runs pin one."""
 
 from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, File, Form, HTTPException, Query, Request, Response, UploadFile
-from pydantic import BaseModel, Field, model_validator
+from fastapi import APIRouter, File, Form, Query, Request, Response, UploadFile
+from pydantic import ConfigDict, Field, model_validator
 
 from services.api.deps import DB, Config
+from services.api.errors import ApiError, Int, StrictBody, errors
 from services.api.job_queue import submit_job
-from shared.datasets import DatasetError, DatasetNotFound, DatasetRegistry, detect_format, rows_from_bytes
+from services.api.schemas import DatasetDetail, DatasetPublic, DatasetRowsPage, JobPublic, Page
+from shared.datasets import (
+    DatasetError,
+    DatasetInUse,
+    DatasetNotFound,
+    DatasetRegistry,
+    detect_format,
+    rows_from_bytes,
+)
 
 router = APIRouter(prefix="/datasets", tags=["datasets"])
 Name = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,199}$")]
@@ -20,37 +29,52 @@ def registry(request: Request) -> DatasetRegistry:
     return DatasetRegistry(request.app.state.engine)
 
 
-@router.get("")
+@router.get("", response_model=Page[DatasetPublic])
 def list_datasets(request: Request) -> dict:
-    return {"items": registry(request).list()}
+    items = registry(request).list()
+    return {"data": items, "count": len(items)}
 
 
-@router.post("", status_code=201)
+@router.post("", status_code=201, response_model=DatasetPublic, responses=errors(400, 409, 413, 422))
 def upload_dataset(
     request: Request, config: Config, file: Annotated[UploadFile, File(description="jsonl, csv or parquet")],
-    name: Annotated[str, Form(max_length=200)], split: Annotated[str, Form(max_length=64)] = "train",
-    format: Annotated[Literal["jsonl", "csv", "parquet"] | None, Form()] = None,
+    name: Annotated[str, Form(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,199}$")],
+    split: Annotated[str, Form(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")] = "train",
+    # not nullable in the schema: a multipart form has no null (leave the field out to detect the format)
+    format: Annotated[Literal["jsonl", "csv", "parquet"], Form(description="default: from the file name")] = None,  # type: ignore[assignment]
 ) -> dict:
-    """Upload a file; rows are validated (objects, unique task ids) and replace any existing (name, split)."""
+    """Upload a file; rows are validated (objects, unique task ids) and stored as the next version of
+    (name, split). Earlier versions stay as they were for the runs that read them. 400 when the file's content
+    is not a valid dataset (the message says which row and why)."""
     data = file.file.read(config.max_upload_mb * 2**20 + 1)
     if len(data) > config.max_upload_mb * 2**20:
-        raise HTTPException(413, f"file exceeds {config.max_upload_mb} MiB; import it from a path instead")
+        raise ApiError(413, f"file exceeds {config.max_upload_mb} MiB", field="file",
+                       hint="import it from a path on the API's machine: POST /v1/datasets/import")
     try:
         fmt = format or detect_format(file.filename or "")
         rows = rows_from_bytes(data, fmt)
         return registry(request).register(name, rows, split, source=f"upload:{file.filename}", info={"format": fmt})
     except DatasetError as e:
-        raise HTTPException(422, f"dataset {name!r}: {e}") from e
+        raise ApiError(400, f"dataset {name!r}: {e}", field="file",
+                       hint="jsonl/csv/parquet of JSON objects, one task per row; name the format with `format`") from e
 
 
-class ImportRequest(BaseModel):
+class ImportRequest(StrictBody):
+    """Exactly one source: `path` (a server-side file or folder) or `generator` (a built-in name)."""
+
+    # The one-source rule, in the schema too, so clients and fuzzers know it.
+    model_config = ConfigDict(strict=True, json_schema_extra={"oneOf": [
+        {"required": ["path"], "properties": {"path": {"type": "string"}, "generator": {"type": "null"}}},
+        {"required": ["generator"], "properties": {"generator": {"type": "string"}, "path": {"type": "null"}}},
+    ]})
+
     name: Name
     split: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")] = "train"
     path: str | None = Field(None, max_length=4096, description="file or HF datasets folder on the server")
     format: Literal["jsonl", "csv", "parquet", "hf"] | None = None
     generator: str | None = Field(None, max_length=100, description="built-in generator name")
-    n: int = Field(100, ge=1, le=1_000_000, description="generator: rows to make")
-    seed: int = Field(0, ge=0, le=2**31 - 1)
+    n: Int = Field(100, ge=1, le=1_000_000, description="generator: rows to make")
+    seed: Int = Field(0, ge=0, le=2**31 - 1)
 
     @model_validator(mode="after")
     def _one_source(self) -> ImportRequest:
@@ -59,38 +83,47 @@ class ImportRequest(BaseModel):
         return self
 
 
-@router.post("/import", status_code=202)
+@router.post("/import", status_code=202, response_model=JobPublic, responses=errors(400, 422, 503))
 def import_dataset(body: ImportRequest, request: Request, session: DB) -> dict:
     """Queue an import job; poll GET /v1/jobs/{id} for its outcome (rows, or the validation error)."""
     return submit_job(session, request.app.state.celery, "import_dataset", body.model_dump())
 
 
-@router.get("/{name}")
+@router.get("/{name}", response_model=DatasetDetail, responses=errors(404, 422))
 def show_dataset(name: str, request: Request) -> dict:
     reg = registry(request)
     splits = reg.splits(name)
     if not splits:
-        raise HTTPException(404, f"dataset {name!r} does not exist")
-    return {"name": name, "splits": {s: reg.describe(name, s) for s in splits}}
+        raise ApiError(404, f"dataset {name!r} does not exist", field="name", hint="list them with GET /v1/datasets")
+    return {"name": name, "splits": {s: reg.describe(name, s) | {"versions": reg.versions(name, s)} for s in splits}}
 
 
-@router.get("/{name}/rows")
+@router.get("/{name}/rows", response_model=DatasetRowsPage, responses=errors(404, 422))
 def preview_rows(name: str, request: Request, split: Annotated[str, Query(max_length=64)] = "train",
                  offset: Annotated[int, Query(ge=0, le=2**31 - 1)] = 0,
-                 limit: Annotated[int, Query(ge=1, le=1000)] = 20) -> dict:
+                 limit: Annotated[int, Query(ge=1, le=1000)] = 20,
+                 version: Annotated[int | None, Query(ge=1, le=2**31 - 1, description="default: the latest")] = None,
+                 ) -> dict:
     try:
-        ds = registry(request).load(name, split, offset=offset, limit=limit)
+        ds = registry(request).load(name, split, version, offset=offset, limit=limit)
     except DatasetNotFound as e:
-        raise HTTPException(404, str(e)) from e
-    return {"name": name, "split": split, "offset": offset,
-            "items": [{"idx": offset + i, "task_id": t, "data": r} for i, (t, r) in enumerate(zip(ds.task_ids, ds.rows, strict=True))]}
+        raise ApiError(404, str(e), field="name") from e
+    return {"name": name, "split": split, "version": ds.version, "offset": offset,
+            "count": registry(request).describe(name, split, ds.version)["num_rows"],
+            "data": [{"idx": offset + i, "task_id": t, "data": r}
+                     for i, (t, r) in enumerate(zip(ds.task_ids, ds.rows, strict=True))]}
 
 
-@router.delete("/{name}", status_code=204)
-def delete_dataset(name: str, request: Request, split: Annotated[str | None, Query(max_length=64)] = None) -> Response:
-    """Delete one split (`split=`) or all of them."""
+@router.delete("/{name}", status_code=204, response_class=Response, responses=errors(404, 409, 422))
+def delete_dataset(name: str, request: Request, split: Annotated[str | None, Query(max_length=64)] = None,
+                   version: Annotated[int | None, Query(ge=1, le=2**31 - 1)] = None) -> Response:
+    """Delete one version (`split=` and `version=`), one split (every version) or all of them. 409 while a run
+    that has not ended reads any of them."""
     try:
-        registry(request).delete(name, split)
+        registry(request).delete(name, split, version)
     except DatasetNotFound as e:
-        raise HTTPException(404, str(e)) from e
+        raise ApiError(404, str(e), field="name") from e
+    except DatasetInUse as e:
+        raise ApiError(409, str(e), field="version",
+                       hint="stop the runs that read it first, or delete another version") from e
     return Response(status_code=204)

@@ -6,64 +6,71 @@ from __future__ import annotations
 import uuid
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, HTTPException, Query, Request
-from pydantic import BaseModel, Field
-from sqlalchemy import select
+from fastapi import APIRouter, Query, Request
+from pydantic import Field
+from sqlalchemy import func, select
 
 from services.api.deps import DB
+from services.api.errors import ApiError, Int, StrictBody, errors, int_in
 from services.api.job_queue import job_out, submit_job
+from services.api.schemas import JobPublic, Page
 from shared.db.models import Checkpoint, Job, Run
 from shared.run_config import RunConfig
 
 router = APIRouter(tags=["jobs"])
 
 
-@router.get("/jobs/{job_id}")
+# `:uuid` so /jobs/gc is not taken for a job id (GET /v1/jobs/gc answers 405, not 422).
+@router.get("/jobs/{job_id:uuid}", response_model=JobPublic, responses=errors(404, 422))
 def show_job(job_id: uuid.UUID, session: DB) -> dict:
     job = session.get(Job, job_id)
     if job is None:
-        raise HTTPException(404, f"job {job_id} does not exist")
+        raise ApiError(404, f"job {job_id} does not exist", field="job_id", hint="list jobs with GET /v1/jobs")
     return job_out(job)
 
 
-@router.get("/jobs")
+@router.get("/jobs", response_model=Page[JobPublic], responses=errors(422))
 def list_jobs(session: DB, kind: Literal["import_dataset", "evaluate", "export", "gc", "sync_tracking"] | None = None,
               limit: Annotated[int, Query(ge=1, le=1000)] = 50) -> dict:
-    q = select(Job).order_by(Job.created_at.desc()).limit(limit)
+    q = select(Job)
     if kind:
         q = q.where(Job.kind == kind)
-    return {"items": [job_out(j) for j in session.execute(q).scalars()]}
+    total = session.execute(select(func.count()).select_from(q.subquery())).scalar_one()
+    jobs = session.execute(q.order_by(Job.created_at.desc()).limit(limit)).scalars()
+    return {"data": [job_out(j) for j in jobs], "count": total}
 
 
-class EvalRequest(BaseModel):
+class EvalRequest(StrictBody):
     """Evaluate a checkpoint (or `config.model` as given) on a dataset: the job creates an eval run."""
 
     config: RunConfig
-    checkpoint_run_id: uuid.UUID | None = Field(None, description="run whose checkpoint replaces config.model")
-    checkpoint_version: int | None = Field(None, ge=0, le=2**31 - 1, description="default: the latest")
+    checkpoint_run_id: uuid.UUID | None = Field(None, strict=False, description="run whose checkpoint replaces config.model")
+    checkpoint_version: int_in(0, 2**31 - 1) | None = Field(None, description="default: the latest")  # type: ignore[valid-type]
 
 
-@router.post("/evals", status_code=202)
+@router.post("/evals", status_code=202, response_model=JobPublic, responses=errors(400, 404, 422, 503))
 def evaluate(body: EvalRequest, request: Request, session: DB) -> dict:
+    """Queue an evaluation job; its result names the eval run it created (poll GET /v1/jobs/{id})."""
     if body.checkpoint_run_id is not None:
         if session.get(Run, body.checkpoint_run_id) is None:
-            raise HTTPException(404, f"checkpoint_run_id: run {body.checkpoint_run_id} does not exist")
+            raise ApiError(404, f"run {body.checkpoint_run_id} does not exist", field="checkpoint_run_id")
         q = select(Checkpoint.version).where(Checkpoint.run_id == body.checkpoint_run_id,
                                              Checkpoint.status == "available")
         if body.checkpoint_version is not None:
             q = q.where(Checkpoint.version == body.checkpoint_version)
         if session.execute(q.limit(1)).first() is None:
-            raise HTTPException(404, "checkpoint_version: no available checkpoint matches")
+            raise ApiError(404, "no available checkpoint matches", field="checkpoint_version",
+                           hint="list them with GET /v1/runs/{id}/checkpoints")
     params = body.model_dump(mode="json")
     params["config"]["kind"] = "eval"
     return submit_job(session, request.app.state.celery, "evaluate", params)
 
 
-class GcRequest(BaseModel):
-    keep_checkpoints: int = Field(3, ge=1, le=10_000, description="newest checkpoints kept per finished run")
+class GcRequest(StrictBody):
+    keep_checkpoints: Int = Field(3, ge=1, le=10_000, description="newest checkpoints kept per finished run")
     trim_streams: bool = Field(True, description="trim stream entries every group has acknowledged")
 
 
-@router.post("/jobs/gc", status_code=202)
+@router.post("/jobs/gc", status_code=202, response_model=JobPublic, responses=errors(400, 422, 503))
 def collect_garbage(body: GcRequest, request: Request, session: DB) -> dict:
     return submit_job(session, request.app.state.celery, "gc", body.model_dump())

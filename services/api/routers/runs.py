@@ -6,22 +6,36 @@ from __future__ import annotations
 import uuid
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, HTTPException, Query, Request
+from fastapi import APIRouter, Query, Request
 from sqlalchemy import func, select, update
 
 from services.api.deps import DB, Config
+from services.api.errors import ApiError, errors
 from services.api.job_queue import submit_job
-from services.api.progress import (
-    expected_samples,
-    latest_metrics,
-    ledger,
-    pass_at_k,
-    reward_by_version,
-    run_out,
-    stored_trajectories,
+from services.api.progress import latest_metrics, ledger, pass_at_k, progress, reward_by_version, run_out
+from services.api.routers.system import dependency_outage
+from services.api.run_checks import check_run
+from services.api.schemas import (
+    CheckpointPublic,
+    JobPublic,
+    MetricSeries,
+    Page,
+    RunDetail,
+    RunEventPublic,
+    RunPublic,
+    TrajectoryPublic,
+    VersionReward,
 )
-from shared.datasets import count_rows
-from shared.db.models import RUN_STATUSES, Checkpoint, Metric, Run, RunEvent, TrajectoryRow
+from shared.datasets import DatasetNotFound, count_rows, pin_version
+from shared.db.models import (
+    RUN_STATUSES,
+    TERMINAL_RUN_STATUSES,
+    Checkpoint,
+    Metric,
+    Run,
+    RunEvent,
+    TrajectoryRow,
+)
 from shared.run_config import RunConfig
 from shared.types import TerminationReason
 
@@ -38,28 +52,39 @@ TRANSITIONS = {
 }
 
 
+ON_RUN = errors(404, 422)
+
+
 def get_run(session, run_id: uuid.UUID) -> Run:
     run = session.get(Run, run_id)
     if run is None:
-        raise HTTPException(404, f"run {run_id} does not exist")
+        raise ApiError(404, f"run {run_id} does not exist", field="run_id", hint="list runs with GET /v1/runs")
     return run
 
 
-def _check_dataset(request: Request, cfg: RunConfig) -> int:
-    num_rows = count_rows(request.app.state.engine, cfg.dataset, cfg.dataset_split)
-    if num_rows is None:
-        raise HTTPException(422, [{
-            "loc": ["body", "dataset"], "type": "dataset_not_found",
-            "msg": f"dataset {cfg.dataset!r} split {cfg.dataset_split!r} does not exist; upload it with "
-                   "POST /v1/datasets or `flywheel datasets import`",
-        }])
+def _pin_dataset(session, cfg: RunConfig) -> int:
+    """Pin the dataset version the run reads (the latest unless the config names one); returns its rows."""
+    try:
+        version, num_rows = pin_version(session.connection(), cfg.dataset, cfg.dataset_split, cfg.dataset_version)
+    except DatasetNotFound as e:
+        raise ApiError(404, str(e), field="dataset_version" if cfg.dataset_version else "dataset",
+                       hint="upload it with POST /v1/datasets or `flywheel datasets import`; list them with "
+                            "`flywheel datasets list`") from e
+    cfg.dataset_version = version
     return num_rows
 
 
-@router.post("", status_code=201)
-def create_run(cfg: RunConfig, request: Request, session: DB) -> dict:
-    """Start a training or evaluation run (`kind`). The controller picks it up while it is `pending`."""
-    num_rows = _check_dataset(request, cfg)
+@router.post("", status_code=201, response_model=RunPublic, responses=errors(400, 404, 409, 422))
+def create_run(cfg: RunConfig, request: Request, session: DB, config: Config) -> dict:
+    """Start a training or evaluation run (`kind`). The controller picks it up while it is `pending`. The run
+    reads one dataset version for its whole life: `dataset_version`, or the latest at creation (recorded).
+
+    Refused before anything is stored: 404 when the dataset (version) does not exist; 400 when the model cannot
+    work as given (a local path that does not exist, a relative path that is no folder and no hub id, token
+    budgets beyond the model's context, an engine no live rollout worker offers, dataset rows without a field
+    the env needs)."""
+    num_rows = _pin_dataset(session, cfg)
+    check_run(request.app.state.engine, request.app.state.redis, cfg, config.check_model_paths)
     run = Run(name=cfg.name, kind=cfg.kind, status="pending", config=cfg.model_dump(mode="json"),
               policy_version=0, summary={})
     session.add(run)
@@ -69,7 +94,7 @@ def create_run(cfg: RunConfig, request: Request, session: DB) -> dict:
     return run_out(run)
 
 
-@router.get("")
+@router.get("", response_model=Page[RunPublic], responses=errors(422))
 def list_runs(session: DB, status: RunStatus | None = None, kind: Literal["train", "eval"] | None = None,
               limit: Limit = 50, offset: Offset = 0) -> dict:
     q = select(Run)
@@ -79,23 +104,26 @@ def list_runs(session: DB, status: RunStatus | None = None, kind: Literal["train
         q = q.where(Run.kind == kind)
     total = session.execute(select(func.count()).select_from(q.subquery())).scalar_one()
     runs = session.execute(q.order_by(Run.created_at.desc()).limit(limit).offset(offset)).scalars()
-    return {"items": [run_out(r) for r in runs], "total": total, "limit": limit, "offset": offset}
+    return {"data": [run_out(r) for r in runs], "count": total}
 
 
-@router.get("/{run_id}")
+@router.get("/{run_id}", response_model=RunDetail, responses=ON_RUN)
 def show_run(run_id: uuid.UUID, request: Request, session: DB) -> dict:
-    """Status, progress from the ledger, current policy version, latest metrics (and pass@k for evals)."""
+    """Status (and `error` when it failed), the ledger in units and attempts, progress, current policy version,
+    latest metrics (and pass@k for evals)."""
     run = get_run(session, run_id)
     cfg = run.config
-    num_rows = count_rows(request.app.state.engine, cfg.get("dataset", ""), cfg.get("dataset_split", "train"))
-    expected, done = expected_samples(cfg, num_rows), stored_trajectories(session, run_id)
+    num_rows = count_rows(request.app.state.engine, cfg.get("dataset", ""), cfg.get("dataset_split", "train"),
+                          cfg.get("dataset_version"))
+    counts = ledger(session, run_id)
     out = run_out(run) | {
-        "ledger": ledger(session, run_id), "latest_metrics": latest_metrics(session, run_id),
-        "progress": {"trajectories": done, "expected": expected,
-                     "fraction": min(1.0, done / expected) if expected else None},
+        "ledger": counts, "latest_metrics": latest_metrics(session, run_id),
+        "progress": progress(run, counts["units"], num_rows),
     }
     if run.kind == "eval":
         out["pass_at_k"] = pass_at_k(session, run_id, cfg.get("samples_per_task"))
+    if run.status not in TERMINAL_RUN_STATUSES and (outage := dependency_outage(request)):
+        out["outage"] = outage  # a live run whose numbers are frozen says why
     return out
 
 
@@ -106,30 +134,33 @@ def _transition(session, run_id: uuid.UUID, action: str) -> dict:
     ).first()
     if changed is None:
         run = get_run(session, run_id)
-        raise HTTPException(409, f"cannot {action} a run that is {run.status}; {action} needs status "
-                                 f"{' or '.join(allowed)}")
+        raise ApiError(409, f"cannot {action} a run that is {run.status}; {action} needs status "
+                            f"{' or '.join(allowed)}")
     session.add(RunEvent(run_id=run_id, kind="status_changed", message=f"{action} requested", data={"to": new}))
     session.commit()
     return run_out(get_run(session, run_id))
 
 
-@router.post("/{run_id}/pause")
+CONTROL = errors(404, 409, 422)
+
+
+@router.post("/{run_id}/pause", response_model=RunPublic, responses=CONTROL)
 def pause_run(run_id: uuid.UUID, session: DB) -> dict:
     return _transition(session, run_id, "pause")
 
 
-@router.post("/{run_id}/resume")
+@router.post("/{run_id}/resume", response_model=RunPublic, responses=CONTROL)
 def resume_run(run_id: uuid.UUID, session: DB) -> dict:
     return _transition(session, run_id, "resume")
 
 
-@router.post("/{run_id}/stop")
+@router.post("/{run_id}/stop", response_model=RunPublic, responses=CONTROL)
 def stop_run(run_id: uuid.UUID, session: DB) -> dict:
     """Graceful stop: the run goes to `stopping`; the controller finishes or cancels in-flight work."""
     return _transition(session, run_id, "stop")
 
 
-@router.get("/{run_id}/trajectories")
+@router.get("/{run_id}/trajectories", response_model=Page[TrajectoryPublic], responses=ON_RUN)
 def list_trajectories(
     run_id: uuid.UUID, session: DB, policy_version: Annotated[int | None, Query(ge=0, le=INT32)] = None,
     min_reward: Annotated[float | None, Query(allow_inf_nan=False)] = None,
@@ -154,7 +185,7 @@ def list_trajectories(
     total = session.execute(select(func.count()).select_from(q.subquery())).scalar_one()
     rows = session.execute(q.order_by(TrajectoryRow.created_at.desc(), TrajectoryRow.id).limit(limit)
                            .offset(offset)).scalars()
-    return {"items": [trajectory_out(t) for t in rows], "total": total, "limit": limit, "offset": offset}
+    return {"data": [trajectory_out(t) for t in rows], "count": total}
 
 
 def trajectory_out(t: TrajectoryRow) -> dict:
@@ -164,11 +195,11 @@ def trajectory_out(t: TrajectoryRow) -> dict:
         "reward": t.reward, "termination_reason": t.termination_reason, "num_steps": t.num_steps,
         "prompt_tokens": t.prompt_tokens, "response_tokens": t.response_tokens,
         "policy_version_min": t.policy_version_min, "policy_version_max": t.policy_version_max,
-        "mismatch": t.mismatch, "created_at": t.created_at.isoformat(),
+        "mismatch": t.mismatch, "created_at": t.created_at,
     }
 
 
-@router.get("/{run_id}/metrics")
+@router.get("/{run_id}/metrics", response_model=MetricSeries, responses=ON_RUN)
 def run_metrics(run_id: uuid.UUID, session: DB,
                 name: Annotated[list[str] | None, Query(max_length=100)] = None,
                 since_step: Annotated[int, Query(ge=0, le=INT32)] = 0,
@@ -180,39 +211,40 @@ def run_metrics(run_id: uuid.UUID, session: DB,
         q = q.where(Metric.name.in_(name))
     series: dict[str, list] = {}
     for m in session.execute(q.order_by(Metric.name, Metric.step, Metric.id).limit(limit)).scalars():
-        series.setdefault(m.name, []).append({"step": m.step, "value": m.value, "ts": m.ts.isoformat()})
+        series.setdefault(m.name, []).append({"step": m.step, "value": m.value, "ts": m.ts})
     return {"run_id": str(run_id), "series": series}
 
 
-@router.get("/{run_id}/rewards")
+@router.get("/{run_id}/rewards", response_model=Page[VersionReward], responses=ON_RUN)
 def run_rewards(run_id: uuid.UUID, session: DB) -> dict:
     """Mean reward and count of trajectories per policy version (what `flywheel runs watch` prints)."""
     get_run(session, run_id)
-    return {"run_id": str(run_id), "items": reward_by_version(session, run_id)}
+    items = reward_by_version(session, run_id)
+    return {"data": items, "count": len(items)}
 
 
-@router.get("/{run_id}/checkpoints")
+@router.get("/{run_id}/checkpoints", response_model=Page[CheckpointPublic], responses=ON_RUN)
 def run_checkpoints(run_id: uuid.UUID, session: DB) -> dict:
     get_run(session, run_id)
     rows = session.execute(select(Checkpoint).where(Checkpoint.run_id == run_id).order_by(Checkpoint.version))
-    return {"items": [
-        {"version": c.version, "uri": c.uri, "path": c.path, "sha256": c.sha256, "bytes": c.bytes,
-         "metrics": c.metrics, "status": c.status, "created_at": c.created_at.isoformat()}
-        for c in rows.scalars()
-    ]}
+    items = [{"version": c.version, "uri": c.uri, "path": c.path, "sha256": c.sha256, "bytes": c.bytes,
+              "metrics": c.metrics, "status": c.status, "created_at": c.created_at} for c in rows.scalars()]
+    return {"data": items, "count": len(items)}
 
 
-@router.get("/{run_id}/events")
+@router.get("/{run_id}/events", response_model=Page[RunEventPublic], responses=ON_RUN)
 def run_events(run_id: uuid.UUID, session: DB, after_id: Annotated[int, Query(ge=0, le=2**62)] = 0,
                limit: Limit = 100) -> dict:
     """Events in order; poll with `after_id` = the last id seen."""
     get_run(session, run_id)
-    q = select(RunEvent).where(RunEvent.run_id == run_id, RunEvent.id > after_id).order_by(RunEvent.id).limit(limit)
-    return {"items": [{"id": e.id, "ts": e.ts.isoformat(), "kind": e.kind, "message": e.message, "data": e.data}
-                      for e in session.execute(q).scalars()]}
+    q = select(RunEvent).where(RunEvent.run_id == run_id, RunEvent.id > after_id)
+    total = session.execute(select(func.count()).select_from(q.subquery())).scalar_one()
+    items = [{"id": e.id, "ts": e.ts, "kind": e.kind, "message": e.message, "data": e.data}
+             for e in session.execute(q.order_by(RunEvent.id).limit(limit)).scalars()]
+    return {"data": items, "count": total}
 
 
-@router.post("/{run_id}/export", status_code=202)
+@router.post("/{run_id}/export", status_code=202, response_model=JobPublic, responses=errors(404, 422, 503))
 def export_run(run_id: uuid.UUID, request: Request, session: DB, config: Config) -> dict:
     """Queue an export of the run's trajectories to parquet (a job; poll GET /v1/jobs/{id})."""
     get_run(session, run_id)

@@ -17,21 +17,23 @@ import uuid
 from typing import Annotated, Any
 
 import psycopg
-from fastapi import APIRouter, HTTPException
-from pydantic import BaseModel, Field
+from fastapi import APIRouter
+from pydantic import Field
 from sqlalchemy.engine import make_url
 
 from services.api.auth import needs
 from services.api.deps import Config
+from services.api.errors import ApiError, StrictBody, errors, int_in
+from services.api.schemas import SqlResult
 
 router = APIRouter(tags=["sql"])
 READER_ROLE = "flywheel_reader"
 FORBIDDEN = re.compile(r"^\s*(set|reset)\b|\bset_config\s*\(|\bsession_authorization\b", re.IGNORECASE)
 
 
-class SqlRequest(BaseModel):
+class SqlRequest(StrictBody):
     query: Annotated[str, Field(min_length=1, max_length=100_000, description="one SELECT/WITH statement")]
-    max_rows: Annotated[int | None, Field(ge=1, le=100_000)] = None
+    max_rows: int_in(1, 100_000) | None = None  # type: ignore[valid-type]
 
 
 def _cell(v: Any) -> Any:
@@ -73,17 +75,19 @@ def run_readonly(dsn: str, query: str, timeout_s: float, max_rows: int, switch_r
             "truncated": len(rows) > max_rows}
 
 
-@router.post("/sql")
+@router.post("/sql", response_model=SqlResult, responses=errors(400, 422))
 @needs("read")
 def sql(body: SqlRequest, config: Config) -> dict:
     """Run one read-only statement; 400 with Postgres's message for a bad query or a timeout."""
     if FORBIDDEN.search(body.query):
-        raise HTTPException(400, "statements that change roles or settings are not allowed here")
+        raise ApiError(400, "statements that change roles or settings are not allowed here", field="query")
     max_rows = min(body.max_rows or config.sql_max_rows, config.sql_max_rows)
     dsn = _dsn(config.sql_database_url or config.database_url)
     try:
         return run_readonly(dsn, body.query, config.sql_timeout_s, max_rows, config.sql_database_url is None)
     except psycopg.errors.QueryCanceled as e:
-        raise HTTPException(400, f"query exceeded the {config.sql_timeout_s:g}s statement timeout") from e
+        raise ApiError(400, f"query exceeded the {config.sql_timeout_s:g}s statement timeout", field="query",
+                       hint="add a WHERE on run_id or a LIMIT; the views in the README are indexed by run") from e
     except (psycopg.Error, ValueError) as e:
-        raise HTTPException(400, f"query failed: {str(e).strip().splitlines()[0] if str(e).strip() else e!r}") from e
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
+        raise ApiError(400, f"query failed: {reason}", field="query") from e

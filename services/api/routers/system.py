@@ -4,12 +4,16 @@ of every stream: length, pending and lag per consumer group, dead-letter lengths
 from __future__ import annotations
 
 from fastapi import APIRouter, Request, Response
+from fastapi.responses import PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, Gauge, generate_latest
-from redis.exceptions import RedisError, ResponseError
-from sqlalchemy import text
+from redis.exceptions import RedisError
+from sqlalchemy import func, select, text
 from sqlalchemy.exc import SQLAlchemyError
 
+from services.api.schemas import Health, Readiness
 from shared import streams
+from shared.bus import stream_stats
+from shared.db.models import RUN_STATUSES, Run
 
 router = APIRouter(tags=["system"])
 STREAM_LENGTH = Gauge("stream_length", "XLEN of a stream", ["stream"])
@@ -17,20 +21,29 @@ STREAM_PENDING = Gauge("stream_pending", "Entries delivered and not acknowledged
 STREAM_LAG = Gauge("stream_lag", "Entries not yet delivered to the group", ["stream", "group"])
 DEAD_LETTERS = Gauge("stream_dead_letters", "XLEN of a stream's dead-letter stream", ["stream"])
 RUNS_BY_STATUS = Gauge("runs", "Runs by status", ["status"])
-MONITORED_STREAMS = (streams.ROLLOUT_TASKS, streams.ENV_REQUESTS, streams.TRAJECTORIES, streams.WEIGHTS,
-                     streams.RUN_EVENTS)
+MONITORED_STREAMS = (streams.ROLLOUT_TASKS, streams.ENV_REQUESTS, streams.TRAJECTORIES, streams.ACCEPTED_RESULTS,
+                     streams.TRAINER_PROGRESS, streams.WEIGHTS, streams.RUN_EVENTS)
 
 
-@router.get("/healthz")
+@router.get("/healthz", response_model=Health)
 def healthz() -> dict:
     return {"status": "ok", "service": "api"}
 
 
-@router.get("/readyz")
+@router.get("/readyz", response_model=Readiness,
+            responses={503: {"model": Readiness, "description": "Redis or Postgres is unreachable"}})
 def readyz(request: Request, response: Response) -> dict:
     checks = {"redis": _redis_ok(request), "postgres": _postgres_ok(request)}
     response.status_code = 200 if all(checks.values()) else 503
     return {"ready": all(checks.values()), **checks}
+
+
+def dependency_outage(request: Request) -> str | None:
+    """Why runs cannot move right now, for the run views (Postgres answered: they were read from it)."""
+    if not _redis_ok(request):
+        return ("Redis is unreachable: no rollout task or result can move, so this run's numbers stay frozen "
+                "until it is back (GET /readyz; the local stack restarts its embedded Redis)")
+    return None
 
 
 def _redis_ok(request: Request) -> bool:
@@ -49,7 +62,9 @@ def _postgres_ok(request: Request) -> bool:
         return False
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=PlainTextResponse, responses={200: {
+    "description": "Prometheus text exposition format",
+    "content": {"text/plain": {"schema": {"type": "string"}}}}})
 def metrics(request: Request) -> Response:
     try:
         _observe_streams(request.app.state.redis)
@@ -64,22 +79,16 @@ def metrics(request: Request) -> Response:
 
 def _observe_streams(r) -> None:
     for name in MONITORED_STREAMS:
-        STREAM_LENGTH.labels(name).set(r.xlen(name))
-        DEAD_LETTERS.labels(name).set(r.xlen(streams.dead_letter(name)))
-        try:
-            groups = r.xinfo_groups(name)
-        except ResponseError:  # the stream does not exist yet
-            groups = []
-        for g in groups:
-            group = g["name"].decode() if isinstance(g["name"], bytes) else g["name"]
-            STREAM_PENDING.labels(name, group).set(g["pending"])
-            STREAM_LAG.labels(name, group).set(g.get("lag") or 0)
+        stats = stream_stats(r, name)
+        STREAM_LENGTH.labels(name).set(stats.length)
+        DEAD_LETTERS.labels(name).set(stats.dead_letters)
+        for g in stats.groups:
+            STREAM_PENDING.labels(name, g.name).set(g.pending)
+            STREAM_LAG.labels(name, g.name).set(g.lag)
 
 
 def _observe_runs(request: Request) -> None:
     with request.app.state.engine.connect() as conn:
-        counts = dict(conn.execute(text("SELECT status, count(*) FROM runs GROUP BY status")).all())
-    from shared.db.models import RUN_STATUSES
-
+        counts = dict(conn.execute(select(Run.status, func.count()).group_by(Run.status)).all())
     for status in RUN_STATUSES:
         RUNS_BY_STATUS.labels(status).set(counts.get(status, 0))

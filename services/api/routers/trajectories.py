@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import uuid
 
-from fastapi import APIRouter, HTTPException
+from fastapi import APIRouter
 from sqlalchemy import select
 
 from services.api.deps import DB
+from services.api.errors import ApiError, errors
 from services.api.routers.runs import trajectory_out
+from services.api.schemas import TrajectoryDetail
 from shared.db.models import EpisodeRow, StepRow, TokenArrayRow, TrajectoryRow
 
 router = APIRouter(prefix="/trajectories", tags=["trajectories"])
@@ -29,17 +31,17 @@ def tokens_out(t: TokenArrayRow) -> dict:
             "logprobs": t.logprobs, "loss_mask": t.loss_mask, "versions": t.versions}
 
 
-@router.get("/{trajectory_id}")
+@router.get("/{trajectory_id}", response_model=TrajectoryDetail, responses=errors(404, 422))
 def show_trajectory(trajectory_id: uuid.UUID, session: DB, include_tokens: bool = False) -> dict:
     """Turn by turn; `include_tokens=true` adds the token id / logprob arrays (large)."""
     t = session.get(TrajectoryRow, trajectory_id)
     if t is None:
-        raise HTTPException(404, f"trajectory {trajectory_id} does not exist")
+        raise ApiError(404, f"trajectory {trajectory_id} does not exist", field="trajectory_id")
     ep = session.get(EpisodeRow, t.episode_id)
     steps = session.execute(select(StepRow).where(StepRow.trajectory_id == t.id).order_by(StepRow.step_idx))
     out = trajectory_out(t) | {
         "info": t.info, "uid": t.uid, "steps": [step_out(s) for s in steps.scalars()],
-        "episode": {"id": str(ep.id), "status": ep.status, "is_correct": ep.is_correct, "reward": ep.reward,
+        "episode": {"id": ep.id, "status": ep.status, "is_correct": ep.is_correct, "reward": ep.reward,
                     "termination_reason": ep.termination_reason, "task": ep.task, "metrics": ep.metrics,
                     "error": ep.error, "worker_id": ep.worker_id} if ep else None,
     }

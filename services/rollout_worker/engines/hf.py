@@ -1,9 +1,12 @@
 """transformers in-process (CPU or GPU) with batched generation.
 
 Requests are collected for `batch_wait_ms` and generated together (left-padded; same sampling settings per
-batch). Logprobs are log_softmax(raw logits / temperature) of the chosen tokens (the quantity the trainer
-recomputes). A weight reload waits for the batch in flight, swaps the state dict in place and bumps the
-version: every result carries the version its batch started on.
+batch). Logprobs are of the distribution each token was sampled from: log_softmax of generate's processed
+scores (after temperature, top-k, top-p), the meaning every engine shares (vLLM's "processed_logprobs").
+A weight reload waits for the batch in flight, swaps the state dict in place and bumps the version: every result
+carries the version its batch started on. A delta (`apply_update`) is written into the parameters and checked
+between two batches (undone if it does not verify); on GPU, or when the engine's dtype is wider than the
+published one, the changed tensors are rebuilt and checked while batches run, then copied in.
 """
 
 from __future__ import annotations
@@ -12,12 +15,16 @@ import asyncio
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import Histogram
 
 from services.rollout_worker.engines.base import Generation, InferenceEngine, SamplingParams
 from shared.logs import get_logger
+from shared.weights import read_safetensors
+
+if TYPE_CHECKING:
+    from shared.weights import WeightUpdate
 
 log = get_logger(__name__)
 BATCH_SIZE = Histogram("hf_batch_size", "Requests per HF generate call", buckets=(1, 2, 4, 8, 16, 32, 64, 128))
@@ -33,6 +40,8 @@ class _Request:
 
 
 class HFEngine(InferenceEngine):
+    supports_update = True
+
     def __init__(self, model_path: str, engine_cfg: Any, tokenizer: Any, *, batch_wait_ms: float = 5.0,
                  initial_version: int = 0):
         import torch
@@ -114,14 +123,13 @@ class HFEngine(InferenceEngine):
             out = self.model.generate(
                 input_ids=input_ids.to(self.device), attention_mask=attention.to(self.device),
                 max_new_tokens=max_new, min_new_tokens=1, **self._sampling_kwargs(sampling),
-                eos_token_id=self.eos_ids, pad_token_id=self.pad_id, output_logits=True,
+                eos_token_id=self.eos_ids, pad_token_id=self.pad_id, output_scores=True,
                 return_dict_in_generate=True, stop_strings=list(sampling.stop) or None,
                 tokenizer=self.tokenizer if sampling.stop else None,
             )
         tokens = out.sequences[:, width:].cpu()
-        logits = torch.stack(out.logits, dim=1).float().cpu()  # (batch, steps, vocab)
-        temperature = sampling.temperature if sampling.temperature > 0 else 1.0
-        logprobs = torch.log_softmax(logits / temperature, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        scores = torch.stack(out.scores, dim=1).float().cpu()  # (batch, steps, vocab), after the warpers
+        logprobs = torch.log_softmax(scores, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
         BATCH_SIZE.observe(len(batch))
         BATCH_SECONDS.observe(time.perf_counter() - start)
         return [self._cut(tokens[i].tolist(), logprobs[i].tolist(), r.max_tokens, bool(sampling.stop))
@@ -146,7 +154,7 @@ class HFEngine(InferenceEngine):
         return ids, logprobs, "length"
 
     async def load_weights(self, folder: Path, version: int) -> None:
-        state = await asyncio.to_thread(_read_safetensors, Path(folder))
+        state = await asyncio.to_thread(read_safetensors, Path(folder))
         async with self._lock:  # between batches: requests in flight finish on the old version
             await asyncio.to_thread(self._swap, state)
             self._version = version
@@ -161,21 +169,28 @@ class HFEngine(InferenceEngine):
             raise ValueError(f"checkpoint lacks tensors: {untied[:5]}")
         self.model.tie_weights()
 
+    async def apply_update(self, update: WeightUpdate) -> None:
+        params = self.model.state_dict()  # tensors sharing the parameters' storage
+        if update.fits_in_place(params):  # CPU, same dtype: patch and check in place between two batches
+            async with self._lock:
+                await asyncio.to_thread(update.apply_in_place, params)
+                self._version = update.version
+        else:  # GPU or a wider dtype: rebuild the changed tensors (verified) while batches run, then copy in
+            new = await asyncio.to_thread(update.apply, params)
+            async with self._lock:
+                await asyncio.to_thread(self._copy_in, params, new)
+                self._version = update.version
+        log.info("hf engine now serves version %d (%d tensors updated in place)", update.version,
+                 len(update.names), extra={"policy_version": update.version})
+
+    def _copy_in(self, params: dict, new: dict) -> None:
+        with self.torch.no_grad():
+            for name, t in new.items():
+                params[name].copy_(t)
+
     async def close(self) -> None:
         if self._loop_task is not None:
             self._loop_task.cancel()
-
-
-def _read_safetensors(folder: Path) -> dict:
-    from safetensors.torch import load_file
-
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{folder} has no *.safetensors files")
-    state: dict = {}
-    for f in files:
-        state.update(load_file(str(f)))
-    return state
 
 
 def _eos_ids(tokenizer: Any, model: Any) -> list[int]:

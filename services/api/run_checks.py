@@ -1,0 +1,216 @@
+"""What `POST /v1/runs` checks before it stores a run, so a run that cannot work is refused with the reason
+instead of failing every attempt on the workers:
+
+- the dataset (name, split) exists (404);
+- `model` / `tokenizer`: a path (absolute, `./`, `../`, `~`, or naming an existing file) must be a folder that
+  exists; anything else must be a valid hub id, and is refused when it looks like a local path whose folder is
+  missing (its first part exists here) or the hub is offline and the id is not cached (400);
+- `max_prompt_tokens + max_response_tokens` (and `max_trajectory_tokens`) fit the model's context, read from its
+  config.json when the API can see it (400);
+- some live rollout worker offers `engine.type` (workers list theirs in their heartbeat; not checked while no
+  worker is up, so a run may be created before the workers start) (400);
+- every dataset row has the fields the env needs (built-in envs declare `required_fields`) (400).
+
+Relative paths resolve against the API's working directory: the repo root under `make up`. What the API cannot
+see it does not check: set CHECK_MODEL_PATHS=false when the API does not share the workers' file system."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import redis
+from sqlalchemy import Engine, select
+from sqlalchemy.dialects.postgresql import array
+
+from services.api.errors import ApiError
+from services.api.schemas import ErrorItem
+from shared.datasets import count_rows
+from shared.db.models import Dataset, DatasetRow
+from shared.registry import REGISTRIES, resolve
+from shared.run_config import RunConfig
+from shared.streams import heartbeat_key
+
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
+TINY_MODEL_HINT = ("to make the tiny test model the examples name, run "
+                   "`.venv/bin/python -m harness.tiny_model .data/models/tiny-qwen2` in the repo root")
+
+
+def check_run(engine: Engine, redis_client: redis.Redis, cfg: RunConfig, check_paths: bool = True) -> int:
+    """The dataset's row count; ApiError (404 or 400, every problem found listed) when the run cannot work."""
+    num_rows = count_rows(engine, cfg.dataset, cfg.dataset_split, cfg.dataset_version)
+    if num_rows is None:
+        raise ApiError(404, f"dataset {cfg.dataset!r} split {cfg.dataset_split!r} does not exist", field="dataset",
+                       hint="upload it with POST /v1/datasets or `flywheel datasets import`; list them with "
+                            "`flywheel datasets list`")
+    problems = [*(_model_problems(cfg) if check_paths else []), *_engine_problems(redis_client, cfg),
+                *_row_problems(engine, cfg)]
+    if problems:
+        raise ApiError(400, items=problems)
+    return num_rows
+
+
+# ---- model and tokenizer ----------------------------------------------------------------------------------
+
+
+def _model_problems(cfg: RunConfig) -> list[ErrorItem]:
+    fields = [("tokenizer", cfg.tokenizer)] if cfg.tokenizer else []
+    if cfg.engine.type != "openai":  # for the openai engine `model` is the server's model name
+        fields.insert(0, ("model", cfg.model))
+    problems, folders = [], []
+    for field, value in fields:
+        problem, folder = _locate(field, value)
+        problems += [problem] if problem else []
+        folders += [folder] if folder else []
+    if not problems and folders:
+        problems += _context_problems(cfg, folders[0])
+    return problems
+
+
+def _looks_like_path(value: str) -> bool:
+    return value.startswith(("/", "./", "../", "~")) or os.path.exists(value)
+
+
+def _locate(field: str, value: str) -> tuple[ErrorItem | None, Path | None]:
+    """(problem, folder holding config.json or None)."""
+    where = "relative paths resolve against the API's working directory (the repo root under `make up`)"
+    if _looks_like_path(value):
+        path = Path(value).expanduser().resolve()
+        if not path.exists():
+            return ErrorItem(field=field, message=f"model folder {value!r} does not exist (looked at {path})",
+                             hint=f"{where}; give an absolute path, or {TINY_MODEL_HINT}"), None
+        if not path.is_dir():
+            return ErrorItem(field=field, message=f"{value!r} is a file; a model is an HF folder (config.json, "
+                                                  "weights, tokenizer files)", hint="give the folder"), None
+        return None, path
+    return _hub_problem(field, value, where), _cached_config_folder(value)
+
+
+def _hub_problem(field: str, value: str, where: str) -> ErrorItem | None:
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(value)
+    except HFValidationError:
+        return ErrorItem(field=field, message=f"{value!r} is neither a folder that exists nor a hub id (org/name)",
+                         hint=f"{where}; {TINY_MODEL_HINT}")
+    first = value.split("/", 1)[0]
+    if "/" in value and Path(first).is_dir():
+        return ErrorItem(field=field, message=f"{value!r} looks like a local path, but that folder does not exist "
+                                              f"(./{first} does)", hint=f"{where}; check the path")
+    if _hub_offline() and _cached_config_folder(value) is None:
+        return ErrorItem(field=field, message=f"hub id {value!r} is not in the local cache and the hub is offline "
+                                              "(HF_HUB_OFFLINE)", hint="download it first, or give a local folder")
+    return None
+
+
+def _hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
+
+
+def _cached_config_folder(repo_id: str) -> Path | None:
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        found = try_to_load_from_cache(repo_id, "config.json")
+    except Exception:  # an id the cache layout cannot hold: nothing cached
+        return None
+    return Path(found).parent if isinstance(found, str) else None
+
+
+def _context_problems(cfg: RunConfig, folder: Path) -> list[ErrorItem]:
+    context = model_context(folder)
+    if context is None:
+        return []
+    asked = cfg.max_prompt_tokens + cfg.max_response_tokens
+    problems = []
+    if asked > context:
+        problems.append(ErrorItem(
+            field="max_response_tokens",
+            message=f"max_prompt_tokens + max_response_tokens = {cfg.max_prompt_tokens} + {cfg.max_response_tokens} "
+                    f"= {asked} exceeds the model's context of {context} tokens",
+            hint=f"lower them so they add up to at most {context}"))
+    if cfg.max_trajectory_tokens is not None and cfg.max_trajectory_tokens > context:
+        problems.append(ErrorItem(field="max_trajectory_tokens",
+                                  message=f"{cfg.max_trajectory_tokens} exceeds the model's context of {context} tokens",
+                                  hint=f"set it to at most {context}"))
+    return problems
+
+
+def model_context(folder: Path) -> int | None:
+    """The context length config.json states (None when there is no config or it names none)."""
+    try:
+        config: dict[str, Any] = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    config = config.get("text_config", config) if isinstance(config.get("text_config"), dict) else config
+    for key in CONTEXT_KEYS:
+        if isinstance(config.get(key), int) and config[key] > 0:
+            return config[key]
+    return None
+
+
+# ---- engines ----------------------------------------------------------------------------------------------
+
+
+def live_engines(redis_client: redis.Redis) -> list[set[str]] | None:
+    """The engine sets live rollout workers advertise (None when Redis cannot be asked)."""
+    try:
+        keys = list(redis_client.scan_iter(match=heartbeat_key("rollout-worker", "*"), count=500))
+        values = redis_client.mget(keys) if keys else []
+    except redis.RedisError:
+        return None
+    offered = []
+    for raw in values:
+        try:
+            engines = json.loads(raw or b"{}").get("engines")
+        except (ValueError, AttributeError):
+            continue
+        if isinstance(engines, list):
+            offered.append({str(e) for e in engines})
+    return offered
+
+
+def _engine_problems(redis_client: redis.Redis, cfg: RunConfig) -> list[ErrorItem]:
+    offered = live_engines(redis_client)
+    if not offered or any(cfg.engine.type in engines for engines in offered):
+        return []
+    available = sorted(set().union(*offered))
+    return [ErrorItem(field="engine.type",
+                      message=f"no live rollout worker offers engine {cfg.engine.type!r} "
+                              f"({len(offered)} worker(s) offer: {', '.join(available) or 'none'})",
+                      hint=f"choose one of {', '.join(available)}, or start a rollout worker that has "
+                           f"{cfg.engine.type!r} installed (vllm: the GPU image / the vllm extra)")]
+
+
+# ---- dataset rows -----------------------------------------------------------------------------------------
+
+
+def required_fields(cfg: RunConfig) -> list[tuple[str, ...]]:
+    """Fields each dataset row must have for a built-in env (alternatives per entry), less what env.args gives."""
+    if cfg.env.name not in REGISTRIES["env"]:
+        return []  # user envs say what they need when they build; they are not run in the API
+    needed = getattr(resolve("env", cfg.env.name), "required_fields", ())
+    return [tuple(alts) for alts in needed if not set(alts) & set(cfg.env.args)]
+
+
+def _row_problems(engine: Engine, cfg: RunConfig) -> list[ErrorItem]:
+    problems = []
+    for alternatives in required_fields(cfg):
+        with engine.connect() as conn:
+            rows = conn.execute(
+                select(DatasetRow.task_id).join(Dataset, Dataset.id == DatasetRow.dataset_id)
+                .where(Dataset.name == cfg.dataset, Dataset.split == cfg.dataset_split,
+                       Dataset.version == cfg.dataset_version, ~DatasetRow.data.has_any(array(alternatives)))
+                .order_by(DatasetRow.idx).limit(3)).scalars().all()
+        if rows:
+            names = " or ".join(repr(a) for a in alternatives)
+            problems.append(ErrorItem(
+                field="dataset",
+                message=f"env {cfg.env.name!r} needs a {names} field in every row; rows without it include task_id "
+                        f"{', '.join(map(repr, rows))}",
+                hint="add the field to the dataset and re-import it, or give it for every row in env.args"))
+    return problems
