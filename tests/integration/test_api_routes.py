@@ -12,14 +12,17 @@ import uuid
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from api_testlib import run_config, seed_run, start_api, stop
+from api_testlib import run_config, seed_run, start_api
+
+from harness.procs import stop
 
 
 @pytest.fixture(scope="module")
 def api(database_url, redis_url, tmp_path_factory):
     live = start_api(database_url, redis_url, tmp_path_factory.mktemp("api"))
     yield live
-    assert stop(live.proc) in (0, -15)  # uvicorn re-raises SIGTERM after a clean shutdown
+    stop(live.proc)
+    assert live.proc.returncode in (0, -15)  # uvicorn re-raises SIGTERM after a clean shutdown
 
 
 @pytest.fixture(scope="module")
@@ -76,9 +79,9 @@ def test_openapi_and_docs(api, client):
 
 def test_datasets_upload_list_preview_delete(client, dataset):
     assert upload(client, "arith-pq", ROWS, split="test", fmt="parquet").status_code == 201
-    names = {(d["name"], d["split"], d["num_rows"]) for d in client.get("/v1/datasets").json()["items"]}
+    names = {(d["name"], d["split"], d["num_rows"]) for d in client.get("/v1/datasets").json()["data"]}
     assert {("arith", "train", 5), ("arith-pq", "test", 5)} <= names
-    rows = client.get("/v1/datasets/arith/rows", params={"offset": 1, "limit": 2}).json()["items"]
+    rows = client.get("/v1/datasets/arith/rows", params={"offset": 1, "limit": 2}).json()["data"]
     assert [(r["idx"], r["task_id"], r["data"]["answer"]) for r in rows] == [(1, "q1", "2"), (2, "q2", "4")]
     assert client.get("/v1/datasets/arith").json()["splits"]["train"]["num_rows"] == 5
     assert client.delete("/v1/datasets/arith-pq", params={"split": "test"}).status_code == 204
@@ -88,13 +91,13 @@ def test_datasets_upload_list_preview_delete(client, dataset):
 
 def test_dataset_upload_bad_input_names_the_problem(client):
     r = client.post("/v1/datasets", data={"name": "bad"}, files={"file": ("bad.jsonl", b'{"a": 1}\n{nope\n')})
-    assert r.status_code == 422 and "line 2" in r.json()["detail"]
+    assert r.status_code == 400 and "line 2" in r.json()["message"] and r.json()["detail"][0]["field"] == "file"
     r = upload(client, "dupes", [{"id": "x"}, {"id": "x"}])
-    assert r.status_code == 422 and "duplicate task id 'x'" in r.json()["detail"]
+    assert r.status_code == 400 and "duplicate task id 'x'" in r.json()["message"]
     r = client.post("/v1/datasets", data={"name": "bad"}, files={"file": ("bad.txt", b"hello")})
-    assert r.status_code == 422 and "unknown format" in r.json()["detail"]
+    assert r.status_code == 400 and "unknown format" in r.json()["message"]
     r = client.post("/v1/datasets", data={"name": "../etc"}, files={"file": ("x.jsonl", b'{"a": 1}')})
-    assert r.status_code == 422 and "name" in r.json()["detail"]
+    assert r.status_code == 422 and r.json()["detail"][0]["field"] == "name"
     assert client.get("/v1/datasets/nope/rows").status_code == 404
 
 
@@ -104,18 +107,17 @@ def test_create_list_show_run(client, dataset):
     run = r.json()
     assert run["status"] == "pending" and run["config"]["dataset"] == dataset and run["kind"] == "train"
     shown = client.get(f"/v1/runs/{run['id']}").json()
-    assert shown["progress"]["trajectories"] == 0 and shown["ledger"]["in_flight"] == 0
-    assert shown["progress"]["expected"] == 5 * 2
+    assert shown["progress"]["done"] == 0 and shown["ledger"]["units"]["in_flight"] == 0
+    assert shown["progress"] == {"unit": "samples", "done": 0, "total": 5 * 2, "fraction": 0.0}
     listed = client.get("/v1/runs", params={"status": "pending", "limit": 100}).json()
-    assert run["id"] in [x["id"] for x in listed["items"]] and listed["total"] >= 1
-    assert client.get("/v1/runs", params={"status": "completed"}).json()["items"] == [] or all(
-        x["status"] == "completed" for x in client.get("/v1/runs", params={"status": "completed"}).json()["items"])
-    events = client.get(f"/v1/runs/{run['id']}/events").json()["items"]
+    assert run["id"] in [x["id"] for x in listed["data"]] and listed["count"] >= 1
+    assert client.get("/v1/runs", params={"status": "completed"}).json()["data"] == [] or all(
+        x["status"] == "completed" for x in client.get("/v1/runs", params={"status": "completed"}).json()["data"])
+    events = client.get(f"/v1/runs/{run['id']}/events").json()["data"]
     assert events[0]["kind"] == "created"
 
 
 @pytest.mark.parametrize("patch, field", [
-    ({"dataset": "no-such-dataset"}, "dataset"),
     ({"env": {"name": "no_such_pkg.envs:Env"}}, "env"),
     ({"env": {"name": "not a path"}}, "env"),
     ({"samples_per_task": 0}, "samples_per_task"),
@@ -126,7 +128,13 @@ def test_create_list_show_run(client, dataset):
 def test_bad_run_config_names_the_field(client, dataset, patch, field):
     r = client.post("/v1/runs", json=run_config(dataset) | patch)
     assert r.status_code == 422, r.text
-    assert field in json.dumps(r.json()["detail"])
+    assert field in json.dumps(r.json()["detail"]) and set(r.json()) == {"message", "detail"}
+
+
+def test_run_on_a_missing_dataset_is_404(client):
+    r = client.post("/v1/runs", json=run_config("no-such-dataset"))
+    assert r.status_code == 404 and r.json()["detail"][0]["field"] == "dataset"
+    assert "flywheel datasets import" in r.json()["detail"][0]["hint"]
 
 
 def test_run_body_not_json_is_4xx(client):
@@ -137,17 +145,17 @@ def test_run_body_not_json_is_4xx(client):
 def test_state_transitions_and_conflicts(client, dataset, database_url):
     run_id = client.post("/v1/runs", json=run_config(dataset, name="lifecycle")).json()["id"]
     r = client.post(f"/v1/runs/{run_id}/pause")
-    assert r.status_code == 409 and "pending" in r.json()["detail"]
+    assert r.status_code == 409 and "pending" in r.json()["message"]
     running = seed_run(database_url, name="live", status="running", dataset=dataset)
     assert client.post(f"/v1/runs/{running}/pause").json()["status"] == "paused"
     assert client.post(f"/v1/runs/{running}/pause").status_code == 409
     assert client.post(f"/v1/runs/{running}/resume").json()["status"] == "running"
     assert client.post(f"/v1/runs/{running}/stop").json()["status"] == "stopping"
     r = client.post(f"/v1/runs/{running}/resume")
-    assert r.status_code == 409 and "stopping" in r.json()["detail"]
+    assert r.status_code == 409 and "stopping" in r.json()["message"]
     assert client.post(f"/v1/runs/{uuid.uuid4()}/stop").status_code == 404
     assert client.post("/v1/runs/not-a-uuid/stop").status_code == 422
-    kinds = [e["kind"] for e in client.get(f"/v1/runs/{running}/events").json()["items"]]
+    kinds = [e["kind"] for e in client.get(f"/v1/runs/{running}/events").json()["data"]]
     assert kinds.count("status_changed") >= 4
 
 
@@ -155,17 +163,17 @@ def test_trajectories_filters_and_detail(client, database_url):
     run_id = seed_run(database_url, name="traj", num_tasks=3, samples=2, versions=3)
     base = f"/v1/runs/{run_id}/trajectories"
     page = client.get(base, params={"limit": 5}).json()
-    assert page["total"] == 3 * 2 * 3 and len(page["items"]) == 5
-    assert client.get(base, params={"limit": 5, "offset": 15}).json()["items"].__len__() == 3
-    v1 = client.get(base, params={"policy_version": 1, "limit": 100}).json()["items"]
+    assert page["count"] == 3 * 2 * 3 and len(page["data"]) == 5
+    assert client.get(base, params={"limit": 5, "offset": 15}).json()["data"].__len__() == 3
+    v1 = client.get(base, params={"policy_version": 1, "limit": 100}).json()["data"]
     assert len(v1) == 6 and all(t["policy_version_max"] == 1 for t in v1)
-    good = client.get(base, params={"min_reward": 0.5, "limit": 100}).json()["items"]
+    good = client.get(base, params={"min_reward": 0.5, "limit": 100}).json()["data"]
     assert good and all(t["reward"] >= 0.5 for t in good)
-    bad = client.get(base, params={"max_reward": 0.5, "limit": 100}).json()["items"]
+    bad = client.get(base, params={"max_reward": 0.5, "limit": 100}).json()["data"]
     assert len(good) + len(bad) == 18
-    trunc = client.get(base, params={"termination_reason": "response_truncation", "limit": 100}).json()["items"]
+    trunc = client.get(base, params={"termination_reason": "response_truncation", "limit": 100}).json()["data"]
     assert trunc and {t["termination_reason"] for t in trunc} == {"response_truncation"}
-    t1 = client.get(base, params={"task_id": "task-1", "limit": 100}).json()["items"]
+    t1 = client.get(base, params={"task_id": "task-1", "limit": 100}).json()["data"]
     assert len(t1) == 6 and {t["task_id"] for t in t1} == {"task-1"}
     assert client.get(base, params={"termination_reason": "bogus"}).status_code == 422
     assert client.get(base, params={"limit": 0}).status_code == 422
@@ -180,17 +188,17 @@ def test_trajectories_filters_and_detail(client, database_url):
 def test_run_detail_metrics_checkpoints_rewards(client, database_url):
     run_id = seed_run(database_url, name="metrics", kind="eval", num_tasks=2, samples=2, versions=3)
     detail = client.get(f"/v1/runs/{run_id}").json()
-    assert detail["policy_version"] == 2 and detail["ledger"]["completed"] == 12
-    assert detail["latest_metrics"]["reward/mean"]["step"] == 2
-    assert detail["latest_metrics"]["reward/mean"]["value"] == pytest.approx(0.6)
+    assert detail["policy_version"] == 2 and detail["ledger"]["units"]["completed"] == 12
+    assert detail["latest_metrics"]["reward_mean"]["step"] == 2
+    assert detail["latest_metrics"]["reward_mean"]["value"] == pytest.approx(0.6)
     assert set(detail["pass_at_k"]) == {"pass@1", "pass@2"}  # k up to samples_per_task
     assert 0 < detail["pass_at_k"]["pass@1"] <= detail["pass_at_k"]["pass@2"] <= 1
-    series = client.get(f"/v1/runs/{run_id}/metrics", params={"name": ["actor/kl"]}).json()["series"]
-    assert list(series) == ["actor/kl"] and [p["step"] for p in series["actor/kl"]] == [0, 1, 2]
-    assert len(client.get(f"/v1/runs/{run_id}/metrics").json()["series"]) == 4
-    ckpts = client.get(f"/v1/runs/{run_id}/checkpoints").json()["items"]
+    series = client.get(f"/v1/runs/{run_id}/metrics", params={"name": ["ppo_kl"]}).json()["series"]
+    assert list(series) == ["ppo_kl"] and [p["step"] for p in series["ppo_kl"]] == [0, 1, 2]
+    assert len(client.get(f"/v1/runs/{run_id}/metrics").json()["series"]) == 5
+    ckpts = client.get(f"/v1/runs/{run_id}/checkpoints").json()["data"]
     assert [c["version"] for c in ckpts] == [0, 1, 2]
-    rewards = client.get(f"/v1/runs/{run_id}/rewards").json()["items"]
+    rewards = client.get(f"/v1/runs/{run_id}/rewards").json()["data"]
     assert [r["policy_version"] for r in rewards] == [0, 1, 2] and rewards[2]["mean_reward"] == 1.0
     for sub in ("metrics", "checkpoints", "rewards", "events", "trajectories"):
         assert client.get(f"/v1/runs/{uuid.uuid4()}/{sub}").status_code == 404
@@ -209,7 +217,7 @@ def test_tokens_and_scopes(api, client, dataset):
     with api.client(writer["token"]) as wc:
         assert wc.post("/v1/runs", json=run_config(dataset)).status_code == 201
         assert wc.post("/v1/tokens", json={"name": "x"}).status_code == 403
-    listed = client.get("/v1/tokens").json()["items"]
+    listed = client.get("/v1/tokens").json()["data"]
     assert "token" not in listed[0] and {"reader", "writer"} <= {t["name"] for t in listed}
     assert client.delete(f"/v1/tokens/{reader['id']}").json()["revoked_at"]
     with api.client(reader["token"]) as rc:
@@ -226,7 +234,7 @@ def test_sql_endpoint_is_read_only(client, database_url):
                   "select set_config('role', 'postgres', true)", "select * from api_tokens", "selec 1"):
         r = client.post("/v1/sql", json={"query": query})
         assert r.status_code == 400, (query, r.text)
-    assert client.get("/v1/runs").json()["total"] > 0  # nothing was deleted
+    assert client.get("/v1/runs").json()["count"] > 0  # nothing was deleted
     r = client.post("/v1/sql", json={"query": "select g from generate_series(1, 50) g", "max_rows": 10})
     assert len(r.json()["rows"]) == 10 and r.json()["truncated"] is True
 

@@ -11,15 +11,17 @@ import time
 
 import pytest
 import yaml
-from api_testlib import run_config, seed_run, start_api, start_jobs, stop
+from api_testlib import run_config, seed_run, start_api, start_jobs
 from sqlalchemy import create_engine, update
 from sqlalchemy.orm import Session
 from typer.testing import CliRunner
 
+from harness.procs import stop
 from services.api.cli import app
 from shared.db.models import Run
 
 runner = CliRunner()
+MATH_ROWS = '{"id": 1, "question": "1+1?", "answer": "2"}\n{"id": 2, "question": "2+2?", "answer": "4"}\n'
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +58,7 @@ def test_datasets_import_and_list(cli, tmp_path):
 
 
 def test_runs_start_list_show_control(cli, tmp_path, database_url):
-    (tmp_path / "d.jsonl").write_text('{"id": 1}\n{"id": 2}\n')
+    (tmp_path / "d.jsonl").write_text(MATH_ROWS)
     cli("datasets", "import", str(tmp_path / "d.jsonl"), "--name", "cli-runs")
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(run_config("cli-runs", name="cli-run")))
     out = cli("runs", "start", "-f", str(tmp_path / "run.yaml"))
@@ -70,6 +72,9 @@ def test_runs_start_list_show_control(cli, tmp_path, database_url):
     assert "now running" in cli("runs", "resume", str(live))
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump(run_config("nope", name="bad")))
     assert "dataset" in cli("runs", "start", "-f", str(tmp_path / "bad.yaml"), ok=False)
+    (tmp_path / "nomodel.yaml").write_text(yaml.safe_dump(run_config("cli-runs", model=".data/models/nope-x")))
+    out = cli("runs", "start", "-f", str(tmp_path / "nomodel.yaml"), ok=False)
+    assert "400" in out and "model: '.data/models/nope-x' is neither" in out and "hint: " in out  # readable
 
 
 def test_runs_watch_until_the_run_ends(cli, database_url):
@@ -87,10 +92,25 @@ def test_runs_watch_until_the_run_ends(cli, database_url):
     out = cli("runs", "watch", str(run_id), "--interval-s", "0.3")
     assert "policy v0: mean reward" in out and "policy v1: mean reward" in out
     assert "ended: completed" in out and "pass@k" in out
+    # not a terminal: progress is printed as lines while the run goes, before it ends
+    assert out.index("running v1: 16/") < out.index("ended: completed")
+
+
+def test_failed_run_shows_its_error(cli, database_url):
+    run_id = seed_run(database_url, name="cli-failed", kind="eval", status="running", versions=1)
+    engine = create_engine(database_url)
+    with Session(engine) as s:
+        s.execute(update(Run).where(Run.id == run_id).values(
+            status="failed", error="every attempt failed: model folder does not exist"))
+        s.commit()
+    engine.dispose()
+    assert "error every attempt failed: model folder does not exist" in cli("runs", "show", str(run_id))
+    out = cli("runs", "watch", str(run_id), ok=False)
+    assert "ended: failed: every attempt failed" in out
 
 
 def test_eval_of_a_checkpoint_prints_pass_at_k(cli, database_url, tmp_path):
-    (tmp_path / "e.jsonl").write_text('{"id": 1}\n')
+    (tmp_path / "e.jsonl").write_text(MATH_ROWS)
     cli("datasets", "import", str(tmp_path / "e.jsonl"), "--name", "cli-eval")
     source = seed_run(database_url, name="cli-trained", status="completed")
     (tmp_path / "eval.yaml").write_text(yaml.safe_dump(run_config("cli-eval", name="cli-eval-run")))

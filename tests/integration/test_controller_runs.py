@@ -4,6 +4,7 @@ wire: it consumes `rollout.tasks` in group "rollout" and answers with EpisodeRes
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -20,9 +21,26 @@ from shared.bus import StreamBus
 from shared.db.models import Dataset, DatasetRow, Run, RunEvent
 from shared.db.session import make_engine
 from shared.ledger import ledger_summary
-from shared.messages import EpisodeResult, RolloutTask, TrajectoryRecord, decode
+from shared.messages import (
+    AcceptedResult,
+    ConsumedGroup,
+    EpisodeResult,
+    RolloutTask,
+    TrainerProgress,
+    TrajectoryRecord,
+    decode,
+    encode,
+)
 from shared.passk import pass_at_k_table
-from shared.streams import GROUP_ROLLOUT, ROLLOUT_TASKS, TRAJECTORIES
+from shared.streams import (
+    ACCEPTED_RESULTS,
+    GROUP_ROLLOUT,
+    ROLLOUT_TASKS,
+    TRAINER_PROGRESS,
+    TRAJECTORIES,
+    dead_letter,
+    heartbeat_key,
+)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -223,6 +241,32 @@ async def test_lost_task_is_redispatched_and_its_late_result_not_stored(engine, 
     assert events(engine, run, "lost")
 
 
+async def test_dead_lettered_task_is_a_failed_attempt_and_retried(engine, redis_client, start_controller):
+    """A rollout worker dead-lettered an attempt (`rollout.tasks.dlq`): the controller records it failed with the
+    reason and dispatches the next attempt; an undecodable entry there holds nothing up."""
+    run = add_run(engine, add_dataset(engine, 2), kind="eval", samples_per_task=1, max_attempts=3)
+    doomed: list[RolloutTask] = []
+
+    def answer(t: RolloutTask) -> str | None:
+        if (t.task_id, t.attempt) == ("t1", 0):
+            doomed.append(t)
+            return None  # dead-lettered below instead of answered
+        return "correct"
+
+    start_controller()  # the task lease (trajectory_timeout_s, 10 min) outlives the test: only the dead letter ends it
+    async with FakeRolloutWorker(redis_client, run, answer) as worker:
+        await wait_until(lambda: doomed, what="t1 dispatched")
+        dlq = dead_letter(ROLLOUT_TASKS)
+        await redis_client.xadd(dlq, {b"junk": b"1"})
+        await redis_client.xadd(dlq, {**encode(doomed[0]), b"dlq_reason": b"handler failed 5 times: boom"})
+        await wait_until(lambda: run_row(engine, run).status == "completed", what="run completed")
+    assert ("t1", 0, 1) in worker.keys()
+    [event] = events(engine, run, "dead_lettered")
+    assert event == {"stream": ROLLOUT_TASKS, "task_id": "t1", "sample_idx": 0, "attempt": 0}
+    assert run_row(engine, run).summary["ledger"]["failed"] == 1
+    assert await redis_client.xlen(dead_letter(dlq)) == 1  # the junk, moved on with its reason
+
+
 async def test_failed_attempt_retried_until_final_failure(engine, redis_client, start_controller):
     run = add_run(engine, add_dataset(engine, 3), kind="eval", samples_per_task=1, max_attempts=3)
     start_controller()
@@ -233,6 +277,93 @@ async def test_failed_attempt_retried_until_final_failure(engine, redis_client, 
     summary = run_row(engine, run).summary
     assert summary["final_failures"] == 1 and summary["ledger"]["failed"] == 3
     assert sorted(stored_keys(engine, run)) == [("t0", 0), ("t2", 0)]
+
+
+async def test_attempts_failing_for_one_reason_fail_the_run_fast_with_that_reason(engine, redis_client,
+                                                                                 start_controller):
+    """Every attempt fails the same way (as with a model path that does not exist): the run ends `failed` with
+    the reason in runs.error after max(20, 2 * max_in_flight) attempts in a row, not `completed` after all 36,
+    and nothing more is dispatched."""
+    run = add_run(engine, add_dataset(engine, 12), kind="eval", samples_per_task=1, max_attempts=3, max_in_flight=4)
+    start_controller()
+    async with FakeRolloutWorker(redis_client, run, lambda t: "failed") as worker:
+        await wait_until(lambda: run_row(engine, run).status == "failed", what="run failed")
+        dispatched = len(worker.received)
+        await asyncio.sleep(0.8)
+        assert len(worker.received) == dispatched < 36
+    row = run_row(engine, run)
+    assert row.error == "20 attempts in a row failed: env session lost"
+    with engine.connect() as c:
+        assert ledger_summary(c, run)["in_flight"] == 0  # cancelled: the run holds nothing any more
+
+
+class SlotWorker:
+    """A rollout worker with `slots` tasks at once that reads the shared FIFO stream only while a slot is free
+    (as the real one does); a task of run r takes `latency[r]` seconds."""
+
+    def __init__(self, redis, slots: int, latency: dict[str, float]):
+        self.redis, self.bus, self.slots, self.latency = redis, StreamBus(redis), slots, latency
+        self.running: set[asyncio.Task] = set()
+        self.done = {r: 0 for r in latency}
+        self.task: asyncio.Task | None = None
+
+    async def __aenter__(self):
+        await self.bus.ensure_group(ROLLOUT_TASKS, GROUP_ROLLOUT)
+        self.task = asyncio.create_task(self._loop())
+        return self
+
+    async def __aexit__(self, *exc):
+        for t in [self.task, *self.running]:
+            t.cancel()
+        await asyncio.gather(self.task, *self.running, return_exceptions=True)
+
+    async def _loop(self) -> None:
+        while True:
+            free = self.slots - len(self.running)
+            if not free:
+                await asyncio.sleep(0.01)
+                continue
+            resp = await self.redis.xreadgroup(GROUP_ROLLOUT, "slots", {ROLLOUT_TASKS: ">"}, count=free, block=100)
+            for _, entries in resp:
+                for eid, fields in entries:
+                    job = asyncio.create_task(self._run(eid, decode(fields)))
+                    self.running.add(job)
+                    job.add_done_callback(self.running.discard)
+
+    async def _run(self, eid: bytes, t: RolloutTask) -> None:
+        await asyncio.sleep(self.latency[t.run_id])
+        await self.bus.publish(TRAJECTORIES, episode_result(t))
+        await self.redis.xack(ROLLOUT_TASKS, GROUP_ROLLOUT, eid)
+        self.done[t.run_id] += 1
+
+
+async def test_a_slow_run_does_not_starve_another(engine, redis_client, start_controller):
+    """Two runs share 4 rollout slots through one FIFO stream; one run's tasks take 5 s, the other's 0.05 s.
+    Under ROLLOUT_CAPACITY each has at most its share in flight, so the fast run finishes while the slow one
+    is still going (without it, the slow run's 30 tasks sit ahead of every fast task for 40 s), and both make
+    progress."""
+    slow = add_run(engine, add_dataset(engine, 30), kind="eval", samples_per_task=1, max_in_flight=32)
+    fast = add_run(engine, add_dataset(engine, 30), kind="eval", samples_per_task=1, max_in_flight=32)
+    start_controller(ROLLOUT_CAPACITY="4")
+    async with SlotWorker(redis_client, 4, {slow: 5.0, fast: 0.05}) as worker:
+        await wait_until(lambda: run_row(engine, fast).status == "completed", timeout=30, what="fast run done")
+        assert worker.done[slow] < 30
+        await wait_until(lambda: worker.done[slow] >= 2, timeout=15, what="the slow run progressing")
+        assert run_row(engine, slow).status == "running"
+
+
+async def test_runs_share_the_slots_live_workers_advertise_by_default(engine, redis_client, start_controller):
+    """Without ROLLOUT_CAPACITY the controller shares the MAX_CONCURRENCY that live rollout workers advertise in
+    their heartbeats: the same slow and fast runs, and the fast one is not queued behind the slow one."""
+    slow = add_run(engine, add_dataset(engine, 30), kind="eval", samples_per_task=1, max_in_flight=32)
+    fast = add_run(engine, add_dataset(engine, 30), kind="eval", samples_per_task=1, max_in_flight=32)
+    await redis_client.set(heartbeat_key("rollout-worker", "slots"), json.dumps({"max_concurrency": 4}), ex=120)
+    start_controller()
+    async with SlotWorker(redis_client, 4, {slow: 5.0, fast: 0.05}) as worker:
+        await wait_until(lambda: run_row(engine, fast).status == "completed", timeout=30, what="fast run done")
+        assert worker.done[slow] < 30
+        await wait_until(lambda: worker.done[slow] >= 2, timeout=15, what="the slow run progressing")
+    await redis_client.delete(heartbeat_key("rollout-worker", "slots"))
 
 
 # -- lifecycle ----------------------------------------------------------------------------------------------------
@@ -270,6 +401,27 @@ async def test_stop_cancels_in_flight_after_timeout(engine, redis_client, start_
     assert events(engine, run, "cancelled") == [{"count": 4}]
 
 
+async def test_stop_takes_back_the_tasks_no_worker_started(engine, redis_client, start_controller):
+    """Stopped means no more work: tasks still queued in `rollout.tasks` when the run stops are deleted and
+    cancelled at once (no wait for the stop timeout), and a worker that comes later gets none of them."""
+    run = add_run(engine, add_dataset(engine, 6), kind="eval", samples_per_task=1, max_in_flight=6)
+
+    def in_flight() -> int:
+        with engine.connect() as c:
+            return ledger_summary(c, run)["in_flight"]
+
+    start_controller(STOP_TIMEOUT_S="60")
+    await wait_until(lambda: in_flight() == 6, what="six tasks queued, no worker yet")
+    set_run(engine, run, status="stopping")
+    await wait_until(lambda: run_row(engine, run).status == "stopped", timeout=10, what="stopped at once")
+    async with FakeRolloutWorker(redis_client, run, lambda t: "correct") as worker:
+        await asyncio.sleep(1.0)
+    assert worker.received == []
+    with engine.connect() as c:
+        assert ledger_summary(c, run)["cancelled"] == 6
+    assert events(engine, run, "cancelled") == [{"count": 6, "queued": True}]
+
+
 async def test_missing_dataset_fails_the_run(engine, redis_client, start_controller):
     run = add_run(engine, "no-such-dataset", kind="eval")
     start_controller()
@@ -305,6 +457,35 @@ async def test_staleness_window_and_remax_greedy_samples(engine, redis_client, s
     greedy = [t for t in worker.received if t.greedy]
     assert len(greedy) == 6 and all(t.sample_idx == 2 for t in greedy)
     assert sorted({t.task_id for t in worker.received}) == [f"t{i}" for i in range(6)]
+
+
+async def test_what_the_trainer_never_read_is_replayed_when_redis_loses_its_data(engine, redis_client,
+                                                                                start_controller):
+    """Redis loses everything after the store accepted a batch: the accepted results the trainer never read
+    (all groups but the one it reported consuming) are published again from Postgres, tokens intact."""
+    run = add_run(engine, add_dataset(engine, 4), kind="train", samples_per_task=2, tasks_per_batch=2,
+                  max_staleness=0, total_steps=2)
+    start_controller()
+    async with FakeRolloutWorker(redis_client, run, lambda t: "correct"):
+        await wait_until(lambda: len(stored_keys(engine, run)) == 4, what="batch 0 stored")
+    with engine.connect() as c:
+        groups = c.execute(text("SELECT DISTINCT task_id FROM episodes WHERE run_id = :r ORDER BY 1"),
+                           {"r": run}).scalars().all()
+    consumed = ConsumedGroup(task_id=groups[0], batch_idx=0, status="used")
+    await StreamBus(redis_client).publish(TRAINER_PROGRESS, TrainerProgress(run_id=run, version=0, groups=[consumed]))
+    await wait_until(lambda: bool(engine.connect().execute(text(
+        "SELECT 1 FROM consumed_groups WHERE run_id = :r"), {"r": run}).first()), what="the report applied")
+    await redis_client.flushdb()
+
+    async def replayed() -> list[AcceptedResult]:
+        return [m for _, f in await redis_client.xrange(ACCEPTED_RESULTS) if (m := decode(f)).run_id == run]
+    deadline = time.monotonic() + 15
+    while len(got := await replayed()) < 2 and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    assert sorted((m.task_id, m.sample_idx) for m in got) == [(groups[1], 0), (groups[1], 1)]
+    traj = got[0].result.trajectories[0]
+    assert (traj.prompt_ids, traj.response_ids, traj.loss_mask, traj.reward) == ([1, 2], [3, 4], [1, 1], 1.0)
+    assert traj.logprobs == pytest.approx([-0.1, -0.2])
 
 
 # -- crash resume -------------------------------------------------------------------------------------------------

@@ -8,8 +8,8 @@ import uuid
 
 import httpx
 import pytest
-from fixtures.procs import start_service, stop, wait_heartbeat
 
+from harness.procs import start_service, stop, wait_heartbeat
 from shared.messages import EnvReply, EnvRequest, decode, encode
 from shared.streams import ENV_REQUESTS, dead_letter, env_inbox
 
@@ -164,3 +164,14 @@ async def test_env_call_timeout(env_workers, redis_client):
     reply = await client.call(env_inbox("env-slow"), "step", "w1", env=env, action="a", timeout_s=0.5)
     assert reply.error_kind == "timeout" and "exceeded 0.5s" in reply.error
     assert (await client.call(ENV_REQUESTS, "reset", "w2", task=MATH_TASK)).ok  # still serving
+
+
+def test_config_is_logged_once_at_start_with_secrets_masked(redis_url):
+    db_url = "postgresql://flywheel:pg-secret-5d2e@127.0.0.1:5432/flywheel"  # env-worker never connects to it
+    proc = start_service("services.env_worker.main", redis_url=redis_url, worker_id="env-cfg", database_url=db_url)
+    wait_heartbeat(redis_url, "env-worker", "env-cfg", proc)
+    out = stop(proc)
+    logged = [line for line in out.splitlines() if "env-worker config: {" in line]
+    assert len(logged) == 1, out
+    assert "'database_url': 'postgresql+psycopg://flywheel:***@127.0.0.1:5432/flywheel'" in logged[0]
+    assert "'worker_id': 'env-cfg'" in logged[0] and "pg-secret-5d2e" not in out

@@ -47,8 +47,7 @@ def services(redis_url, database_url, tmp_path):
 
 
 def test_eval_run_end_to_end_with_hf_engine(database_url, redis_client, services, tmp_path):
-    from fixtures.tiny_model import build_tiny_model  # tests/ is on sys.path (conftest.py)
-
+    from harness.tiny_model import build_tiny_model
     from shared.builtin.datasets import generate
 
     model = str(build_tiny_model(tmp_path / "model"))

@@ -8,7 +8,7 @@ message over MAX_ENTRY_BYTES, set low here so the test stays light; the default 
   `weights` and `env.replies.<rollout worker>`);
 - counted in the reading service's /metrics;
 - harmless: the service stays healthy, and valid work sent afterwards is processed (an evaluation run
-  completes with nothing lost, the trainer acknowledges its results, a weights announcement is acted on).
+  completes with nothing lost and none of its results reaches the trainer, a weights announcement is acted on).
 """
 
 from __future__ import annotations
@@ -23,21 +23,27 @@ import msgpack
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.live import (
-    accounting,
-    build_tokenizer,
-    free_port,
-    insert_run,
-    register_dataset,
-    start_mock_llm,
-    wait_run_done,
-)
-from infra.local_stack import LocalStack
+from harness.live import accounting, insert_run, register_dataset, start_mock_llm, wait_run_done
+from harness.ports import free_port
+from harness.stack import LocalStack
+from harness.tiny_model import build_tiny_model
 from shared.bus import connect
-from shared.messages import EnvReply, EnvRequest, EpisodeResult, RolloutTask, WeightsPublished, decode, encode
+from shared.messages import (
+    AcceptedResult,
+    EnvReply,
+    EnvRequest,
+    EpisodeResult,
+    RolloutTask,
+    TrainerProgress,
+    WeightsPublished,
+    decode,
+    encode,
+)
 from shared.streams import (
+    ACCEPTED_RESULTS,
     ENV_REQUESTS,
     ROLLOUT_TASKS,
+    TRAINER_PROGRESS,
     TRAJECTORIES,
     WEIGHTS,
     dead_letter,
@@ -62,6 +68,10 @@ def _samples(big: str = "") -> dict[str, object]:
                                       action=big, reply_to="fuzz.replies", sent_at=NOW),
         TRAJECTORIES: EpisodeResult(run_id=str(uuid.uuid4()), task_id="t", sample_idx=0, status="failed",
                                     termination_reason=TerminationReason.INFRA_ERROR, task={"pad": big}),
+        ACCEPTED_RESULTS: AcceptedResult(run_id=str(uuid.uuid4()), task_id="t" + big, sample_idx=0, attempt=0,
+                                         batch_idx=0),
+        TRAINER_PROGRESS: TrainerProgress(run_id=str(uuid.uuid4()), version=0, groups=[
+            {"task_id": "t" + big, "batch_idx": 0, "status": "filtered"}]),
         env_replies(ROLLOUT_ID): EnvReply(request_id="q", session_id="s", env_worker_id="e", ok=True,
                                           observation=big),
         WEIGHTS: WeightsPublished(run_id="r", version=1, uri="http://x/" + big, sha256="0" * 64, bytes=1,
@@ -92,10 +102,11 @@ READERS = {
     ENV_REQUESTS: ("env-worker", ["env"]),
     env_inbox(ENV_ID): ("env-worker", ["env"]),
     TRAJECTORIES: ("controller", ["store"]),
+    ACCEPTED_RESULTS: ("trainer", ["train"]),
+    TRAINER_PROGRESS: ("controller", ["controller"]),
     env_replies(ROLLOUT_ID): ("rollout-worker", []),
     WEIGHTS: ("rollout-worker", []),
 }
-TRAINER_GROUP = ("trainer", "train")  # the second group on `trajectories`
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +115,7 @@ def live(isolated_urls, tmp_path_factory):
 
     redis_url, database_url = isolated_urls
     tmp = tmp_path_factory.mktemp("fuzz")
-    model = build_tokenizer(tmp / "model")
+    model = str(build_tiny_model(tmp / "model"))
     port = free_port()
     mock = start_mock_llm(port, latency_ms=5)
     stack = LocalStack(tmp / "stack", env={
@@ -167,8 +178,6 @@ async def wait_metric(stack, service, name, at_least: float, timeout_s: float = 
 @pytest.mark.parametrize("stream", [s for s, (_, groups) in READERS.items() if groups])
 async def test_bad_entries_are_dead_lettered_with_a_reason_and_counted(live, stream):
     stack, (service, groups) = live["stack"], READERS[stream]
-    if stream == TRAJECTORIES:
-        groups = [*groups, TRAINER_GROUP[1]]
     redis = connect(live["redis_url"])
     cases = bad_entries(stream)
     for fields in cases.values():
@@ -180,8 +189,7 @@ async def test_bad_entries_are_dead_lettered_with_a_reason_and_counted(live, str
     for group in groups:
         assert b"exceeds the 262144-byte limit" in found[("oversized", group)][b"dlq_reason"]
         assert b"schema version 99" in found[("wrong_version", group)][b"dlq_reason"]
-    readers = [(service, groups[0])] + ([TRAINER_GROUP] if stream == TRAJECTORIES else [])
-    for svc, group in readers:
+    for svc, group in [(service, groups[0])]:
         assert_healthy(stack, svc)
         counted = await wait_metric(stack, svc, "bus_messages_dead_lettered_total", len(cases), 3, stream=stream,
                                     group=group)  # counted when dead-lettered, so at once
@@ -214,9 +222,11 @@ async def test_valid_work_is_still_processed_after_the_bad_entries(live):
     assert wait_run_done(engine, run_id, 90), f"run did not complete:\n{stack.instance('controller').log_tail()}"
     counts = accounting(engine, run_id)
     assert counts["stored"] == counts["dispatched"] == 8 and counts["lost"] == 0 and counts["duplicates"] == 0
-    # the trainer's group acknowledges the eval results it has no use for (they are not left pending)
-    assert await wait_metric(stack, "trainer", "bus_messages_acked_total", 8, stream=TRAJECTORIES,
-                             group="train") >= 8
+    # an evaluation run's results are stored, never handed to the trainer
+    redis = connect(live["redis_url"])
+    handed = [decode(f) for _, f in await redis.xrange(ACCEPTED_RESULTS) if b"fuzz_case" not in f]
+    await redis.aclose()
+    assert not [m for m in handed if m.run_id == run_id]
     await _env_worker_serves_a_session(live["redis_url"])
     await _weights_announcement_is_acted_on(stack, live["redis_url"], run_id)
     for service in ("env-worker", "rollout-worker", "controller", "trainer"):

@@ -13,10 +13,11 @@ import uuid
 import httpx
 import pytest
 import redis
-from api_testlib import run_config, seed_run, start_api, start_jobs, stop, wait_for
+from api_testlib import run_config, seed_run, start_api, start_jobs, wait_for
 from sqlalchemy import create_engine, select, update
 from sqlalchemy.orm import Session
 
+from harness.procs import stop
 from shared.db.models import Checkpoint, Run
 
 
@@ -36,7 +37,8 @@ def api(database_url, redis_url, data_dir):
 def worker(database_url, redis_url, data_dir):
     proc = start_jobs(database_url, redis_url, data_dir, WORKER_ID="jobs-test")
     yield proc
-    assert stop(proc) == 0
+    stop(proc)
+    assert proc.returncode == 0
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +59,18 @@ def test_worker_health_and_heartbeat(worker, redis_url):
     beat = wait_for(lambda: redis.Redis.from_url(redis_url).get("heartbeat:jobs:jobs-test"), 30)
     port = json.loads(beat)["port"]
     assert httpx.get(f"http://127.0.0.1:{port}/healthz").status_code == 200
+    ready = httpx.get(f"http://127.0.0.1:{port}/readyz")
+    assert ready.status_code == 200 and ready.json()["redis"] is True and ready.json()["postgres"] is True
     assert "service_up" in httpx.get(f"http://127.0.0.1:{port}/metrics").text
+
+
+def test_reimport_job_adds_a_version_and_a_redelivered_job_does_not(client, tmp_path):
+    (tmp_path / "a.jsonl").write_text('{"id": "a"}\n{"id": "b"}\n')
+    first = finished_job(client, client.post("/v1/datasets/import", json={"name": "re-imp", "path": str(tmp_path / "a.jsonl")}).json())
+    again = finished_job(client, client.post("/v1/datasets/import", json={"name": "re-imp", "path": str(tmp_path / "a.jsonl")}).json())
+    assert (first["result"]["version"], again["result"]["version"]) == (1, 2)
+    versions = client.get("/v1/datasets/re-imp").json()["splits"]["train"]["versions"]
+    assert [(v["version"], v["num_rows"]) for v in versions] == [(1, 2), (2, 2)]
 
 
 def test_import_jsonl_csv_and_hf_folder(client, tmp_path):
@@ -73,7 +86,7 @@ def test_import_jsonl_csv_and_hf_folder(client, tmp_path):
         assert done["status"] == "succeeded", done["error"]
         assert done["result"]["num_rows"] == n
         assert client.get(f"/v1/datasets/{name}").json()["splits"]["train"]["num_rows"] == n
-    assert client.get("/v1/datasets/imp-csv/rows").json()["items"][1]["task_id"] == "y"
+    assert client.get("/v1/datasets/imp-csv/rows").json()["data"][1]["task_id"] == "y"
 
 
 def test_import_from_builtin_generator(client):
@@ -81,7 +94,7 @@ def test_import_from_builtin_generator(client):
     job = client.post("/v1/datasets/import", json={"name": "gen-arith", "generator": "arithmetic", "n": 12, "seed": 3})
     done = finished_job(client, job.json())
     assert done["status"] == "succeeded", done["error"]
-    assert client.get("/v1/datasets/gen-arith/rows", params={"limit": 100}).json()["items"].__len__() == 12
+    assert client.get("/v1/datasets/gen-arith/rows", params={"limit": 100}).json()["data"].__len__() == 12
     bad = finished_job(client, client.post("/v1/datasets/import", json={"name": "g2", "generator": "nope"}).json())
     assert bad["status"] == "failed" and "nope" in bad["error"]
 
@@ -151,7 +164,7 @@ def test_gc_keeps_newest_checkpoints_and_trims_streams(client, database_url, red
     assert done["status"] == "succeeded", done["error"]
     assert sorted(done["result"]["deleted_checkpoints"]) == [f"{run_id}/v0", f"{run_id}/v1"]
     assert not (weights / "v0").exists() and (weights / "v3").exists()
-    statuses = {c["version"]: c["status"] for c in client.get(f"/v1/runs/{run_id}/checkpoints").json()["items"]}
+    statuses = {c["version"]: c["status"] for c in client.get(f"/v1/runs/{run_id}/checkpoints").json()["data"]}
     assert statuses == {0: "deleted", 1: "deleted", 2: "available", 3: "available"}
     assert done["result"]["trimmed"]["trajectories"] == 3 and r.xlen("trajectories") == 2
     with Session(engine) as s:  # a running run keeps everything
@@ -160,5 +173,5 @@ def test_gc_keeps_newest_checkpoints_and_trims_streams(client, database_url, red
 
 
 def test_jobs_list(client):
-    kinds = {j["kind"] for j in client.get("/v1/jobs", params={"limit": 100}).json()["items"]}
+    kinds = {j["kind"] for j in client.get("/v1/jobs", params={"limit": 100}).json()["data"]}
     assert {"import_dataset", "evaluate", "export"} <= kinds

@@ -10,7 +10,6 @@ import time
 
 import pytest
 import redis as sync_redis
-from fixtures.procs import start_service, stop, wait_heartbeat
 from fixtures.rollout_stack import (
     collect_results,
     insert_checkpoint,
@@ -19,8 +18,9 @@ from fixtures.rollout_stack import (
     publish_tasks,
     run_config,
 )
-from fixtures.tiny_model import build_tiny_model
 
+from harness.procs import start_service, stop, wait_heartbeat
+from harness.tiny_model import build_tiny_model
 from shared.builtin.datasets import generate
 from shared.bus import StreamBus, connect
 from shared.messages import WeightsPublished

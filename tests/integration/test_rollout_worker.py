@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import math
 import time
 
 import pytest
-from fixtures.procs import start_service, stop, wait_heartbeat
 from fixtures.rollout_stack import collect_results, insert_run, make_task, publish_tasks, run_config
-from fixtures.tiny_model import build_tiny_model
 
+from harness.procs import start_service, stop, wait_heartbeat
+from harness.tiny_model import build_tiny_model
 from shared.builtin.datasets import generate
 from shared.bus import connect
 from shared.types import TerminationReason as TR
@@ -48,6 +49,7 @@ def check_tokens(result):
         assert all(math.isfinite(x) and x <= 0 for x in traj.logprobs)
         for step in traj.steps:
             assert step.prompt_ids and step.response_ids and len(step.logprobs) == len(step.response_ids)
+            assert step.gen_ms > 0 and step.env_ms > 0  # timed per step (steps.gen_ms / env_ms)
         assert traj.prompt_ids == traj.steps[0].prompt_ids
 
 
@@ -68,6 +70,8 @@ async def test_math_tasks_end_to_end(stack, model_path, redis):
         check_tokens(r)
     prompt = results[0].trajectories[0].steps[0].chat_completions[0]["content"]
     assert "\\boxed{}" in prompt  # the built-in MathAgent wrote it
+    beat = json.loads(await redis.get("heartbeat:rollout-worker:rollout-1"))
+    assert {"hf", "openai"} <= set(beat["engines"])  # what POST /v1/runs checks engine.type against
 
 
 async def test_user_classes_by_import_path(stack, model_path, redis):

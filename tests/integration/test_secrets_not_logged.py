@@ -1,12 +1,13 @@
 """Secrets never reach the logs: every service runs with a password in DATABASE_URL and an API token,
-serves requests (good and bad tokens), stops; no log line of any of them contains either secret."""
+serves requests (good and bad tokens), stops; no log line of any of them contains either secret, and each
+logged its resolved config exactly once, the password masked."""
 
 from __future__ import annotations
 
 import httpx
 from sqlalchemy.engine import make_url
 
-from infra.local_stack import LocalStack
+from harness.stack import LocalStack
 
 DB_PASSWORD = "pg-secret-8c1f"  # the local Postgres trusts loopback, so any password connects
 API_TOKEN = "api-secret-3e9a7d"
@@ -30,3 +31,6 @@ def test_no_service_logs_a_secret(tmp_path, redis_url, database_url):
         assert text.strip(), f"{log.name} is empty: the check would prove nothing"
         assert DB_PASSWORD not in text, f"{log.name} logs the database password"
         assert API_TOKEN not in text, f"{log.name} logs the API token"
+        configs = [line for line in text.splitlines() if " config: {" in line]
+        assert len(configs) == 1, f"{log.name} logs its config {len(configs)} times, not once"
+        assert ":***@" in configs[0], f"{log.name}: the config line does not show DATABASE_URL masked"

@@ -1,5 +1,7 @@
 """README.md's section "Querying trajectories with SQL": every ```sql block runs against stored runs as the read-only
-role and returns rows; the reader cannot write or read token hashes, and long queries hit the timeout.
+role and returns rows (the metric names it uses are the trainer's); `run_ledger` counts units and attempts that
+add up, `failures_by_termination_reason` counts infrastructure failures; the reader cannot write or read token
+hashes, and long queries hit the timeout.
 
     pytest -q tests/integration/test_sql_docs.py
 """
@@ -12,7 +14,11 @@ from pathlib import Path
 import psycopg
 import pytest
 from api_testlib import seed_run
+from sqlalchemy import create_engine
 from sqlalchemy.engine import make_url
+from sqlalchemy.orm import Session
+
+from shared.db.models import EpisodeRow, RolloutTaskRow
 
 DOC = Path(__file__).resolve().parents[2] / "README.md"
 
@@ -36,12 +42,62 @@ def reader(database_url: str) -> psycopg.Connection:
 
 @pytest.fixture(scope="module")
 def stored(database_url):
-    seed_run(database_url, name="sql-docs-a", num_tasks=3, samples=2, versions=3)
+    a = seed_run(database_url, name="sql-docs-a", num_tasks=3, samples=2, versions=3)
     seed_run(database_url, name="sql-docs-b", status="completed", num_tasks=2, samples=2, versions=2)
+    stopped = seed_run(database_url, name="sql-docs-stopped", status="stopped", num_tasks=1, samples=2, versions=1)
+    engine = create_engine(database_url)
+    with Session(engine) as s:
+        # out of attempts (failed, lost, failed); retried then completed; in flight; cancelled by a stop
+        for task, attempts in (("t-out", ["failed", "lost", "failed"]), ("t-retried", ["failed", "completed"]),
+                               ("t-busy", ["dispatched"])):
+            for i, status in enumerate(attempts):
+                s.add(RolloutTaskRow(run_id=a, task_id=task, sample_idx=0, attempt=i, status=status))
+                if status in ("failed", "completed"):
+                    s.add(EpisodeRow(run_id=a, task_id=task, sample_idx=0, attempt=i, status=status,
+                                     termination_reason="infra_error" if status == "failed" else "env_done",
+                                     task={}, metrics={}, info={}, error="boom" if status == "failed" else None))
+        s.add(RolloutTaskRow(run_id=stopped, task_id="t-stopped", sample_idx=0, attempt=0, status="cancelled"))
+        s.commit()
+    engine.dispose()
+    return a
 
 
 def test_docs_have_queries():
     assert len(doc_queries()) >= 6
+
+
+def test_documented_metric_names_are_the_trainers():
+    """A query over names the trainer never writes returns nothing: the README's names must be in the trainer's
+    metrics (services/trainer/learner.py), and the seeded runs use the same names."""
+    from api_testlib import trainer_metrics
+
+    trainer = (DOC.parent / "services/trainer/learner.py").read_text()
+    names = set(re.findall(r"name = '([\w/]+)'", "\n".join(doc_queries())))
+    assert {"ppo_kl", "entropy"} <= names
+    for name in names | {n for n, _ in trainer_metrics(0)}:
+        assert f'"{name}"' in trainer, f"the trainer writes no metric {name!r}"
+
+
+def test_run_ledger_counts_units_and_attempts_that_add_up(stored, database_url):
+    with reader(database_url) as conn:
+        rows = {r[0]: r for r in conn.execute(
+            "SELECT run_name, units_total, units_completed, units_in_flight, units_retrying, units_failed, "
+            "units_cancelled, attempts_total, attempts_completed, attempts_in_flight, attempts_failed, "
+            "attempts_lost, attempts_cancelled FROM run_ledger").fetchall()}
+    for name, (_, ut, *units_and_attempts) in rows.items():
+        units, (at, *attempts) = units_and_attempts[:5], units_and_attempts[5:]
+        assert sum(units) == ut and sum(attempts) == at, name
+    # 18 seeded units completed first time, t-retried completed on its 2nd attempt, t-out out of attempts
+    assert rows["sql-docs-a"][1:] == (21, 19, 1, 0, 1, 0, 24, 19, 1, 3, 1, 0)
+    assert rows["sql-docs-stopped"][1:7] == (3, 2, 0, 0, 0, 1)
+
+
+def test_failures_by_reason_counts_infrastructure_failures(stored, database_url):
+    with reader(database_url) as conn:
+        row = conn.execute("SELECT num_episodes, num_failed_episodes, num_trajectories FROM "
+                           "failures_by_termination_reason WHERE run_id = %s AND termination_reason = 'infra_error'",
+                           [stored]).fetchone()
+    assert row == (3, 3, 0)
 
 
 @pytest.mark.parametrize("query", doc_queries())

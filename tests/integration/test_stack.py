@@ -1,25 +1,36 @@
 """The local stack (`make up`): every service starts as a real process and reports healthy, a killed worker
-comes back on restart, stop() leaves no process behind, and the embedded servers keep their data.
+comes back on restart, stop() leaves no process behind, and the embedded servers keep their data. Supervised:
+a killed service is restarted with backoff, a killed embedded Redis is restarted at the same address while
+/readyz and the run view report the outage, and repeated SIGTERMs leave no orphan.
 
     pytest -q tests/integration/test_stack.py
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+import uuid
+from pathlib import Path
 
+import httpx
 import psutil
 import pytest
 import redis
-from sqlalchemy import create_engine, select
+from sqlalchemy import create_engine, insert, select
 from sqlalchemy.orm import Session
 
-from infra.local_stack import SERVICES, LocalStack, ServiceSpec
-from shared.db.models import Dataset
+from harness.ports import free_port
+from harness.servers import RedisServer
+from harness.stack import SERVICES, Backoff, LocalStack, ServiceSpec
+from shared.db.models import Dataset, Run
 from shared.streams import heartbeat_key
 
 # A minimal service on the real runtime: /healthz, /metrics and a heartbeat, nothing else. It exercises the
@@ -129,7 +140,7 @@ def test_embedded_servers_keep_data_across_restarts(tmp_path, monkeypatch):
         with Session(engine) as s, s.begin():
             s.add(Dataset(name="survivor", split="train"))
         engine.dispose()
-        servers = [psutil.Process(stack.redis.server.pid), psutil.Process(stack.postgres.server.get_pid())]
+        servers = [psutil.Process(stack.redis.pid), psutil.Process(stack.postgres.pid)]
         procs = process_tree(stack) + servers
     assert_all_gone(procs)
 
@@ -144,16 +155,23 @@ def test_embedded_servers_keep_data_across_restarts(tmp_path, monkeypatch):
     assert (tmp_path / "logs" / "probe-0.log").exists()
 
 
+def start_console_stack(env: dict[str, str], services: str) -> tuple[subprocess.Popen, list[str]]:
+    """`python -m harness.stack --services ...` (what `make up` runs), its output read until it reports every
+    service healthy or exits; the caller stops it."""
+    stack = subprocess.Popen([sys.executable, "-m", "harness.stack", "--services", services], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in stack.stdout:
+        lines.append(line)
+        if "all services healthy" in line:
+            break
+    return stack, lines
+
+
 def test_console_entry_stops_everything_on_ctrl_c(redis_url, database_url, tmp_path):
     env = {**os.environ, "REDIS_URL": redis_url, "DATABASE_URL": database_url, "DATA_DIR": str(tmp_path)}
-    cmd = [sys.executable, "-m", "infra.local_stack", "--services", "controller"]
-    stack = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines = []
+    stack, lines = start_console_stack(env, "controller")
     try:
-        for line in stack.stdout:
-            lines.append(line)
-            if "all services healthy" in line:
-                break
         children = psutil.Process(stack.pid).children(recursive=True)
         assert any("services.controller.main" in " ".join(p.cmdline()) for p in children), "".join(lines)
         stack.send_signal(signal.SIGINT)
@@ -164,3 +182,195 @@ def test_console_entry_stops_everything_on_ctrl_c(redis_url, database_url, tmp_p
     assert "controller-0 " in "".join(lines)  # service output is echoed with its name
     assert_all_gone(children)
     assert (tmp_path / "logs" / "controller-0.log").read_text()
+
+
+# ---------------------------------------------------------------- supervision (the console entry's `make up`)
+
+CRASHER = ServiceSpec(("-c", "import time; time.sleep(0.2); raise SystemExit(3)"))
+
+
+@pytest.fixture
+def server_dir():
+    """A data dir for embedded servers outside pytest's temp root: pytest (of any session on the machine) resets
+    that root to mode 700, which locks out the `pgserver` user PostgreSQL runs as under root."""
+    folder = Path(tempfile.mkdtemp(prefix="fw-stack-"))
+    folder.chmod(0o755)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def wait_for(pred, timeout_s: float, what: str, interval_s: float = 0.1):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = pred()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+        time.sleep(interval_s)
+
+
+def test_supervised_stack_restarts_crashed_services_with_backoff(redis_url, database_url, tmp_path, caplog):
+    env = {"REDIS_URL": redis_url, "DATABASE_URL": database_url}
+    stack = LocalStack(tmp_path, env=env, specs={"probe": PROBE, "crasher": CRASHER},
+                       backoff=Backoff(base_s=0.2, cap_s=5.0))
+    caplog.set_level(logging.INFO, logger="harness.stack")
+    try:
+        stack.start(["probe"])
+        stack.wait_healthy(30)
+        stack.supervise(interval_s=0.1)
+        probe = stack.instance("probe")
+        first_pid = probe.proc.pid
+        stack.kill("probe", 0, signal.SIGKILL)
+        wait_for(lambda: probe.alive and probe.proc.pid != first_pid, 30, "probe-0 restarted")
+        stack.wait_healthy(30)  # on its old port
+        assert probe.watch.restarts == 1
+        assert "probe-0 exited with code -9" in caplog.text and "probe-0 restarted (restart 1)" in caplog.text
+
+        stack.start(["crasher"])  # joins the supervised stack, then exits with code 3 every time it starts
+        crasher = stack.instance("crasher")
+        wait_for(lambda: crasher.watch.restarts >= 3, 60, "three restarts of the crash loop")
+        delays = [float(m) for m in re.findall(r"crasher-0 exited with code 3.*?restarting it in ([\d.]+)s", caplog.text)]
+        assert delays[:3] == [0.2, 0.4, 0.8], caplog.text  # each wait twice the one before
+        procs = process_tree(stack)
+    finally:
+        stack.stop()
+    assert_all_gone(procs)
+
+
+def test_killed_embedded_redis_is_restarted_and_readiness_reports_the_outage(server_dir, monkeypatch, caplog):
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    monkeypatch.delenv("DATABASE_URL", raising=False)
+    token = "stack-test-token-0123456789"
+    # Redis stays down 3 s before its restart: long enough to see every probe say so.
+    stack = LocalStack(server_dir, env={"API_TOKEN": token, "HEARTBEAT_INTERVAL_S": "0.5"},
+                       specs={"probe": PROBE, "api": SERVICES["api"]}, backoff=Backoff(base_s=3.0))
+    caplog.set_level(logging.INFO, logger="harness.stack")
+    try:
+        stack.start()
+        stack.wait_healthy(120)
+        stack.supervise(interval_s=0.2)
+        probe_ready = f"http://127.0.0.1:{stack.instance('probe').port}/readyz"
+        api = httpx.Client(base_url=stack.api_url, headers={"Authorization": f"Bearer {token}"}, timeout=10)
+        assert httpx.get(probe_ready).json() == {"ready": True, "service": "probe", "worker_id": "probe-0",
+                                                 "redis": True, "postgres": True}
+        engine = create_engine(stack.database_url)
+        run_id = uuid.uuid4()
+        with engine.begin() as c:
+            c.execute(insert(Run).values(id=run_id, name="r", kind="eval", status="running", config={
+                "name": "r", "model": "m", "dataset": "d", "agent": {"name": "math"}, "env": {"name": "math"}}))
+        engine.dispose()
+        assert api.get(f"/v1/runs/{run_id}").json().get("outage") is None
+        client = redis.Redis.from_url(stack.redis_url)
+        client.xadd("survivor", {"k": "v"})
+        time.sleep(1.5)  # appendfsync everysec
+        client.close()
+
+        dead = stack.redis.pid
+        os.kill(dead, signal.SIGKILL)
+        down = wait_for(lambda: (r := httpx.get(probe_ready)).status_code == 503 and r.json(), 10, "probe not ready")
+        assert down["redis"] is False and down["postgres"] is True
+        assert httpx.get(stack.api_url + "/healthz").status_code == 200  # liveness: the process is fine
+        assert httpx.get(stack.api_url + "/readyz").json()["redis"] is False
+        shown = api.get(f"/v1/runs/{run_id}").json()
+        assert shown["status"] == "running" and "Redis is unreachable" in shown["outage"]
+
+        wait_for(lambda: httpx.get(probe_ready).status_code == 200, 60, "probe ready again", interval_s=0.25)
+        assert stack.redis.pid != dead and stack._server_watches["redis"].restarts == 1
+        assert "embedded Redis exited with code -9" in caplog.text
+        assert redis.Redis.from_url(stack.redis_url).xlen("survivor") == 1  # same address, AOF replayed
+        wait_for(lambda: api.get(f"/v1/runs/{run_id}").json().get("outage") is None, 10, "run outage cleared")
+        api.close()
+        procs = process_tree(stack) + [psutil.Process(stack.redis.pid), psutil.Process(stack.postgres.pid)]
+    finally:
+        stack.stop()
+    assert_all_gone(procs)
+
+
+def test_console_entry_survives_repeated_sigterm_without_orphans(server_dir):
+    """`make up` with embedded servers, then SIGTERM twice (and once more): every service, its children and
+    both embedded servers are gone when the stack exits."""
+    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "DATABASE_URL")}
+    env.update(DATA_DIR=str(server_dir), API_PORT=str(free_port()), WEIGHT_SERVER_PORT=str(free_port()))
+    stack, lines = start_console_stack(env, "controller,jobs,api")
+    try:
+        assert "all services healthy" in lines[-1], "".join(lines)[-4000:]
+        procs = psutil.Process(stack.pid).children(recursive=True)
+        postmaster = int((server_dir / "postgres" / "postmaster.pid").read_text().split()[0])
+        procs.append(psutil.Process(postmaster))
+        commands = " ".join(" ".join(p.cmdline()) for p in procs)
+        for part in ("services.controller.main", "services.jobs.main", "services.api.main", "redis-server"):
+            assert part in commands, commands
+        stack.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        stack.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        stack.send_signal(signal.SIGTERM)
+        rest, _ = stack.communicate(timeout=90)
+    finally:
+        stack.kill()
+    output = "".join(lines) + rest
+    assert stack.returncode == 0, output[-4000:]
+    assert "again: killing the remaining services now" in output, output[-4000:]
+    assert_all_gone(procs)
+
+
+def test_a_worker_started_by_hand_joins_a_running_stack(server_dir, monkeypatch):
+    """The README's recipe: source $DATA_DIR/stack.env in another shell and start one more process."""
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    monkeypatch.delenv("DATABASE_URL", raising=False)
+    with LocalStack(server_dir, specs={"probe": PROBE}) as stack:
+        stack.start()
+        stack.wait_healthy(60)
+        assert stack.env_file.stat().st_mode & 0o077 == 0
+        env = {**os.environ, "PROBE_CODE": PROBE.args[1], "PY": sys.executable}
+        extra = subprocess.Popen(
+            ["bash", "-c", f'set -a; . "{stack.env_file}"; set +a; WORKER_ID=probe-extra exec "$PY" -c "$PROBE_CODE"'],
+            cwd=Path(__file__).resolve().parents[2], env=env,
+        )
+        try:
+            client = redis.Redis.from_url(stack.redis_url)
+            assert wait_for(lambda: client.exists(heartbeat_key("probe", "probe-extra")), 30, "the extra heartbeat")
+        finally:
+            extra.terminate()
+            extra.wait(30)
+
+
+def test_killed_embedded_postgres_is_restarted_at_the_same_address(server_dir, monkeypatch, caplog):
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    monkeypatch.delenv("DATABASE_URL", raising=False)
+    caplog.set_level(logging.INFO, logger="harness.stack")
+    with LocalStack(server_dir, specs={"probe": PROBE}, backoff=Backoff(base_s=3.0)) as stack:
+        stack.start()
+        stack.wait_healthy(60)
+        stack.supervise(interval_s=0.2)
+        probe_ready = f"http://127.0.0.1:{stack.instance('probe').port}/readyz"
+        url, dead = stack.database_url, stack.postgres.pid
+        os.kill(dead, signal.SIGKILL)
+        down = wait_for(lambda: (r := httpx.get(probe_ready)).status_code == 503 and r.json(), 10, "probe not ready")
+        assert down["postgres"] is False and down["redis"] is True
+        wait_for(lambda: stack.postgres.alive and stack.postgres.pid != dead, 90, "PostgreSQL restarted", 0.25)
+        wait_for(lambda: httpx.get(probe_ready).status_code == 200, 30, "probe ready again", 0.25)
+        engine = create_engine(url)  # the address the services were given
+        try:
+            with Session(engine) as s:
+                assert s.scalar(select(Dataset).limit(1)) is None  # migrated schema, still there
+        finally:
+            engine.dispose()
+        assert "embedded PostgreSQL (postmaster pid" in caplog.text and "embedded PostgreSQL restarted" in caplog.text
+
+
+def test_a_redis_left_by_a_killed_stack_is_shut_down_cleanly_by_the_next(server_dir):
+    first = RedisServer(server_dir / "redis", unix_socket=True)
+    first.start()
+    client = redis.Redis.from_url(first.url)
+    client.set("kept", "1")
+    orphan = psutil.Process(first.pid)
+    second = RedisServer(server_dir / "redis", unix_socket=True)
+    second.start()  # the first stack died without stopping its server
+    try:
+        assert not orphan.is_running() or orphan.status() == psutil.STATUS_ZOMBIE
+        assert second.url == first.url and redis.Redis.from_url(second.url).get("kept") == b"1"  # saved on SIGTERM
+    finally:
+        second.stop()
+        first.stop()

@@ -21,10 +21,10 @@ def engine(database_url):
     eng.dispose()
 
 
-def new_run(engine) -> str:
+def new_run(engine, kind: str = "eval") -> str:
     run_id = uuid.uuid4()
     with engine.begin() as c:
-        c.execute(insert(Run).values(id=run_id, name="t", kind="eval", status="running", config={}))
+        c.execute(insert(Run).values(id=run_id, name="t", kind=kind, status="running", config={}))
     return str(run_id)
 
 
@@ -132,3 +132,24 @@ def test_failed_result_marks_ledger_failed(engine):
     assert summary == {"dispatched": 2, "in_flight": 0, "completed": 1, "failed": 1, "lost": 0, "cancelled": 0,
                        "finished": 2}
     assert counts(engine, run)["trajectories"] == 1  # the failed attempt's episode row only, no trajectory
+
+
+def test_only_what_the_store_accepted_is_handed_to_the_trainer(engine):
+    """`to_train` (published to `results.accepted`) holds the accepted completed results of training runs, and
+    re-deliveries of stored attempts (their first publish may have been lost); never a late result, a failed
+    one, or an eval run's."""
+    store = TrajectoryStore(engine)
+    run, evaluation = new_run(engine, kind="train"), new_run(engine)
+    dispatch(engine, run, [("t0", 0, 0), ("t0", 0, 1), ("t1", 0, 0), ("t2", 0, 0)])
+    dispatch(engine, evaluation, [("t0", 0, 0)])
+    with engine.begin() as c:  # attempt 0 of t0 expired: the controller marked it lost
+        c.execute(update(RolloutTaskRow).where(RolloutTaskRow.attempt == 0, RolloutTaskRow.task_id == "t0",
+                                               RolloutTaskRow.run_id == uuid.UUID(run)).values(status="lost"))
+    first, zombie = result(run, "t1"), result(run, "t0", 0, 0)
+    out = store.write([zombie, first, result(run, "t1"), result(run, "t2", status="failed"),
+                       result(run, "t0", 0, 1), result(evaluation, "t0")])
+    assert out.late == [zombie.key] and out.stored == 3 and out.failed == 1
+    assert [r.key for r in out.to_train] == [first.key, (run, "t0", 0, 1)]
+    assert out.to_train[0] is first  # the copy that was stored, not the in-batch repeat
+    again = store.write([result(run, "t1"), zombie])  # re-delivered: the stored one is handed over again
+    assert [r.key for r in again.to_train] == [first.key] and again.late == [zombie.key]

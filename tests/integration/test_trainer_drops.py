@@ -1,6 +1,7 @@
 """The trainer's drops over real Redis/Postgres, in process and without a model: groups it will never train on
-(stale, filtered, missing a finally failed slot) are recorded in `train_samples` at once and acknowledged, and
-the controller's count of consumed-without-a-step groups (which widens its dispatch window) sees them."""
+(stale, filtered, missing a slot the controller announced out of attempts) are recorded in `train_samples` at
+once, reported on `trainer.progress` and acknowledged, and the controller's count of consumed-without-a-step
+groups (which widens its dispatch window), fed only by those reports, sees them."""
 
 from __future__ import annotations
 
@@ -14,11 +15,12 @@ from services.controller import ledger
 from services.trainer.batch import GroupBuffer
 from services.trainer.config import TrainerSettings
 from services.trainer.loop import RunState, Trainer
+from shared import leases
 from shared.bus import connect
 from shared.db.session import make_engine
-from shared.messages import EpisodeResult, TrajectoryRecord, encode
+from shared.messages import AcceptedResult, EpisodeResult, TrainerProgress, TrajectoryRecord, decode, encode
 from shared.run_config import RunConfig
-from shared.streams import GROUP_TRAIN, TRAJECTORIES, trainer_lease_key
+from shared.streams import ACCEPTED_RESULTS, GROUP_TRAIN, TRAINER_PROGRESS
 from shared.types import TerminationReason
 
 
@@ -26,7 +28,7 @@ from shared.types import TerminationReason
 async def trainer(isolated_urls, tmp_path):
     redis_url, database_url = isolated_urls
     redis, engine = connect(redis_url), make_engine(database_url)
-    await redis.delete(TRAJECTORIES)
+    await redis.delete(ACCEPTED_RESULTS, TRAINER_PROGRESS)
     t = Trainer(TrainerSettings(redis_url=redis_url, database_url=database_url, state_dir=tmp_path), redis, engine,
                 "trainer-a")
     await t.consumer.start()
@@ -58,14 +60,24 @@ def _result(run_id: str, task: str, sample: int, reward: float, version: int, ba
                          termination_reason="env_done", reward=reward, trajectories=[traj], batch_idx=batch)
 
 
-def _final_failure(trainer: Trainer, run_id: str, task: str, sample: int, batch: int) -> None:
-    """What the controller leaves when a slot is out of attempts: a failed ledger row and the run event."""
+async def _accepted(trainer: Trainer, *results: EpisodeResult) -> None:
+    """What the store publishes after accepting `results`."""
+    for r in results:
+        await trainer.redis.xadd(ACCEPTED_RESULTS, encode(AcceptedResult.stored(r)))
+
+
+async def _final_failure(trainer: Trainer, run_id: str, task: str, sample: int, batch: int) -> None:
+    """What the controller announces when a slot is out of attempts."""
+    await trainer.redis.xadd(ACCEPTED_RESULTS, encode(AcceptedResult(
+        run_id=run_id, task_id=task, sample_idx=sample, attempt=0, batch_idx=batch)))
+
+
+async def _controller_count(trainer: Trainer, run_id: str, final_failed: list[tuple[str, int]]) -> int:
+    """The controller's count of dropped groups after it applied every `trainer.progress` report so far."""
+    reports = [decode(f, TrainerProgress) for _, f in await trainer.redis.xrange(TRAINER_PROGRESS)]
     with trainer.db.begin() as c:
-        c.execute(text("INSERT INTO rollout_tasks (run_id, task_id, sample_idx, attempt, status, batch_idx, epoch, "
-                       "greedy, dispatch_version) VALUES (:r, :t, :s, 0, 'failed', :b, 0, false, 0)"),
-                  {"r": run_id, "t": task, "s": sample, "b": batch})
-        ledger.add_event(c, run_id, "final_failure", f"{task}/{sample} is out of attempts (1)",
-                         {"task_id": task, "sample_idx": sample, "attempt": 0})
+        ledger.record_progress(c, reports)
+        return ledger.dropped_groups(c, run_id, final_failed)
 
 
 def _recorded(trainer: Trainer, run_id: str) -> dict[tuple[str, int], str]:
@@ -76,7 +88,7 @@ def _recorded(trainer: Trainer, run_id: str) -> dict[tuple[str, int], str]:
 
 
 async def _pending(trainer: Trainer) -> int:
-    return (await trainer.redis.xpending(TRAJECTORIES, GROUP_TRAIN))["pending"]
+    return (await trainer.redis.xpending(ACCEPTED_RESULTS, GROUP_TRAIN))["pending"]
 
 
 async def test_dropped_groups_are_recorded_at_once_acknowledged_and_counted_by_the_controller(trainer):
@@ -88,8 +100,7 @@ async def test_dropped_groups_are_recorded_at_once_acknowledged_and_counted_by_t
         _result(r, "good", 0, 1.0, 1, 1), _result(r, "good", 1, 0.0, 1, 1),  # trainable, waits for a 2nd group
         _result(r, "half", 0, 1.0, 1, 1),  # its slot 1 is out of attempts: can never complete
     ]
-    for msg in results:
-        await trainer.redis.xadd(TRAJECTORIES, encode(msg))
+    await _accepted(trainer, *results)
     await trainer.route(await trainer.consumer.read())
     await trainer.maybe_step(run)  # no step (one trainable group of two), but the drops are recorded now
     assert _recorded(trainer, r) == {("flat", 0): "filtered", ("flat", 1): "filtered",
@@ -97,23 +108,31 @@ async def test_dropped_groups_are_recorded_at_once_acknowledged_and_counted_by_t
     assert await _pending(trainer) == 3  # good's two and half's one are still held
     assert {k[0] for k in run.buffer.groups} == {"good", "half"}
 
-    await trainer.drop_unfinishable(run, refresh=True)  # nothing failed yet: half keeps waiting
+    await trainer.drop_unfinishable(run)  # nothing failed yet: half keeps waiting
     assert await _pending(trainer) == 3
-    _final_failure(trainer, r, "half", 1, 1)
-    _final_failure(trainer, r, "ghost", 0, 1)  # a group none of whose samples arrived: only the controller knows
-    await trainer.drop_unfinishable(run, refresh=True)
+    await _final_failure(trainer, r, "half", 1, 1)
+    await _final_failure(trainer, r, "ghost", 0, 1)  # a group none of whose samples arrived
+    await trainer.route(await trainer.consumer.read())
     assert _recorded(trainer, r)[("half", 0)] == "incomplete"
+    assert _recorded(trainer, r)[("half", 1)] == _recorded(trainer, r)[("ghost", 0)] == "abandoned"
     assert await _pending(trainer) == 2 and {k[0] for k in run.buffer.groups} == {"good"}
     assert run.dropped == {"filtered": 2, "stale": 2, "incomplete": 1}  # the next step's metrics
 
     # A crash between the record and the ack re-delivers a recorded entry: it is a duplicate, acknowledged.
-    await trainer.redis.xadd(TRAJECTORIES, encode(results[0]))
+    await _accepted(trainer, results[0])
     await trainer.route(await trainer.consumer.read())
     assert await _pending(trainer) == 2 and run.counts["duplicate"] == 1
 
-    with trainer.db.begin() as c:  # flat, old, half (once, though dropped and finally failed), ghost
-        assert ledger.dropped_groups(c, r, 2, {("half", 1), ("ghost", 0)}) == 4
-        assert ledger.dropped_groups(c, r, 2, set()) == 3
+    # A held result published again (the controller's replay after Redis lost its data): the newer entry is
+    # held and the older acknowledged, so what stays pending is what survives in the stream.
+    older = run.held[(r, "good", 0)].id
+    await _accepted(trainer, results[4])
+    await trainer.route(await trainer.consumer.read())
+    assert run.held[(r, "good", 0)].id != older and await _pending(trainer) == 2
+
+    # flat, old, half (once, though dropped and finally failed), ghost
+    assert await _controller_count(trainer, r, [("half", 1), ("ghost", 1)]) == 4
+    assert await _controller_count(trainer, r, []) == 3
 
 
 async def _wait(pred, what: str, timeout_s: float = 20.0) -> None:
@@ -126,19 +145,25 @@ async def _wait(pred, what: str, timeout_s: float = 20.0) -> None:
 async def test_a_run_opened_later_claims_the_entries_a_dead_trainer_left_pending(trainer, monkeypatch):
     """Entries another trainer read and never acknowledged (it died) are delivered to the trainer that opens
     their run, though it was already running; entries of a run another live trainer owns stay pending."""
+
+    def lease(run_id: str, owner: str, ttl_s: float) -> None:
+        with trainer.db.begin() as c:
+            assert leases.acquire(c, leases.TRAINER, owner, [run_id], ttl_s) == {run_id}
+
     mine, theirs = _add_run(trainer, 0), _add_run(trainer, 0)
     trainer.runs.clear()  # in the database only: the serve loop opens them through its own path
     states = {mine.run_id: mine, theirs.run_id: theirs}
     monkeypatch.setattr(trainer, "_build_run", lambda row: states[row.id])  # no model: intake only
     monkeypatch.setattr(trainer.settings, "runs_poll_s", 0.1)
     for run in (mine, theirs):  # one sample of two: held, never a step
-        await trainer.redis.xadd(TRAJECTORIES, encode(_result(run.run_id, "a", 0, 1.0, 0, 0)))
-    await trainer.redis.xreadgroup(GROUP_TRAIN, "dead-trainer", {TRAJECTORIES: ">"})  # read, never acked
-    await trainer.redis.set(trainer_lease_key(mine.run_id), "dead-trainer")  # until its lease expires
-    await trainer.redis.set(trainer_lease_key(theirs.run_id), "live-trainer")
+        await _accepted(trainer, _result(run.run_id, "a", 0, 1.0, 0, 0))
+    await trainer.bus.ensure_group(ACCEPTED_RESULTS, GROUP_TRAIN)
+    await trainer.redis.xreadgroup(GROUP_TRAIN, "dead-trainer", {ACCEPTED_RESULTS: ">"})  # read, never acked
+    lease(mine.run_id, "dead-trainer", 3.0)  # it stopped renewing: expires in 3 s
+    lease(theirs.run_id, "live-trainer", 600)
 
     async def owners() -> dict[str, int]:
-        info = await trainer.redis.xpending(TRAJECTORIES, GROUP_TRAIN)
+        info = await trainer.redis.xpending(ACCEPTED_RESULTS, GROUP_TRAIN)
         return {c["name"].decode(): c["pending"] for c in info["consumers"]}
 
     stop = asyncio.Event()
@@ -149,14 +174,12 @@ async def test_a_run_opened_later_claims_the_entries_a_dead_trainer_left_pending
         await _wait(started, "the start-up claim")
         assert not trainer.runs and not mine.held
 
-        await trainer.redis.delete(trainer_lease_key(mine.run_id))  # the dead trainer's lease expired
-
-        async def taken_over() -> bool:
+        async def taken_over() -> bool:  # once the dead trainer's lease expired
             return bool(mine.held)
         await _wait(taken_over, "the run's pending entry delivered to its new trainer")
         assert {k[1:] for k in mine.held} == {("a", 0)}
         assert theirs.run_id not in trainer.runs and not theirs.held
-        assert (await trainer.redis.xpending(TRAJECTORIES, GROUP_TRAIN))["pending"] == 2  # nothing acked
+        assert (await trainer.redis.xpending(ACCEPTED_RESULTS, GROUP_TRAIN))["pending"] == 2  # nothing acked
     finally:
         stop.set()
         await serving
@@ -171,33 +194,27 @@ async def test_a_stored_result_never_trained_on_drops_its_group_even_after_a_res
     empty = _result(r, "long", 1, 0.0, 0, 0).model_copy(update={
         "termination_reason": TerminationReason.PROMPT_TRUNCATION,
         "trajectories": [TrajectoryRecord(uid="x", reward=0.0, termination_reason="prompt_truncation")]})
-    failed = _result(r, "retry", 0, 0.0, 0, 0).model_copy(update={"status": "failed", "trajectories": []})
-    for msg in (_result(r, "long", 0, 1.0, 0, 0), empty, failed):
-        await trainer.redis.xadd(TRAJECTORIES, encode(msg))
+    await _accepted(trainer, _result(r, "long", 0, 1.0, 0, 0), empty)
     await trainer.route(await trainer.consumer.read())
     assert _recorded(trainer, r) == {("long", 1): "excluded", ("long", 0): "incomplete"}
     assert not run.buffer.groups and await _pending(trainer) == 0  # all acknowledged
     assert run.dropped == {"incomplete": 1}
 
-    # epoch 1 of the same task is another group: not affected. A failed attempt is retried by the controller,
-    # so it is not recorded (its retry must not be a duplicate).
-    await trainer.redis.xadd(TRAJECTORIES, encode(_result(r, "long", 2, 1.0, 0, 1)))
+    # epoch 1 of the same task is another group: not affected.
+    await _accepted(trainer, _result(r, "long", 2, 1.0, 0, 1))
     await trainer.route(await trainer.consumer.read())
-    assert ("long", 2) not in _recorded(trainer, r) and ("retry", 0) not in _recorded(trainer, r)
+    assert ("long", 2) not in _recorded(trainer, r)
     assert {k[0] for k in run.buffer.groups} == {"long"}
 
-    # a restarted trainer knows the excluded groups from the database: a late sample of one is dropped at once
+    # a restarted trainer knows the doomed groups from its own record: a late sample of one is dropped at once
     late = _result(r, "gone", 0, 1.0, 0, 0)
     with trainer.db.begin() as c:
-        c.execute(text("INSERT INTO rollout_tasks (run_id, task_id, sample_idx, attempt, status, batch_idx, epoch, "
-                       "greedy, dispatch_version) VALUES (:r, 'gone', 1, 0, 'completed', 0, 0, false, 0)"), {"r": r})
-        c.execute(text("INSERT INTO train_samples (run_id, task_id, sample_idx, attempt, status, version) "
-                       "VALUES (:r, 'gone', 1, 0, 'excluded', 0)"), {"r": r})
+        c.execute(text("INSERT INTO train_samples (run_id, task_id, sample_idx, attempt, status, version, batch_idx) "
+                       "VALUES (:r, 'gone', 1, 0, 'excluded', 0, 0)"), {"r": r})
     from services.trainer import runs as db
     run.unfinishable = db.unfinishable_groups(trainer.db, r)  # as _build_run loads it
     assert ("gone", 0) in run.unfinishable
-    await trainer.redis.xadd(TRAJECTORIES, encode(late))
+    await _accepted(trainer, late)
     await trainer.route(await trainer.consumer.read())
     assert _recorded(trainer, r)[("gone", 0)] == "incomplete"
-    with trainer.db.begin() as c:  # long (epoch 0) and gone
-        assert ledger.dropped_groups(c, r, 2, set()) == 2
+    assert await _controller_count(trainer, r, []) == 2  # long (epoch 0) and gone

@@ -9,14 +9,14 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from bench.demo import build_tiny_model
+from harness.tiny_model import build_number_model
 from services.trainer.algorithm import compute_advantages, importance_weights
 from shared.run_config import AlgorithmConfig
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("engine") / "m")
+    return build_number_model(tmp_path_factory.mktemp("engine") / "m")
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +78,18 @@ def test_engine_loss_is_verls_policy_loss_and_export_has_new_weights(engine, tmp
                            else before[name])
     after, _ = engine.log_probs(t)
     assert not torch.allclose(after, old)
+    # the run's weights_dtype: auto keeps the model's own (the tiny model is fp32); bf16 is what real runs serve
+    assert exported[name].dtype == torch.float32
+    state = engine.export_hf(tmp_path / "bf16", "bfloat16", weights=False)
+    assert state[name].dtype == torch.bfloat16 and torch.equal(state[name], exported[name].bfloat16())
+    assert not (tmp_path / "bf16" / "model.safetensors").exists()  # the publisher writes it for a snapshot only
+    # An export is a snapshot: the next optimizer step must not change it (the publisher diffs the next export
+    # against it; an export aliasing the fp32 parameters made every delta empty while the weights moved).
+    first = engine.export_hf(tmp_path / "fp32", weights=False)
+    kept = {k: v.clone() for k, v in first.items()}
+    engine.update(t, old, advantages, weights)
+    assert all(torch.equal(first[k], kept[k]) for k in first)
+    assert not torch.equal(engine.export_hf(tmp_path / "next", weights=False)[name], first[name])
 
 
 def test_ppo_with_gae_critic_trains_both_and_checkpoints(model_dir, tmp_path):

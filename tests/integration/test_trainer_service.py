@@ -1,6 +1,7 @@
-"""The trainer as a real process: consumes EpisodeResults from the `trajectories` stream, trains with verl,
-checkpoints, records and publishes through a real weight server; killed mid-step it resumes with no sample
-lost or trained on twice."""
+"""The trainer as a real process: consumes what the store accepted (`results.accepted`), trains with verl,
+checkpoints, records, reports to the controller and publishes through a real weight server; killed mid-step it
+resumes with no sample lost or trained on twice. With a real controller in front of it, it trains only on
+results the store accepted: a zombie result (its attempt's lease expired) is never trained on."""
 
 from __future__ import annotations
 
@@ -19,10 +20,28 @@ from fixtures.fake_rollouts import serve_rollout_tasks
 from sqlalchemy import create_engine, text
 from trainer_testlib import REPO, WeightServer
 
-from bench.demo import build_tiny_model
-from shared.messages import EpisodeResult, RolloutTask, TrajectoryRecord, decode, encode
+from harness.ports import free_port
+from harness.servers import scratch_database
+from harness.tiny_model import build_number_model
+from shared import leases
+from shared.messages import (
+    AcceptedResult,
+    EpisodeResult,
+    RolloutTask,
+    TrainerProgress,
+    TrajectoryRecord,
+    decode,
+    encode,
+)
 from shared.run_config import RunConfig
-from shared.streams import GROUP_TRAIN, ROLLOUT_TASKS, TRAJECTORIES, WEIGHTS, trainer_lease_key
+from shared.streams import (
+    ACCEPTED_RESULTS,
+    GROUP_TRAIN,
+    ROLLOUT_TASKS,
+    TRAINER_PROGRESS,
+    TRAJECTORIES,
+    WEIGHTS,
+)
 from shared.types import TerminationReason
 
 TASKS, N = 2, 4  # groups per batch, samples per group
@@ -31,8 +50,6 @@ TASKS, N = 2, 4  # groups per batch, samples per group
 @pytest.fixture(scope="module")
 def database_url(pg_admin_url):
     """This module's own database: runs left `running` by earlier modules would be leased by the trainer."""
-    from conftest import scratch_database
-
     with scratch_database(pg_admin_url, migrate=True) as url:
         yield url
 
@@ -46,13 +63,13 @@ def redis_url(redis_url):
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("model") / "digit")
+    return build_number_model(tmp_path_factory.mktemp("model") / "digit")
 
 
 @pytest.fixture
 def stack(redis_url, database_url, tmp_path):
     client = redis.Redis.from_url(redis_url)
-    client.delete(TRAJECTORIES, WEIGHTS, ROLLOUT_TASKS)
+    client.delete(TRAJECTORIES, WEIGHTS, ROLLOUT_TASKS, ACCEPTED_RESULTS, TRAINER_PROGRESS)
     ws = WeightServer(redis_url, database_url, tmp_path / "weights", keep_last=10).start()
     yield ws
     ws.stop()
@@ -89,12 +106,17 @@ def _result(run_id: str, task: str, sample: int, *, version: int = 0, attempt: i
                          termination_reason=reason, reward=reward, trajectories=[traj], batch_idx=batch)
 
 
+def _accept(client: redis.Redis, result: EpisodeResult) -> None:
+    """What the store publishes once it accepted `result`."""
+    client.xadd(ACCEPTED_RESULTS, encode(AcceptedResult.stored(result)))
+
+
 def _publish_batch(redis_url: str, run_id: str, batch: int, version: int) -> set[tuple[str, int]]:
     client = redis.Redis.from_url(redis_url)
     keys = set()
     for t in range(TASKS):
         for s in range(N):
-            client.xadd(TRAJECTORIES, encode(_result(run_id, f"b{batch}-t{t}", s, version=version, batch=batch)))
+            _accept(client, _result(run_id, f"b{batch}-t{t}", s, version=version, batch=batch))
             keys.add((f"b{batch}-t{t}", s))
     return keys
 
@@ -109,16 +131,20 @@ def _start_trainer(redis_url, database_url, ws: WeightServer, tmp_path: Path, fa
     log = open(tmp_path / f"trainer-{fault or 'clean'}.log", "w")
     for key in ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE"):
         env.pop(key, None)
-    return subprocess.Popen([sys.executable, *launcher, "-m", "services.trainer.main"], cwd=REPO, env=env,
-                            stdout=log, stderr=subprocess.STDOUT)
+    # A fault is injected by the test's own wrapper of the service (trainer_with_fault.py), which kills it there.
+    entry = [str(Path(__file__).with_name("trainer_with_fault.py"))] if fault else ["-m", "services.trainer.main"]
+    return subprocess.Popen([sys.executable, *launcher, *entry], cwd=REPO, env=env, stdout=log,
+                            stderr=subprocess.STDOUT)
 
 
 def _wait_version(database_url: str, run_id: str, version: int, proc, timeout_s: float = 120) -> None:
+    """Until the trainer committed `version` (its own record: these tests run no controller)."""
     engine = create_engine(database_url)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         with engine.connect() as c:
-            v = c.execute(text("SELECT policy_version FROM runs WHERE id = :id"), {"id": run_id}).scalar()
+            v = c.execute(text("SELECT coalesce(max(version), 0) FROM train_samples WHERE run_id = :id "
+                               "AND status = 'used'"), {"id": run_id}).scalar()
         if v >= version:
             return
         assert proc.poll() is None, f"trainer exited with {proc.returncode}"
@@ -147,35 +173,31 @@ def _published_versions(redis_url: str, run_id: str) -> list[int]:
 
 
 def _pending(redis_url: str) -> int:
-    return redis.Redis.from_url(redis_url).xpending(TRAJECTORIES, GROUP_TRAIN)["pending"]
+    return redis.Redis.from_url(redis_url).xpending(ACCEPTED_RESULTS, GROUP_TRAIN)["pending"]
 
 
-def test_trainer_trains_whole_groups_applies_acceptance_and_publishes(stack, redis_url, database_url, model_dir,
-                                                                    tmp_path):
+def _reports(redis_url: str, run_id: str) -> list[TrainerProgress]:
+    msgs = [decode(f) for _, f in redis.Redis.from_url(redis_url).xrange(TRAINER_PROGRESS)]
+    return [m for m in msgs if m.run_id == run_id]
+
+
+def test_trainer_trains_whole_groups_reports_and_publishes(stack, redis_url, database_url, model_dir, tmp_path):
     run_id = _insert_run(database_url, model_dir)
     client = redis.Redis.from_url(redis_url)
-    # Noise the trainer must not train on: an infrastructure failure, an attempt the ledger marked lost, and a
-    # second completed attempt of a sample whose first attempt arrives first.
-    with create_engine(database_url).begin() as c:
-        c.execute(text("INSERT INTO rollout_tasks (run_id, task_id, sample_idx, attempt, status, batch_idx, epoch, "
-                       "greedy, dispatch_version) VALUES (:r, 'b0-t0', 0, 0, 'lost', 0, 0, false, 0)"), {"r": run_id})
-    client.xadd(TRAJECTORIES, encode(_result(run_id, "b0-t0", 0, status="failed",
-                                             reason=TerminationReason.INFRA_ERROR, attempt=0)))
-    client.xadd(TRAJECTORIES, encode(_result(run_id, "b0-t0", 0, attempt=0)))  # late: ledger says lost
     keys = set()
-    client.xadd(TRAJECTORIES, encode(_result(run_id, "b0-t0", 0, attempt=1)))
+    _accept(client, _result(run_id, "b0-t0", 0, attempt=1))
     keys.add(("b0-t0", 0))
-    client.xadd(TRAJECTORIES, encode(_result(run_id, "b0-t0", 0, attempt=2)))  # duplicate of a used sample
+    _accept(client, _result(run_id, "b0-t0", 0, attempt=1))  # published again (a re-delivery to the store)
     for s in range(1, N):
-        client.xadd(TRAJECTORIES, encode(_result(run_id, "b0-t0", s)))
+        _accept(client, _result(run_id, "b0-t0", s))
         keys.add(("b0-t0", s))
     for s in range(N):
-        client.xadd(TRAJECTORIES, encode(_result(run_id, "b0-t1", s)))
+        _accept(client, _result(run_id, "b0-t1", s))
         keys.add(("b0-t1", s))
     keys |= _publish_batch(redis_url, run_id, 1, 0)
     # An incomplete group (3 of 4 samples) is never trained on.
     for s in range(N - 1):
-        client.xadd(TRAJECTORIES, encode(_result(run_id, "b2-partial", s, batch=2)))
+        _accept(client, _result(run_id, "b2-partial", s, batch=2))
 
     proc = _start_trainer(redis_url, database_url, stack, tmp_path)
     try:
@@ -184,10 +206,14 @@ def test_trainer_trains_whole_groups_applies_acceptance_and_publishes(stack, red
         rows = _trained(database_url, run_id)
         assert {(r.task_id, r.sample_idx) for r in rows} == keys
         assert all(r.status == "used" for r in rows)
-        assert {r.attempt for r in rows if (r.task_id, r.sample_idx) == ("b0-t0", 0)} == {1}
         by_version = {v: {r.task_id for r in rows if r.version == v} for v in (1, 2)}
         assert all(len(tasks) == TASKS for tasks in by_version.values())  # whole groups, tasks_per_batch each
         assert _published_versions(redis_url, run_id) == [1, 2]
+        # the controller hears of each version and the groups its step used, from the trainer's reports only
+        reports = _reports(redis_url, run_id)
+        assert max(m.version for m in reports) == 2
+        used = {(g.task_id, g.batch_idx) for m in reports for g in m.groups if g.status == "used"}
+        assert used == {(f"b{b}-t{t}", b) for b in (0, 1) for t in range(TASKS)}
         with create_engine(database_url).connect() as c:
             names = set(c.execute(text("SELECT DISTINCT name FROM metrics WHERE run_id = :id"), {"id": run_id})
                         .scalars())
@@ -230,6 +256,9 @@ def test_trainer_killed_mid_step_resumes_with_nothing_lost_or_doubled(stack, red
         assert sorted({r.version for r in rows}) == [1, 2, 3, 4]
         assert _published_versions(redis_url, run_id) == [1, 2, 3, 4]
         assert _pending(redis_url) == 0
+        # step 3's report was lost in the crash; the restarted trainer re-sent its whole record
+        reported = {(g.task_id, g.batch_idx) for m in _reports(redis_url, run_id) for g in m.groups}
+        assert reported == {(f"b{b}-t{t}", b) for b in range(4) for t in range(TASKS)}
     finally:
         proc.terminate()
         proc.wait(60)
@@ -326,17 +355,20 @@ def test_trainer_taking_over_a_dead_trainers_run_gets_its_pending_entries(stack,
     A second trainer, already running, opens the run when the lease expires and trains on those entries."""
     run_id = _insert_run(database_url, model_dir)
     client = redis.Redis.from_url(redis_url)
-    client.xgroup_create(TRAJECTORIES, GROUP_TRAIN, id="0", mkstream=True)
+    client.xgroup_create(ACCEPTED_RESULTS, GROUP_TRAIN, id="0", mkstream=True)
     keys = _publish_batch(redis_url, run_id, 0, 0)
-    client.xreadgroup(GROUP_TRAIN, "trainer-dead", {TRAJECTORIES: ">"})
-    client.set(trainer_lease_key(run_id), "trainer-dead")
+    client.xreadgroup(GROUP_TRAIN, "trainer-dead", {ACCEPTED_RESULTS: ">"})
+    engine = create_engine(database_url)
+    with engine.begin() as c:  # the dead trainer's lease: it stopped renewing
+        assert leases.acquire(c, leases.TRAINER, "trainer-dead", [run_id], 600) == {run_id}
     proc = _start_trainer(redis_url, database_url, stack, tmp_path, worker_id="trainer-next")
     try:
         def claimed_at_start() -> bool:  # its start-up claim ran while the run was still the dead trainer's
-            consumers = client.xpending(TRAJECTORIES, GROUP_TRAIN)["consumers"]
+            consumers = client.xpending(ACCEPTED_RESULTS, GROUP_TRAIN)["consumers"]
             return [c["name"] for c in consumers] == [b"trainer-next"]
         _wait(claimed_at_start, "the second trainer's start-up claim", (proc,))
-        client.delete(trainer_lease_key(run_id))  # the dead trainer's lease expires
+        with engine.begin() as c:  # the dead trainer's lease expires
+            c.execute(text("UPDATE run_leases SET expires_at = now() WHERE owner = 'trainer-dead'"))
         _wait_version(database_url, run_id, 1, proc, timeout_s=60)
         rows = _trained(database_url, run_id)
         assert {(r.task_id, r.sample_idx) for r in rows} == keys and {r.version for r in rows} == {1}
@@ -348,11 +380,7 @@ def test_trainer_taking_over_a_dead_trainers_run_gets_its_pending_entries(stack,
 
 @pytest.mark.slow
 def test_trainer_service_under_torchrun_two_ranks(stack, redis_url, database_url, model_dir, tmp_path):
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     run_id = _insert_run(database_url, model_dir)
     keys = _publish_batch(redis_url, run_id, 0, 0) | _publish_batch(redis_url, run_id, 1, 0)
     proc = _start_trainer(redis_url, database_url, stack, tmp_path, launcher=(
@@ -361,7 +389,8 @@ def test_trainer_service_under_torchrun_two_ranks(stack, redis_url, database_url
         _wait_version(database_url, run_id, 2, proc)
         rows = _trained(database_url, run_id)
         assert {(r.task_id, r.sample_idx) for r in rows} == keys
-        assert _published_versions(redis_url, run_id) == [1, 2]
+        # a step is recorded before it is published: wait for the announcement
+        _wait(lambda: _published_versions(redis_url, run_id) == [1, 2], "v2 announced", [proc], timeout_s=60)
     finally:
         proc.terminate()  # torchrun passes SIGTERM on; rank 0 stops the follower, every process exits
         proc.wait(90)

@@ -13,7 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from bench.demo import build_tiny_model
+from harness.ports import free_port
+from harness.tiny_model import build_number_model
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = r'''
@@ -55,13 +56,13 @@ dist.destroy_process_group()
 
 @pytest.mark.slow
 def test_two_rank_data_parallel_update_equals_single_process(tmp_path):
-    model_dir = build_tiny_model(tmp_path / "m")
+    model_dir = build_number_model(tmp_path / "m")
     script = tmp_path / "dp.py"
     script.write_text(SCRIPT)
     for mode in ("single", "dp"):
         (tmp_path / mode).mkdir()
         launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                    f"--master_port={_free_port()}"] \
+                    f"--master_port={free_port()}"] \
             if mode == "dp" else [sys.executable]
         code, output = _run_group([*launcher, str(script), str(model_dir), str(tmp_path / mode), mode], 240)
         assert code == 0, output[-6000:]
@@ -87,14 +88,6 @@ def _run_group(args: list[str], timeout_s: float) -> tuple[int, str]:
         out, _ = proc.communicate()
         return -9, f"timed out after {timeout_s}s\n{out}"
     return proc.returncode, out
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env() -> dict:

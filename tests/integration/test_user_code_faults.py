@@ -15,18 +15,18 @@ import httpx
 import pytest
 from sqlalchemy import text
 
-from bench.live import (
+from harness.live import (
     REPO,
     accounting,
-    build_tokenizer,
-    free_port,
     insert_run,
     register_dataset,
     run_status,
     start_mock_llm,
     wait_run_done,
 )
-from infra.local_stack import LocalStack
+from harness.ports import free_port
+from harness.stack import LocalStack
+from harness.tiny_model import build_tiny_model
 
 FIXTURES = REPO / "tests" / "fixtures"
 sys.path.insert(0, str(FIXTURES))  # RunConfig resolves the plugins' import paths here too
@@ -53,7 +53,7 @@ def live(redis_url, database_url, tmp_path_factory):
     from shared.db.session import make_engine
 
     tmp = tmp_path_factory.mktemp("faults")
-    model = build_tokenizer(tmp / "model")
+    model = str(build_tiny_model(tmp / "model"))
     port = free_port()
     mock = start_mock_llm(port, latency_ms=5)
     stack = LocalStack(tmp / "stack", env={

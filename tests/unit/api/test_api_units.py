@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from services.api.auth import Principal, hash_token, new_token
-from services.api.progress import expected_samples
+from services.api.progress import planned_units, progress
 from services.api.routers.sql import FORBIDDEN, _cell
 from shared.datasets import Dataset, DatasetError, detect_format, rows_from_bytes, task_id_of, validate_rows
 
@@ -60,12 +60,26 @@ def test_scopes_nest():
     assert token.startswith("fw_") and len(hash_token(token)) == 64 and hash_token(token) != hash_token(new_token())
 
 
-def test_expected_samples():
-    assert expected_samples({"kind": "eval", "samples_per_task": 4, "tasks_per_batch": 8}, 10) == 40
-    assert expected_samples({"kind": "eval", "samples_per_task": 4, "max_tasks": 3}, 10) == 12
-    assert expected_samples({"kind": "train", "samples_per_task": 2, "tasks_per_batch": 8, "total_steps": 5}, 99) == 80
-    assert expected_samples({"kind": "train", "samples_per_task": 2, "epochs": 2}, 10) == 40
-    assert expected_samples({"kind": "eval"}, None) is None
+def test_planned_units():
+    assert planned_units({"kind": "eval", "samples_per_task": 4, "tasks_per_batch": 8}, 10) == 40
+    assert planned_units({"kind": "eval", "samples_per_task": 4, "max_tasks": 3}, 10) == 12
+    assert planned_units({"kind": "train", "samples_per_task": 2, "epochs": 2}, 10) == 40
+    assert planned_units({"kind": "eval"}, None) is None
+
+
+def test_progress_never_passes_its_total():
+    """A training run with total_steps counts steps; replacement groups never push samples past the plan
+    (the old `runs show` printed "trajectories 360/320")."""
+    class FakeRun:
+        kind, policy_version, config = "train", 3, {"total_steps": 5, "samples_per_task": 2}
+
+    assert progress(FakeRun, {"completed": 360, "failed": 0}, 20) == {"unit": "steps", "done": 3, "total": 5,
+                                                                      "fraction": 0.6}
+    FakeRun.config = {"samples_per_task": 16, "epochs": 1}
+    assert progress(FakeRun, {"completed": 330, "failed": 30}, 20)["done"] == 320
+    FakeRun.kind = "eval"
+    assert progress(FakeRun, {"completed": 100, "failed": 4}, 20) == {"unit": "samples", "done": 104,
+                                                                     "total": 320, "fraction": 104 / 320}
 
 
 def test_sql_guard_and_cells():

@@ -75,6 +75,37 @@ def test_tool_env_runs_python_tool_then_grades_answer():
     assert (reward, done) == (1.0, True)
 
 
+def test_tool_env_finish_tool_ends_and_grades_the_episode():
+    env = build("tool", {"question": "What is 6*7?", "ground_truth": "42"})
+    obs, _ = env.reset()
+    assert [t["function"]["name"] for t in obs["tools"]] == ["python", "finish"]
+    finish = {"name": "finish", "arguments": {"response": "It is \\boxed{42}"}}
+    # finish ends the turn: the python call beside it is not run, the answer is graded, the episode is done
+    obs, reward, done, info = env.step({"tool_calls": [{"name": "python", "arguments": {"code": "1/0"}}, finish]})
+    assert (obs, reward, done) == ({}, 1.0, True)
+    assert info["is_correct"] and info["finished_by"] == "finish_tool"
+    env = build("tool", {"question": "What is 6*7?", "ground_truth": "42"})
+    env.reset()
+    _, reward, done, info = env.step({"tool_calls": [{"name": "finish", "arguments": {"response": "\\boxed{41}"}}]})
+    assert (reward, done, info["is_correct"]) == (0.0, True, False)
+
+
+@pytest.mark.parametrize("arguments", [None, {}, {"response": 42}, "\\boxed{42}"])
+def test_tool_env_malformed_finish_scores_zero_and_ends(arguments):
+    env = build("tool", {"question": "What is 6*7?", "ground_truth": "42"})
+    env.reset()
+    _, reward, done, info = env.step({"tool_calls": [{"name": "finish", "arguments": arguments}]})
+    assert (reward, done) == (0.0, True) and info["verdict"] == "no_answer"
+
+
+def test_search_env_offers_finish_too():
+    env = build("search", {"question": "Where is the Colosseum?", "answer": "Rome", "corpus": CORPUS})
+    obs, _ = env.reset()
+    assert obs["tools"][-1]["function"]["name"] == "finish"
+    _, reward, done, _ = env.step({"tool_calls": [{"name": "finish", "arguments": {"response": "<answer>Rome</answer>"}}]})
+    assert (reward, done) == (1.0, True)
+
+
 def test_code_env_passes_and_fails_with_feedback():
     task = {"question": "Write add(a, b).", "tests": "assert add(1, 2) == 3\nassert add(-1, 1) == 0"}
     good = "```python\ndef add(a, b):\n    return a + b\n```"

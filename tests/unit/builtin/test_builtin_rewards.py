@@ -1,5 +1,3 @@
-import time
-
 import pytest
 
 from shared.builtin import rewards
@@ -32,13 +30,11 @@ def test_math_reward_symbolic_equivalence():
     assert not math_reward({"ground_truth": "0.5"}, "\\boxed{\\frac{1}{3}}").is_correct
 
 
-def test_pathological_expression_times_out_instead_of_hanging():
-    start = time.monotonic()
-    out = math_reward({"ground_truth": "1"}, "\\boxed{9^{9^{9^{9}}}}", timeout_s=1.0)
-    assert out.reward == 0.0 and out.metadata["reason"] == "grading timed out"
-    assert time.monotonic() - start < 30
-    # the grader was replaced: grading still works afterwards
-    assert math_reward({"ground_truth": "2"}, "\\boxed{4/2}").is_correct
+def test_pathological_expression_is_rejected_instead_of_hanging():
+    out = math_reward({"ground_truth": "1"}, "\\boxed{9^{9^{9^{9}}}}")
+    assert out.reward == 0.0 and out.metadata["verdict"] in ("rejected", "timeout")
+    # the grader is still there: grading still works afterwards
+    assert math_reward({"ground_truth": "2"}, "\\boxed{4/2}", timeout_s=30).is_correct
 
 
 def test_missing_ground_truth_is_a_clear_error():
@@ -53,6 +49,13 @@ def test_countdown_reward():
     assert countdown_reward(task, "<answer>3 * 7 + 1</answer>").reward == 0.0  # wrong numbers
     assert countdown_reward(task, "<answer>__import__('os')</answer>").reward == 0.0
     assert countdown_reward(task, "<answer>7 * 5 - 3</answer>").reward == 0.0  # 32
+
+
+def test_countdown_reward_never_raises_on_huge_numbers():
+    task = {"nums": [3, 5, 7], "target": 22}
+    out = countdown_reward(task, f"<answer>{'1' * 5000} + 3</answer>")
+    assert out.reward == 0.0 and "exactly once" in out.metadata["reason"]
+    assert countdown_reward(task, f"<answer>{'(' * 300}3 * 5 + 7{')' * 300}</answer>").reward == 0.0
 
 
 def test_search_reward_exact_match_and_f1():

@@ -9,12 +9,15 @@ import pytest
 
 from shared.messages import (
     MESSAGE_TYPES,
+    AcceptedResult,
+    ConsumedGroup,
     EnvReply,
     EnvRequest,
     EpisodeResult,
     MessageDecodeError,
     RolloutTask,
     StepRecord,
+    TrainerProgress,
     TrajectoryRecord,
     WeightsPublished,
     decode,
@@ -39,9 +42,14 @@ SAMPLES = {
                               chat_completions=[{"role": "user", "content": "hi"}], reward=1.0, done=True)],
         )],
     ),
+    "trainer_progress": TrainerProgress(run_id="r", version=4, groups=[
+        ConsumedGroup(task_id="t1", batch_idx=3, status="used"), ConsumedGroup(task_id="t2", batch_idx=3,
+                                                                             status="filtered")]),
     "weights_published": WeightsPublished(run_id="r", version=3, uri="http://ws/r/v3", path="/w/r/v3",
                                           sha256="ab" * 32, bytes=1234, created_at=NOW),
 }
+
+SAMPLES["accepted_result"] = AcceptedResult.stored(SAMPLES["episode_result"])
 
 
 def test_every_message_type_has_a_sample():

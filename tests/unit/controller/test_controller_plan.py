@@ -145,3 +145,49 @@ def test_uneven_epochs_still_dispatch_enough_groups_for_the_planned_steps():
         driver.policy_version = version
         dispatched |= _groups(_dispatch_all(driver))
         assert len(dispatched) == (version + 1) * 3  # whole steps' worth, the last one from epoch 2
+
+
+def test_attempts_failing_for_one_reason_in_a_row_fail_the_run_and_a_success_resets_the_count():
+    cfg = config(kind="eval", samples_per_task=1, max_attempts=5, max_in_flight=4, fail_fast_after=3)
+    driver = RunDriver(RunRow("r1", "running", {}, 0), cfg, tasks(8))
+    driver.mark_dispatched(*(lambda items: (items, {(s.task_id, s.sample_idx, a) for s, a in items}))(
+        driver.next_items(8)))
+    boom = "Traceback (most recent call last):\n  ...\nOSError: model path /m/0x7f3a does not exist\n"
+    driver.apply("t0", 0, 0, "failed", boom)
+    driver.apply("t1", 0, 0, "lost", "no result before the task lease expired")  # another reason
+    driver.apply("t2", 0, 0, "failed", boom.replace("0x7f3a", "0x11"))  # same reason, another address
+    assert driver.fail_reason is None
+    driver.apply("t3", 0, 0, "completed")  # a success: every streak starts over
+    driver.apply("t0", 0, 0, "failed", boom)  # not live any more: ignored
+    assert driver.fail_reason is None and driver.failure_streak == {}
+    for s in driver.states.values():
+        s.status = "dispatched"
+    for t in ("t0", "t1", "t2"):
+        driver.apply(t, 0, 0, "failed", boom)
+    assert driver.fail_reason == "3 attempts in a row failed: OSError: model path /m/0x7f3a does not exist"
+    assert config(kind="eval", max_in_flight=4).fail_fast_threshold == 20
+    assert config(kind="eval", max_in_flight=64).fail_fast_threshold == 128
+
+
+def test_lost_attempts_neither_fail_the_run_fast_nor_reset_a_streak():
+    """A lease that expired says its workers died or Redis lost the task, not that the run is broken."""
+    cfg = config(kind="eval", samples_per_task=1, max_attempts=9, max_in_flight=8, fail_fast_after=3)
+    driver = RunDriver(RunRow("r1", "running", {}, 0), cfg, tasks(8))
+    driver.mark_dispatched(*(lambda items: (items, {(s.task_id, s.sample_idx, a) for s, a in items}))(
+        driver.next_items(8)))
+    for t in ("t0", "t1", "t2", "t3", "t4"):
+        driver.apply(t, 0, 0, "lost", "no result before the task lease expired")
+    assert driver.fail_reason is None and driver.failure_streak == {}
+    driver.apply("t5", 0, 0, "failed", "ValueError: bad")
+    driver.apply("t6", 0, 0, "lost", "no result before the task lease expired")
+    driver.apply("t7", 0, 0, "failed", "ValueError: bad")
+    assert driver.failure_streak == {"ValueError: bad": 2}
+
+
+def test_rollout_capacity_is_shared_by_priority_and_what_a_run_cannot_use_goes_to_the_others():
+    from services.controller.share import fair_shares
+
+    assert fair_shares(8, {"a": (1.0, 256), "b": (1.0, 256)}) == {"a": 4, "b": 4}
+    assert fair_shares(8, {"a": (3.0, 256), "b": (1.0, 256)}) == {"a": 6, "b": 2}
+    assert fair_shares(10, {"small": (1.0, 2), "b": (1.0, 256), "c": (2.0, 256)}) == {"small": 2, "b": 2, "c": 5}
+    assert fair_shares(2, {r: (1.0, 8) for r in "abc"}) == {"a": 1, "b": 1, "c": 1}  # every run progresses

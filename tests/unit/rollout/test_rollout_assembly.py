@@ -41,7 +41,7 @@ def test_steps_without_tokens_are_ignored():
 
 @pytest.fixture(scope="module")
 def chat(tmp_path_factory):
-    from fixtures.tiny_model import build_tokenizer
+    from harness.tiny_model import build_tokenizer
 
     return ChatTokenizer(build_tokenizer())
 
@@ -95,3 +95,14 @@ def test_fast_encode_equals_the_tokenizers_own_encoding(chat):
     texts = ["What is 2 + 2?", "<|im_start|>user\nhi<|im_end|>\n", "  spaced   out\n\n", "ünïcödé \\boxed{42}", ""]
     for text in texts:
         assert chat.encode(text) == chat.tokenizer(text, add_special_tokens=False)["input_ids"], text
+
+
+def test_step_without_logprobs_leaves_the_trajectory_without_any():
+    """Unknown behaviour logprobs are reported as unknown (empty), never filled in with a guess."""
+    from services.rollout_worker.assembly import assemble
+    from shared.types import Step
+
+    seq = assemble([Step(prompt_ids=[1, 2], response_ids=[3, 4], logprobs=[-0.1, -0.2], weight_version=0),
+                    Step(prompt_ids=[1, 2, 3, 4, 5], response_ids=[6], weight_version=0)])
+    assert seq.response_ids == [3, 4, 5, 6] and seq.loss_mask == [1, 1, 0, 1]
+    assert seq.logprobs == []

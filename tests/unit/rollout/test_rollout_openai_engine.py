@@ -9,8 +9,9 @@ from shared.run_config import EngineConfig
 
 
 class FakeServer:
-    def __init__(self, failures: int = 0, status: int = 503):
+    def __init__(self, failures: int = 0, status: int = 503, logprobs=(-0.1, -0.2, -0.3)):
         self.failures, self.status, self.bodies = failures, status, []
+        self.logprobs = {"token_logprobs": list(logprobs)} if logprobs is not None else None
 
     async def __call__(self, request: web.Request) -> web.Response:
         if self.failures > 0:
@@ -20,7 +21,7 @@ class FakeServer:
         return web.json_response({
             "weight_version": 7,
             "choices": [{"text": "\\boxed{4}", "token_ids": [11, 12, 13], "finish_reason": "length",
-                         "logprobs": {"token_logprobs": [-0.1, -0.2, -0.3]}}],
+                         "logprobs": self.logprobs}],
         })
 
 
@@ -74,6 +75,15 @@ async def test_persistent_errors_raise_inference_error(serve):
     with pytest.raises(InferenceError, match="400"):  # our request is wrong: not retried
         await (await serve(bad_request, retries=3)).generate([1], SamplingParams(), 4)
     assert bad_request.failures == 0 and bad_request.bodies == []
+
+
+@pytest.mark.parametrize("logprobs", [None, [], [-0.1, -0.2], [-0.1, None, -0.3]],
+                         ids=["absent", "empty", "short", "null"])
+async def test_a_reply_without_every_logprob_is_an_inference_error(serve, logprobs):
+    """Behaviour logprobs are never made up (the old engine filled in 0.0): the episode fails as an
+    infrastructure error and is retried, instead of training on a guess."""
+    with pytest.raises(InferenceError, match="usable logprobs"):
+        await (await serve(FakeServer(logprobs=logprobs))).generate([1], SamplingParams(), 4)
 
 
 def test_unknown_engine_type_is_rejected():

@@ -21,9 +21,11 @@ from shared.types import TerminationReason as TR
 
 
 def result(task: str, sample: int, reward: float, *, versions=(0, 0), prompt=(5, 6, 7), response=(8, 9),
-           mask=(1, 1), reason=TR.ENV_DONE, status="completed", greedy=False, batch=0) -> EpisodeResult:
+           mask=(1, 1), reason=TR.ENV_DONE, status="completed", greedy=False, batch=0,
+           logprobs=None) -> EpisodeResult:
+    logprobs = [-1.0] * len(response) if logprobs is None else list(logprobs)
     traj = TrajectoryRecord(uid=f"{task}-{sample}", reward=reward, termination_reason=reason, prompt_ids=list(prompt),
-                            response_ids=list(response), loss_mask=list(mask), logprobs=[-1.0] * len(response),
+                            response_ids=list(response), loss_mask=list(mask), logprobs=logprobs,
                             versions=list(versions))
     msg = EpisodeResult(run_id="r", task_id=task, sample_idx=sample, status=status, termination_reason=reason,
                         reward=reward, trajectories=[traj], greedy=greedy, batch_idx=batch)
@@ -168,3 +170,25 @@ def test_every_trajectory_of_a_multi_agent_episode_is_trained_in_its_role_group(
     t = build_tensors([group], pad_id=0)
     uids = list(t["uid"])
     assert uids.count("a/0/solver") == 4 and uids.count("a/0/judge") == 2  # a GRPO group of four, one of two
+
+
+@pytest.mark.parametrize("logprobs", [[], [-1.0], [-1.0, float("nan")]], ids=["none", "misaligned", "nan"])
+def test_sample_without_behaviour_logprobs_is_masked_out_and_counted(logprobs):
+    from prometheus_client import REGISTRY
+
+    def counted() -> float:
+        return REGISTRY.get_sample_value("trainer_samples_without_logprobs_total") or 0.0
+
+    before = counted()
+    buf = buffer_of([result("a", 0, 1.0, logprobs=logprobs), result("a", 1, 0.0, logprobs=[-0.5, -0.25])])
+    (group,) = buf.complete_groups()  # its reward still counts in the group's advantage
+    t = build_tensors([group], pad_id=0)
+    assert t["response_mask"].tolist() == [[0, 0], [1, 1]]  # no loss from made-up logprobs
+    assert t["behaviour_log_probs"].tolist() == [[0.0, 0.0], [-0.5, -0.25]]
+    assert t["token_level_rewards"][0].sum().item() == 1.0
+    assert counted() == before + 1
+
+
+def test_untrained_tokens_need_no_logprob():
+    (s,) = samples_from_result(result("a", 0, 1.0, mask=(0, 1), logprobs=[float("nan"), -0.5]))
+    assert s.loss_mask == [0, 1]

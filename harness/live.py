@@ -1,0 +1,99 @@
+"""Driving and judging a live flywheel system, shared by the benchmarks (bench/chaos.py, load.py, train.py,
+vllm.py) and the system tests (tests/integration/test_fuzz_streams.py, test_user_code_faults.py, ...):
+
+    mock = start_mock_llm(port, latency_ms=50)                              # OpenAI-compatible, token ids
+    register_dataset(engine, "arith", 100)                                  # builtin arithmetic rows
+    run_id = insert_run(engine, config)                                    # what POST /v1/runs does
+    wait_run_done(engine, run_id, 120); accounting(engine, run_id)         # judged by shared.audit
+
+The servers come from harness.servers, the services from harness.stack.LocalStack, the model from
+harness.tiny_model.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from sqlalchemy import Engine, text
+
+from harness.ports import wait_port
+
+REPO = Path(__file__).resolve().parents[1]
+TERMINAL = ("completed", "failed", "stopped")
+
+
+def start_mock_llm(port: int, latency_ms: float, answer: str = "The answer is \\boxed{1}.",
+                   tokenizer: str | None = None) -> subprocess.Popen:
+    """harness.mock_llm as a process on 127.0.0.1:port; its base URL is http://127.0.0.1:port/v1. `tokenizer`
+    (a model folder): token-id prompts are decoded, so `answer="correct"` can answer them."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "harness.mock_llm", "--port", str(port), "--latency-ms", str(latency_ms),
+         "--answer", answer, *(["--tokenizer", tokenizer] if tokenizer else [])],
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+    )
+    wait_port(port, proc)
+    return proc
+
+
+def register_dataset(engine: Engine, name: str, n: int, split: str = "test", seed: int = 0) -> None:
+    """n builtin arithmetic rows; task ids are `arith-<seed>-<i>`."""
+    from shared.builtin.datasets import generate
+    from shared.datasets import DatasetRegistry
+
+    DatasetRegistry(engine).register(name, generate("arithmetic", n, seed=seed), split)
+
+
+def insert_run(engine: Engine, config: dict) -> str:
+    """A pending run, as the API inserts it (the config validated the same way); the controller takes it."""
+    from sqlalchemy.orm import Session
+
+    from shared.db.models import Run
+    from shared.run_config import RunConfig
+
+    cfg = RunConfig.model_validate(config)
+    run_id = uuid.uuid4()
+    with Session(engine) as s:
+        s.add(Run(id=run_id, name=cfg.name, kind=cfg.kind, status="pending", config=cfg.model_dump(mode="json")))
+        s.commit()
+    return str(run_id)
+
+
+# -- observation ---------------------------------------------------------------------------------------------------
+def stored_count(engine: Engine, run_id: str) -> int:
+    """Completed episodes stored so far; -1 while Postgres is unreachable."""
+    try:
+        with engine.connect() as c:
+            return c.execute(text("SELECT count(*) FROM episodes WHERE run_id = :r AND status = 'completed'"),
+                             {"r": run_id}).scalar_one()
+    except Exception:
+        return -1
+
+
+def run_status(engine: Engine, run_id: str) -> str:
+    try:
+        with engine.connect() as c:
+            return c.execute(text("SELECT status FROM runs WHERE id = :r"), {"r": run_id}).scalar_one()
+    except Exception:
+        return "unknown"
+
+
+def wait_run_done(engine: Engine, run_id: str, timeout_s: float) -> bool:
+    """True once the run completed; False if it ended otherwise or did not end in time."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        status = run_status(engine, run_id)
+        if status in TERMINAL:
+            return status == "completed"
+        time.sleep(0.5)
+    return False
+
+
+def accounting(engine: Engine, run_id: str) -> dict[str, int]:
+    from shared.audit import run_accounting
+
+    with engine.connect() as c:
+        return run_accounting(c, run_id)

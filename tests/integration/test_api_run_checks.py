@@ -1,0 +1,120 @@
+"""POST /v1/runs refuses a run that cannot work, with the field, the reason and how to fix it, before anything
+is stored: a model folder that does not exist, a relative path that is no folder and no hub id, token budgets
+past the model's context, an engine no live rollout worker offers, dataset rows without the env's fields.
+
+    pytest -q tests/integration/test_api_run_checks.py
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import redis
+from api_testlib import run_config, running_api
+
+ROWS = [{"id": f"q{i}", "question": f"{i}+{i}?", "answer": str(2 * i)} for i in range(3)]
+
+
+@pytest.fixture(scope="module")
+def api(database_url, redis_url, tmp_path_factory):
+    with running_api(database_url, redis_url, tmp_path_factory.mktemp("run-checks")) as live:
+        with live.client() as c:
+            for name, rows in (("checks", ROWS), ("no-answers", [{"id": "a", "question": "1+1?"}, *ROWS])):
+                body = "\n".join(json.dumps(r) for r in rows).encode()
+                assert c.post("/v1/datasets", data={"name": name}, files={"file": (f"{name}.jsonl", body)}).status_code == 201
+        yield live
+
+
+@pytest.fixture
+def client(api):
+    with api.client() as c:
+        yield c
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2", "max_position_embeddings": 256}))
+    return tmp_path
+
+
+def refused(r, status: int, field: str) -> dict:
+    assert r.status_code == status, r.text
+    items = {d["field"]: d for d in r.json()["detail"]}
+    assert field in items, r.json()
+    return items[field]
+
+
+@pytest.mark.parametrize("model, words", [
+    ("/no/such/model/folder", "does not exist"),
+    ("./no-such-model", "does not exist"),
+    ("../no-such-model", "does not exist"),
+    ("tests/no-such-model", "looks like a local path"),  # ./tests exists: a mistyped path, not a hub id
+    (".data/models/no-such-model", "neither a folder that exists nor a hub id"),
+    ("not a hub id!", "neither a folder that exists nor a hub id"),
+])
+def test_model_that_cannot_load_is_refused(client, model, words):
+    item = refused(client.post("/v1/runs", json=run_config("checks", model=model)), 400, "model")
+    assert words in item["message"]
+    assert "repo root" in item["hint"]
+
+
+def test_missing_model_hint_says_how_to_make_the_tiny_model(client):
+    item = refused(client.post("/v1/runs", json=run_config("checks", model=".data/models/tiny-qwen2-x")), 400, "model")
+    assert "python -m harness.tiny_model" in item["hint"]
+
+
+def test_a_file_is_not_a_model(client, model_dir):
+    item = refused(client.post("/v1/runs", json=run_config("checks", model=str(model_dir / "config.json"))),
+                   400, "model")
+    assert "is a file" in item["message"]
+
+
+def test_token_budgets_past_the_context_are_refused(client, model_dir):
+    cfg = run_config("checks", model=str(model_dir), max_prompt_tokens=200, max_response_tokens=100)
+    item = refused(client.post("/v1/runs", json=cfg), 400, "max_response_tokens")
+    assert "200 + 100 = 300 exceeds the model's context of 256" in item["message"] and "256" in item["hint"]
+    ok = client.post("/v1/runs", json=run_config("checks", model=str(model_dir), max_prompt_tokens=200,
+                                                 max_response_tokens=56))
+    assert ok.status_code == 201, ok.text
+
+
+def test_engine_no_live_worker_offers_is_refused(client, redis_url, model_dir):
+    r = redis.Redis.from_url(redis_url)
+    r.set("heartbeat:rollout-worker:fake-1", json.dumps({"service": "rollout-worker", "engines": ["hf", "openai"]}),
+          ex=60)
+    try:
+        cfg = run_config("checks", model=str(model_dir), max_prompt_tokens=64, max_response_tokens=64,
+                         engine={"type": "vllm"})
+        item = refused(client.post("/v1/runs", json=cfg), 400, "engine.type")
+        assert "no live rollout worker offers engine 'vllm'" in item["message"] and "hf, openai" in item["hint"]
+        cfg["engine"] = {"type": "hf"}
+        assert client.post("/v1/runs", json=cfg).status_code == 201
+    finally:
+        r.delete("heartbeat:rollout-worker:fake-1")
+    cfg["engine"] = {"type": "vllm"}  # no worker up: not checked (workers may start after the run is created)
+    assert client.post("/v1/runs", json=cfg).status_code == 201
+
+
+def test_rows_without_the_envs_fields_are_refused(client):
+    item = refused(client.post("/v1/runs", json=run_config("no-answers")), 400, "dataset")
+    assert "'ground_truth' or 'answer' or 'solution'" in item["message"] and "'a'" in item["message"]
+    given = run_config("no-answers", env={"name": "math", "args": {"ground_truth": "2"}})
+    assert client.post("/v1/runs", json=given).status_code == 201  # env.args gives it for every row
+
+
+def test_nothing_is_stored_for_a_refused_run(client):
+    before = client.get("/v1/runs").json()["count"]
+    assert client.post("/v1/runs", json=run_config("checks", model="/no/such/model")).status_code == 400
+    assert client.get("/v1/runs").json()["count"] == before
+
+
+def test_several_problems_are_listed_together(client, redis_url):
+    r = redis.Redis.from_url(redis_url)
+    r.set("heartbeat:rollout-worker:fake-2", json.dumps({"engines": ["hf"]}), ex=60)
+    try:
+        resp = client.post("/v1/runs", json=run_config("no-answers", model="/no/such/model", engine={"type": "vllm"}))
+    finally:
+        r.delete("heartbeat:rollout-worker:fake-2")
+    assert resp.status_code == 400
+    assert {d["field"] for d in resp.json()["detail"]} == {"model", "engine.type", "dataset"}

@@ -1,0 +1,27 @@
+"""The HF engine's logprobs have the meaning every engine shares: the distribution each token was sampled
+from (temperature, then top-k and top-p), checked against a plain forward pass (tests/fixtures/vllm_env.py's
+reference, which also checks vLLM's)."""
+
+import pytest
+from fixtures.vllm_env import reference_logprobs
+
+from harness.tiny_model import build_tiny_model
+from services.rollout_worker.engines import SamplingParams, build_engine
+from shared.run_config import EngineConfig
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, -1, 1.0), (0.7, 20, 0.9)])
+async def test_hf_logprobs_are_of_the_sampling_distribution(tmp_path, temperature, top_k, top_p):
+    from transformers import AutoTokenizer
+
+    model = build_tiny_model(tmp_path / "m", initializer_range=0.1)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    engine = build_engine("hf", str(model), EngineConfig(), tokenizer, batch_wait_ms=0)
+    prompt = [5, 6, 7, 8]
+    try:
+        gen = await engine.generate(prompt, SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p), 12)
+    finally:
+        await engine.close()
+    ref = reference_logprobs(model, prompt, gen.ids, temperature=temperature, top_k=top_k, top_p=top_p,
+                             barred_first=tokenizer.eos_token_id)  # the engine asks for >= 1 token
+    assert gen.logprobs == pytest.approx(ref, abs=1e-5)

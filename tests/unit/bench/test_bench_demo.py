@@ -1,0 +1,58 @@
+"""The demo's task and its bar (bench/recall.py, bench/demo.py): the answer depends on the prompt, and the
+judgement of a run rejects a policy that ignores it."""
+
+from collections import Counter
+
+import pytest
+
+from bench.demo import BAR, judge, summarize
+from bench.recall import ANSWERS, CHANCE, WORDS, RecallEnv, dataset_rows
+
+
+def test_every_question_is_asked_equally_and_the_best_constant_answer_scores_chance():
+    rows = dataset_rows(200)
+    assert Counter(r["question"] for r in rows) == {w: 20 for w in WORDS}
+    assert {r["question"]: r["answer"] for r in rows} == ANSWERS
+    best = max(sum(RecallEnv(r).step(digit)[1] for r in rows) / len(rows) for digit in map(str, range(10)))
+    assert best == CHANCE <= 0.3
+    assert dataset_rows(30)[:10] == dataset_rows(10)  # a row does not depend on how many are asked for
+
+
+def test_env_rewards_exactly_the_digit_and_refuses_a_row_without_an_answer():
+    env = RecallEnv({"question": "seven", "answer": "7"})
+    assert env.reset()[0] == "seven"
+    assert [env.step(a)[1] for a in ("7", " 7\n", "77", "seven", "", None)] == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="answer"):
+        RecallEnv({"question": "seven"})
+
+
+def rows_of(policy, versions, num=16):
+    """SQL-shaped rows (question, answer, version, num, reward) of a policy: question -> answer."""
+    return [{"question": q, "answer": policy(q, v), "version": v, "num": num,
+             "reward": num * float(policy(q, v) == ANSWERS[q])} for v in versions for q in WORDS]
+
+
+def test_a_constant_answer_fails_the_bar_and_shows_as_one_digit_everywhere():
+    result = summarize(rows_of(lambda q, v: "7", range(12))) | {"versions_hot_reloaded": 11, "wall_s": 60}
+    assert result["final_reward"] == pytest.approx(0.1)
+    assert set(result["answer_by_question"].values()) == {"7"}
+    failures = judge(result)
+    assert any("final reward" in f for f in failures)
+    (per_question,) = [f for f in failures if "questions answered right" in f]
+    assert "'seven'" not in per_question.split("never")[0]  # the one question the constant answer gets right
+
+
+def test_a_high_mean_with_questions_left_unlearned_fails_on_per_question_accuracy():
+    learned = set(WORDS[:8])  # 80% of questions right, two always wrong
+    result = summarize(rows_of(lambda q, v: ANSWERS[q] if v > 0 and q in learned else "0", range(12)))
+    result |= {"versions_hot_reloaded": 11, "wall_s": 60}
+    assert result["final_reward"] >= BAR["final_reward_min"]
+    (failure,) = judge(result)
+    assert "'eight': 0.0" in failure and "'nine': 0.0" in failure
+
+
+def test_a_run_that_learns_every_question_through_enough_versions_passes():
+    result = summarize(rows_of(lambda q, v: ANSWERS[q] if v >= 5 else "0", range(14)))
+    assert result["initial_reward"] == pytest.approx(0.1)
+    assert judge(result | {"versions_hot_reloaded": 13, "wall_s": 60}) == []
+    assert "hot-reloaded" in judge(result | {"versions_hot_reloaded": 9, "wall_s": 60})[0]
