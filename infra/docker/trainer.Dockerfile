@@ -2,18 +2,25 @@
 #   cpu: docker build -f infra/docker/trainer.Dockerfile -t flywheel-trainer .
 #   gpu: docker build -f infra/docker/trainer.Dockerfile \
 #            --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128 -t flywheel-trainer-gpu .
-FROM python:3.11-slim
+# The lines up to the torch install match base.Dockerfile, so both images share those layers.
+ARG BASE_IMAGE=python:3.11-slim
+FROM ${BASE_IMAGE}
 
 ENV PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
     DATA_DIR=/data WEIGHTS_DIR=/weights LOG_FORMAT=json
 WORKDIR /app
 
-ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 # The same torch version on both paths; the constraints pin (==2.13.0) also matches the +cu128 build.
-RUN pip install --index-url ${TORCH_INDEX} torch==2.13.0
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+RUN pip install ${TORCH_INDEX:+--index-url ${TORCH_INDEX}} torch==2.13.0
+
+ARG EXTRAS=trainer,hf,data
+COPY pyproject.toml ./
+COPY infra/constraints-cpu.txt infra/
+RUN pip install -c infra/constraints-cpu.txt ".[${EXTRAS}]" && pip uninstall -y flywheel-rl
 
 COPY . .
-RUN pip install -c infra/constraints-cpu.txt -e ".[trainer,hf,data]" \
+RUN pip install --no-deps -e . \
     && useradd --create-home --uid 1000 flywheel \
     && mkdir -p /data /weights && chown flywheel /data /weights
 USER flywheel

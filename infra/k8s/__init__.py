@@ -1,0 +1,1 @@
+"""Kubernetes manifests (kustomize base + cpu/gpu overlays) and their offline validation (`make k8s-validate`)."""
