@@ -82,7 +82,7 @@ async def test_token_ids_and_logprobs_come_from_the_server(connect, models):
 async def test_hot_reload_through_the_server_routes(connect, server, models):
     engine = connect(0)
     in_flight = [asyncio.create_task(engine.generate(p, GREEDY, 64)) for p in PROMPTS]
-    while engine._in_flight < len(PROMPTS):  # every request is at the server
+    while engine._gate.in_flight < len(PROMPTS):  # every request is at the server
         await asyncio.sleep(0.001)
     reload = asyncio.create_task(engine.load_weights(models[1], 1))
     await asyncio.sleep(0.05)

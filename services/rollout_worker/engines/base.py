@@ -3,8 +3,11 @@ policy version of the weights that produced it."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import math
 from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
@@ -49,6 +52,51 @@ def behaviour_logprobs(ids: list[int], logprobs: list | None, source: str) -> li
         raise InferenceError(f"{source} returned {len(ids)} tokens but {shown} usable logprobs; behaviour "
                              "logprobs are required for every generated token")
     return [float(v) for v in values]
+
+
+class ReloadGate:
+    """Drain-then-swap for engines that reload weights under live traffic: requests in flight finish on the
+    version they started on; no new request starts while a reload runs.
+
+        async with gate.request():   # in generate: waits while a reload runs, then counts itself in flight
+            version = self._version  # safe to read: no swap happens until this block exits
+        async with gate.reload():    # in load_weights: closes the gate, waits until idle, reopens on exit
+            ...swap...; self._version = version
+    """
+
+    def __init__(self) -> None:
+        self._in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._open = asyncio.Event()  # cleared while a reload runs: new requests wait
+        self._open.set()
+
+    @property
+    def in_flight(self) -> int:
+        """Requests inside `request()` now (tests wait on it to start a reload under load)."""
+        return self._in_flight
+
+    @contextlib.asynccontextmanager
+    async def request(self) -> AsyncIterator[None]:
+        while not self._open.is_set():  # a loop: another reload may close the gate before this task resumes
+            await self._open.wait()
+        self._in_flight += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self._idle.set()
+
+    @contextlib.asynccontextmanager
+    async def reload(self) -> AsyncIterator[None]:
+        self._open.clear()
+        try:
+            await self._idle.wait()  # requests in flight finish on the version they started on
+            yield
+        finally:
+            self._open.set()
 
 
 class InferenceEngine(ABC):

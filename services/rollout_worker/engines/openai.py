@@ -19,7 +19,6 @@ requests of another client could span a reload unseen.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
@@ -32,6 +31,7 @@ from services.rollout_worker.engines.base import (
     Generation,
     InferenceEngine,
     InferenceError,
+    ReloadGate,
     SamplingParams,
     behaviour_logprobs,
 )
@@ -65,11 +65,7 @@ class OpenAIEngine(InferenceEngine):
                                  what="inference request")
         self.tokenizer = tokenizer
         self._version = initial_version
-        self._in_flight = 0
-        self._idle = asyncio.Event()
-        self._idle.set()
-        self._open = asyncio.Event()  # cleared while a reload runs: new requests wait
-        self._open.set()
+        self._gate = ReloadGate()
 
     @property
     def version(self) -> int:
@@ -92,17 +88,9 @@ class OpenAIEngine(InferenceEngine):
             body["top_k"] = sampling.top_k
         if sampling.stop:
             body["stop"] = list(sampling.stop)
-        while not self._open.is_set():
-            await self._open.wait()
-        self._in_flight += 1
-        self._idle.clear()
-        version = self._version  # no reload starts while this request runs
-        try:
+        async with self._gate.request():
+            version = self._version  # no reload starts while this request runs
             data = await self._post_with_retries(f"{self.base_url}/completions", body)
-        finally:
-            self._in_flight -= 1
-            if self._in_flight == 0:
-                self._idle.set()
         choice = data["choices"][0]
         ids = list(choice.get("token_ids") or [])
         if not ids and choice.get("text"):  # a server without token ids: the only place we re-tokenize
@@ -127,9 +115,7 @@ class OpenAIEngine(InferenceEngine):
 
     async def load_weights(self, folder: Path, version: int) -> None:
         root = self.server_root
-        self._open.clear()
-        try:
-            await self._idle.wait()  # our requests in flight finish on the version they started on
+        async with self._gate.reload():  # our requests in flight finish on the version they started on
             await self._call("POST", f"{root}/pause", params={"mode": "wait"})
             try:
                 reply = await self._call("POST", f"{root}/collective_rpc",
@@ -141,8 +127,6 @@ class OpenAIEngine(InferenceEngine):
                 self._version = version  # before resume: nothing generated on these weights is labelled older
             finally:
                 await self._call("POST", f"{root}/resume")
-        finally:
-            self._open.set()
         log.info("server %s now serves version %d from %s", root, version, folder, extra={"policy_version": version})
 
     async def _call(self, method: str, url: str, **kwargs: Any) -> Any:

@@ -29,6 +29,7 @@ from services.rollout_worker.engines.base import (
     Generation,
     InferenceEngine,
     InferenceError,
+    ReloadGate,
     SamplingParams,
     behaviour_logprobs,
 )
@@ -64,11 +65,7 @@ class VLLMEngine(InferenceEngine):
         self._weights: dict[str, torch.Tensor] | None = None  # the served version's tensors (CPU), once read
         self._packed: dict[str, list[str]] | None = None  # vLLM's fused layers: {"qkv_proj": ["q_proj", ...]}
         self._version = initial_version
-        self._in_flight = 0
-        self._idle = asyncio.Event()
-        self._idle.set()
-        self._open = asyncio.Event()  # cleared while a reload runs: new requests wait
-        self._open.set()
+        self._gate = ReloadGate()
 
     @property
     def version(self) -> int:
@@ -79,20 +76,12 @@ class VLLMEngine(InferenceEngine):
 
         params = VllmSampling(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
                               max_tokens=max_tokens, stop=list(sampling.stop) or None, logprobs=0)
-        while not self._open.is_set():
-            await self._open.wait()
-        self._in_flight += 1
-        self._idle.clear()
-        version = self._version  # no reload starts its swap while this request runs
-        try:
+        async with self._gate.request():
+            version = self._version  # no reload starts its swap while this request runs
             final = None
             async for out in self.engine.generate({"prompt_token_ids": list(prompt_ids)}, params,
                                                   uuid.uuid4().hex):
                 final = out
-        finally:
-            self._in_flight -= 1
-            if self._in_flight == 0:
-                self._idle.set()
         if final is None or not final.outputs:
             raise InferenceError("vLLM returned no output for the request")
         completion = final.outputs[0]
@@ -141,9 +130,7 @@ class VLLMEngine(InferenceEngine):
 
     async def _swap(self, method: str, kwargs: dict, version: int) -> None:
         """Run the worker extension's `method` with generation paused between requests, then serve `version`."""
-        self._open.clear()
-        try:
-            await self._idle.wait()  # requests in flight finish on the version they started on
+        async with self._gate.reload():  # requests in flight finish on the version they started on
             await self.engine.pause_generation(mode="wait")
             try:
                 results = await self.engine.collective_rpc(method, kwargs=kwargs)
@@ -153,8 +140,6 @@ class VLLMEngine(InferenceEngine):
                 self._version = version
             finally:
                 await self.engine.resume_generation()
-        finally:
-            self._open.set()
 
     async def close(self) -> None:
         self.engine.shutdown()
