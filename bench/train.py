@@ -22,6 +22,10 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 RESULTS = Path("bench/results/train.json")
 
@@ -168,19 +172,28 @@ def _bits(t):
 
 def _ppo_step(engine):
     """One real verl policy update (PPO loss, AdamW) on a fixed random batch, as the trainer does per version."""
-    import numpy as np
     import torch
 
     B, P, R = 8, 8, 8
     g = torch.Generator().manual_seed(0)
-    prompts, responses = torch.randint(4, 64, (B, P), generator=g), torch.randint(4, 64, (B, R), generator=g)
-    attention = torch.ones(B, P + R, dtype=torch.long)
-    t = {"prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], 1),
-         "attention_mask": attention, "position_ids": (attention.cumsum(-1) - 1), "response_mask": attention[:, P:],
-         "uid": np.array([str(i // 4) for i in range(B)], dtype=object)}
+    t = _random_batch(B, P, R, 4, g)
     old, _ = engine.log_probs(t)
     adv, weights = torch.randn(B, R, generator=g), torch.ones(B, R)
     return lambda: engine.update(t, old, adv, weights)
+
+
+def _random_batch(batch: int, prompt_len: int, response_len: int, group_size: int, g: torch.Generator) -> dict:
+    """A verl batch of random token ids (no padding) in groups of `group_size`, drawn from generator `g`."""
+    import numpy as np
+    import torch
+
+    prompts = torch.randint(4, 64, (batch, prompt_len), generator=g)
+    responses = torch.randint(4, 64, (batch, response_len), generator=g)
+    attention = torch.ones(batch, prompt_len + response_len, dtype=torch.long)
+    return {"prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], 1),
+            "attention_mask": attention, "position_ids": (attention.cumsum(-1) - 1),
+            "response_mask": attention[:, prompt_len:],
+            "uid": np.array([str(i // group_size) for i in range(batch)], dtype=object)}
 
 
 def _served_version(url: str, run_id: str, http=None) -> int | None:
@@ -307,7 +320,6 @@ class AsyncBench:
 
 # -- 3. engine vs plain torch ---------------------------------------------------------------------------------
 def bench_engine(work: Path, iters: int = 9) -> dict:
-    import numpy as np
     import torch
     from transformers import AutoModelForCausalLM
     from verl.trainer.ppo import core_algos
@@ -318,11 +330,7 @@ def bench_engine(work: Path, iters: int = 9) -> dict:
     model_dir = build_model(work / "engine-model", hidden=512, layers=4)
     B, P, R = 32, 32, 32
     g = torch.Generator().manual_seed(0)
-    prompts, responses = torch.randint(4, 64, (B, P), generator=g), torch.randint(4, 64, (B, R), generator=g)
-    attention = torch.ones(B, P + R, dtype=torch.long)
-    t = {"prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], 1),
-         "attention_mask": attention, "position_ids": (attention.cumsum(-1) - 1), "response_mask": attention[:, P:],
-         "uid": np.array([str(i // 8) for i in range(B)], dtype=object)}
+    t = _random_batch(B, P, R, 8, g)
     algo = AlgorithmConfig(lr=1e-5)
     engine = PolicyEngine(str(model_dir), algo, micro_batch_size=B, group_size=8)
     old, _ = engine.log_probs(t)
@@ -336,7 +344,7 @@ def bench_engine(work: Path, iters: int = 9) -> dict:
     def torch_step():
         logits = model(input_ids=t["input_ids"], attention_mask=t["attention_mask"],
                        position_ids=t["position_ids"]).logits[:, P - 1:-1]
-        logp = torch.log_softmax(logits.float(), -1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
+        logp = torch.log_softmax(logits.float(), -1).gather(-1, t["responses"].unsqueeze(-1)).squeeze(-1)
         loss = loss_fn(old_log_prob=old, log_prob=logp, advantages=adv, response_mask=t["response_mask"],
                        loss_agg_mode="token-mean", config=engine.actor_config, rollout_is_weights=weights)[0]
         loss.backward()
