@@ -36,7 +36,7 @@ import asyncio
 import contextlib
 import time
 import traceback
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -74,6 +74,29 @@ def data_lost(e: ResponseError) -> bool:
     """The error of a group or stream that vanished with Redis's data (NOGROUP), or of one deleted under a
     blocked read (UNBLOCKED, Redis 7 FLUSHALL): every loop takes it as "recreate and go on", never dies of it."""
     return "NOGROUP" in str(e) or "UNBLOCKED" in str(e)
+
+
+class DataLoss:
+    """What `surviving_data_loss` saw: true when the block's group or stream vanished with Redis's data."""
+
+    error: ResponseError | None = None
+
+    def __bool__(self) -> bool:
+        return self.error is not None
+
+
+@contextlib.contextmanager
+def surviving_data_loss() -> Iterator[DataLoss]:
+    """`with surviving_data_loss() as lost:` around a Redis call, then `if lost:` recreate the group (or give
+    up on what it held) and go on. A data-loss error (`data_lost`) ends the block and sets `lost`; any other
+    ResponseError propagates. One place decides which errors a loop survives; each caller decides what next."""
+    lost = DataLoss()
+    try:
+        yield lost
+    except ResponseError as e:
+        if not data_lost(e):
+            raise
+        lost.error = e
 
 
 def connect(url: str, *, max_connections: int = 100, pool_timeout_s: float = 30.0) -> aioredis.Redis:
@@ -320,22 +343,21 @@ class StreamConsumer:
         Never raises for an unreachable Redis (returns [] after a pause) nor for a group that vanished with
         Redis's data (recreates it and returns []): a consumer loop survives Redis restarts unchanged."""
         try:
-            return await self._read()
-        except ResponseError as e:
-            if not data_lost(e):
-                raise
-            log.warning("%s: group %s is missing (new, or Redis lost its data); creating it", self.stream, self.group)
-            self._retry_at.clear()
-            self._claim_cursor = b"0-0"
-            try:
-                await self.start()
-            except REDIS_DOWN:
-                pass  # the next read tries again
-            return []
+            with surviving_data_loss():
+                return await self._read()
         except REDIS_DOWN as e:
             log.warning("%s: Redis unavailable (%r); retrying", self.stream, e)
             await asyncio.sleep(1.0)
             return []
+        # here only when the group was lost
+        log.warning("%s: group %s is missing (new, or Redis lost its data); creating it", self.stream, self.group)
+        self._retry_at.clear()
+        self._claim_cursor = b"0-0"
+        try:
+            await self.start()
+        except REDIS_DOWN:
+            pass  # the next read tries again
+        return []
 
     async def _read(self) -> list[Delivery]:
         raw = await self._claim_due_retries()
@@ -431,13 +453,12 @@ class StreamConsumer:
         if not deliveries:
             return
         try:
-            await self.redis.xclaim(self.stream, self.group, self.consumer, 0, [d.id for d in deliveries],
-                                    justid=True)
+            with surviving_data_loss() as lost:
+                await self.redis.xclaim(self.stream, self.group, self.consumer, 0, [d.id for d in deliveries],
+                                        justid=True)
         except REDIS_DOWN as e:
             log.warning("%s: keep-alive of %d entries failed: %r", self.stream, len(deliveries), e)
-        except ResponseError as e:  # the entries went with Redis's data; whoever dispatched them re-sends
-            if not data_lost(e):
-                raise
+        if lost:  # the entries went with Redis's data; whoever dispatched them re-sends
             log.warning("%s: nothing to keep alive, the group is gone (Redis lost its data?)", self.stream)
 
     async def take_over_pending(self) -> AsyncIterator[list[Delivery]]:
@@ -445,12 +466,10 @@ class StreamConsumer:
         this consumer's own from before a restart), page by page. Undecodable ones are dead-lettered."""
         cursor = b"0-0"
         while True:
-            try:
+            with surviving_data_loss() as lost:
                 cursor, entries, *_ = await self.redis.xautoclaim(
                     self.stream, self.group, self.consumer, 0, start_id=cursor, count=self.batch_size)
-            except ResponseError as e:  # nothing pending is left with a group lost with Redis's data
-                if not data_lost(e):
-                    raise
+            if lost:  # nothing pending is left with a group lost with Redis's data
                 await self.bus.ensure_group(self.stream, self.group)
                 return
             claimed = [(eid, f) for eid, f in entries if f is not None]
@@ -695,26 +714,23 @@ class RequestServer:
         """New requests of both streams (blocking up to block_ms). Never raises for an unreachable Redis or a
         group lost with Redis's data."""
         try:
-            resp = await self.redis.xreadgroup(self.group, self.consumer, {self.shared: ">", self.inbox: ">"},
-                                               count=self.read_count, block=self.block_ms)
+            with surviving_data_loss() as lost:
+                resp = await self.redis.xreadgroup(self.group, self.consumer, {self.shared: ">", self.inbox: ">"},
+                                                   count=self.read_count, block=self.block_ms)
         except REDIS_DOWN:
             await asyncio.sleep(0.5)
             return []
-        except ResponseError as e:
-            if not data_lost(e):
-                raise
+        if lost:
             await self.start()
             return []
         return [d for stream, entries in resp or [] for d in await self._decode_all(stream.decode(), entries)]
 
     async def reclaim(self, idle_ms: int) -> list[Delivery]:
         """Shared requests left pending by a server that died (idle `idle_ms`), now this server's."""
-        try:
+        with surviving_data_loss() as lost:
             resp = await self.redis.xautoclaim(self.shared, self.group, self.consumer, idle_ms, start_id="0-0",
                                                count=self.read_count)
-        except ResponseError as e:  # lost with Redis's data: nothing of a dead server is left to reclaim
-            if not data_lost(e):
-                raise
+        if lost:  # lost with Redis's data: nothing of a dead server is left to reclaim
             return []
         return await self._decode_all(self.shared, [(eid, f) for eid, f in resp[1] if f is not None])
 
