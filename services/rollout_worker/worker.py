@@ -3,6 +3,8 @@
 - tasks: read `rollout.tasks` (group "rollout") only while a concurrency slot is free; each task runs as its
   own asyncio task; its EpisodeResult is XADDed to `trajectories`, THEN the task is acked. A worker killed
   mid-trajectory leaves its tasks pending; others reclaim them (XAUTOCLAIM after claim_idle_ms).
+  A task read after its attempt's ledger lease expired (it waited in the stream under backlog, or pending for a
+  dead consumer) is acked without running: the controller has given that attempt up and re-dispatches it.
 - keepalive: tasks still running are re-claimed by this worker every claim_idle_ms/3, so a long trajectory
   of a live worker is never taken for a dead one's.
 - env replies: the EnvClient reader.
@@ -12,9 +14,10 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import redis.asyncio as aioredis
-from prometheus_client import Gauge
+from prometheus_client import Counter, Gauge
 from sqlalchemy import Engine
 
 from services.rollout_worker.agent_program import AgentPrograms
@@ -32,6 +35,8 @@ from shared.streams import GROUP_ROLLOUT, ROLLOUT_TASKS, TRAJECTORIES, WEIGHTS
 
 log = get_logger(__name__)
 INFLIGHT = Gauge("rollout_tasks_inflight", "Tasks being run")
+EXPIRED = Counter("rollout_tasks_expired_total", "Tasks not run because their attempt's lease had expired when "
+                  "read (the controller re-dispatches them)")
 # Until Redis takes it: the task is not acked before, so nothing is lost if we die trying.
 PUBLISH_RETRY = RetryPolicy(REDIS_DOWN, first_wait_s=1.0, max_wait_s=1.0, what="publishing an episode")
 
@@ -104,6 +109,8 @@ class RolloutWorker:
 
     async def run_task(self, delivery: Delivery) -> None:
         task: RolloutTask = delivery.message
+        if await self.skip_expired(delivery):
+            return
         try:
             ctx = await self.runs.get(task.run_id)
         except Exception as e:
@@ -118,6 +125,26 @@ class RolloutWorker:
             result.worker_id = self.worker_id
         await self.publish(result)
         await self.consumer.ack([delivery])  # only after the result is in `trajectories`
+
+    async def skip_expired(self, delivery: Delivery) -> bool:
+        """Ack, without running, a task whose attempt's lease has expired: its result would be dropped as late.
+
+        No EpisodeResult is sent: the controller's ledger expires the attempt as lost and re-dispatches attempt+1,
+        so nothing is lost; a `failed` reply would instead be dropped as late or, if it beat the expiry pass,
+        count towards the run's fail-fast streak, which a backlog says nothing about.
+
+        The lease is on the controller's clock. Skew between hosts only delays: a worker clock ahead skips (or
+        shortens, trajectory_budget) an attempt a little early, and the ledger re-dispatches it at its own expiry
+        (as a lost attempt, like any late one); a clock behind runs it as before this check existed."""
+        task: RolloutTask = delivery.message
+        left = task.lease_left(time.time())
+        if left > 0:
+            return False
+        EXPIRED.inc()
+        log.info("task %s skipped: its lease expired %.1fs ago, the controller re-dispatches it", task.key, -left,
+                 extra={"run_id": task.run_id})
+        await self.consumer.ack([delivery])
+        return True
 
     async def publish(self, result: EpisodeResult) -> None:
         await PUBLISH_RETRY.call_async(lambda: self.bus.publish(TRAJECTORIES, result))
