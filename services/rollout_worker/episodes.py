@@ -32,8 +32,8 @@ GRACE_S = 5.0  # after the deadline, the loop's own TIMEOUT handling gets this l
 async def run_episode(ctx: RunContext, envs: EnvClient, task: RolloutTask, worker_id: str,
                       error_retries: int) -> EpisodeResult:
     started = time.time()
+    budget = trajectory_budget(ctx, task)
     for attempt in range(error_retries + 1):
-        budget = trajectory_budget(ctx, task)
         rollout = Rollout(ctx, envs, task, time.monotonic() + budget)
         result = await _run_once(ctx, rollout, task, budget)
         if result.status == "failed" or result.termination_reason != TR.ERROR or attempt == error_retries:
@@ -46,9 +46,10 @@ async def run_episode(ctx: RunContext, envs: EnvClient, task: RolloutTask, worke
 
 
 def trajectory_budget(ctx: RunContext, task: RolloutTask) -> float:
-    """Wall seconds a trajectory starting now may run: the task's and the run's budget, cut to what is left of
-    the attempt's lease, since a result after the lease is dropped as late (the controller re-dispatched it)."""
-    return max(0.0, min(task.deadline_s, ctx.config.trajectory_timeout_s, task.lease_left(time.time())))
+    """Wall seconds a trajectory may run: the task's budget, within the run's. Not cut to the attempt's lease:
+    a trajectory ended early by a queue wait would be stored as a TIMEOUT its env never caused; the worker
+    abandons an attempt whose lease runs out instead (RolloutWorker.run_task)."""
+    return min(task.deadline_s, ctx.config.trajectory_timeout_s)
 
 
 async def _run_once(ctx: RunContext, rollout: Rollout, task: RolloutTask, budget: float) -> EpisodeResult:

@@ -26,7 +26,7 @@ class RolloutTask(Message):
     deadline_s: float = Field(600.0, gt=0, description="trajectory wall budget from start, seconds")
     lease_expires_at: float | None = Field(
         None, description="unix seconds (controller's clock) when this attempt's ledger lease expires and the "
-        "controller re-dispatches it; a worker skips the task after it and ends the trajectory by it. None: "
+        "controller re-dispatches it; a worker does not start the task after it and abandons it at it. None: "
         "sent by a controller that predates the field")
 
     def lease_left(self, now: float) -> float:

@@ -153,7 +153,7 @@ async def test_a_task_past_its_lease_is_not_run(stack, model_path, redis):
     def expired_count() -> float:
         text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
         return next(float(line.split()[1]) for line in text.splitlines()
-                    if line.startswith("rollout_tasks_expired_total "))
+                    if line.startswith('rollout_tasks_expired_total{when="read"}'))
 
     before = expired_count()
     expired_id, _ = await publish_tasks(redis, [expired, live])

@@ -1,7 +1,9 @@
-"""A rollout worker does not run a task whose attempt's lease has expired, and ends a live one by its lease."""
+"""A rollout worker does not run a task whose attempt's lease has expired, and abandons one whose lease runs out
+while it runs; neither gets a result (the ledger re-dispatches them)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from types import SimpleNamespace
 
@@ -20,8 +22,8 @@ def task(lease_in_s: float | None, deadline_s: float = 100.0) -> RolloutTask:
                        deadline_s=deadline_s, lease_expires_at=None if lease_in_s is None else now + lease_in_s)
 
 
-def expired() -> float:
-    return REGISTRY.get_sample_value("rollout_tasks_expired_total") or 0.0
+def expired(when: str = "read") -> float:
+    return REGISTRY.get_sample_value("rollout_tasks_expired_total", {"when": when}) or 0.0
 
 
 class FakeConsumer:
@@ -68,9 +70,25 @@ async def test_a_live_task_or_one_without_a_lease_is_run(lease_in_s):
     assert expired() == before
 
 
-def test_budget_is_capped_to_the_lease_left():
+class SlowRuns(NoRuns):
+    async def get(self, run_id):
+        self.asked.append(run_id)
+        await asyncio.sleep(5)  # stands for a trajectory that outlives the lease
+
+
+async def test_a_task_whose_lease_runs_out_while_it_runs_is_abandoned():
+    w, before = worker(), expired("running")
+    w.runs = SlowRuns()
+    started = time.monotonic()
+    await w.run_task(Delivery(id=b"3-0", message=task(lease_in_s=0.2), deliveries=1, fields={}))
+    assert time.monotonic() - started < 2  # given up at the lease, not after the 5 s run
+    assert w.runs.asked == ["r"] and w.published == [] and w.consumer.acked == [b"3-0"]
+    assert expired("running") == before + 1
+
+
+def test_budget_is_the_tasks_within_the_runs_and_not_cut_by_the_lease():
+    # a queue wait must not turn into a TIMEOUT the env never caused: the lease abandons, it does not shorten
     ctx = SimpleNamespace(config=SimpleNamespace(trajectory_timeout_s=60.0))
-    assert trajectory_budget(ctx, task(None, deadline_s=100.0)) == 60.0  # no lease: the run's and task's budget
+    assert trajectory_budget(ctx, task(None, deadline_s=100.0)) == 60.0
     assert trajectory_budget(ctx, task(600.0, deadline_s=30.0)) == 30.0
-    assert 9.0 < trajectory_budget(ctx, task(10.0)) <= 10.0  # the lease ends first
-    assert trajectory_budget(ctx, task(-3.0)) == 0.0
+    assert trajectory_budget(ctx, task(10.0)) == 60.0
