@@ -301,11 +301,14 @@ class Controller:
         if len(inserted) < len(items):  # someone else dispatched some of these: re-read the ledger next poll
             log.warning("%d slots were already in the ledger", len(items) - len(inserted), extra={"run_id": d.run_id})
             d.stale = True
+        # The ledger's lease started at Postgres' now() in the insert above, so now + lease_s is no earlier than
+        # it (up to clock skew): a worker that skips the task past this time skips only what the ledger expires.
         now = time.time()
         return [
             RolloutTask(run_id=d.run_id, task_id=s.task_id, sample_idx=s.sample_idx, attempt=a,
                         task=d.task_data[s.task_id], batch_idx=s.batch_idx, dispatch_version=d.policy_version,
-                        greedy=s.greedy, dispatched_at=now, deadline_s=d.cfg.trajectory_timeout_s)
+                        greedy=s.greedy, dispatched_at=now, deadline_s=d.cfg.trajectory_timeout_s,
+                        lease_expires_at=now + lease_s)
             for s, a in items if (s.task_id, s.sample_idx, a) in inserted
         ]
 

@@ -32,7 +32,7 @@ from typing import Any
 
 from prometheus_client import Counter
 
-from services.rollout_worker.episodes import completed
+from services.rollout_worker.episodes import completed, trajectory_budget
 from services.rollout_worker.gateway import Gateway, GatewaySession
 from shared.logs import get_logger
 from shared.messages import EpisodeResult, RolloutTask
@@ -51,7 +51,7 @@ class AgentPrograms:
 
     async def run(self, ctx: Any, task: RolloutTask) -> EpisodeResult:
         started = time.time()
-        budget = min(task.deadline_s, ctx.config.trajectory_timeout_s)
+        budget = trajectory_budget(ctx, task)
         session = self.gateway.open(ctx, task.greedy, time.monotonic() + budget)
         try:
             if ctx.config.agent_program.name == EXTERNAL_AGENT_PROGRAM:

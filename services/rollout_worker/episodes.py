@@ -32,7 +32,7 @@ GRACE_S = 5.0  # after the deadline, the loop's own TIMEOUT handling gets this l
 async def run_episode(ctx: RunContext, envs: EnvClient, task: RolloutTask, worker_id: str,
                       error_retries: int) -> EpisodeResult:
     started = time.time()
-    budget = min(task.deadline_s, ctx.config.trajectory_timeout_s)
+    budget = trajectory_budget(ctx, task)
     for attempt in range(error_retries + 1):
         rollout = Rollout(ctx, envs, task, time.monotonic() + budget)
         result = await _run_once(ctx, rollout, task, budget)
@@ -43,6 +43,13 @@ async def run_episode(ctx: RunContext, envs: EnvClient, task: RolloutTask, worke
     EPISODES.labels(result.status, result.termination_reason.value).inc()
     EPISODE_SECONDS.observe(result.finished_at - started)
     return result
+
+
+def trajectory_budget(ctx: RunContext, task: RolloutTask) -> float:
+    """Wall seconds a trajectory may run: the task's budget, within the run's. Not cut to the attempt's lease:
+    a trajectory ended early by a queue wait would be stored as a TIMEOUT its env never caused; the worker
+    abandons an attempt whose lease runs out instead (RolloutWorker.run_task)."""
+    return min(task.deadline_s, ctx.config.trajectory_timeout_s)
 
 
 async def _run_once(ctx: RunContext, rollout: Rollout, task: RolloutTask, budget: float) -> EpisodeResult:

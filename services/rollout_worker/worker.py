@@ -3,6 +3,9 @@
 - tasks: read `rollout.tasks` (group "rollout") only while a concurrency slot is free; each task runs as its
   own asyncio task; its EpisodeResult is XADDed to `trajectories`, THEN the task is acked. A worker killed
   mid-trajectory leaves its tasks pending; others reclaim them (XAUTOCLAIM after claim_idle_ms).
+  A task read after its attempt's ledger lease expired (it waited in the stream under backlog, or pending for a
+  dead consumer) is acked without running, and one still running when its lease expires is abandoned: the
+  controller has given that attempt up and re-dispatched it, so its result would only be dropped as late.
 - keepalive: tasks still running are re-claimed by this worker every claim_idle_ms/3, so a long trajectory
   of a live worker is never taken for a dead one's.
 - env replies: the EnvClient reader.
@@ -12,9 +15,11 @@
 from __future__ import annotations
 
 import asyncio
+import math
+import time
 
 import redis.asyncio as aioredis
-from prometheus_client import Gauge
+from prometheus_client import Counter, Gauge
 from sqlalchemy import Engine
 
 from services.rollout_worker.agent_program import AgentPrograms
@@ -32,6 +37,11 @@ from shared.streams import GROUP_ROLLOUT, ROLLOUT_TASKS, TRAJECTORIES, WEIGHTS
 
 log = get_logger(__name__)
 INFLIGHT = Gauge("rollout_tasks_inflight", "Tasks being run")
+EXPIRED = Counter("rollout_tasks_expired_total", "Tasks acked without a result because their attempt's lease "
+                  "expired (the controller re-dispatches them): when=read (not run) or when=running (abandoned)",
+                  ["when"])
+for _when in ("read", "running"):  # both series exist from the start, at 0
+    EXPIRED.labels(_when)
 # Until Redis takes it: the task is not acked before, so nothing is lost if we die trying.
 PUBLISH_RETRY = RetryPolicy(REDIS_DOWN, first_wait_s=1.0, max_wait_s=1.0, what="publishing an episode")
 
@@ -103,21 +113,46 @@ class RolloutWorker:
             log.error("task runner crashed", exc_info=task.exception())
 
     async def run_task(self, delivery: Delivery) -> None:
+        """Run the task and publish its result, then ack it; or, once the attempt's lease has expired, ack it
+        with no result.
+
+        No EpisodeResult for an expired attempt: the controller's ledger expires it as lost and re-dispatches
+        attempt+1, so nothing is lost; a `failed` reply would instead be dropped as late or, if it beat the
+        expiry pass, count towards the run's fail-fast streak, which a backlog says nothing about.
+        The lease is on the controller's clock. Skew between hosts only delays: a worker clock ahead gives an
+        attempt up a little early, and the ledger re-dispatches it at its own expiry (as a lost attempt, like
+        any late one); a clock behind runs it as if the lease were unknown."""
         task: RolloutTask = delivery.message
+        left = task.lease_left(time.time())
+        if left <= 0:
+            return await self.give_up(delivery, "read", f"its lease expired {-left:.1f}s before it was read")
+        try:
+            async with asyncio.timeout(None if left == math.inf else left):
+                result = await self.run(task)
+        except TimeoutError:
+            return await self.give_up(delivery, "running", "its lease expired while it ran")
+        await self.publish(result)
+        await self.consumer.ack([delivery])  # only after the result is in `trajectories`
+
+    async def run(self, task: RolloutTask) -> EpisodeResult:
         try:
             ctx = await self.runs.get(task.run_id)
         except Exception as e:
             log.exception("cannot serve run %s", task.run_id, extra={"run_id": task.run_id})
-            result = failed(task, f"rollout worker cannot serve the run: {e}")
-        else:
-            with ctx.in_use():
-                if ctx.config.agent_program is not None:  # the user's program, through our gateway
-                    result = await self.programs.run(ctx, task)
-                else:
-                    result = await run_episode(ctx, self.envs, task, self.worker_id, self.cfg.error_retries)
-            result.worker_id = self.worker_id
-        await self.publish(result)
-        await self.consumer.ack([delivery])  # only after the result is in `trajectories`
+            return failed(task, f"rollout worker cannot serve the run: {e}")
+        with ctx.in_use():
+            if ctx.config.agent_program is not None:  # the user's program, through our gateway
+                result = await self.programs.run(ctx, task)
+            else:
+                result = await run_episode(ctx, self.envs, task, self.worker_id, self.cfg.error_retries)
+        result.worker_id = self.worker_id
+        return result
+
+    async def give_up(self, delivery: Delivery, when: str, why: str) -> None:
+        task: RolloutTask = delivery.message
+        EXPIRED.labels(when).inc()
+        log.info("task %s given up: %s; the controller re-dispatches it", task.key, why, extra={"run_id": task.run_id})
+        await self.consumer.ack([delivery])
 
     async def publish(self, result: EpisodeResult) -> None:
         await PUBLISH_RETRY.call_async(lambda: self.bus.publish(TRAJECTORIES, result))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from pydantic import Field
@@ -23,6 +24,14 @@ class RolloutTask(Message):
     greedy: bool = Field(False, description="ReMax baseline sample: decode greedily")
     dispatched_at: float = Field(description="unix seconds")
     deadline_s: float = Field(600.0, gt=0, description="trajectory wall budget from start, seconds")
+    lease_expires_at: float | None = Field(
+        None, description="unix seconds (controller's clock) when this attempt's ledger lease expires and the "
+        "controller re-dispatches it; a worker does not start the task after it and abandons it at it. None: "
+        "sent by a controller that predates the field")
+
+    def lease_left(self, now: float) -> float:
+        """Seconds until the attempt's lease expires (negative: expired; inf: no lease given)."""
+        return math.inf if self.lease_expires_at is None else self.lease_expires_at - now
 
     @property
     def key(self) -> tuple[str, str, int, int]:

@@ -238,7 +238,12 @@ async def test_lost_task_is_redispatched_and_its_late_result_not_stored(engine, 
         attempts = c.execute(text("SELECT attempt FROM episodes WHERE run_id = :r AND task_id = 't0'"),
                              {"r": run}).scalars().all()
         assert attempts == [1] and ledger_summary(c, run)["lost"] == 1
+        ledger_lease = c.execute(text("SELECT lease_expires_at FROM rollout_tasks WHERE run_id = :r AND task_id = 't0' "
+                                      "AND attempt = 0"), {"r": run}).scalar_one()
     assert events(engine, run, "lost")
+    # the task carries its lease (trajectory_timeout_s + a margin of 0), never earlier than the ledger's
+    assert held[0].lease_expires_at == pytest.approx(held[0].dispatched_at + 1.0)
+    assert ledger_lease.timestamp() <= held[0].lease_expires_at
 
 
 async def test_dead_lettered_task_is_a_failed_attempt_and_retried(engine, redis_client, start_controller):

@@ -6,6 +6,7 @@ import json
 import math
 import time
 
+import httpx
 import pytest
 from fixtures.rollout_stack import collect_results, insert_run, make_task, publish_tasks, run_config
 
@@ -13,6 +14,7 @@ from harness.procs import start_service, stop, wait_heartbeat
 from harness.tiny_model import build_tiny_model
 from shared.builtin.datasets import generate
 from shared.bus import connect
+from shared.messages import EpisodeResult, decode
 from shared.types import TerminationReason as TR
 
 
@@ -138,3 +140,27 @@ async def test_lost_env_session_is_infra_failure(stack, model_path, redis, redis
             assert r.status == "failed" and r.trajectories == []
         else:
             assert r.status == "completed"
+
+
+async def test_a_task_past_its_lease_is_not_run(stack, model_path, redis):
+    """An attempt that waited in `rollout.tasks` past its ledger lease (the controller has re-dispatched it) is
+    acked unrun: no EpisodeResult, counted in rollout_tasks_expired_total. The live task behind it runs."""
+    run_id = insert_run(stack["database_url"], run_config(model_path))
+    expired, live = (make_task(run_id, row) for row in generate("arithmetic", 2, seed=3))
+    expired.lease_expires_at, live.lease_expires_at = time.time() - 1, time.time() + 120
+    port = json.loads(await redis.get("heartbeat:rollout-worker:rollout-1"))["port"]
+
+    def expired_count() -> float:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+        return next(float(line.split()[1]) for line in text.splitlines()
+                    if line.startswith('rollout_tasks_expired_total{when="read"}'))
+
+    before = expired_count()
+    expired_id, _ = await publish_tasks(redis, [expired, live])
+    [r] = await collect_results(redis, run_id, expected=1, timeout_s=60)
+    assert r.task_id == live.task_id and r.status == "completed", r.error
+    # read no later than the live task (an earlier entry) and acked at once, long before its generation ends
+    assert expired_count() == before + 1
+    assert await redis.xpending_range("rollout.tasks", "rollout", min=expired_id, max=expired_id, count=1) == []
+    entries = await redis.xrange("trajectories")
+    assert not [f for _, f in entries if decode(f, EpisodeResult).key[:2] == (run_id, expired.task_id)]

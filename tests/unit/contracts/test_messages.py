@@ -28,7 +28,8 @@ from shared.types import Step, TerminationReason, TokenSequence, Trajectory
 NOW = time.time()
 SAMPLES = {
     "rollout_task": RolloutTask(run_id="r", task_id="t1", sample_idx=3, attempt=1, task={"question": "1+1"},
-                                batch_idx=2, dispatch_version=5, greedy=True, dispatched_at=NOW),
+                                batch_idx=2, dispatch_version=5, greedy=True, dispatched_at=NOW,
+                                lease_expires_at=NOW + 630),
     "env_request": EnvRequest(request_id="q", op="step", session_id="s", run_id="r", env="math",
                               action={"tool": [1, 2]}, reply_to="env.replies.w", sent_at=NOW),
     "env_reply": EnvReply(request_id="q", session_id="s", env_worker_id="e1", ok=False, observation={"a": [1]},
@@ -106,6 +107,14 @@ def test_newer_writer_extra_fields_are_ignored():
     body["added_in_a_later_release"] = 1
     fields = {b"t": b"rollout_task", b"v": b"1", b"d": msgpack.packb(body, use_bin_type=True)}
     assert decode(fields).task_id == "t1"
+
+
+def test_older_writer_without_a_lease_decodes_with_none():
+    body = msgpack.unpackb(encode(SAMPLES["rollout_task"])[b"d"])
+    del body["lease_expires_at"]  # a controller from before the field
+    fields = {b"t": b"rollout_task", b"v": b"1", b"d": msgpack.packb(body, use_bin_type=True)}
+    task = decode(fields, RolloutTask)
+    assert task.lease_expires_at is None and task.lease_left(NOW + 10**6) == float("inf")
 
 
 def test_trajectory_record_from_dataclass():

@@ -1,0 +1,94 @@
+"""A rollout worker does not run a task whose attempt's lease has expired, and abandons one whose lease runs out
+while it runs; neither gets a result (the ledger re-dispatches them)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+import pytest
+from prometheus_client import REGISTRY
+
+from services.rollout_worker.episodes import trajectory_budget
+from services.rollout_worker.worker import RolloutWorker
+from shared.bus import Delivery
+from shared.messages import EpisodeResult, RolloutTask
+
+
+def task(lease_in_s: float | None, deadline_s: float = 100.0) -> RolloutTask:
+    now = time.time()
+    return RolloutTask(run_id="r", task_id="t", sample_idx=0, attempt=2, task={}, dispatched_at=now,
+                       deadline_s=deadline_s, lease_expires_at=None if lease_in_s is None else now + lease_in_s)
+
+
+def expired(when: str = "read") -> float:
+    return REGISTRY.get_sample_value("rollout_tasks_expired_total", {"when": when}) or 0.0
+
+
+class FakeConsumer:
+    def __init__(self):
+        self.acked: list[bytes] = []
+
+    async def ack(self, deliveries):
+        self.acked += [d.id for d in deliveries]
+
+
+class NoRuns:
+    def __init__(self):
+        self.asked: list[str] = []
+
+    async def get(self, run_id):
+        self.asked.append(run_id)
+        raise RuntimeError("no such run here")  # run_task then publishes a failed result
+
+
+def worker() -> RolloutWorker:
+    w = RolloutWorker.__new__(RolloutWorker)  # only what run_task touches
+    w.worker_id, w.consumer, w.runs, w.published = "w1", FakeConsumer(), NoRuns(), []
+
+    async def publish(result: EpisodeResult):
+        w.published.append(result)
+
+    w.publish = publish
+    return w
+
+
+async def test_an_expired_task_is_acked_and_not_run():
+    w, before = worker(), expired()
+    await w.run_task(Delivery(id=b"1-0", message=task(lease_in_s=-1.0), deliveries=1, fields={}))
+    assert w.consumer.acked == [b"1-0"]
+    assert w.runs.asked == [] and w.published == []  # no run looked up, no reply: the ledger re-dispatches it
+    assert expired() == before + 1
+
+
+@pytest.mark.parametrize("lease_in_s", [None, 5.0])
+async def test_a_live_task_or_one_without_a_lease_is_run(lease_in_s):
+    w, before = worker(), expired()
+    await w.run_task(Delivery(id=b"2-0", message=task(lease_in_s), deliveries=1, fields={}))
+    assert w.runs.asked == ["r"] and [r.task_id for r in w.published] == ["t"] and w.consumer.acked == [b"2-0"]
+    assert expired() == before
+
+
+class SlowRuns(NoRuns):
+    async def get(self, run_id):
+        self.asked.append(run_id)
+        await asyncio.sleep(5)  # stands for a trajectory that outlives the lease
+
+
+async def test_a_task_whose_lease_runs_out_while_it_runs_is_abandoned():
+    w, before = worker(), expired("running")
+    w.runs = SlowRuns()
+    started = time.monotonic()
+    await w.run_task(Delivery(id=b"3-0", message=task(lease_in_s=0.2), deliveries=1, fields={}))
+    assert time.monotonic() - started < 2  # given up at the lease, not after the 5 s run
+    assert w.runs.asked == ["r"] and w.published == [] and w.consumer.acked == [b"3-0"]
+    assert expired("running") == before + 1
+
+
+def test_budget_is_the_tasks_within_the_runs_and_not_cut_by_the_lease():
+    # a queue wait must not turn into a TIMEOUT the env never caused: the lease abandons, it does not shorten
+    ctx = SimpleNamespace(config=SimpleNamespace(trajectory_timeout_s=60.0))
+    assert trajectory_budget(ctx, task(None, deadline_s=100.0)) == 60.0
+    assert trajectory_budget(ctx, task(600.0, deadline_s=30.0)) == 30.0
+    assert trajectory_budget(ctx, task(10.0)) == 60.0
