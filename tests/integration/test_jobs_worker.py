@@ -141,7 +141,7 @@ def test_export_to_parquet_loads_with_hf_datasets(client, database_url):
     assert client.post(f"/v1/runs/{uuid.uuid4()}/export").status_code == 404
 
 
-def test_gc_keeps_newest_checkpoints_and_trims_streams(client, database_url, redis_url, data_dir):
+def test_gc_keeps_newest_checkpoints_and_trims_streams(client, database_url, redis_url, data_dir, request):
     run_id = seed_run(database_url, name="gc", status="completed", versions=4)
     weights = data_dir / "weights" / str(run_id)
     engine = create_engine(database_url)
@@ -154,6 +154,7 @@ def test_gc_keeps_newest_checkpoints_and_trims_streams(client, database_url, red
         s.commit()
     r = redis.Redis.from_url(redis_url)
     r.delete("trajectories")  # earlier tests in the session (a controller) may have left entries and groups
+    request.addfinalizer(lambda: r.delete("trajectories"))  # its {"i": n} entries are no EpisodeResults: never leave them
     r.xgroup_create("trajectories", "store", id="0", mkstream=True)
     for i in range(5):
         r.xadd("trajectories", {"i": i})
