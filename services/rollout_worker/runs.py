@@ -118,7 +118,9 @@ class RunRegistry:
         from transformers import AutoTokenizer
 
         tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, config.tokenizer_path)
-        kwargs = {"batch_wait_ms": self.hf_batch_wait_ms} if config.engine.type == "hf" else {}
+        kwargs: dict = {"hf": {"batch_wait_ms": self.hf_batch_wait_ms},
+                        # a delta's layers go to the server as a file: where it reads full checkpoints from too
+                        "openai": {"scratch_dir": self.weights_cache / ".deltas"}}.get(config.engine.type, {})
         engine = await asyncio.to_thread(build_engine, config.engine.type, config.model, config.engine,
                                          tokenizer, **kwargs)
         workflow_cls = resolve("workflow", config.workflow.name) if config.workflow else None

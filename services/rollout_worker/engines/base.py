@@ -114,7 +114,8 @@ class InferenceEngine(ABC):
     async def load_weights(self, folder: Path, version: int) -> None:
         """Serve the HF checkpoint in `folder` as `version` from the next request on, without restarting."""
 
-    #: True when `apply_update` is implemented (hf, vllm); the others always reload the full snapshot.
+    #: True when `apply_update` is implemented (hf, vllm, openai on a vLLM server); the others always reload the
+    #: full snapshot.
     supports_update: ClassVar[bool] = False
 
     async def apply_update(self, update: WeightUpdate) -> None:

@@ -13,7 +13,10 @@ Hot reload uses vLLM's routes on the server root (dev-mode ones need VLLM_SERVER
 pause(wait) -> collective_rpc flywheel_reload (the server runs with `--worker-extension-cls
 services.rollout_worker.engines.vllm_worker.FlywheelWorkerExtension`) -> reset_prefix_cache ->
 update_weight_version -> resume. The checkpoint folder must be visible to the server at the same path (shared
-volume). vLLM's completions carry no weight version, so a server is reloaded by the one worker that uses it:
+volume). A delta (`apply_update`, engines/deltas.py) is applied to the served tensors kept here on CPU, checked
+against its manifest, and only the vLLM layers it changes are loaded with collective_rpc
+flywheel_load_tensors, in the same pause/resume; that file is written to `scratch_dir` (the rollout worker's
+checkpoint cache, which the server reads full checkpoints from too; /dev/shm when none is given) and deleted. vLLM's completions carry no weight version, so a server is reloaded by the one worker that uses it:
 requests of another client could span a reload unseen.
 """
 
@@ -23,7 +26,7 @@ import contextlib
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
@@ -35,9 +38,13 @@ from services.rollout_worker.engines.base import (
     SamplingParams,
     behaviour_logprobs,
 )
+from services.rollout_worker.engines.deltas import ServedTensors
 from services.rollout_worker.engines.vllm_worker import reload_failure
 from shared.logs import get_logger
 from shared.retry import RetryPolicy
+
+if TYPE_CHECKING:
+    from shared.weights import WeightUpdate
 
 log = get_logger(__name__)
 RETRYABLE_STATUS = {408, 429, 500, 502, 503, 504}
@@ -51,7 +58,10 @@ TRANSIENT = (aiohttp.ClientError, TimeoutError, ServerBusy)
 
 
 class OpenAIEngine(InferenceEngine):
-    def __init__(self, model_path: str, engine_cfg: Any, tokenizer: Any, *, initial_version: int = 0, **_: Any):
+    supports_update = True  # needs a vLLM server with FlywheelWorkerExtension, as load_weights does
+
+    def __init__(self, model_path: str, engine_cfg: Any, tokenizer: Any, *, initial_version: int = 0,
+                 scratch_dir: str | Path | None = None, **_: Any):
         if not engine_cfg.base_url:
             raise ValueError("engine.base_url is required for the openai engine")
         self.model = model_path
@@ -66,6 +76,7 @@ class OpenAIEngine(InferenceEngine):
         self.tokenizer = tokenizer
         self._version = initial_version
         self._gate = ReloadGate()
+        self._served = ServedTensors(model_path, scratch_dir)  # model_path: the server's --model folder
 
     @property
     def version(self) -> int:
@@ -114,20 +125,41 @@ class OpenAIEngine(InferenceEngine):
             raise InferenceError(f"{url}: failed after {self.retry.attempts} attempts: {e!r}") from e
 
     async def load_weights(self, folder: Path, version: int) -> None:
+        await self._swap("flywheel_reload", {"weights_path": str(folder)}, version)
+        self._served.reloaded(folder)
+        log.info("server %s now serves version %d from %s", self.server_root, version, folder,
+                 extra={"policy_version": version})
+
+    async def apply_update(self, update: WeightUpdate) -> None:
+        async def packed() -> dict:
+            reply = await self._call("POST", f"{self.server_root}/collective_rpc",
+                                     json={"method": "flywheel_packed_modules"})
+            results = (reply or {}).get("results") or [None]
+            if not isinstance(results[0], dict):
+                raise InferenceError(f"{self.server_root}: flywheel_packed_modules answered {reply!r}")
+            return results[0]
+
+        async def load(path: str) -> None:
+            await self._swap("flywheel_load_tensors", {"path": path}, update.version)
+
+        loaded = await self._served.apply(update, packed, load)
+        log.info("server %s now serves version %d (%d tensors changed, %d loaded)", self.server_root,
+                 update.version, len(update.names), loaded, extra={"policy_version": update.version})
+
+    async def _swap(self, method: str, kwargs: dict, version: int) -> None:
+        """Run the worker extension's `method` on the server with generation paused, then serve `version`."""
         root = self.server_root
         async with self._gate.reload():  # our requests in flight finish on the version they started on
             await self._call("POST", f"{root}/pause", params={"mode": "wait"})
             try:
-                reply = await self._call("POST", f"{root}/collective_rpc",
-                                         json={"method": "flywheel_reload", "kwargs": {"weights_path": str(folder)}})
+                reply = await self._call("POST", f"{root}/collective_rpc", json={"method": method, "kwargs": kwargs})
                 if (error := reload_failure((reply or {}).get("results"))) is not None:
-                    raise InferenceError(f"{root} could not reload {folder}: {error}")
+                    raise InferenceError(f"{root}: {method} {kwargs} for version {version} failed: {error}")
                 await self._call("POST", f"{root}/reset_prefix_cache")
                 await self._call("POST", f"{root}/update_weight_version", json={"new_version": str(version)})
                 self._version = version  # before resume: nothing generated on these weights is labelled older
             finally:
                 await self._call("POST", f"{root}/resume")
-        log.info("server %s now serves version %d from %s", root, version, folder, extra={"policy_version": version})
 
     async def _call(self, method: str, url: str, **kwargs: Any) -> Any:
         async with self.session.request(method, url, **kwargs) as resp:

@@ -9,18 +9,13 @@ Hot reload without restarting: new requests wait at a gate; requests in flight f
 checkpoint folder reloaded (`FlywheelWorkerExtension.flywheel_reload`, exact for tied embeddings too), the
 prefix cache reset, the version bumped and generation resumed.
 
-A delta (`apply_update`) goes through vLLM's in-place weight loading instead of a whole checkpoint: the engine
-keeps the served version's tensors on CPU (checkpoint names and dtype: one more copy of the weights in host
-memory), applies the delta to them (each changed tensor checked against the manifest's digest before vLLM sees
-it), and vLLM loads only the changed tensors, with the other tensors of each vLLM layer they belong to (a fused
-qkv_proj is rebuilt from q, k and v together), through `FlywheelWorkerExtension.flywheel_load_tensors`.
+A delta (`apply_update`) goes through vLLM's in-place weight loading instead of a whole checkpoint
+(engines/deltas.py: the served tensors on CPU, the delta checked against the manifest, then only the changed
+vLLM layers loaded through `FlywheelWorkerExtension.flywheel_load_tensors`), with generation paused as above.
 """
 
 from __future__ import annotations
 
-import asyncio
-import os
-import tempfile
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -33,13 +28,11 @@ from services.rollout_worker.engines.base import (
     SamplingParams,
     behaviour_logprobs,
 )
+from services.rollout_worker.engines.deltas import ServedTensors
 from services.rollout_worker.engines.vllm_worker import reload_failure
 from shared.logs import get_logger
-from shared.weights import ChecksumError, read_safetensors
 
 if TYPE_CHECKING:
-    import torch
-
     from shared.weights import WeightUpdate
 
 log = get_logger(__name__)
@@ -61,9 +54,7 @@ class VLLMEngine(InferenceEngine):
             worker_extension_cls=WORKER_EXTENSION, disable_log_stats=True,
         )
         self.engine = AsyncLLM.from_engine_args(args)
-        self._weights_folder = Path(model_path)  # the tensors served at start, read when the first delta comes
-        self._weights: dict[str, torch.Tensor] | None = None  # the served version's tensors (CPU), once read
-        self._packed: dict[str, list[str]] | None = None  # vLLM's fused layers: {"qkv_proj": ["q_proj", ...]}
+        self._served = ServedTensors(model_path)  # for deltas; its temp files in /dev/shm, read by our workers
         self._version = initial_version
         self._gate = ReloadGate()
 
@@ -96,37 +87,20 @@ class VLLMEngine(InferenceEngine):
         folder = Path(folder)
         if not any(folder.glob("*.safetensors")):  # checked here too: a bad path must not touch the engine
             raise FileNotFoundError(f"{folder} has no *.safetensors files to reload from")
-        state = await asyncio.to_thread(read_safetensors, folder)  # the base of the next delta
         await self._swap("flywheel_reload", {"weights_path": str(folder)}, version)
-        self._weights = state
+        self._served.reloaded(folder)
         log.info("vllm engine now serves version %d from %s", version, folder, extra={"policy_version": version})
 
     async def apply_update(self, update: WeightUpdate) -> None:
-        if self._weights is None:  # still serving the model it started with
-            if not any(self._weights_folder.glob("*.safetensors")):
-                raise ChecksumError(f"no tensors of v{update.base.version} to apply delta v{update.version} to")
-            self._weights = await asyncio.to_thread(read_safetensors, self._weights_folder)
-        new = await asyncio.to_thread(update.apply, self._weights)  # ChecksumError: nothing changed
-        send = await self._with_layer_mates(new)
-        fd, path = tempfile.mkstemp(suffix=".safetensors", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-        os.close(fd)
-        try:
-            await asyncio.to_thread(_save, send, path)
-            await self._swap("flywheel_load_tensors", {"path": path}, update.version)
-        finally:
-            os.unlink(path)
-        self._weights.update(new)
-        log.info("vllm engine now serves version %d (%d tensors changed, %d loaded)", update.version, len(new),
-                 len(send), extra={"policy_version": update.version})
+        async def packed() -> dict:
+            return (await self.engine.collective_rpc("flywheel_packed_modules"))[0]
 
-    async def _with_layer_mates(self, new: dict) -> dict:
-        """`new` plus the unchanged tensors that share a vLLM layer with one of them (vLLM rebuilds a layer from
-        all its tensors)."""
-        if self._packed is None:
-            self._packed = (await self.engine.collective_rpc("flywheel_packed_modules"))[0]
-        groups = layer_groups(self._weights, self._packed)
-        touched = {groups[n] for n in new}
-        return {n: new.get(n, t) for n, t in self._weights.items() if groups[n] in touched}
+        async def load(path: str) -> None:
+            await self._swap("flywheel_load_tensors", {"path": path}, update.version)
+
+        loaded = await self._served.apply(update, packed, load)
+        log.info("vllm engine now serves version %d (%d tensors changed, %d loaded)", update.version,
+                 len(update.names), loaded, extra={"policy_version": update.version})
 
     async def _swap(self, method: str, kwargs: dict, version: int) -> None:
         """Run the worker extension's `method` with generation paused between requests, then serve `version`."""
@@ -144,20 +118,3 @@ class VLLMEngine(InferenceEngine):
     async def close(self) -> None:
         self.engine.shutdown()
 
-
-def layer_groups(names, packed: dict[str, list[str]]) -> dict[str, str]:
-    """Checkpoint tensor name -> the vLLM layer that holds it: its module path, with a part that vLLM fuses
-    (packed {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}) named by the fused layer."""
-    fused = {part: whole for whole, parts in packed.items() for part in parts}
-    out = {}
-    for name in names:
-        module, _, _ = name.rpartition(".")
-        parent, _, last = module.rpartition(".")
-        out[name] = f"{parent}.{fused[last]}" if last in fused else module
-    return out
-
-
-def _save(tensors: dict, path: str) -> None:
-    from safetensors.torch import save_file
-
-    save_file({n: t.contiguous() for n, t in tensors.items()}, path)
