@@ -9,10 +9,12 @@ prompt is token ids), finds "What is A op B" and answers \\boxed{result}; anythi
 `--fallback`. Any other `--answer` text is returned verbatim. A bare ASGI app (no framework) so that the
 mock's own CPU use stays small next to the system under test.
 
-Hot reload speaks the vLLM dev-mode routes the openai engine calls (POST /pause?mode=wait, /collective_rpc,
-/reset_prefix_cache, /update_weight_version {"version"}, /resume): pause waits for requests in flight and holds
-new ones until resume; the weights themselves are not read (the answers do not depend on them), but every
-reply carries the version last set, so the system's staleness bookkeeping runs as it would against vLLM.
+Hot reload speaks the vLLM dev-mode routes the openai engine calls, with vLLM's bodies (POST /pause?mode=wait,
+/collective_rpc {"method"} -> {"results": [one worker's return]}, /reset_prefix_cache, /update_weight_version
+{"new_version"}, /resume): pause waits for requests in flight and holds new ones until resume; the weights
+themselves are not read (the answers do not depend on them): every extension method "succeeds" as
+FlywheelWorkerExtension's would ({"ok": true}; flywheel_packed_modules: no fused layers), and every reply
+carries the version last set, so reloads, deltas and the staleness bookkeeping run as they would against vLLM.
 """
 
 from __future__ import annotations
@@ -72,8 +74,10 @@ class MockLLM:
             if self.in_flight:
                 self._drained.clear()
                 await self._drained.wait()
+        elif path == "/collective_rpc":
+            return {"results": [{} if body.get("method") == "flywheel_packed_modules" else {"ok": True}]}
         elif path == "/update_weight_version":
-            self.weight_version = int(body["version"])
+            self.weight_version = int(body["new_version"])
         elif path == "/resume":
             self._running.set()
         return {"ok": True, "weight_version": self.weight_version}

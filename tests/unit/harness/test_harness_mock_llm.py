@@ -39,8 +39,10 @@ async def test_reload_routes_hold_requests_while_paused_and_set_the_version():
         held = asyncio.create_task(client.post("/v1/completions", json={"prompt": [1], "max_tokens": 2}))
         await asyncio.sleep(0.1)
         assert not held.done()  # no generation while paused
-        for path, body in (("/collective_rpc", {"method": "reload_weights"}), ("/reset_prefix_cache", None),
-                           ("/update_weight_version", {"version": 3}), ("/resume", None)):
+        rpc = await client.post("/collective_rpc", json={"method": "flywheel_reload", "kwargs": {"weights_path": "x"}})
+        assert rpc.json()["results"] == [{"ok": True}]  # what reload_failure() reads as every worker reloaded
+        for path, body in (("/reset_prefix_cache", None), ("/update_weight_version", {"new_version": "3"}),
+                           ("/resume", None)):
             (await client.post(path, json=body)).raise_for_status()
         assert (await held).json()["weight_version"] == 3
         assert (await before).json()["weight_version"] == 0
