@@ -193,6 +193,10 @@ class RunRegistry:
                 RELOADS.labels("delta_rejected").inc()
                 log.warning("delta v%d did not verify (%s); loading the full weights instead", msg.version, e,
                             extra={"run_id": ctx.run_id})
+            except Exception:  # e.g. the server could not read the delta file: it may hold part of it, so reload whole
+                RELOADS.labels("delta_failed").inc()
+                log.exception("applying delta v%d failed; loading the full weights instead", msg.version,
+                              extra={"run_id": ctx.run_id})
         folder = await asyncio.to_thread(materialize, msg, self.weights_cache)
         await ctx.engine.load_weights(folder, msg.version)
 
