@@ -276,6 +276,8 @@ def test_killed_embedded_redis_is_restarted_and_readiness_reports_the_outage(ser
         assert shown["status"] == "running" and "Redis is unreachable" in shown["outage"]
 
         wait_for(lambda: httpx.get(probe_ready).status_code == 200, 60, "probe ready again", interval_s=0.25)
+        # The supervisor counts the restart just after the new Redis is up, so the probe can see it first.
+        wait_for(lambda: stack._server_watches["redis"].restarts >= 1, 5, "restart counted", interval_s=0.05)
         assert stack.redis.pid != dead and stack._server_watches["redis"].restarts == 1
         assert "embedded Redis exited with code -9" in caplog.text
         assert redis.Redis.from_url(stack.redis_url).xlen("survivor") == 1  # same address, AOF replayed
