@@ -16,8 +16,9 @@ update_weight_version -> resume. The checkpoint folder must be visible to the se
 volume). A delta (`apply_update`, engines/deltas.py) is applied to the served tensors kept here on CPU, checked
 against its manifest, and only the vLLM layers it changes are loaded with collective_rpc
 flywheel_load_tensors, in the same pause/resume; that file is written to `scratch_dir` (the rollout worker's
-checkpoint cache, which the server reads full checkpoints from too; /dev/shm when none is given) and deleted. vLLM's completions carry no weight version, so a server is reloaded by the one worker that uses it:
-requests of another client could span a reload unseen.
+checkpoint cache, which the server reads full checkpoints from too; /dev/shm when none is given) and deleted.
+vLLM's completions carry no weight version, so a server is reloaded by the one worker that uses it: requests of
+another client could span a reload unseen.
 """
 
 from __future__ import annotations
