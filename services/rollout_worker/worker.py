@@ -27,7 +27,7 @@ from services.rollout_worker.config import RolloutWorkerConfig
 from services.rollout_worker.env_client import EnvClient
 from services.rollout_worker.episodes import failed, run_episode
 from services.rollout_worker.gateway import Gateway
-from services.rollout_worker.runs import RunRegistry
+from services.rollout_worker.runs import RunContext, RunRegistry
 from shared.bus import REDIS_DOWN, BroadcastReader, Delivery, StreamBus, StreamConsumer
 from shared.logs import get_logger
 from shared.messages import EpisodeResult, RolloutTask, WeightsPublished
@@ -127,19 +127,24 @@ class RolloutWorker:
         if left <= 0:
             return await self.give_up(delivery, "read", f"its lease expired {-left:.1f}s before it was read")
         try:
-            async with asyncio.timeout(None if left == math.inf else left):
-                result = await self.run(task)
-        except TimeoutError:
-            return await self.give_up(delivery, "running", "its lease expired while it ran")
-        await self.publish(result)
-        await self.consumer.ack([delivery])  # only after the result is in `trajectories`
-
-    async def run(self, task: RolloutTask) -> EpisodeResult:
-        try:
+            # Not under the lease: the run's context (tokenizer, engine) is built once and shared by its tasks;
+            # cancelling its build would leave a half-started engine behind and the next task building another.
             ctx = await self.runs.get(task.run_id)
         except Exception as e:
             log.exception("cannot serve run %s", task.run_id, extra={"run_id": task.run_id})
-            return failed(task, f"rollout worker cannot serve the run: {e}")
+            result = failed(task, f"rollout worker cannot serve the run: {e}")
+        else:
+            if (left := task.lease_left(time.time())) <= 0:  # gone while the context was built: start nothing
+                return await self.give_up(delivery, "running", "its lease expired while its run was set up")
+            try:
+                async with asyncio.timeout(None if left == math.inf else left):
+                    result = await self.run(ctx, task)
+            except TimeoutError:
+                return await self.give_up(delivery, "running", "its lease expired while it ran")
+        await self.publish(result)
+        await self.consumer.ack([delivery])  # only after the result is in `trajectories`
+
+    async def run(self, ctx: RunContext, task: RolloutTask) -> EpisodeResult:
         with ctx.in_use():
             if ctx.config.agent_program is not None:  # the user's program, through our gateway
                 result = await self.programs.run(ctx, task)

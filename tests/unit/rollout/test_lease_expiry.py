@@ -4,6 +4,7 @@ while it runs; neither gets a result (the ledger re-dispatches them)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from types import SimpleNamespace
 
@@ -70,20 +71,48 @@ async def test_a_live_task_or_one_without_a_lease_is_run(lease_in_s):
     assert expired() == before
 
 
-class SlowRuns(NoRuns):
-    async def get(self, run_id):
+class SlowProgram:
+    """A run whose agent program outlives the lease."""
+
+    def __init__(self, build_s: float = 0.0):
+        self.build_s, self.asked, self.built, self.started = build_s, [], [], []
+        self.config = SimpleNamespace(agent_program=SimpleNamespace(name="external"))
+
+    def in_use(self):
+        return contextlib.nullcontext()
+
+    async def get(self, run_id):  # RunRegistry.get: the run's context, built on first use
         self.asked.append(run_id)
-        await asyncio.sleep(5)  # stands for a trajectory that outlives the lease
+        await asyncio.sleep(self.build_s)
+        self.built.append(run_id)
+        return self
+
+    async def run(self, ctx, task):  # AgentPrograms.run
+        self.started.append(task.task_id)
+        await asyncio.sleep(5)
+
+
+def slow_worker(build_s: float = 0.0) -> RolloutWorker:
+    w = worker()
+    w.runs = w.programs = SlowProgram(build_s)
+    return w
 
 
 async def test_a_task_whose_lease_runs_out_while_it_runs_is_abandoned():
-    w, before = worker(), expired("running")
-    w.runs = SlowRuns()
+    w, before = slow_worker(), expired("running")
     started = time.monotonic()
     await w.run_task(Delivery(id=b"3-0", message=task(lease_in_s=0.2), deliveries=1, fields={}))
-    assert time.monotonic() - started < 2  # given up at the lease, not after the 5 s run
-    assert w.runs.asked == ["r"] and w.published == [] and w.consumer.acked == [b"3-0"]
+    assert time.monotonic() - started < 2  # given up at the lease, not after the 5 s episode
+    assert w.runs.started == ["t"] and w.published == [] and w.consumer.acked == [b"3-0"]
     assert expired("running") == before + 1
+
+
+async def test_the_runs_context_build_is_not_cut_by_the_lease():
+    # a cancelled build would leave a half-started engine behind and the next task building another
+    w, before = slow_worker(build_s=0.5), expired("running")
+    await w.run_task(Delivery(id=b"4-0", message=task(lease_in_s=0.2), deliveries=1, fields={}))
+    assert w.runs.built == ["r"] and w.runs.started == []  # built in full; the lease was gone by then
+    assert w.published == [] and w.consumer.acked == [b"4-0"] and expired("running") == before + 1
 
 
 def test_budget_is_the_tasks_within_the_runs_and_not_cut_by_the_lease():
