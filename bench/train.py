@@ -59,8 +59,8 @@ def weight_sync(work: Path, redis_url: str, database_url: str, workers: int = 2,
         "raw_copy_s": raw, "weight_sync_delta_ratio": statistics.median(delta) / raw,
         "weight_sync_full_ratio": statistics.median(full) / raw,
         # where a delta version's time goes (medians): export_hf (verl gathers + casts the weights), the
-        # publisher's stages (plan request, diff, hashing the changed tensors, zstd, write + fsync + sha256 of the
-        # delta file, the weight server's publish request), the rest is the workers' notice, read, check, patch
+        # publisher's stages (plan request, diff + hashing the changed tensors, zstd, write + fsync of the delta
+        # file, the weight server's publish request), the rest is the workers' notice, read, decode, patch, check
         "weight_sync_delta_stages_s": stages,
         "weight_sync_note": f"{r['params'] / 1e6:.0f}M-param Qwen2-shaped model, exported in bf16; each version is "
                             "one real verl FSDP2 optimizer step (lr 5e-6, AdamW) on the CPU trainer engine. Clock: "

@@ -17,10 +17,11 @@ Publishing is atomic (the weight server writes the manifest, fsyncs and renames 
 announces it); fetching is too: files are downloaded into a temp folder, hashed while streaming, and renamed
 into place only when every hash matches. A checksum mismatch raises `ChecksumError`; nothing half-downloaded or
 unverified is ever loaded. A folder on a shared volume (co-located worker) is read in place: the manifest hash
-and each file's size are checked, but file contents are hashed only with `verify_shared_path` or for a delta
-(small), because the weight server does not re-read a co-located trainer's files by default
-(VERIFY_STAGING=false records the sha256 the trainer computed from the bytes it wrote on that volume): an
-in-place read of a full snapshot trusts the shared volume.
+and each file's size are checked, but file contents are hashed only with `verify_shared_path`, because the
+weight server does not re-read a co-located trainer's files by default (VERIFY_STAGING=false records the sha256
+the trainer computed from the bytes it wrote on that volume): an in-place read of a full snapshot trusts the
+shared volume. A delta read in place needs no file hash: a damaged file fails zstd's content checksum, and what
+it decodes to is checked tensor by tensor against the manifest before it is served.
 """
 
 from __future__ import annotations
@@ -153,9 +154,8 @@ def version_source(msg: WeightsPublished, version: int, sha256: str) -> WeightsP
 
 
 def verify_folder(folder: Path, expected_sha256: str, *, full: bool = True) -> CheckpointManifest:
-    """Check the manifest hash, then each file's size and (with `full`, or for a delta) its sha256."""
+    """Check the manifest hash, then each file's size and (with `full`) its sha256."""
     manifest = read_manifest(folder, expected_sha256)
-    full = full or manifest.kind == "delta"  # a delta is small: always hashed
     for name, entry in manifest.files.items():
         path = folder / name
         if not path.is_file() or path.stat().st_size != entry.bytes:
@@ -170,8 +170,8 @@ def fetch_checkpoint(msg: WeightsPublished, cache_dir: Path, *, verify_shared_pa
     """Return a local folder holding the announced version's files (a snapshot or a delta), verified.
 
     Co-located (msg.path readable): used in place; the manifest hash and file sizes are checked, file contents
-    only with `verify_shared_path` or for a delta (see the module docstring: by default nobody re-reads a
-    co-located snapshot after the trainer hashed it). Otherwise the files are streamed over HTTP from msg.uri
+    only with `verify_shared_path` (see the module docstring: by default nobody re-reads a co-located snapshot
+    after the trainer hashed it, and a delta is checked by what it decodes to). Otherwise the files are streamed over HTTP from msg.uri
     into `cache_dir/<run>/v<version>`, hashed as they arrive.
     """
     if msg.path and Path(msg.path, MANIFEST).is_file():
@@ -245,39 +245,46 @@ def _bits(t: torch.Tensor) -> np.ndarray:
     return flat.view(getattr(torch, _INT_OF_SIZE[flat.element_size()])).numpy()
 
 
-def delta_parts(base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]) -> dict[str, np.ndarray]:
+def delta_parts(base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor],
+                digests: dict[str, TensorEntry] | None = None) -> dict[str, np.ndarray]:
     """What changed from `base` to `new` (same layout): per changed tensor either `idx/<name>` (gaps between
-    changed flat indices: uint16 when every gap fits, else int32/int64) + `val/<name>` (their new bits), or
-    `dense/<name>` (the whole tensor's bits) when that is no larger; unchanged tensors are absent. Tensors are
-    compared on a few threads (numpy releases the GIL)."""
+    changed flat indices, the first from 0: uint8 when every gap fits, else uint16/int32/int64) + `val/<name>`
+    (their new bits), or `dense/<name>` (the whole tensor's bits) when that is no larger; unchanged tensors are
+    absent. With `digests`, each changed tensor's `tensor_entry` is added to it, computed right after its diff
+    while its bits are still in cache. Tensors are compared on a few threads (the kernels release the GIL)."""
     from concurrent.futures import ThreadPoolExecutor
 
+    def diff(name: str) -> dict[str, np.ndarray]:
+        parts = _diff_one(name, base[name], new[name])
+        if parts and digests is not None:
+            digests[name] = tensor_entry(new[name])
+        return parts
+
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-        diffs = pool.map(lambda name: _diff_one(name, base[name], new[name]), new)
-        return {key: arr for parts in diffs for key, arr in parts.items()}
+        return {key: arr for parts in pool.map(diff, new) for key, arr in parts.items()}
 
 
 def _diff_one(name: str, base: torch.Tensor, new: torch.Tensor) -> dict[str, np.ndarray]:
-    import numpy as np
+    from shared.delta_kernels import changes
 
-    old, cur = _bits(base), _bits(new)
-    changed = np.flatnonzero(old != cur)
-    if changed.size == 0:
+    cur = _bits(new)
+    found = changes(_bits(base), cur)
+    if found is None:
         return {}
-    gaps = np.diff(changed, prepend=0)
-    idx_dtype = next(d for d in (np.uint16, np.int32, np.int64) if gaps.max() <= np.iinfo(d).max)
-    if changed.size * (np.dtype(idx_dtype).itemsize + cur.itemsize) >= cur.nbytes:
+    gaps, vals = found
+    if gaps.nbytes + vals.nbytes >= cur.nbytes:
         return {f"dense/{name}": cur}
-    return {f"idx/{name}": gaps.astype(idx_dtype), f"val/{name}": cur[changed]}
+    return {f"idx/{name}": gaps, f"val/{name}": vals}
 
 
 def compress_delta(parts: Mapping[str, np.ndarray], level: int = 1) -> bytes:
     """`delta_parts` as the bytes of DELTA_FILE: a safetensors blob compressed with zstd at `level` (negative:
-    zstd's fast levels), on every core."""
+    zstd's fast levels), on every core. The frame carries zstd's checksum of its content, so a damaged file
+    fails to decode rather than decoding to other bytes."""
     import zstandard
     from safetensors.numpy import save
 
-    return zstandard.ZstdCompressor(level=level, threads=-1).compress(save(dict(parts)))
+    return zstandard.ZstdCompressor(level=level, threads=-1, write_checksum=True).compress(save(dict(parts)))
 
 
 def encode_delta(base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor], level: int = 1) -> bytes:
@@ -338,7 +345,7 @@ class WeightUpdate:
         missing = [n for n in self.names if n not in current and f"dense/{n}" not in self.parts]
         if missing:
             raise ChecksumError(f"v{self.version}: the weights being updated have no tensors {missing[:5]}")
-        with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:  # numpy and xxhash drop the GIL
+        with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:  # the patch kernel and xxhash drop the GIL
             return dict(zip(self.names, pool.map(lambda n: self._apply_one(n, current), self.names), strict=True))
 
     def fits_in_place(self, current: Mapping[str, torch.Tensor]) -> bool:
@@ -351,31 +358,33 @@ class WeightUpdate:
         """Write the changes straight into `current`'s tensors (see `fits_in_place`) and check each result
         against the manifest: no copy of the weights. On any mismatch every change is undone, so `current`
         holds the base again, and ChecksumError is raised. Nothing may read `current` meanwhile. Tensors are
-        patched and hashed on a few threads (numpy and xxhash release the GIL)."""
+        patched and hashed on a few threads (the patch kernel and xxhash release the GIL)."""
         from concurrent.futures import ThreadPoolExecutor
 
-        undo: list = []  # (bits, index, old values), appended before each write
+        undo: list = []  # one callable per patched tensor, appended once its patch is written
         try:
             with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
                 for _ in pool.map(lambda name: self._patch_one(name, current, undo), self.names):
                     pass  # an error leaves the `with` only once the pool has finished every patch
         except BaseException:
-            for bits, idx, old in reversed(undo):
-                bits[idx] = old
+            for put_back in reversed(undo):
+                put_back()
             raise
 
     def _patch_one(self, name: str, current: Mapping[str, torch.Tensor], undo: list) -> None:
-        import numpy as np
+        from shared.delta_kernels import PatchError, patch, unpatch
 
         entry, bits = self.manifest.tensors[name], _bits(current[name])  # a view: writes go through
         try:
             if f"dense/{name}" in self.parts:
-                idx, new = slice(None), self.parts[f"dense/{name}"]
+                old, new = bits.copy(), self.parts[f"dense/{name}"]
+                bits[:] = new
+                undo.append(lambda: bits.__setitem__(slice(None), old))
             else:
-                idx, new = np.cumsum(self.parts[f"idx/{name}"], dtype=np.int64), self.parts[f"val/{name}"]
-            undo.append((bits, idx, bits[idx].copy()))
-            bits[idx] = new
-        except (RuntimeError, ValueError, IndexError) as e:
+                gaps = self.parts[f"idx/{name}"]
+                replaced = patch(bits, gaps, self.parts[f"val/{name}"])
+                undo.append(lambda: unpatch(bits, gaps, replaced))
+        except (PatchError, ValueError) as e:
             raise ChecksumError(f"{name}: delta v{self.version} does not fit the tensor: {e}") from None
         if tensor_entry(current[name]) != entry:
             raise ChecksumError(f"{name}: applying delta v{self.version} gives other bytes than its manifest "
@@ -385,6 +394,8 @@ class WeightUpdate:
         import numpy as np
         import torch
 
+        from shared.delta_kernels import PatchError, patch
+
         entry = self.manifest.tensors[name]
         dtype = getattr(torch, entry.dtype)
         try:
@@ -392,9 +403,9 @@ class WeightUpdate:
                 bits = np.require(self.parts[f"dense/{name}"], requirements="W")
             else:
                 bits = _bits(current[name].detach().to("cpu", dtype)).copy()
-                bits[np.cumsum(self.parts[f"idx/{name}"], dtype=np.int64)] = self.parts[f"val/{name}"]
+                patch(bits, self.parts[f"idx/{name}"], self.parts[f"val/{name}"])
             t = torch.from_numpy(bits).view(dtype).reshape(entry.shape)
-        except (RuntimeError, ValueError, IndexError) as e:  # a malformed delta: wrong sizes or indices
+        except (PatchError, RuntimeError, ValueError) as e:  # a malformed delta: wrong sizes or indices
             raise ChecksumError(f"{name}: delta v{self.version} does not fit the tensor: {e}") from None
         if tensor_entry(t) != entry:
             raise ChecksumError(f"{name}: applying delta v{self.version} gives other bytes than its manifest "

@@ -114,6 +114,9 @@ class RunRegistry:
         return [c.run_id for c in idle]
 
     async def build(self, run_id: str) -> RunContext:
+        from shared.delta_kernels import warm_up_in_background
+
+        warm_up_in_background()  # compiled before the run's first delta, not on its clock
         config = await asyncio.to_thread(self.load_config, run_id)
         from transformers import AutoTokenizer
 

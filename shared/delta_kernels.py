@@ -1,0 +1,164 @@
+"""The two loops of a weight delta, compiled with numba: finding what changed between two versions of a tensor,
+and writing those changes into a tensor in place.
+
+Each is one pass over the tensor's bits. numpy needs five (compare, nonzero, diff, cast, gather) and a scatter
+through a cumsum-ed index array, which made the diff and the patch the slowest stages of a weight sync. They run
+without the GIL (`nogil`), so a thread pool spreads tensors over the cores, and are compiled on first use
+(cached on disk: `cache=True`); `warm_up` compiles them ahead of the first version, off its clock.
+
+Arrays are flat, C-contiguous integer views of the tensors' bytes (int16 for bf16/fp16, ...), so comparing
+compares bits: a NaN equals itself, -0.0 differs from 0.0."""
+
+from __future__ import annotations
+
+import threading
+
+import numba
+import numpy as np
+
+GAP_DTYPES = (np.uint8, np.uint16, np.int32, np.int64)
+
+
+@numba.njit(nogil=True, cache=True)
+def _count_changed(old, new):
+    n = 0
+    for i in range(old.size):
+        n += old[i] != new[i]
+    return n
+
+
+@numba.njit(nogil=True, cache=True)
+def _emit_changes(old, new, old_words, new_words, lanes, gaps, vals):
+    """Write each changed element's gap from the previous change (the first's: from 0) and its new bits; return
+    (how many, the largest gap), or (-1, 0) when `gaps` has too few slots.
+
+    The arrays are compared 8 bytes at a time (`*_words`: the same bytes as uint64, `lanes` elements to a word):
+    at RL learning rates most words are unchanged and skipped whole. Within a changed word every lane is written
+    at slot `j`, which only moves on past a change: no branch per element (changes fall at random, so it would
+    be mispredicted often), at the cost of `lanes` spare slots. Elements past the last whole word are compared
+    one by one."""
+    width = 64 // lanes
+    lane_mask = np.uint64((1 << width) - 1) if width < 64 else np.uint64(0xFFFFFFFFFFFFFFFF)
+    j = 0
+    last = 0
+    largest = 0
+    room = gaps.size - lanes
+    for w in range(old_words.size):
+        x = old_words[w] ^ new_words[w]
+        if x == 0:
+            continue
+        if j > room:
+            return -1, 0
+        first = w * lanes
+        for lane in range(lanes):
+            changed = ((x >> np.uint64(width * lane)) & lane_mask) != 0
+            i = first + lane
+            gap = i - last
+            gaps[j] = gap
+            vals[j] = new[i]
+            largest = max(largest, gap * changed)
+            last = i if changed else last
+            j += changed
+    for i in range(old_words.size * lanes, old.size):
+        if old[i] != new[i]:
+            if j >= gaps.size:
+                return -1, 0
+            gap = i - last
+            gaps[j] = gap
+            vals[j] = new[i]
+            largest = max(largest, gap)
+            last = i
+            j += 1
+    return j, largest
+
+
+def changes(old: np.ndarray, new: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """(gaps, values) of the elements where `new` differs from `old` (same dtype and size), or None when none
+    does. gaps[k] is the distance of change k from change k-1 (change 0: from index 0), in the smallest of
+    GAP_DTYPES that holds every gap; values are the new bits."""
+    lanes = 8 // new.itemsize
+    whole = old.size - old.size % lanes
+    old_words, new_words = old[:whole].view(np.uint64), new[:whole].view(np.uint64)
+    gap_dtype = np.uint32 if old.size <= np.iinfo(np.uint32).max else np.int64
+    slots = old.size // 8 + lanes + 1  # enough at RL learning rates (a few percent change)
+    while True:
+        gaps, vals = np.empty(slots, gap_dtype), np.empty(slots, new.dtype)
+        n, largest = _emit_changes(old, new, old_words, new_words, lanes, gaps, vals)
+        if n >= 0:
+            break
+        slots = _count_changed(old, new) + lanes + 1  # many changed: count them, then one more pass
+    if n == 0:
+        return None
+    narrow = next(d for d in GAP_DTYPES if largest <= np.iinfo(d).max)
+    return gaps[:n].astype(narrow), vals[:n]
+
+
+@numba.njit(nogil=True, cache=True)
+def _patch(bits, gaps, vals, undo):
+    """bits[positions] = vals, positions being the running sums of `gaps`; the bits each write replaces go to
+    `undo`. Stops at the first position outside `bits` (or before the previous one) and returns how many writes
+    were made: len(gaps) when all were."""
+    pos = -1
+    for k in range(gaps.size):
+        nxt = (0 if pos < 0 else pos) + np.int64(gaps[k])
+        if nxt >= bits.size or nxt < 0 or (k > 0 and nxt <= pos):
+            return k
+        pos = nxt
+        undo[k] = bits[pos]
+        bits[pos] = vals[k]
+    return gaps.size
+
+
+@numba.njit(nogil=True, cache=True)
+def _unpatch(bits, gaps, undo, written):
+    """Undo the first `written` writes of `_patch`."""
+    pos = 0
+    for k in range(written):
+        pos += np.int64(gaps[k])
+        bits[pos] = undo[k]
+
+
+class PatchError(ValueError):
+    """A delta's positions do not fit the tensor: out of range, or not increasing."""
+
+
+def patch(bits: np.ndarray, gaps: np.ndarray, vals: np.ndarray) -> np.ndarray:
+    """Write `vals` into `bits` (a writable flat view) at the positions `gaps` encode (see `changes`); return
+    what they replaced, for `unpatch`. PatchError, with `bits` unchanged, when a position is out of range or
+    not after the one before (a malformed delta), or when the lengths differ."""
+    if gaps.dtype not in GAP_DTYPES or gaps.ndim != 1:
+        raise PatchError(f"positions are {gaps.dtype} of shape {gaps.shape}, not 1-d {'/'.join(np.dtype(d).name for d in GAP_DTYPES)}")
+    if gaps.shape != vals.shape or vals.dtype != bits.dtype:
+        raise PatchError(f"{gaps.size} positions for {vals.size} values of {vals.dtype} (tensor: {bits.dtype})")
+    undo = np.empty_like(vals)
+    written = _patch(bits, gaps, vals, undo)
+    if written < gaps.size:
+        _unpatch(bits, gaps, undo, written)
+        raise PatchError(f"change {written} of {gaps.size} falls outside the tensor's {bits.size} elements or "
+                         "not after the change before it")
+    return undo
+
+
+def unpatch(bits: np.ndarray, gaps: np.ndarray, undo: np.ndarray) -> None:
+    """Put back what `patch` replaced."""
+    _unpatch(bits, gaps, undo, gaps.size)
+
+
+def warm_up() -> None:
+    """Compile (or load from the disk cache) the kernels for the integer widths of real weights (int16:
+    bf16/fp16, int32: fp32) and every gap width, so the first version is not slowed by it."""
+    for dtype in (np.int16, np.int32):
+        a = np.zeros(300, dtype)
+        b = a.copy()
+        b[[3, 299]] = 1
+        gaps, vals = changes(a, b)
+        for gap_dtype in GAP_DTYPES:
+            g = gaps.astype(gap_dtype)
+            unpatch(a, g, patch(a, g, vals))
+
+
+def warm_up_in_background() -> threading.Thread:
+    """`warm_up` on a daemon thread: for a service to call when it starts (a first use meanwhile waits for it)."""
+    thread = threading.Thread(target=warm_up, name="delta-kernels-warm-up", daemon=True)
+    thread.start()
+    return thread
