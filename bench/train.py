@@ -50,6 +50,8 @@ def weight_sync(work: Path, redis_url: str, database_url: str, workers: int = 2,
     r = bench_weight_sync(work / "sync", redis_url, database_url, workers, hidden, layers)
     delta, full, raw = r["delta_s"], r["full_s"], r["raw_copy_s"]
     stages = {k: round(statistics.median(v), 4) for k, v in r["delta_stages"].items()}
+    cpu = {k: round(statistics.median(v), 3) for k, v in r["delta_cpu"].items()}
+    totals = [sum(group) for group in zip(*r["delta_cpu"].values(), strict=True)]
     return {
         "full_bytes": r["full_bytes"], "rollout_workers": workers,
         "delta_bytes": statistics.median(r["delta_bytes"]), "changed_fraction": statistics.median(r["changed"]),
@@ -62,6 +64,11 @@ def weight_sync(work: Path, redis_url: str, database_url: str, workers: int = 2,
         # publisher's stages (plan request, diff + hashing the changed tensors, zstd, write + fsync of the delta
         # file, the weight server's publish request), the rest is the workers' notice, read, decode, patch, check
         "weight_sync_delta_stages_s": stages,
+        # CPU seconds a delta version costs (medians per process group, and of their sum) against the cores
+        # there are: cpu_s / cores is as fast as the version could be here even if every stage overlapped
+        "weight_sync_delta_cpu_s": cpu | {"total": statistics.median(totals)}, "cores": os.cpu_count(),
+        "weight_sync_delta_cpu_bound_s": statistics.median(totals) / os.cpu_count(),
+        "raw_copy_cpu_s": r["raw_copy_cpu_s"],
         "weight_sync_note": f"{r['params'] / 1e6:.0f}M-param Qwen2-shaped model, exported in bf16; each version is "
                             "one real verl FSDP2 optimizer step (lr 5e-6, AdamW) on the CPU trainer engine. Clock: "
                             "the trainer's publish (export_hf + WeightPublisher.publish: diff, hash, delta or full, "
@@ -72,7 +79,10 @@ def weight_sync(work: Path, redis_url: str, database_url: str, workers: int = 2,
                             "deltas applied in place (weight_sync_delta_s; _first_s: the first delta). "
                             "changed_fraction: share of the checkpoint's weight bytes that changed per delta "
                             "version. raw_copy_s: copy + fsync of the full bf16 model.safetensors on the same disk "
-                            "in the same run (median of 5).",
+                            "in the same run (median of 5; raw_copy_cpu_s: this process's CPU per copy, the unlink "
+                            "after it included). CPU seconds per delta version, from the step's end to every worker "
+                            "serving: trainer = this process (export, publish, and the 10 ms polling of /metrics), "
+                            "rollout workers and weight server = their process_cpu_seconds_total (10 ms ticks).",
     }
 
 
@@ -111,7 +121,7 @@ def bench_weight_sync(work: Path, redis_url: str, database_url: str, workers: in
     env = {"REDIS_URL": redis_url, "DATABASE_URL": database_url, "LOG_LEVEL": "WARNING",
            "SNAPSHOT_EVERY": str(SYNC_SNAPSHOT_EVERY)}
     out: dict = {"delta_s": [], "full_s": [], "delta_bytes": [], "changed": [], "params": trainer.num_parameters,
-                 "delta_stages": {}}
+                 "delta_stages": {}, "delta_cpu": {}}
     with LocalStack(data_dir=work / "stack", env=env) as stack:
         stack.start(services=["weight-server", "env-worker", "rollout-worker"], counts={"rollout-worker": workers})
         stack.wait_healthy(120)
@@ -127,20 +137,26 @@ def bench_weight_sync(work: Path, redis_url: str, database_url: str, workers: in
             i += 1
             time.sleep(0.5)
         publisher = WeightPublisher(stack.weight_server_url, stack.data_dir / "weights")
+        http = httpx.Client(timeout=5)
+        server_metrics = f"{stack.weight_server_url}/metrics"
         previous = None
         for version in range(1, SYNC_VERSIONS + 1):
             step()  # a real optimizer step: off the clock
+            # CPU seconds of every process on the clock: this one (the trainer's export and publish, and the
+            # polling below), each rollout worker, the weight server
+            cpu_before = [time.process_time(), *(_cpu_seconds(u, http) for u in [*urls, server_metrics])]
             start = time.time()
             staging = publisher.staging_folder(run_id, version)
             tensors = trainer.export_hf(staging, "bfloat16", weights=False)  # as the trainer's loop does
             exported = time.time()
             msg = publisher.publish(run_id, version, staging, {"reward_mean": 0.0}, tensors=tensors)
             published = time.time()
-            with httpx.Client(timeout=5) as http:
-                while any(_served_version(u, run_id, http) != version for u in urls):
-                    assert time.time() - start < 300, "rollout workers did not reload"
-                    time.sleep(0.01)
+            while any(_served_version(u, run_id, http) != version for u in urls):
+                assert time.time() - start < 300, "rollout workers did not reload"
+                time.sleep(0.01)
             elapsed = time.time() - start
+            cpu_after = [time.process_time(), *(_cpu_seconds(u, http) for u in [*urls, server_metrics])]
+            cpu = [b - a for a, b in zip(cpu_before, cpu_after, strict=True)]
             current = publisher.last[run_id].tensors
             if publisher.last_kind == "delta":
                 out["delta_s"].append(elapsed)
@@ -149,6 +165,8 @@ def bench_weight_sync(work: Path, redis_url: str, database_url: str, workers: in
                 for k, v in stages.items():
                     out["delta_stages"].setdefault(k, []).append(v)
                 out["delta_bytes"].append(msg.bytes)
+                for k, v in (("trainer", cpu[0]), ("rollout_workers", sum(cpu[1:-1])), ("weight_server", cpu[-1])):
+                    out["delta_cpu"].setdefault(k, []).append(v)
                 changed = sum(int(np.count_nonzero(_bits(previous[n]) != _bits(t))) * t.element_size()
                               for n, t in current.items())
                 out["changed"].append(changed / sum(t.numel() * t.element_size() for t in current.values()))
@@ -159,8 +177,11 @@ def bench_weight_sync(work: Path, redis_url: str, database_url: str, workers: in
             previous = current
             laps = " ".join(f"{k} {v:.3f}" for k, v in publisher.last_timings.items())
             log(f"v{version} {publisher.last_kind}: {elapsed:.3f} s (export {exported - start:.3f} s, publish "
-                f"{published - exported:.3f} s: {laps}), {msg.bytes} bytes")
+                f"{published - exported:.3f} s: {laps}), {msg.bytes} bytes, CPU s {[round(c, 3) for c in cpu]}")
+        http.close()
+        cpu_before = time.process_time()
         out["raw_copy_s"] = raw_copy(weights_file, work)
+        out["raw_copy_cpu_s"] = (time.process_time() - cpu_before) / 5  # raw_copy runs 5 copies
     return out
 
 
@@ -194,6 +215,14 @@ def _random_batch(batch: int, prompt_len: int, response_len: int, group_size: in
             "attention_mask": attention, "position_ids": (attention.cumsum(-1) - 1),
             "response_mask": attention[:, prompt_len:],
             "uid": np.array([str(i // group_size) for i in range(batch)], dtype=object)}
+
+
+def _cpu_seconds(url: str, http) -> float:
+    """process_cpu_seconds_total from a service's /metrics (prometheus-client reads /proc: 10 ms ticks)."""
+    for line in http.get(url, timeout=30).text.splitlines():
+        if line.startswith("process_cpu_seconds_total "):
+            return float(line.split()[1])
+    raise RuntimeError(f"{url} reports no process_cpu_seconds_total")
 
 
 def _served_version(url: str, run_id: str, http=None) -> int | None:
