@@ -75,3 +75,16 @@ async def redis_client(redis_url):
     await client.flushdb()
     yield client
     await client.aclose()
+
+
+@pytest.fixture(scope="module")
+def vllm_models(tmp_path_factory) -> list[Path]:
+    """Three tiny vLLM-shaped models with tied embeddings (seeds 0, 1, 2), for one module of vLLM tests. Without
+    `.venv-vllm` it skips (fails in CI) before building anything."""
+    from fixtures.vllm_env import vllm_python
+
+    from harness.tiny_model import build_vllm_tiny_model
+
+    vllm_python()
+    root = tmp_path_factory.mktemp("vllm-models")
+    return [build_vllm_tiny_model(root / f"v{seed}", seed=seed, tie_word_embeddings=True) for seed in range(3)]

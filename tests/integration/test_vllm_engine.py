@@ -10,26 +10,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fixtures.vllm_env import VLLMDriver, hf_generate, reference_logprobs, vllm_python
+from fixtures.vllm_env import VLLMDriver, hf_generate, reference_logprobs
 from fixtures.weight_deltas import STEPS, corrupted, expected_digests, export, step, write_delta
 from safetensors.torch import load_file
-
-from harness.tiny_model import build_vllm_tiny_model
 
 pytestmark = pytest.mark.slow
 PROMPTS = [[5, 6, 7, 8], [40, 41, 42], [100, 7, 300, 12, 9], [1, 2]]
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    vllm_python()  # skip (or fail in CI) before building anything
-    root = tmp_path_factory.mktemp("vllm-models")
-    return [build_vllm_tiny_model(root / f"v{seed}", seed=seed, tie_word_embeddings=True) for seed in range(3)]
-
-
-@pytest.fixture(scope="module")
-def driver(models, tmp_path_factory):
-    d = VLLMDriver(models[0], tmp_path_factory.mktemp("vllm-log") / "driver.log")
+def driver(vllm_models, tmp_path_factory):
+    d = VLLMDriver(vllm_models[0], tmp_path_factory.mktemp("vllm-log") / "driver.log")
     yield d
     d.close()
 
@@ -49,51 +40,51 @@ def assert_matches_hf(result: dict, model, prompt: list[int]) -> None:
     assert result["logprobs"] == pytest.approx(logprobs, abs=1e-4)
 
 
-def test_logprobs_are_those_of_the_sampling_distribution(driver, models):
+def test_logprobs_are_those_of_the_sampling_distribution(driver, vllm_models):
     requests = [{"prompt": p, "max_tokens": 12, "temperature": 0.8, "top_k": 20, "top_p": 0.9} for p in PROMPTS]
     results = ok(driver.call({"op": "generate", "requests": requests}))["results"]
     for r, req in zip(results, requests, strict=True):
         assert r["version"] == 0 and len(r["ids"]) == len(r["logprobs"]) > 0
-        ref = reference_logprobs(models[0], req["prompt"], r["ids"], temperature=0.8, top_k=20, top_p=0.9)
+        ref = reference_logprobs(vllm_models[0], req["prompt"], r["ids"], temperature=0.8, top_k=20, top_p=0.9)
         assert r["logprobs"] == pytest.approx(ref, abs=1e-4)  # not the raw logits' (vLLM's default)
     (g,) = ok(driver.call({"op": "generate", "requests": [greedy(PROMPTS[0])]}))["results"]
-    assert_matches_hf(g, models[0], PROMPTS[0])
+    assert_matches_hf(g, vllm_models[0], PROMPTS[0])
 
 
-def test_hot_reload_serves_the_new_checkpoint_and_in_flight_requests_keep_their_version(driver, models):
-    assert hf_generate(models[0], PROMPTS[0], 16)[0] != hf_generate(models[1], PROMPTS[0], 16)[0]
+def test_hot_reload_serves_the_new_checkpoint_and_in_flight_requests_keep_their_version(driver, vllm_models):
+    assert hf_generate(vllm_models[0], PROMPTS[0], 16)[0] != hf_generate(vllm_models[1], PROMPTS[0], 16)[0]
     reply = ok(driver.call({"op": "generate_and_reload", "requests": [greedy(p, 64) for p in PROMPTS],
-                            "folder": str(models[1]), "version": 1, "after": [greedy(p) for p in PROMPTS]}))
+                            "folder": str(vllm_models[1]), "version": 1, "after": [greedy(p) for p in PROMPTS]}))
     assert reply["in_flight_at_reload"] == len(PROMPTS)  # the reload really overlapped generation
     for r, p in zip(reply["results"], PROMPTS, strict=True):
         assert r["version"] == 0
-        assert_matches_hf(r, models[0], p)  # finished on the weights it started on
+        assert_matches_hf(r, vllm_models[0], p)  # finished on the weights it started on
     for r, p in zip(reply["after"], PROMPTS, strict=True):
         assert r["version"] == 1
-        assert_matches_hf(r, models[1], p)  # the tied output layer was reloaded too
-    assert ok(driver.call({"op": "reload", "folder": str(models[2]), "version": 2}))["version"] == 2
+        assert_matches_hf(r, vllm_models[1], p)  # the tied output layer was reloaded too
+    assert ok(driver.call({"op": "reload", "folder": str(vllm_models[2]), "version": 2}))["version"] == 2
     (r,) = ok(driver.call({"op": "generate", "requests": [greedy(PROMPTS[2])]}))["results"]
     assert r["version"] == 2
-    assert_matches_hf(r, models[2], PROMPTS[2])
+    assert_matches_hf(r, vllm_models[2], PROMPTS[2])
 
 
-def test_reload_from_a_missing_folder_is_refused_and_the_engine_keeps_serving(driver, models, tmp_path):
+def test_reload_from_a_missing_folder_is_refused_and_the_engine_keeps_serving(driver, vllm_models, tmp_path):
     reply = driver.call({"op": "reload", "folder": str(tmp_path / "nowhere"), "version": 3})
     assert "FileNotFoundError" in reply["error"]
     (r,) = ok(driver.call({"op": "generate", "requests": [greedy(PROMPTS[1])]}))["results"]
     assert r["version"] == 2
-    assert_matches_hf(r, models[2], PROMPTS[1])
+    assert_matches_hf(r, vllm_models[2], PROMPTS[1])
 
 
 # -- deltas through vLLM's in-place weight loading ------------------------------------------------------------
-def test_deltas_are_applied_through_vllms_weight_loading_bit_exact_or_refused(driver, models, tmp_path):
-    """From v2 (models[2], tied): a step that changes every tensor, one that changes only q_proj of one layer
+def test_deltas_are_applied_through_vllms_weight_loading_bit_exact_or_refused(driver, vllm_models, tmp_path):
+    """From v2 (vllm_models[2], tied): a step that changes every tensor, one that changes only q_proj of one layer
     (vLLM rebuilds the fused qkv_proj with k, v and the biases it did not get as changed), one that changes
     only the embedding (the tied output layer follows). After each, the weights vLLM computes with equal the
     export bit for bit and greedy output equals transformers' on the export. A delta whose result does not
     match its manifest is refused and the old version keeps serving."""
     gen = torch.Generator().manual_seed(0)
-    state = load_file(str(models[2] / "model.safetensors"))
+    state = load_file(str(vllm_models[2] / "model.safetensors"))
     for version, names in STEPS.items():
         new = step(state, gen, names)
         reply = ok(driver.call({"op": "apply_update", **write_delta(tmp_path, version, state, new)}))
@@ -103,7 +94,7 @@ def test_deltas_are_applied_through_vllms_weight_loading_bit_exact_or_refused(dr
         assert served["digests"] == expected_digests(state, served["packed"], tied=True)
         (r,) = ok(driver.call({"op": "generate", "requests": [greedy(PROMPTS[version % len(PROMPTS)])]}))["results"]
         assert r["version"] == version
-        assert_matches_hf(r, export(tmp_path, version, models[2], state), PROMPTS[version % len(PROMPTS)])
+        assert_matches_hf(r, export(tmp_path, version, vllm_models[2], state), PROMPTS[version % len(PROMPTS)])
 
     # v6 claims another result for the one tensor it changes: refused before vLLM sees it, v5 keeps serving
     new, claimed = corrupted(state, gen)

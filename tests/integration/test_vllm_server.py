@@ -14,12 +14,11 @@ import asyncio
 import httpx
 import pytest
 import torch
-from fixtures.vllm_env import hf_generate, reference_logprobs, start_vllm_server, vllm_python
+from fixtures.vllm_env import hf_generate, reference_logprobs, start_vllm_server
 from fixtures.weight_deltas import STEPS, corrupted, expected_digests, export, load_update, step, write_delta
 from safetensors.torch import load_file
 
 from harness.ports import free_port
-from harness.tiny_model import build_vllm_tiny_model
 from services.rollout_worker.engines import InferenceError, SamplingParams, build_engine
 from shared.run_config import EngineConfig
 from shared.weights import ChecksumError
@@ -30,16 +29,9 @@ GREEDY = SamplingParams(temperature=0.0)
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    vllm_python()  # skip (or fail in CI) before building anything
-    root = tmp_path_factory.mktemp("vllm-server-models")
-    return [build_vllm_tiny_model(root / f"v{seed}", seed=seed, tie_word_embeddings=True) for seed in range(3)]
-
-
-@pytest.fixture(scope="module")
-def server(models, tmp_path_factory):
+def server(vllm_models, tmp_path_factory):
     port = free_port()
-    proc = start_vllm_server(models[0], port, tmp_path_factory.mktemp("vllm-server") / "server.log")
+    proc = start_vllm_server(vllm_models[0], port, tmp_path_factory.mktemp("vllm-server") / "server.log")
     yield f"http://127.0.0.1:{port}"
     proc.terminate()
     try:
@@ -49,13 +41,13 @@ def server(models, tmp_path_factory):
 
 
 @pytest.fixture
-async def connect(server, models):
+async def connect(server, vllm_models):
     """An openai engine on the module's server, starting at `version` (what the server serves by then)."""
     engines = []
 
     def make(version: int, **kwargs):
         cfg = EngineConfig(type="openai", base_url=f"{server}/v1", max_retries=1)
-        engines.append(build_engine("openai", str(models[0]), cfg, tokenizer=None, initial_version=version,
+        engines.append(build_engine("openai", str(vllm_models[0]), cfg, tokenizer=None, initial_version=version,
                                     **kwargs))
         return engines[-1]
 
@@ -80,57 +72,57 @@ async def assert_matches_hf(gen, model, prompt: list[int], version: int) -> None
     assert gen.logprobs == pytest.approx(logprobs, abs=1e-4)
 
 
-async def test_token_ids_and_logprobs_come_from_the_server(connect, models):
+async def test_token_ids_and_logprobs_come_from_the_server(connect, vllm_models):
     engine = connect(0)
     sampling = SamplingParams(temperature=0.8, top_k=20, top_p=0.9)
     for prompt in PROMPTS:
         gen = await engine.generate(prompt, sampling, 12)
         assert gen.weight_version == 0 and len(gen.ids) == len(gen.logprobs) > 0
-        ref = reference_logprobs(models[0], prompt, gen.ids, temperature=0.8, top_k=20, top_p=0.9)
+        ref = reference_logprobs(vllm_models[0], prompt, gen.ids, temperature=0.8, top_k=20, top_p=0.9)
         assert gen.logprobs == pytest.approx(ref, abs=1e-4)  # the sampling distribution's
-    await assert_matches_hf(await engine.generate(PROMPTS[0], GREEDY, 16), models[0], PROMPTS[0], 0)
+    await assert_matches_hf(await engine.generate(PROMPTS[0], GREEDY, 16), vllm_models[0], PROMPTS[0], 0)
 
 
-async def test_hot_reload_through_the_server_routes(connect, server, models):
+async def test_hot_reload_through_the_server_routes(connect, server, vllm_models):
     engine = connect(0)
     in_flight = [asyncio.create_task(engine.generate(p, GREEDY, 64)) for p in PROMPTS]
     while engine._gate.in_flight < len(PROMPTS):  # every request is at the server
         await asyncio.sleep(0.001)
-    reload = asyncio.create_task(engine.load_weights(models[1], 1))
+    reload = asyncio.create_task(engine.load_weights(vllm_models[1], 1))
     await asyncio.sleep(0.05)
     late = [asyncio.create_task(engine.generate(p, GREEDY, 16)) for p in PROMPTS]  # wait at the gate
     await reload
     for gen, prompt in zip(await asyncio.gather(*in_flight), PROMPTS, strict=True):
-        await assert_matches_hf(gen, models[0], prompt, 0)  # finished on the weights they started on
+        await assert_matches_hf(gen, vllm_models[0], prompt, 0)  # finished on the weights they started on
     for gen, prompt in zip(await asyncio.gather(*late), PROMPTS, strict=True):
-        await assert_matches_hf(gen, models[1], prompt, 1)  # the tied output layer was reloaded too
+        await assert_matches_hf(gen, vllm_models[1], prompt, 1)  # the tied output layer was reloaded too
     assert served_version(server) == "1"
-    await engine.load_weights(models[2], 2)
+    await engine.load_weights(vllm_models[2], 2)
     assert served_version(server) == "2" and engine.version == 2
-    await assert_matches_hf(await engine.generate(PROMPTS[2], GREEDY, 16), models[2], PROMPTS[2], 2)
+    await assert_matches_hf(await engine.generate(PROMPTS[2], GREEDY, 16), vllm_models[2], PROMPTS[2], 2)
 
 
-async def test_reload_from_a_missing_folder_fails_and_the_old_weights_keep_serving(connect, server, models,
+async def test_reload_from_a_missing_folder_fails_and_the_old_weights_keep_serving(connect, server, vllm_models,
                                                                                   tmp_path):
     engine = connect(2)
     with pytest.raises(InferenceError, match="safetensors"):
         await engine.load_weights(tmp_path / "nowhere", 3)
     assert engine.version == 2 and served_version(server) == "2"
     assert httpx.get(f"{server}/is_paused").json()["is_paused"] is False
-    await assert_matches_hf(await engine.generate(PROMPTS[1], GREEDY, 16), models[2], PROMPTS[1], 2)
+    await assert_matches_hf(await engine.generate(PROMPTS[1], GREEDY, 16), vllm_models[2], PROMPTS[1], 2)
 
 
-async def test_deltas_are_loaded_through_the_server_bit_exact_or_refused(connect, server, models, tmp_path):
-    """From v2 (models[2], tied), the steps of test_vllm_engine's delta test through the server: after each the
+async def test_deltas_are_loaded_through_the_server_bit_exact_or_refused(connect, server, vllm_models, tmp_path):
+    """From v2 (vllm_models[2], tied), the steps of test_vllm_engine's delta test through the server: after each the
     server computes with the export bit for bit, labels its output with the new version and greedy output
     equals transformers' on the export. A delta whose result does not match its manifest is refused before
     the server sees it, and v5 keeps serving."""
     scratch = tmp_path / "scratch"
     engine = connect(1, scratch_dir=scratch)
     assert engine.supports_update
-    await engine.load_weights(models[2], 2)  # the engine keeps the tensors of what it loaded last
+    await engine.load_weights(vllm_models[2], 2)  # the engine keeps the tensors of what it loaded last
     gen = torch.Generator().manual_seed(0)
-    state = load_file(str(models[2] / "model.safetensors"))
+    state = load_file(str(vllm_models[2] / "model.safetensors"))
     packed = await asyncio.to_thread(rpc, server, "flywheel_packed_modules")
     for version, names in STEPS.items():
         new = step(state, gen, names)
@@ -139,7 +131,7 @@ async def test_deltas_are_loaded_through_the_server_bit_exact_or_refused(connect
         assert engine.version == version and served_version(server) == str(version)
         digests = await asyncio.to_thread(rpc, server, "flywheel_weight_digests")
         assert digests == expected_digests(state, packed, tied=True)
-        prompt, folder = PROMPTS[version % len(PROMPTS)], export(tmp_path, version, models[2], state)
+        prompt, folder = PROMPTS[version % len(PROMPTS)], export(tmp_path, version, vllm_models[2], state)
         await assert_matches_hf(await engine.generate(prompt, GREEDY, 16), folder, prompt, version)
     assert list(scratch.iterdir()) == []  # each delta's file is deleted once loaded
 
