@@ -4,7 +4,8 @@ and writing those changes into a tensor in place.
 Each is one pass over the tensor's bits. numpy needs five (compare, nonzero, diff, cast, gather) and a scatter
 through a cumsum-ed index array, which made the diff and the patch the slowest stages of a weight sync. They run
 without the GIL (`nogil`), so a thread pool spreads tensors over the cores, and are compiled on first use
-(cached on disk: `cache=True`); `warm_up` compiles them ahead of the first version, off its clock.
+(cached on disk where numba finds a writable place: next to this file, or the user's cache folder; in memory
+only on a read-only image); `warm_up` compiles them ahead of the first version, off its clock.
 
 Arrays are flat, C-contiguous integer views of the tensors' bytes (int16 for bf16/fp16, ...), so comparing
 compares bits: a NaN equals itself, -0.0 differs from 0.0."""
@@ -19,7 +20,16 @@ import numpy as np
 GAP_DTYPES = (np.uint8, np.uint16, np.int32, np.int64)
 
 
-@numba.njit(nogil=True, cache=True)
+def _compiled(fn):
+    """numba.njit without the GIL, cached on disk when numba has somewhere to write (else it refuses to decorate:
+    a read-only root file system with no writable home), compiled anew in each process otherwise."""
+    try:
+        return numba.njit(nogil=True, cache=True)(fn)
+    except RuntimeError:  # "cannot cache function ...: no locator available"
+        return numba.njit(nogil=True)(fn)
+
+
+@_compiled
 def _count_changed(old, new):
     n = 0
     for i in range(old.size):
@@ -27,7 +37,7 @@ def _count_changed(old, new):
     return n
 
 
-@numba.njit(nogil=True, cache=True)
+@_compiled
 def _emit_changes(old, new, old_words, new_words, lanes, gaps, vals):
     """Write each changed element's gap from the previous change (the first's: from 0) and its new bits; return
     (how many, the largest gap), or (-1, 0) when `gaps` has too few slots.
@@ -93,7 +103,7 @@ def changes(old: np.ndarray, new: np.ndarray) -> tuple[np.ndarray, np.ndarray] |
     return gaps[:n].astype(narrow), vals[:n]
 
 
-@numba.njit(nogil=True, cache=True)
+@_compiled
 def _patch(bits, gaps, vals, undo):
     """bits[positions] = vals, positions being the running sums of `gaps`; the bits each write replaces go to
     `undo`. Stops at the first position outside `bits` (or before the previous one) and returns how many writes
@@ -109,7 +119,7 @@ def _patch(bits, gaps, vals, undo):
     return gaps.size
 
 
-@numba.njit(nogil=True, cache=True)
+@_compiled
 def _unpatch(bits, gaps, undo, written):
     """Undo the first `written` writes of `_patch`."""
     pos = 0

@@ -90,3 +90,18 @@ def test_positions_and_values_that_do_not_match_are_refused():
     with pytest.raises(PatchError, match="int32"):
         patch(live, np.array([1], np.uint8), np.array([5], np.int32))  # values of another width than the tensor
     assert np.array_equal(live, np.arange(10, dtype=np.int16))
+
+
+def test_the_kernels_work_where_numba_has_nowhere_to_cache_them():
+    """A read-only image with no writable home: numba refuses `cache=True` there, which must not break imports."""
+    import subprocess
+    import sys
+
+    code = ("import numba.core.caching as c\n"
+            "(getattr(c, 'CacheImpl', None) or c._CacheImpl)._locator_classes = []  # no place to cache\n"
+            "import numpy as np\n"
+            "from shared.delta_kernels import changes, patch\n"
+            "old = np.zeros(9, np.int16); new = old.copy(); new[[2, 8]] = 5\n"
+            "gaps, vals = changes(old, new); patch(old, gaps, vals); assert (old == new).all(); print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
