@@ -5,14 +5,20 @@ Each is one pass over the tensor's bits. numpy needs five (compare, nonzero, dif
 through a cumsum-ed index array, which made the diff and the patch the slowest stages of a weight sync. They run
 without the GIL (`nogil`), so a thread pool spreads tensors over the cores, and are compiled on first use
 (cached on disk where numba finds a writable place: next to this file, or the user's cache folder; in memory
-only on a read-only image); `warm_up` compiles them ahead of the first version, off its clock.
+only on a read-only image); `warm_up` makes every specialization, one process at a time, and services run it
+when they start, ahead of the first version and off its clock.
 
 Arrays are flat, C-contiguous integer views of the tensors' bytes (int16 for bf16/fp16, ...), so comparing
 compares bits: a NaN equals itself, -0.0 differs from 0.0."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import os
+import tempfile
 import threading
+from pathlib import Path
 
 import numba
 import numpy as np
@@ -86,6 +92,7 @@ def changes(old: np.ndarray, new: np.ndarray) -> tuple[np.ndarray, np.ndarray] |
     """(gaps, values) of the elements where `new` differs from `old` (same dtype and size), or None when none
     does. gaps[k] is the distance of change k from change k-1 (change 0: from index 0), in the smallest of
     GAP_DTYPES that holds every gap; values are the new bits."""
+    warm_up()
     lanes = 8 // new.itemsize
     whole = old.size - old.size % lanes
     old_words, new_words = old[:whole].view(np.uint64), new[:whole].view(np.uint64)
@@ -140,6 +147,7 @@ def patch(bits: np.ndarray, gaps: np.ndarray, vals: np.ndarray) -> np.ndarray:
         raise PatchError(f"positions are {gaps.dtype} of shape {gaps.shape}, not 1-d {'/'.join(np.dtype(d).name for d in GAP_DTYPES)}")
     if gaps.shape != vals.shape or vals.dtype != bits.dtype:
         raise PatchError(f"{gaps.size} positions for {vals.size} values of {vals.dtype} (tensor: {bits.dtype})")
+    warm_up()
     undo = np.empty_like(vals)
     written = _patch(bits, gaps, vals, undo)
     if written < gaps.size:
@@ -151,20 +159,62 @@ def patch(bits: np.ndarray, gaps: np.ndarray, vals: np.ndarray) -> np.ndarray:
 
 def unpatch(bits: np.ndarray, gaps: np.ndarray, undo: np.ndarray) -> None:
     """Put back what `patch` replaced."""
+    warm_up()
     _unpatch(bits, gaps, undo, gaps.size)
 
 
+ELEMENT_DTYPES = (np.int8, np.int16, np.int32, np.int64)  # the bits of fp8, bf16/fp16, fp32, fp64 weights
+_LOCK_FILE = Path(tempfile.gettempdir()) / "flywheel-delta-kernels.lock"
+_ready = threading.Event()
+_ready_lock = threading.Lock()
+
+
 def warm_up() -> None:
-    """Compile (or load from the disk cache) the kernels for the integer widths of real weights (int16:
-    bf16/fp16, int32: fp32) and every gap width, so the first version is not slowed by it."""
-    for dtype in (np.int16, np.int32):
-        a = np.zeros(300, dtype)
-        b = a.copy()
-        b[[3, 299]] = 1
-        gaps, vals = changes(a, b)
-        for gap_dtype in GAP_DTYPES:
-            g = gaps.astype(gap_dtype)
-            unpatch(a, g, patch(a, g, vals))
+    """Load every kernel this module's functions can call (each element width, each gap width) from numba's disk
+    cache, or compile and save it, once per process; `changes`, `patch` and `unpatch` wait for it.
+
+    Every specialization is made here, holding a lock file, and nowhere else: numba's cache is not safe when two
+    processes save into it at once (each reads the index, both give their entry the same data file name, and
+    the index can end up naming the other's machine code), and many processes share one cache on a developer's
+    or CI's machine. Taken in turn, the first process compiles and saves (a few seconds, once per machine and
+    numba version) and the others load."""
+    if _ready.is_set():
+        return
+    with _ready_lock:
+        if _ready.is_set():
+            return
+        with _cache_lock():
+            for dtype in ELEMENT_DTYPES:
+                old = np.zeros(64, dtype)
+                new = old.copy()
+                new[[3, 63]] = 1
+                lanes = 8 // old.itemsize
+                _count_changed(old, new)
+                for gap_dtype in (np.uint32, np.int64):  # what `changes` writes gaps into
+                    _emit_changes(old, new, old.view(np.uint64), new.view(np.uint64), lanes,
+                                  np.empty(old.size + lanes, gap_dtype), np.empty(old.size + lanes, dtype))
+                for gap_dtype in GAP_DTYPES:
+                    gaps, vals = np.array([3, 60], gap_dtype), np.ones(2, dtype)
+                    undo = np.empty_like(vals)
+                    _patch(old, gaps, vals, undo)
+                    _unpatch(old, gaps, undo, 2)
+        _ready.set()
+
+
+@contextlib.contextmanager
+def _cache_lock():
+    """An exclusive lock on _LOCK_FILE, shared by every process of this machine; without it when the file
+    cannot be opened (no writable temp folder: then numba has no cache to write either)."""
+    try:
+        fd = os.open(_LOCK_FILE, os.O_RDONLY | os.O_CREAT, 0o644)
+    except OSError:
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def warm_up_in_background() -> threading.Thread:
