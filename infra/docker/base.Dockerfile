@@ -26,4 +26,7 @@ RUN pip install --no-deps -e . \
     && useradd --create-home --uid 1000 flywheel \
     && mkdir -p /data /weights && chown flywheel /data /weights
 USER flywheel
+# The delta kernels' machine code in the image (numba's cache, in the service user's home): a container on a CPU
+# like the builder's loads it instead of compiling (~6 s of a core when a run opens; another CPU compiles anew).
+RUN python -c "from shared.delta_kernels import warm_up; warm_up()"
 CMD ["flywheel-api"]
