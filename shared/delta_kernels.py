@@ -144,7 +144,8 @@ def patch(bits: np.ndarray, gaps: np.ndarray, vals: np.ndarray) -> np.ndarray:
     what they replaced, for `unpatch`. PatchError, with `bits` unchanged, when a position is out of range or
     not after the one before (a malformed delta), or when the lengths differ."""
     if gaps.dtype not in GAP_DTYPES or gaps.ndim != 1:
-        raise PatchError(f"positions are {gaps.dtype} of shape {gaps.shape}, not 1-d {'/'.join(np.dtype(d).name for d in GAP_DTYPES)}")
+        widths = "/".join(np.dtype(d).name for d in GAP_DTYPES)
+        raise PatchError(f"positions are {gaps.dtype} of shape {gaps.shape}, not 1-d {widths}")
     if gaps.shape != vals.shape or vals.dtype != bits.dtype:
         raise PatchError(f"{gaps.size} positions for {vals.size} values of {vals.dtype} (tensor: {bits.dtype})")
     warm_up()

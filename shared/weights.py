@@ -171,8 +171,8 @@ def fetch_checkpoint(msg: WeightsPublished, cache_dir: Path, *, verify_shared_pa
 
     Co-located (msg.path readable): used in place; the manifest hash and file sizes are checked, file contents
     only with `verify_shared_path` (see the module docstring: by default nobody re-reads a co-located snapshot
-    after the trainer hashed it, and a delta is checked by what it decodes to). Otherwise the files are streamed over HTTP from msg.uri
-    into `cache_dir/<run>/v<version>`, hashed as they arrive.
+    after the trainer hashed it, and a delta is checked by what it decodes to). Otherwise the files are streamed
+    over HTTP from msg.uri into `cache_dir/<run>/v<version>`, hashed as they arrive.
     """
     if msg.path and Path(msg.path, MANIFEST).is_file():
         verify_folder(Path(msg.path), msg.sha256, full=verify_shared_path)
@@ -345,7 +345,8 @@ class WeightUpdate:
         missing = [n for n in self.names if n not in current and f"dense/{n}" not in self.parts]
         if missing:
             raise ChecksumError(f"v{self.version}: the weights being updated have no tensors {missing[:5]}")
-        with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:  # the patch kernel and xxhash drop the GIL
+        # the patch kernel and xxhash drop the GIL
+        with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
             return dict(zip(self.names, pool.map(lambda n: self._apply_one(n, current), self.names), strict=True))
 
     def fits_in_place(self, current: Mapping[str, torch.Tensor]) -> bool:

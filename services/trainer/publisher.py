@@ -111,7 +111,8 @@ class WeightPublisher:
             for name in files:  # durable before the server renames it into place
                 fsync_path(folder / name)
             # Declared hashes let a server with VERIFY_STAGING=false skip re-reading; one that verifies compares.
-            body |= {"staging_path": str(folder), "files": {n: digests.get(n) or sha256_file(folder / n) for n in files}}
+            body |= {"staging_path": str(folder),
+                     "files": {n: digests.get(n) or sha256_file(folder / n) for n in files}}
         else:
             body["files"] = {n: self._upload(run_id, version, folder / n) for n in files}
         clock.lap("write_s")
