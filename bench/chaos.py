@@ -34,12 +34,19 @@ from pathlib import Path
 import httpx
 from sqlalchemy import text
 
-from harness.live import accounting, register_dataset, run_status, stored_count
+from harness.live import (
+    accounting,
+    register_dataset,
+    run_status,
+    start_mock_llm,
+    stored_count,
+    wait_run_ended,
+)
 from harness.ports import free_port
+from harness.procs import wait_until
 from harness.servers import PostgresServer, RedisServer
 from harness.tiny_model import build_number_model, build_tiny_model
 
-__all__ = ["PostgresServer", "RedisServer", "free_port"]  # re-exported: older callers import them from here
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "chaos.json"
 TOKEN = "chaos-token"
@@ -93,11 +100,7 @@ class Chaos:
             return self._start_training()
         model_dir = self._tokenizer()
         mock_port = free_port()
-        self.mock = subprocess.Popen(
-            [sys.executable, "-m", "harness.mock_llm", "--port", str(mock_port), "--latency-ms",
-             str(self.latency_ms), "--answer", "The answer is \\boxed{1}."],
-            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-        )
+        self.mock = start_mock_llm(mock_port, self.latency_ms)
         self.stack.start(services=["api", "jobs", "controller", "env-worker", "rollout-worker"],
                          counts={"rollout-worker": 2, "env-worker": 2})
         self.stack.wait_healthy(90)
@@ -164,11 +167,7 @@ class Chaos:
         return run_status(self.engine, self.run_id)
 
     def wait_progress(self, n: int, timeout_s: float = 180) -> None:
-        deadline = time.monotonic() + timeout_s
-        while self.progress() < n:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"progress below {n} ({self.kind}) after {timeout_s:.0f}s")
-            time.sleep(0.2)
+        wait_until(lambda: self.progress() >= n, timeout_s, f"progress {n} ({self.kind})", interval_s=0.2)
 
     def wait_progress_after(self, baseline: int, timeout_s: float) -> float | None:
         """Seconds until progress exceeds `baseline`: a new trajectory stored, or a new version trained
@@ -181,12 +180,7 @@ class Chaos:
         return None
 
     def wait_done(self, timeout_s: float) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.status() in ("completed", "failed", "stopped"):
-                return self.status() == "completed"
-            time.sleep(0.5)
-        return False
+        return wait_run_ended(self.engine, self.run_id, timeout_s) == "completed"
 
     def accounting(self) -> dict[str, int]:
         counts = accounting(self.engine, self.run_id)

@@ -29,7 +29,14 @@ import psutil
 import redis
 from sqlalchemy import text
 
-from harness.live import accounting, insert_run, register_dataset, run_status, start_mock_llm, stored_count
+from harness.live import (
+    accounting,
+    insert_run,
+    register_dataset,
+    start_mock_llm,
+    stored_count,
+    wait_run_ended,
+)
 from harness.ports import free_port
 from harness.servers import PostgresServer, RedisServer
 from harness.tiny_model import build_tiny_model
@@ -146,16 +153,6 @@ def run_config(model: str, base_url: str, args) -> dict:
     }
 
 
-def wait_done(engine, run_id: str, timeout_s: float) -> str:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        status = run_status(engine, run_id)
-        if status in ("completed", "failed", "stopped"):
-            return status
-        time.sleep(1.0)
-    return "timed_out"
-
-
 def measure(tmp: Path, args) -> dict:
     from harness.stack import LocalStack
     from shared.db.session import make_engine
@@ -178,7 +175,7 @@ def measure(tmp: Path, args) -> dict:
         run_id = insert_run(engine, run_config(model, f"http://127.0.0.1:{port}/v1", args))
         sampler = Sampler(rs.url, engine, run_id, args.sample_s, stack)
         sampler.start()
-        status = wait_done(engine, run_id, args.timeout_s)
+        status = wait_run_ended(engine, run_id, args.timeout_s)
         wall_s = time.monotonic() - t0
         sampler.halt.set()
         sampler.join()

@@ -1,90 +1,21 @@
 """The demo's task: name a digit. The prompt is a number word ("seven"), the one-token answer its digit ("7").
 
-The answer depends on the prompt: a policy that ignores the prompt scores at most 1/10 (always answering the
-most frequent digit of a uniform task mix), so a reward of 0.8 needs the model to read the question, and the
-accuracy per question (see `accuracy_by_question`) shows a constant answer for what it is.
-
-User components, plugged into a run by import path as any user's would be:
+The task itself is the built-in `recall` (shared/builtin/recall.py: agent, env and dataset generator of that
+name); the demo plugs its components in by import path, as any user's own would be:
     "env": {"name": "bench.recall:RecallEnv"}, "agent": {"name": "bench.recall:RecallAgent"}
-and the tiny random-init model whose tokenizer knows exactly this task's words
+and trains the tiny random-init model whose tokenizer knows exactly this task's words
 (harness.tiny_model.build_number_model, which bench/demo_agent.py imports from here as `build_tiny_model`).
 """
 
 from __future__ import annotations
 
-import random
-from typing import Any
-
-from harness.tiny_model import NUMBER_WORDS as WORDS
 from harness.tiny_model import build_number_model as build_tiny_model  # noqa: F401  (bench/demo_agent.py's name)
-from shared.agent import Action, BaseAgent, BaseEnv, Step, Trajectory
-
-ANSWERS = {word: str(digit) for digit, word in enumerate(WORDS)}
-CHANCE = 1 / len(WORDS)  # the best score of an answer that ignores the prompt, on a uniform task mix
-
-
-def dataset_rows(n: int, seed: int = 0) -> list[dict]:
-    """n tasks {"task_id", "question", "answer"}: each run of ten consecutive rows holds every question once,
-    shuffled, so any batch of consecutive rows is close to a uniform mix. Row i does not depend on n."""
-    words: list[str] = []
-    for block in range((n + len(WORDS) - 1) // len(WORDS)):
-        words += random.Random(seed * 1_000_003 + block).sample(WORDS, len(WORDS))
-    return [{"task_id": f"r{i}", "question": w, "answer": ANSWERS[w]} for i, w in enumerate(words[:n])]
-
-
-def recall_reward(answer: str, response: str) -> float:
-    """1.0 when the response is exactly the answer's digit (surrounding whitespace aside), else 0.0."""
-    return float(response.strip() == answer)
-
-
-class RecallEnv(BaseEnv):
-    """One step: shows the question, rewards the response with `recall_reward`, done."""
-
-    def __init__(self, task: dict):
-        for key in ("question", "answer"):
-            if key not in task:
-                raise ValueError(f"recall task needs {key!r} (got keys {sorted(task)}); rows come from "
-                                 f"bench.recall.dataset_rows")
-        self.task = task
-
-    def reset(self) -> tuple[Any, dict]:
-        return self.task["question"], {}
-
-    def step(self, action: Any) -> tuple[Any, float, bool, dict]:
-        reward = recall_reward(self.task["answer"], str(action or ""))
-        return "", reward, True, {"is_correct": reward > 0}
-
-    @staticmethod
-    def from_dict(info: dict) -> RecallEnv:
-        return RecallEnv(dict(info))
-
-
-class RecallAgent(BaseAgent):
-    """Sends the question as the user message and acts with the model's text."""
-
-    def __init__(self, **_: Any):
-        self._trajectory = Trajectory()
-        self._messages: list[dict] = []
-
-    @property
-    def chat_completions(self) -> list[dict]:
-        return self._messages
-
-    @property
-    def trajectory(self) -> Trajectory:
-        return self._trajectory
-
-    def reset(self) -> None:
-        self._trajectory, self._messages = Trajectory(), []
-
-    def update_from_env(self, observation: Any, reward: float, done: bool, info: dict, **kwargs) -> None:
-        if self._trajectory.steps:
-            self._trajectory.steps[-1].reward, self._trajectory.steps[-1].done = reward, done
-        if observation:
-            self._messages.append({"role": "user", "content": str(observation)})
-
-    def update_from_model(self, response: str, **kwargs) -> Action:
-        self._trajectory.steps.append(Step(chat_completions=list(self._messages), model_response=response,
-                                           action=response))
-        self._messages.append({"role": "assistant", "content": response})
-        return Action(response)
+from shared.builtin.recall import (  # noqa: F401  (this module's names, used by the demo and the tests)
+    ANSWERS,
+    CHANCE,
+    WORDS,
+    RecallAgent,
+    RecallEnv,
+    dataset_rows,
+    recall_reward,
+)

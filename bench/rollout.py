@@ -26,8 +26,6 @@ import contextlib
 import json
 import os
 import statistics
-import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -36,14 +34,18 @@ import psutil
 import redis
 from sqlalchemy import insert, text
 
+from harness.live import TERMINAL, wait_run_ended
 from harness.ports import free_port, port_open
+from harness.procs import ServiceGroup, wait_until
 from harness.servers import postgres_admin, private_redis, scratch_database
 from harness.tiny_model import build_tiny_model
+from services.controller.store import TABLES, TrajectoryStore, build_rows, copy_rows
+from shared.bus import connect_sync
 from shared.db.models import Dataset, DatasetRow, RolloutTaskRow, Run
 from shared.db.session import make_engine
 from shared.messages import EnvReply, EnvRequest, EpisodeResult, decode, encode
-from shared.store import TABLES, TrajectoryStore, build_rows, copy_rows
 from shared.streams import ENV_REQUESTS, TRAJECTORIES, env_inbox, env_replies
+from shared.workers import live_workers
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "rollout.json"
@@ -63,33 +65,6 @@ def backing_servers(tmp: Path):
 
 
 # -- processes ---------------------------------------------------------------------------------------------------
-class Procs:
-    def __init__(self, logs: Path, env: dict[str, str]):
-        self.logs, self.env, self.procs = logs, env, {}
-
-    def start(self, name: str, args: list[str], **env: str) -> psutil.Process:
-        log = open(self.logs / f"{name}.log", "w")
-        p = subprocess.Popen([sys.executable, *args], cwd=REPO, env={**os.environ, **self.env, **env},
-                             stdout=log, stderr=subprocess.STDOUT)
-        self.procs[name] = p
-        return psutil.Process(p.pid)
-
-    def check_alive(self) -> None:
-        for name, p in self.procs.items():
-            if p.poll() is not None:
-                raise RuntimeError(f"{name} exited with {p.returncode}; see {self.logs / (name + '.log')}")
-
-    def stop(self) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.terminate()
-        for p in self.procs.values():
-            try:
-                p.wait(15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-
-
 def cpu_s(procs: list[psutil.Process]) -> dict[int, float]:
     """CPU seconds of each process and its descendants (reaped children included)."""
     out = {}
@@ -141,28 +116,10 @@ def add_run(engine, args, model_dir: str, base_url: str) -> str:
     return str(run_id)
 
 
-def wait_run(engine, run_id: str, procs: Procs, timeout_s: float) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        procs.check_alive()
-        with engine.connect() as c:
-            row = c.execute(text("SELECT status, started_at, finished_at, error, summary FROM runs WHERE id = :r"),
-                            {"r": run_id}).one()
-        if row.status in ("completed", "failed", "stopped"):
-            return row._asdict()
-        time.sleep(0.2)
-    raise TimeoutError(f"run {run_id} did not finish within {timeout_s}s")
-
-
-def wait_heartbeats(redis_url: str, services: list[str], timeout_s: float, procs: Procs) -> None:
-    client = redis.Redis.from_url(redis_url)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        procs.check_alive()
-        if all(client.keys(f"heartbeat:{s}:*") for s in services):
-            return
-        time.sleep(0.2)
-    raise TimeoutError(f"services {services} did not heartbeat within {timeout_s}s")
+def run_row(engine, run_id: str) -> dict:
+    with engine.connect() as c:
+        return c.execute(text("SELECT status, started_at, finished_at, error, summary FROM runs WHERE id = :r"),
+                         {"r": run_id}).one()._asdict()
 
 
 # -- ingest ------------------------------------------------------------------------------------------------------
@@ -294,23 +251,27 @@ def run_bench(args, tmp: Path, redis_url: str, db_url: str) -> dict:
     model_dir = str(build_tiny_model(tmp / "model"))
     engine = make_engine(db_url)
     add_dataset(engine, args.tasks)
-    procs = Procs(tmp, {"REDIS_URL": redis_url, "DATABASE_URL": db_url, "HEALTH_PORT": "0", "LOG_FORMAT": "json",
-                        "LOG_LEVEL": "WARNING"})
+    procs = ServiceGroup(tmp, redis_url=redis_url, database_url=db_url, log_format="json", log_level="WARNING")
     port = free_port()
-    procs.start("mock_llm", ["-m", "harness.mock_llm", "--port", str(port), "--latency-ms", str(args.latency_ms),
-                             "--tokenizer", model_dir])
-    system = [
-        procs.start("env_worker", ["-m", "services.env_worker.main"], WORKER_ID="bench-env"),
-        procs.start("rollout_worker", ["-m", "services.rollout_worker.main"], WORKER_ID="bench-rollout",
-                    MAX_CONCURRENCY=str(args.concurrency)),
-        procs.start("controller", ["-m", "services.controller.main"], WORKER_ID="bench-ctl", TRIM_INTERVAL_S="3600"),
-    ]
+    procs.start("mock_llm", "harness.mock_llm", args=["--port", str(port), "--latency-ms", str(args.latency_ms),
+                                                      "--tokenizer", model_dir])
+    system = [psutil.Process(procs.start(name, module, worker_id=worker_id, **env).pid)
+              for name, module, worker_id, env in [
+                  ("env_worker", "services.env_worker.main", "bench-env", {}),
+                  ("rollout_worker", "services.rollout_worker.main", "bench-rollout",
+                   {"max_concurrency": str(args.concurrency)}),
+                  ("controller", "services.controller.main", "bench-ctl", {"trim_interval_s": "3600"})]]
     try:
-        wait_heartbeats(redis_url, ["env-worker", "rollout-worker", "controller"], 120, procs)
+        client = connect_sync(redis_url)
+        wait_until(lambda: all(live_workers(client, s) for s in ("env-worker", "rollout-worker", "controller")),
+                   120, "the services' heartbeats", procs=procs.procs.values())
         others = redis_server() + pg_backends(engine)
         before = cpu_s(system + others)
         run_id = add_run(engine, args, model_dir, f"http://127.0.0.1:{port}/v1")
-        run = wait_run(engine, run_id, procs, args.timeout_s)
+        status = wait_run_ended(engine, run_id, args.timeout_s, procs=procs.procs.values())
+        run = run_row(engine, run_id)
+        if status not in TERMINAL:
+            raise TimeoutError(f"run {run_id} did not finish within {args.timeout_s}s")
         redis_pids = {p.pid for p in redis_server()}
         others = redis_server() + pg_backends(engine)  # backends opened during the run count from zero
         after = cpu_s(system + others)

@@ -1,4 +1,4 @@
-"""Trainer benchmarks: `make bench-train` (python -m bench.train [--parts engine,async,weight_sync])
+"""Trainer benchmarks: `make bench-train` (python -m bench.train [--parts engine,async,weight_sync,step])
 -> bench/results/train.json; each part runs alone (`--parts async`) and replaces only its own keys.
 
 1. weight_sync_delta_s / weight_sync_full_s: a >= 200 MB bf16 checkpoint updated by real verl optimizer steps,
@@ -10,6 +10,8 @@
    LLM (hot-reloaded per version) with its latency set so a batch's rollout takes about a trainer cycle.
 3. engine_step_s vs torch_step_s: one verl FSDP2 engine update vs plain torch forward + backward + AdamW step
    of the same loss on the same batch and model.
+4. step_tokens_per_s_padded vs step_tokens_per_s_packed: one policy update on an RL-shaped batch (spread
+   response lengths), padded micro-batches vs padding removal + token-budget micro-batches (bench/train_step.py).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import time
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from bench.train_step import bench_step
 
 if TYPE_CHECKING:
     import torch
@@ -98,9 +102,7 @@ def bench_weight_sync(work: Path, redis_url: str, database_url: str, workers: in
     import httpx
     import numpy as np
     import redis
-    from sqlalchemy import create_engine, text
 
-    from bench.demo import demo_config
     from harness.stack import LocalStack
     from services.trainer.engine import PolicyEngine
     from services.trainer.publisher import WeightPublisher
@@ -109,13 +111,7 @@ def bench_weight_sync(work: Path, redis_url: str, database_url: str, workers: in
     from shared.streams import ROLLOUT_TASKS
 
     model_dir = build_model(work / "model", hidden=hidden, layers=layers)
-    run_id = str(uuid.uuid4())
-    config = demo_config(model_dir, steps=3, tasks=1, n=2, lr=5e-6, max_staleness=0)
-    config["engine"] |= {"dtype": "bfloat16", "weights_dtype": "bfloat16"}
-    with create_engine(database_url).begin() as c:
-        c.execute(text("INSERT INTO runs (id, name, kind, status, config, policy_version, summary) "
-                       "VALUES (:id, 'bench-sync', 'train', 'running', CAST(:cfg AS jsonb), 0, '{}')"),
-                  {"id": run_id, "cfg": json.dumps(config | {"schema_version": 1})})
+    run_id = _insert_bench_run(database_url, model_dir)
     trainer = PolicyEngine(str(model_dir), AlgorithmConfig(lr=5e-6), micro_batch_size=8, group_size=4)
     step = _ppo_step(trainer)
     env = {"REDIS_URL": redis_url, "DATABASE_URL": database_url, "LOG_LEVEL": "WARNING",
@@ -251,6 +247,212 @@ def raw_copy(path: Path, work: Path) -> float:
     return statistics.median(times)
 
 
+# -- 1b. weight sync across a shaped network link -------------------------------------------------------------
+def sync_parts(work: Path, redis_url: str, database_url: str, small: bool, which: str) -> dict:
+    """The weight_sync part: the co-located case (page cache, `weight_sync_*` keys) and the link case (`link`)."""
+    out: dict = {}
+    if which in ("both", "colocated"):
+        out |= weight_sync(work, redis_url, database_url, small=small)
+    if which in ("both", "link"):
+        out |= link_sync(work, redis_url, database_url, small=small)
+    return out
+
+
+LINK_RATES = ("1gbit", "10gbit")
+LINK_WORKERS = (1, 2, 4)
+LINK_SNAPSHOT_EVERY = 3  # per (workers, rate): full, delta, delta, full, delta, delta
+LINK_VERSIONS = 6
+
+
+def link_sync(work: Path, redis_url: str, database_url: str, small: bool = False) -> dict:
+    """Weight sync as deployed: the weight server (with the trainer beside it, publishing through the shared
+    volume) in one network namespace, each rollout worker in its own, joined by a bridge, every link shaped by
+    `tc tbf` (harness/netns.py). Workers fetch over HTTP only, relaying to each other (shared/weight_relay.py).
+    Per rate and worker count: full and delta versions (publish call -> every worker serving) and the weight
+    server's egress bytes per version; per rate, the raw transfer of the full checkpoint (one plain HTTP GET)."""
+    hidden, layers = (256, 2) if small else (1024, 12)
+    return {"link": bench_link_sync(work / "link", redis_url, database_url, hidden, layers)}
+
+
+def bench_link_sync(work: Path, redis_url: str, database_url: str, hidden: int, layers: int) -> dict:
+    import httpx
+    import redis
+
+    from harness.netns import ShapedNetwork, namespaces
+    from harness.ports import free_port
+    from harness.stack import LocalStack, Placement
+    from services.trainer.engine import PolicyEngine
+    from services.trainer.publisher import WeightPublisher
+    from shared.run_config import AlgorithmConfig
+
+    if not redis_url.startswith("unix://") or "host=/" not in database_url:
+        raise RuntimeError("the link bench reaches Redis and Postgres on unix sockets from every namespace: "
+                           "run it through bench.train's private backends")
+    model_dir = build_model(work / "model", hidden=hidden, layers=layers)
+    run_id = _insert_bench_run(database_url, model_dir)
+    trainer = PolicyEngine(str(model_dir), AlgorithmConfig(lr=5e-6), micro_batch_size=8, group_size=4)
+    step = _ppo_step(trainer)
+    # "observer": where the bench polls the workers' /metrics from, so that polling is not the server's egress
+    hosts = ["server", "observer", *(f"w{i}" for i in range(max(LINK_WORKERS)))]
+    out: dict = {rate: {"workers": {}} for rate in LINK_RATES}
+    with ShapedNetwork(hosts, rate=LINK_RATES[0]) as net, net.entered("server"):
+        port = free_port()
+        env = {"REDIS_URL": redis_url, "DATABASE_URL": database_url, "LOG_LEVEL": "WARNING",
+               "SNAPSHOT_EVERY": str(LINK_SNAPSHOT_EVERY), "ANNOUNCE_PATH": "false", "WEIGHT_SERVER_PORT": str(port),
+               "PUBLIC_URL": f"http://{net.address('server')}:{port}"}
+
+        def placement(name: str, index: int) -> Placement:
+            if name != "rollout-worker":
+                return Placement()  # beside the weight server: started from this thread, in its namespace
+            host = f"w{index}"
+            return Placement(tuple(net.exec_prefix(host)), net.address(host),
+                             {"RELAY_HOST": net.address(host), "CHECKPOINT_CACHE_DIR": str(work / f"cache-{host}")})
+
+        with LocalStack(data_dir=work / "stack", env=env, placement=placement) as stack:
+            stack.start(services=["weight-server", "env-worker"])
+            publisher = WeightPublisher(stack.weight_server_url, stack.data_dir / "weights")
+            http = httpx.Client(timeout=30)
+            version = 0
+            for workers in LINK_WORKERS:
+                running = sum(1 for i in stack.instances if i.name == "rollout-worker")
+                stack.start(services=["rollout-worker"], counts={"rollout-worker": workers - running})
+                stack.wait_healthy(300)
+                urls = [f"{stack.instance('rollout-worker', i).url}/metrics" for i in range(workers)]
+                _warm_up(redis.Redis.from_url(redis_url), run_id, urls, http)  # late joiners load the newest
+                for rate in LINK_RATES:
+                    net.set_rate(rate)
+                    samples = {"full": [], "delta": [], "egress": {"full": [], "delta": []}, "bytes": {},
+                               "stages": {"full": {}, "delta": {}}}
+                    for _ in range(LINK_VERSIONS):
+                        version += 1
+                        step()
+                        kind, seconds, msg, egress, stages = _timed_version(
+                            trainer, publisher, run_id, version, urls, lambda: net.tx_bytes("server"),
+                            lambda: net.entered("observer"))
+                        samples[kind].append(seconds)
+                        samples["egress"][kind].append(egress)
+                        samples["bytes"].setdefault(kind, []).append(msg.bytes)
+                        for k, v in stages.items():
+                            samples["stages"][kind].setdefault(k, []).append(v)
+                        if kind == "full":
+                            full_msg = msg
+                        log(f"{rate} {workers} workers v{version} {kind}: {seconds:.3f} s, {msg.bytes} bytes, "
+                            f"server egress {egress} bytes, stages {[round(v, 3) for v in stages.values()]}")
+                    out[rate]["workers"][str(workers)] = _link_figures(samples)
+                    if "raw_transfer_s" not in out[rate]:
+                        out[rate] |= _raw_transfer(net, f"{full_msg.uri}/model.safetensors", work)
+            http.close()
+    left = [n for n in namespaces() if n.startswith(net.tag)]  # the network is gone with its links
+    assert not left, f"the link bench left network namespaces behind: {left}"
+    for rate in LINK_RATES:  # the layout the targets name: raw_transfer_s and "1", "2", "4" side by side
+        out[rate] |= out[rate].pop("workers")
+    load = os.getloadavg()
+    one, four = out["1gbit"]["1"], out["1gbit"]["4"]
+    out["targets"] = {
+        "delta_4_workers_over_raw_1gbit": {"value": four["delta_s"] / out["1gbit"]["raw_transfer_s"], "target": "<= 0.5"},
+        "full_4_over_1_workers_1gbit": {"value": four["full_s"] / one["full_s"], "target": "<= 1.5"},
+        "egress_over_version_bytes_4_workers": {
+            "value": max(four["egress_bytes_per_version"][k] / four["version_bytes"][k] for k in ("full", "delta")),
+            "target": "<= 1.2"},
+    }
+    out["loadavg"] = [round(x, 2) for x in load]
+    out["note"] = (
+        f"{trainer.num_parameters / 1e6:.0f}M-param Qwen2-shaped model in bf16, a real verl optimizer step per "
+        "version. The weight server and the trainer share a network namespace (the trainer publishes through the "
+        "server's volume); each rollout worker (real process, HF engine) sits in its own namespace; all join a "
+        "bridge through veth pairs shaped on both ends by `tc qdisc ... tbf rate <rate> burst 256kb latency 50ms`. "
+        "Workers fetch over HTTP only (ANNOUNCE_PATH=false, own cache folder each) through the relay chain: the "
+        "server feeds the first worker, each worker checks every 1 MiB piece against the manifest before writing, "
+        "serving or forwarding it. Per worker count, versions alternate full, delta, delta (SNAPSHOT_EVERY="
+        f"{LINK_SNAPSHOT_EVERY}), {LINK_VERSIONS} versions per rate; full_s / delta_s: medians of the trainer's "
+        "publish call (export included) -> every worker reports the version on /metrics (polled every 10 ms from "
+        "a namespace of its own, not the server's). "
+        "egress_bytes_per_version: median bytes the server's link sent during a version (eth0 tx counter, TCP/IP "
+        "framing included); version_bytes: the version's files (the delta file, or the full snapshot). "
+        "raw_transfer_s: one plain HTTP GET (curl) of the full model.safetensors from the weight server to one "
+        "worker namespace, written to disk, median of 3. Workers joined one after another (1, then 2, then 4): "
+        "the new ones loaded the newest version as late joiners. Measured on a shared 2-core machine under load.")
+    return out
+
+
+def _insert_bench_run(database_url: str, model_dir: Path) -> str:
+    from sqlalchemy import create_engine, text
+
+    from bench.demo import demo_config
+
+    run_id = str(uuid.uuid4())
+    config = demo_config(model_dir, steps=3, tasks=1, n=2, lr=5e-6, max_staleness=0)
+    config["engine"] |= {"dtype": "bfloat16", "weights_dtype": "bfloat16"}
+    with create_engine(database_url).begin() as c:
+        c.execute(text("INSERT INTO runs (id, name, kind, status, config, policy_version, summary) "
+                       "VALUES (:id, 'bench-sync', 'train', 'running', CAST(:cfg AS jsonb), 0, '{}')"),
+                  {"id": run_id, "cfg": json.dumps(config | {"schema_version": 1})})
+    return run_id
+
+
+def _warm_up(client, run_id: str, urls: list[str], http) -> None:
+    """Send tasks until every worker serves the run (a worker builds a run's context at its first task)."""
+    from shared.messages import RolloutTask, encode
+    from shared.streams import ROLLOUT_TASKS
+
+    deadline, i = time.monotonic() + 600, 0
+    while any(_served_version(u, run_id, http) is None for u in urls):
+        assert time.monotonic() < deadline, "rollout workers never picked up the run"
+        task = RolloutTask(run_id=run_id, task_id=f"warm{i}", sample_idx=0, dispatched_at=time.time(),
+                           task={"task_id": f"warm{i}", "question": "one", "answer": "1"})
+        client.xadd(ROLLOUT_TASKS, encode(task))
+        i += 1
+        time.sleep(0.5)
+
+
+def _timed_version(trainer, publisher, run_id: str, version: int, urls: list[str], tx_bytes, observer):
+    """Export + publish one version and wait until every worker serves it (polled from the `observer`
+    namespace): (kind, seconds, message, bytes the weight server's link sent meanwhile)."""
+    import httpx
+
+    sent = tx_bytes()
+    start = time.time()
+    staging = publisher.staging_folder(run_id, version)
+    tensors = trainer.export_hf(staging, "bfloat16", weights=False)
+    exported = time.time()
+    msg = publisher.publish(run_id, version, staging, {"reward_mean": 0.0}, tensors=tensors)
+    published = time.time()
+    with observer(), httpx.Client(timeout=30) as http:
+        while any(_served_version(u, run_id, http) != version for u in urls):
+            assert time.time() - start < 300, f"rollout workers did not reload v{version}"
+            time.sleep(0.01)
+    end = time.time()
+    stages = {"export_s": exported - start, "publish_s": published - exported, "workers_after_publish_s": end - published}
+    return publisher.last_kind, end - start, msg, tx_bytes() - sent, stages
+
+
+def _link_figures(samples: dict) -> dict:
+    med = statistics.median
+    return {"full_s": med(samples["full"]), "delta_s": med(samples["delta"]),
+            "full_samples_s": [round(x, 3) for x in samples["full"]],
+            "delta_samples_s": [round(x, 3) for x in samples["delta"]],
+            "egress_bytes_per_version": {k: int(med(v)) for k, v in samples["egress"].items()},
+            "version_bytes": {k: int(med(v)) for k, v in samples["bytes"].items()},
+            # where a version's seconds go (medians): the trainer's export, its publish call (diff, hashes, zstd,
+            # write, the weight server's publish), then until every worker serves it (relay fetch, apply)
+            "stages_s": {kind: {k: round(med(v), 3) for k, v in st.items()} for kind, st in samples["stages"].items()}}
+
+
+def _raw_transfer(net, url: str, work: Path) -> dict:
+    """One plain HTTP GET of the full checkpoint file from the weight server into w0's disk (curl), median
+    of 3."""
+    dest = work / "raw-transfer.bin"
+    times = []
+    for _ in range(3):
+        r = net.exec("w0", ["curl", "-sf", "-o", str(dest), "-w", "%{time_total} %{size_download}", url],
+                     capture_output=True, text=True, check=True)
+        seconds, size = r.stdout.split()
+        times.append(float(seconds))
+        dest.unlink()
+    return {"raw_transfer_s": statistics.median(times), "raw_transfer_bytes": int(size),
+            "raw_transfer_samples_s": [round(t, 3) for t in times]}
+
+
 # -- 2. sync vs async -----------------------------------------------------------------------------------------
 def bench_async(work: Path, redis_url: str, database_url: str, versions: int = 12, warmup: int = 2,
                 tasks: int = 8, n: int = 8) -> dict:
@@ -305,14 +507,14 @@ class AsyncBench:
         register_dataset(self.db, "bench-async", 512, split="train")
 
     def run(self, *, max_staleness: int, latency_s: float, versions: int, warmup: int) -> dict:
-        from harness.live import insert_run, start_mock_llm, wait_run_done
+        from harness.live import insert_run, start_mock_llm, wait_run_ended
         from harness.ports import free_port
 
         port = free_port()
         mock = start_mock_llm(port, latency_s * 1000, answer="correct", tokenizer=str(self.model_dir))
         try:
             run_id = insert_run(self.db, self.config(max_staleness, f"http://127.0.0.1:{port}/v1", versions + warmup))
-            assert wait_run_done(self.db, run_id, 600), f"async bench run {run_id} did not complete"
+            assert wait_run_ended(self.db, run_id, 600) == "completed", f"async bench run {run_id} did not complete"
         finally:
             mock.terminate()
             mock.wait(10)
@@ -399,7 +601,7 @@ def timed_pair(a, b, iters: int) -> tuple[list[float], list[float]]:
     return out
 
 
-PARTS = ("engine", "async", "weight_sync")
+PARTS = ("engine", "async", "weight_sync", "step")
 
 
 def main() -> None:
@@ -409,6 +611,8 @@ def main() -> None:
     ap.add_argument("--parts", default=",".join(PARTS),
                     help=f"comma-separated subset of {PARTS}; a subset updates those keys of the existing JSON")
     ap.add_argument("--small", action="store_true", help="weight_sync on a small model (a smoke run, not a figure)")
+    ap.add_argument("--sync", choices=("both", "colocated", "link"), default="both",
+                    help="weight_sync: the co-located (page-cache) case, the shaped-link case (root), or both")
     ap.add_argument("--versions", type=int, default=12, help="async: policy versions timed per run (>= 10)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
@@ -422,10 +626,11 @@ def main() -> None:
             work = Path(tmp)
             for part, fn in (("engine", lambda: bench_engine(work)),
                              ("async", lambda: bench_async(work, redis_url, database_url, versions=args.versions)),
-                             ("weight_sync", lambda: weight_sync(work, redis_url, database_url, small=args.small))):
+                             ("weight_sync", lambda: sync_parts(work, redis_url, database_url, args.small, args.sync)),
+                             ("step", lambda: bench_step(work))):
                 if part in parts:
                     log(f"{part} ...")
-                    if part == "weight_sync":  # replaced as a whole: no key of an earlier definition survives
+                    if part == "weight_sync" and args.sync == "both":  # replaced whole: nothing stale survives
                         result = {k: v for k, v in result.items()
                                   if not k.startswith("weight_sync") and k not in STALE_SYNC_KEYS}
                     result |= fn()
@@ -433,7 +638,7 @@ def main() -> None:
     finally:
         cleanup()
     result["targets"] = {"weight_sync_delta_ratio": "< 1 (weight_sync_delta_s < raw_copy_s)", "async_speedup": ">= 1.67",
-                         "engine_overhead_ratio": "<= 1.3"}
+                         "engine_overhead_ratio": "<= 1.3", "step_packed_speedup": ">= 2 (CPU)"}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))

@@ -30,7 +30,7 @@ import redis
 from sqlalchemy import text
 
 from bench.rollout import steady_rate
-from harness.live import REPO, register_dataset, stored_count, wait_run_done
+from harness.live import REPO, register_dataset, stored_count, wait_run_ended
 from harness.servers import leased_redis_db, scratch_database
 from harness.tiny_model import build_vllm_tiny_model
 
@@ -92,7 +92,7 @@ def measure_run(db, url: str, model: Path, engine: dict, args) -> tuple[dict, st
     from harness.live import insert_run
 
     run_id = insert_run(db, run_config(model, engine, args.tasks, args))
-    if not wait_run_done(db, run_id, args.timeout_s):
+    if not wait_run_ended(db, run_id, args.timeout_s) == "completed":
         raise RuntimeError(f"the {engine['type']} run did not complete")
     with db.connect() as c:
         tokens = float(c.execute(text(

@@ -4,7 +4,7 @@ vllm.py) and the system tests (tests/integration/test_fuzz_streams.py, test_user
     mock = start_mock_llm(port, latency_ms=50)                              # OpenAI-compatible, token ids
     register_dataset(engine, "arith", 100)                                  # builtin arithmetic rows
     run_id = insert_run(engine, config)                                    # what POST /v1/runs does
-    wait_run_done(engine, run_id, 120); accounting(engine, run_id)         # judged by shared.audit
+    wait_run_ended(engine, run_id, 120); accounting(engine, run_id)        # judged by shared.audit
 
 The servers come from harness.servers, the services from harness.stack.LocalStack, the model from
 harness.tiny_model.
@@ -12,15 +12,15 @@ harness.tiny_model.
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
-import sys
-import time
 import uuid
 from pathlib import Path
 
 from sqlalchemy import Engine, text
 
 from harness.ports import wait_port
+from harness.procs import start_service, wait_until
 
 REPO = Path(__file__).resolve().parents[1]
 TERMINAL = ("completed", "failed", "stopped")
@@ -30,11 +30,9 @@ def start_mock_llm(port: int, latency_ms: float, answer: str = "The answer is \\
                    tokenizer: str | None = None) -> subprocess.Popen:
     """harness.mock_llm as a process on 127.0.0.1:port; its base URL is http://127.0.0.1:port/v1. `tokenizer`
     (a model folder): token-id prompts are decoded, so `answer="correct"` can answer them."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "harness.mock_llm", "--port", str(port), "--latency-ms", str(latency_ms),
-         "--answer", answer, *(["--tokenizer", tokenizer] if tokenizer else [])],
-        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-    )
+    proc = start_service("harness.mock_llm", log=subprocess.DEVNULL,
+                         args=["--port", str(port), "--latency-ms", str(latency_ms), "--answer", answer,
+                               *(["--tokenizer", tokenizer] if tokenizer else [])])
     wait_port(port, proc)
     return proc
 
@@ -81,15 +79,13 @@ def run_status(engine: Engine, run_id: str) -> str:
         return "unknown"
 
 
-def wait_run_done(engine: Engine, run_id: str, timeout_s: float) -> bool:
-    """True once the run completed; False if it ended otherwise or did not end in time."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        status = run_status(engine, run_id)
-        if status in TERMINAL:
-            return status == "completed"
-        time.sleep(0.5)
-    return False
+def wait_run_ended(engine: Engine, run_id: str, timeout_s: float, *, procs=()) -> str:
+    """The run's status once it ended (completed, failed, stopped), or its status when the time ran out; raises
+    as soon as one of `procs` (the services serving it) exits."""
+    with contextlib.suppress(TimeoutError):
+        return wait_until(lambda: (status := run_status(engine, run_id)) in TERMINAL and status, timeout_s,
+                          f"run {run_id} to end", procs=procs, interval_s=0.3)
+    return run_status(engine, run_id)
 
 
 def accounting(engine: Engine, run_id: str) -> dict[str, int]:

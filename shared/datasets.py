@@ -18,6 +18,7 @@ Validation errors name the row and what is wrong, so a user can fix the file.
 from __future__ import annotations
 
 import csv
+import difflib
 import io
 import json
 import math
@@ -29,8 +30,7 @@ from typing import Any
 from sqlalchemy import Connection, Engine, Integer, Text, and_, cast, delete, func, insert, select
 from sqlalchemy.orm import aliased
 
-from shared.db.models import TERMINAL_RUN_STATUSES, DatasetRow, Run
-from shared.db.models import Dataset as DatasetModel
+from shared.db.models import TERMINAL_RUN_STATUSES, Dataset, DatasetRow, Run
 
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,199}$")
 MAX_TASK_ID_CHARS = 200
@@ -58,7 +58,7 @@ class DatasetInUse(DatasetError):
 
 
 @dataclass
-class Dataset:
+class LoadedDataset:
     """Rows of one version of (name, split) in index order."""
 
     name: str
@@ -74,13 +74,13 @@ class Dataset:
     def __getitem__(self, i: int) -> dict[str, Any]:
         return self.rows[i]
 
-    def repeat(self, n: int) -> Dataset:
+    def repeat(self, n: int) -> LoadedDataset:
         """Each row n times in a row (rLLM's `repeat`), e.g. for pass@k evaluation without sample indices."""
         if n < 1:
             raise DatasetError(f"repeat(n) needs n >= 1, got {n}")
         rows = [r for r in self.rows for _ in range(n)]
         ids = [t for t in self.task_ids for _ in range(n)]
-        return Dataset(self.name, self.split, rows, ids, dict(self.info), self.version)
+        return LoadedDataset(self.name, self.split, rows, ids, dict(self.info), self.version)
 
 
 def validate_name(name: str, what: str = "name") -> str:
@@ -226,13 +226,13 @@ class DatasetRegistry:
         with self.engine.begin() as conn:
             # Concurrent imports of one (name, split) take turns, so each gets its own version number.
             conn.execute(select(func.pg_advisory_xact_lock(func.hashtext(f"dataset:{name}/{split}"))))
-            latest = conn.execute(select(func.max(DatasetModel.version)).where(
-                DatasetModel.name == name, DatasetModel.split == split)).scalar()
+            latest = conn.execute(select(func.max(Dataset.version)).where(
+                Dataset.name == name, Dataset.split == split)).scalar()
             ds_id = conn.execute(
-                insert(DatasetModel)
+                insert(Dataset)
                 .values(name=name, split=split, version=(latest or 0) + 1, source=source, num_rows=len(clean),
                         info=info or {})
-                .returning(DatasetModel.id)
+                .returning(Dataset.id)
             ).scalar_one()
             records = [
                 {"dataset_id": ds_id, "idx": i, "task_id": task_id_of(r, i), "data": r,
@@ -248,14 +248,14 @@ class DatasetRegistry:
             return _describe(find_version(conn, name, split, version))
 
     def load(self, name: str, split: str = "train", version: int | None = None, *, offset: int = 0,
-             limit: int | None = None) -> Dataset:
+             limit: int | None = None) -> LoadedDataset:
         """Rows of one version (default: the latest) in index order."""
         with self.engine.connect() as conn:
             ds = find_version(conn, name, split, version)
             q = (select(DatasetRow.task_id, DatasetRow.data).where(DatasetRow.dataset_id == ds.id)
                  .order_by(DatasetRow.idx).offset(offset).limit(limit))
             rows = conn.execute(q).all()
-        return Dataset(name, split, [r.data for r in rows], [r.task_id for r in rows], dict(ds.info), ds.version)
+        return LoadedDataset(name, split, [r.data for r in rows], [r.task_id for r in rows], dict(ds.info), ds.version)
 
     def exists(self, name: str, split: str | None = None) -> bool:
         splits = self.splits(name)
@@ -263,21 +263,21 @@ class DatasetRegistry:
 
     def splits(self, name: str) -> list[str]:
         with self.engine.connect() as conn:
-            q = select(DatasetModel.split).where(DatasetModel.name == name).distinct().order_by(DatasetModel.split)
+            q = select(Dataset.split).where(Dataset.name == name).distinct().order_by(Dataset.split)
             return list(conn.execute(q).scalars())
 
     def versions(self, name: str, split: str = "train") -> list[dict[str, Any]]:
         """Every version of (name, split), oldest first."""
         with self.engine.connect() as conn:
-            q = (select(DatasetModel).where(DatasetModel.name == name, DatasetModel.split == split)
-                 .order_by(DatasetModel.version))
+            q = (select(Dataset).where(Dataset.name == name, Dataset.split == split)
+                 .order_by(Dataset.version))
             return [_describe(d) for d in conn.execute(q)]
 
     def list(self) -> list[dict[str, Any]]:
         """The latest version of every (name, split), with the numbers of all its versions."""
         with self.engine.connect() as conn:
-            all_versions = conn.execute(select(DatasetModel).order_by(
-                DatasetModel.name, DatasetModel.split, DatasetModel.version)).all()
+            all_versions = conn.execute(select(Dataset).order_by(
+                Dataset.name, Dataset.split, Dataset.version)).all()
         latest: dict[tuple[str, str], dict[str, Any]] = {}
         for d in all_versions:
             numbers = latest.get((d.name, d.split), {}).get("versions", [])
@@ -287,11 +287,11 @@ class DatasetRegistry:
     def delete(self, name: str, split: str | None = None, version: int | None = None) -> int:
         """Delete one version, one split (every version) or the whole dataset; returns how many versions went.
         Refused (DatasetInUse) while a run that has not ended pins any of them. Rows cascade."""
-        q = select(DatasetModel.id, DatasetModel.split, DatasetModel.version).where(DatasetModel.name == name)
+        q = select(Dataset.id, Dataset.split, Dataset.version).where(Dataset.name == name)
         if split is not None:
-            q = q.where(DatasetModel.split == split)
+            q = q.where(Dataset.split == split)
         if version is not None:
-            q = q.where(DatasetModel.version == version)
+            q = q.where(Dataset.version == version)
         with self.engine.begin() as conn:
             # Row locks: a run being created pins its version FOR SHARE (find_version(lock=True)), so it
             # either commits first (and is seen below) or waits and finds the version gone.
@@ -302,29 +302,42 @@ class DatasetRegistry:
             users = runs_using(conn, name, {(d.split, d.version) for d in doomed})
             if users:
                 raise DatasetInUse(name, users)
-            conn.execute(delete(DatasetModel).where(DatasetModel.id.in_([d.id for d in doomed])))
+            conn.execute(delete(Dataset).where(Dataset.id.in_([d.id for d in doomed])))
         return len(doomed)
 
 
 def find_version(conn: Connection, name: str, split: str, version: int | None = None, *, lock: bool = False) -> Any:
     """The `datasets` row of one version (default: the latest); DatasetNotFound names what exists. `lock` holds
     it FOR SHARE until the transaction ends, so it cannot be deleted under a run being created."""
-    q = select(DatasetModel).where(DatasetModel.name == name, DatasetModel.split == split)
-    q = q.where(DatasetModel.version == version) if version is not None else q.order_by(DatasetModel.version.desc())
+    q = select(Dataset).where(Dataset.name == name, Dataset.split == split)
+    q = q.where(Dataset.version == version) if version is not None else q.order_by(Dataset.version.desc())
     row = conn.execute((q.with_for_update(read=True) if lock else q).limit(1)).first()
     if row is None:
-        known = conn.execute(select(DatasetModel.split, DatasetModel.version).where(DatasetModel.name == name)
-                             .order_by(DatasetModel.split, DatasetModel.version)).all()
-        registered = ", ".join(f"{s} v{v}" for s, v in known) or "nothing"
+        known = conn.execute(select(Dataset.split, Dataset.version).where(Dataset.name == name)
+                             .order_by(Dataset.split, Dataset.version)).all()
         wanted = f"split {split!r}" + (f" version {version}" if version is not None else "")
-        raise DatasetNotFound(f"dataset {name!r} has no {wanted}; registered: {registered}")
+        if known:
+            registered = ", ".join(f"{s} v{v}" for s, v in known)
+            raise DatasetNotFound(f"dataset {name!r} has no {wanted}; it has: {registered}")
+        raise DatasetNotFound(f"no dataset named {name!r}; {_other_datasets(conn, name)}")
     return row  # a Core row: columns by attribute (id, name, split, version, ...)
+
+
+def _other_datasets(conn: Connection, name: str) -> str:
+    """What exists instead of `name`: the closest name first, then every dataset (name/split)."""
+    pairs = conn.execute(select(Dataset.name, Dataset.split).distinct()
+                         .order_by(Dataset.name, Dataset.split)).all()
+    if not pairs:
+        return "no dataset exists yet"
+    close = difflib.get_close_matches(name, sorted({n for n, _ in pairs}), n=1, cutoff=0.5)
+    listed = ", ".join(f"{n}/{s}" for n, s in pairs[:50]) + (f" (and {len(pairs) - 50} more)" if len(pairs) > 50 else "")
+    return (f"did you mean {close[0]!r}? " if close else "") + f"datasets (name/split): {listed}"
 
 
 def runs_using(conn: Connection, name: str, versions: set[tuple[str, int]]) -> list[tuple[str, str, int]]:
     """(run id, status, version) of runs not yet ended that read one of these (split, version)s of `name`.
     A run whose config names no version reads the latest one."""
-    r, d, other = Run, DatasetModel, aliased(DatasetModel)
+    r, d, other = Run, Dataset, aliased(Dataset)
     latest = select(func.max(other.version)).where(other.name == d.name, other.split == d.split).scalar_subquery()
     pinned = func.coalesce(cast(r.config["dataset_version"].astext, Integer), latest)
     reads = and_(d.name == r.config["dataset"].astext,

@@ -223,3 +223,23 @@ def warm_up_in_background() -> threading.Thread:
     thread = threading.Thread(target=warm_up, name="delta-kernels-warm-up", daemon=True)
     thread.start()
     return thread
+
+
+def changes_on_device(old, new) -> tuple[np.ndarray, np.ndarray] | None:
+    """`changes` computed where the tensors live (torch; a CUDA trainer diffs next to its weights and copies
+    only the changes to the host): the same (gaps, values) encoding as `changes` of the integer views of the
+    same bits (shared/weights.py compares bits as integers). `old` and `new`: torch tensors of one dtype and
+    size."""
+    import torch
+
+    bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[new.element_size()]
+    o, n = old.reshape(-1).view(bits), new.reshape(-1).view(bits)
+    positions = (o != n).nonzero().squeeze(1)
+    if positions.numel() == 0:
+        return None
+    gaps = torch.diff(positions, prepend=positions.new_zeros(1))
+    largest = int(gaps.max())
+    narrow = next(d for d in GAP_DTYPES if largest <= np.iinfo(d).max)
+    values = n[positions].cpu().numpy()
+    return gaps.cpu().numpy().astype(narrow), values
+

@@ -11,3 +11,15 @@ JOB_TASKS: dict[str, str] = {
     "sync_tracking": "flywheel.sync_tracking",  # params: run_id; pushes metrics to W&B / MLflow when enabled
 }
 JOB_STATUSES = ("queued", "running", "succeeded", "failed")
+
+
+def celery_broker_url(redis_url: str) -> str:
+    """The Celery broker URL of REDIS_URL, so one REDIS_URL serves every component however it is started.
+    kombu spells a unix-socket Redis `redis+socket:///path?virtual_host=N` and rejects redis-py's
+    `unix:///path?db=N` ("No such transport: unix"), which is what the embedded Redis of the local stack gives;
+    every other URL is the same for both."""
+    if not redis_url.startswith("unix://"):
+        return redis_url
+    path, _, query = redis_url[len("unix://"):].partition("?")
+    db = dict(p.split("=", 1) for p in query.split("&") if "=" in p).get("db", "0")
+    return f"redis+socket://{path}?virtual_host={db}"

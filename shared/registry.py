@@ -18,6 +18,8 @@ AGENTS: dict[str, str] = {
     "frozenlake": "shared.builtin.agents:FrozenLakeAgent",
     "code": "shared.builtin.agents:CodeAgent",
     "countdown": "shared.builtin.agents:MathAgent",
+    "recall": "shared.builtin.recall:RecallAgent",
+    "digits": "shared.builtin.agents:DigitsAgent",
 }
 ENVS: dict[str, str] = {
     "math": "shared.builtin.envs:MathEnv",
@@ -26,6 +28,8 @@ ENVS: dict[str, str] = {
     "tool": "shared.builtin.envs:ToolEnv",
     "code": "shared.builtin.envs:CodeEnv",
     "search": "shared.builtin.envs:SearchEnv",
+    "recall": "shared.builtin.recall:RecallEnv",
+    "digits": "shared.builtin.envs:DigitsEnv",
 }
 WORKFLOWS: dict[str, str] = {
     "single_agent": "shared.builtin.workflows:SingleAgentWorkflow",

@@ -49,6 +49,9 @@ class EngineConfig(_Strict):
                                       "KV cache); default the model's context length")
     enforce_eager: bool = Field(False, description="vllm: skip torch.compile and CUDA graphs (start-up ~30 s "
                                 "faster on CPU, slower decoding on GPU)")
+    max_loras: int = Field(4, ge=1, description="vllm, LoRA runs: adapters in one batch; beyond that vLLM evicts "
+                           "the least recently used adapter and reloads it from disk when its run asks again")
+    max_lora_rank: int = Field(64, ge=1, le=256, description="vllm, LoRA runs: largest adapter rank served")
     request_timeout_s: float = Field(120.0, gt=0, description="one generation request")
     max_retries: int = Field(3, ge=0, description="transient inference errors retried before INFRA_ERROR")
 
@@ -58,6 +61,29 @@ class SamplingConfig(_Strict):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(-1, description="-1 disables")
     stop: list[str] = Field(default_factory=list)
+
+
+class LoRAConfig(_Strict):
+    """Train a LoRA adapter on the frozen base `model` (PEFT's LoRA: W + alpha/rank * B A on each target module).
+    The reference policy for KL is the base with the adapter switched off; versions are the adapter alone."""
+
+    rank: int = Field(..., ge=1, le=256, description="rank r of each adapter's A (r x in) and B (out x r)")
+    alpha: int = Field(16, ge=1, description="scaling numerator: the update is alpha / rank * B A")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter's input while training")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear", description="module names to adapt, matched on the end of each module's path (q_proj, "
+        "v_proj, ...), or all-linear: every linear layer but the output layer")
+
+    @field_validator("target_modules")
+    @classmethod
+    def _targets(cls, v: list[str] | str) -> list[str] | str:
+        if isinstance(v, list) and (not v or not all(name.strip() for name in v)):
+            raise ValueError("name at least one module (e.g. [\"q_proj\", \"v_proj\"]) or use \"all-linear\"")
+        return v
+
+    def verl_fields(self) -> dict:
+        """verl's LoRA fields of its HF model config."""
+        return {"lora_rank": self.rank, "lora_alpha": self.alpha, "target_modules": self.target_modules}
 
 
 class AlgorithmConfig(_Strict):
@@ -81,6 +107,7 @@ class AlgorithmConfig(_Strict):
     ppo_mini_batches: int = Field(1, ge=1, description="optimizer steps per batch = ppo_epochs * mini batches")
     is_cap: float = Field(2.0, gt=0, description="truncated importance-sampling cap on behaviour/current ratio")
     dynamic_sampling: bool = Field(False, description="drop groups whose rewards are all equal and refill")
+    lora: LoRAConfig | None = Field(None, description="train a LoRA adapter instead of the full weights")
 
     @field_validator("adv_estimator")
     @classmethod
@@ -143,7 +170,12 @@ class RunConfig(_Strict):
     fail_fast_after: int | None = Field(
         None, ge=1, description="fail the run, with the reason in its error, once this many attempts in a row (none "
         "completed in between) failed for the same reason; default max(20, 2 * max_in_flight), so the sessions one "
-        "dead worker held do not fail a run")
+        "dead worker held do not fail a run, and at most the run's first dispatch window (eval: every unit), so a "
+        "small run whose first attempts all fail the same way fails after those")
+    fail_fast_after_errors: int = Field(
+        10, ge=1, description="fail the run, with the reason in its error, once this many units in a row (none "
+        "scored in between) ended in a user-code error (env, reward function, agent, workflow or agent program "
+        "raised, returned the wrong type or hung) for the same reason; at most the run's first dispatch window")
     epochs: int = Field(1, ge=1)
     total_steps: int | None = Field(None, ge=1, description="stop after this many optimizer steps")
     seed: int = 0
@@ -168,6 +200,30 @@ class RunConfig(_Strict):
         return data
 
     @model_validator(mode="after")
+    def _sandbox(self) -> RunConfig:
+        """`env.args.sandbox` (namespaces | container | none) is checked here, and written out for the built-in envs
+        that run model-written code, so the stored config says the mode and no dataset row can override it (env
+        args win over row fields). `none` is taken only when asked for by name; the run's status then warns."""
+        from shared.builtin.sandbox import DEFAULT_MODE, sandbox_mode
+
+        if "sandbox" in self.env.args:
+            try:
+                sandbox_mode(self.env.args["sandbox"])
+            except ValueError as e:
+                raise ValueError(f"env.args.sandbox: {e}") from None
+            if self.env.args["sandbox"] == "container" and not self.env.args.get("image"):
+                raise ValueError("env.args.image: sandbox 'container' runs each session in a container of this image "
+                                 "(e.g. localhost/flywheel-sandbox-python:local, built by `make sandbox-image`)")
+        elif self.env.name in REGISTRIES["env"] and getattr(resolve("env", self.env.name), "runs_model_code", False):
+            self.env.args["sandbox"] = DEFAULT_MODE
+        return self
+
+    @property
+    def sandbox(self) -> str | None:
+        """The mode model-written code of this run's env runs under (None: the env runs none of it, or says)."""
+        return self.env.args.get("sandbox")
+
+    @model_validator(mode="after")
     def _cross(self) -> RunConfig:
         est = self.algorithm.adv_estimator
         if self.kind == "train" and est in GROUP_ESTIMATORS and self.samples_per_task < 2:
@@ -175,6 +231,13 @@ class RunConfig(_Strict):
                 f"samples_per_task: {est} compares samples of the same task, so it needs samples_per_task >= 2 "
                 f"(got {self.samples_per_task})"
             )
+        if self.algorithm.lora is not None and self.engine.type == "openai":
+            raise ValueError("engine.type: LoRA runs are served by the hf and vllm engines (an OpenAI-compatible "
+                             "server's adapter routes are not supported yet); set engine.type to hf or vllm")
+        if self.algorithm.lora is not None and self.engine.type == "vllm" and (
+                self.algorithm.lora.rank > self.engine.max_lora_rank):
+            raise ValueError(f"engine.max_lora_rank ({self.engine.max_lora_rank}) is below algorithm.lora.rank "
+                             f"({self.algorithm.lora.rank}): vLLM serves adapters up to max_lora_rank; raise it")
         if self.engine.type == "openai" and not self.engine.base_url:
             raise ValueError("engine.base_url: the openai engine needs the server URL, e.g. http://host:8000/v1")
         if self.max_in_flight < self.samples_per_task:
@@ -185,10 +248,6 @@ class RunConfig(_Strict):
         if self.max_trajectory_tokens is not None and self.max_trajectory_tokens < self.max_prompt_tokens:
             raise ValueError("max_trajectory_tokens must be >= max_prompt_tokens")
         return self
-
-    @property
-    def fail_fast_threshold(self) -> int:
-        return self.fail_fast_after or max(20, 2 * self.max_in_flight)
 
     @property
     def tokenizer_path(self) -> str:

@@ -52,6 +52,7 @@ UP = Gauge("service_up", "1 while the service loop runs", ["service"])
 
 Loops = list[Coroutine[Any, Any, Any]]
 S = TypeVar("S", bound=ServiceSettings)
+T = TypeVar("T")
 
 
 def run_service(
@@ -105,11 +106,19 @@ def _event_loop_run(main: Coroutine[Any, Any, int]) -> int:
     return asyncio.run(main)
 
 
+async def wait_for(aw: Awaitable[T], seconds: float | None) -> T:
+    """`asyncio.wait_for` that never loses a cancellation: `aw`'s result, TimeoutError after `seconds`. Python
+    3.11's wait_for returns the result when a cancel lands as `aw` completes, so a cancelled loop went on (a
+    service that would not stop); asyncio.timeout hands the cancel on. Services use this one, never asyncio's."""
+    async with asyncio.timeout(seconds):
+        return await aw
+
+
 async def sleep_or_stop(stop: asyncio.Event, seconds: float) -> bool:
     """Sleep up to `seconds`, waking at once when `stop` is set; returns whether it was set. Periodic loops
     use it so that shutdown never waits out a full interval."""
     try:
-        await asyncio.wait_for(stop.wait(), seconds)
+        await wait_for(stop.wait(), seconds)
         return True
     except TimeoutError:
         return False
@@ -259,7 +268,7 @@ class ServiceRuntime:
         self.stop.set()
         UP.labels(self.service).set(0)
         try:
-            await asyncio.wait_for(self._shutdown(tasks, http), self.shutdown_timeout_s)
+            await wait_for(self._shutdown(tasks, http), self.shutdown_timeout_s)
         except TimeoutError:
             log.error("shutdown exceeded %.0fs; cancelling", self.shutdown_timeout_s)
             for t in tasks:
@@ -288,6 +297,6 @@ async def _within(probe: Awaitable[bool], timeout_s: float) -> bool:
     from redis.exceptions import RedisError
 
     try:
-        return await asyncio.wait_for(probe, timeout_s)
+        return await wait_for(probe, timeout_s)
     except (TimeoutError, OSError, RedisError, *DB_DOWN):
         return False

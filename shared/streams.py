@@ -15,7 +15,18 @@ controller on `trainer.progress`; nothing crosses services through another servi
 | `trainer.progress` | trainer, after each step is recorded and published / each drop is recorded (and again when it opens a run) | controller (`controller`) | `TrainerProgress` | `runs.policy_version` and `consumed_groups` are updated |
 | `weights` | weight server, after a checkpoint is durable | rollout workers (no group, own cursor) | `WeightsPublished` | never (read by cursor; trimmed by MAXLEN) |
 | `<stream>.dlq` | `StreamConsumer` of `<stream>` | controller (`controller`) for `rollout.tasks.dlq`; people otherwise | the original entry + `dlq_*` fields | the failure is recorded in the ledger (`rollout.tasks.dlq`) |
-| `run.events` | reserved (nothing publishes to it yet) | API (monitoring only) | - | - |
+| `run.control` | API, after a pause / resume / stop changed `runs.status` | controller (`controller`), trainer (`train`) | `RunControl` | applied to the run it drives / trains; one that does not hold the run acknowledges it untouched (the holder reads the status at its next poll of the runs it leases) |
+
+Plain keys (no stream):
+
+| key | written by | read by | what |
+|---|---|---|---|
+| `heartbeat:<service>:<worker id>` | every service process (shared/service.py), expiring | controller, API (shared/workers.py) | the process's health JSON |
+| `streams:epoch` | controller | controller | Redis still holds the streams (absent: its data was lost) |
+| `bus:failures:<stream>:<group>` | `StreamConsumer` (hash: entry id -> handler failures) | the same | when to dead-letter |
+| `tracking:<sink>:<run id>` | jobs worker (`sync_tracking`) | the same | the highest metrics.id sent to W&B / MLflow |
+
+Celery (the jobs queue) keeps its own keys (`celery`, `_kombu.*`, `unacked*`) in the same database.
 """
 
 ROLLOUT_TASKS = "rollout.tasks"
@@ -24,7 +35,7 @@ TRAJECTORIES = "trajectories"
 ACCEPTED_RESULTS = "results.accepted"
 TRAINER_PROGRESS = "trainer.progress"
 WEIGHTS = "weights"
-RUN_EVENTS = "run.events"
+RUN_CONTROL = "run.control"
 
 GROUP_ROLLOUT = "rollout"
 GROUP_ENV = "env"
@@ -53,10 +64,22 @@ def heartbeat_key(service: str, worker_id: str) -> str:
     return f"heartbeat:{service}:{worker_id}"
 
 
-HEARTBEAT_PATTERN = "heartbeat:*"
+def heartbeat_pattern(service: str) -> str:
+    """SCAN pattern of every heartbeat key of `service`."""
+    return heartbeat_key(service, "*")
 
 
 def epoch_key() -> str:
     """Key the controller sets once Redis holds its streams. Its absence means Redis lost its data (or is new):
     the controller then replays from Postgres what the trainer may never have received (`results.accepted`)."""
     return "streams:epoch"
+
+
+def failures_key(stream: str, group: str) -> str:
+    """Hash of handler failures per entry id of `group` on `stream` (a `StreamConsumer`'s retry count)."""
+    return f"bus:failures:{stream}:{group}"
+
+
+def tracking_cursor_key(sink: str, run_id: str) -> str:
+    """The highest metrics.id of run `run_id` the tracking job sent to `sink` (wandb, mlflow)."""
+    return f"tracking:{sink}:{run_id}"

@@ -133,10 +133,6 @@ class Episode:
     def task_id(self) -> str:
         return self.id.rsplit(":", 1)[0]
 
-    @property
-    def rollout_idx(self) -> str:
-        return self.id.rsplit(":", 1)[-1]
-
 
 def compute_mc_returns(trajectory: Trajectory, gamma: float = 1.0) -> None:
     """Fill each step's Monte-Carlo return G_t = r_t + gamma * G_{t+1} (rLLM's `mc_return`)."""

@@ -44,9 +44,13 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
 
+    from shared.weight_relay import Relay
+
 MANIFEST = "MANIFEST.json"
 DELTA_FILE = "delta.safetensors.zst"
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"  # PEFT's file names
 CHUNK = 1 << 20
+PIECE_BYTES = 1 << 20  # the unit a worker verifies and relays (one piece at 1 Gbit/s: 8 ms)
 
 
 class ChecksumError(ValueError):
@@ -56,6 +60,11 @@ class ChecksumError(ValueError):
 class FileEntry(BaseModel):
     sha256: str
     bytes: int
+    pieces: list[str] = Field(
+        default_factory=list, description="sha256 of each PIECE_BYTES slice of the file, in order (the last may be "
+        "shorter): a worker checks each piece as it arrives, so it can pass verified pieces on before the whole "
+        "file is there (empty: written before pieces, or not hashed by pieces; checked as a whole)")
+    piece_bytes: int = Field(0, ge=0, description="size of each piece but the last")
 
 
 class TensorEntry(BaseModel):
@@ -66,6 +75,13 @@ class TensorEntry(BaseModel):
     xxh3_128: str = Field(description="xxh3-128 hex digest of the tensor's raw little-endian bytes (as in safetensors)")
     dtype: str = Field(description="torch dtype name, e.g. bfloat16")
     shape: list[int]
+
+
+class BaseModelRef(BaseModel):
+    """The base model a LoRA version's adapter belongs to: what the adapter may be applied to, and nothing else."""
+
+    name: str = Field(description="the run's `model` (folder or hub id)")
+    sha256: str = Field(description="`base_model_digest` of its weights")
 
 
 class CheckpointManifest(BaseModel):
@@ -79,6 +95,9 @@ class CheckpointManifest(BaseModel):
         default_factory=dict, description="every weight tensor of this version's full weights (empty: unknown, "
         "written before per-tensor hashes; no delta can be based on it)")
     full_bytes: int = Field(0, ge=0, description="size of the full weights this version stands for")
+    base_model: BaseModelRef | None = Field(
+        None, description="set: a LoRA version, the adapter alone in PEFT layout (ADAPTER_CONFIG + ADAPTER_WEIGHTS) "
+        "for this base; unset: the model's full weights")
 
     @property
     def total_bytes(self) -> int:
@@ -106,9 +125,48 @@ def fsync_tree(folder: Path) -> None:
             fsync_path(p)
 
 
+_BASE_DIGESTS: dict[tuple, str] = {}
+
+
+def base_model_digest(model: str) -> str:
+    """sha256 over the base model's weight files (name and sha256 of each *.safetensors, in name order): what a
+    LoRA manifest names its base by. Remembered per file set (path, size, mtime), so each process hashes once."""
+    folder = Path(model).expanduser()
+    if not folder.is_dir():  # a hub id: the cached snapshot's weight files
+        from huggingface_hub import snapshot_download
+
+        folder = Path(snapshot_download(model, allow_patterns=["*.safetensors"]))
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{folder} has no *.safetensors files: cannot identify the base model")
+    key = tuple((str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
+    if key not in _BASE_DIGESTS:
+        h = hashlib.sha256()
+        for f in files:
+            h.update(f"{f.name}:{sha256_file(f)}\n".encode())
+        _BASE_DIGESTS[key] = h.hexdigest()
+    return _BASE_DIGESTS[key]
+
+
 def sha256_file(path: Path) -> str:
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def piece_hashes(path: Path, piece_bytes: int = PIECE_BYTES) -> list[str]:
+    """sha256 of each `piece_bytes` slice of the file, on a few threads (hashlib drops the GIL)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    size = path.stat().st_size
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        def one(offset: int) -> str:
+            return hashlib.sha256(os.pread(fd, min(piece_bytes, size - offset), offset)).hexdigest()
+
+        with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
+            return list(pool.map(one, range(0, size, piece_bytes)))
+    finally:
+        os.close(fd)
 
 
 def write_manifest(folder: Path, run_id: str, version: int) -> tuple[CheckpointManifest, str]:
@@ -166,13 +224,14 @@ def verify_folder(folder: Path, expected_sha256: str, *, full: bool = True) -> C
 
 
 def fetch_checkpoint(msg: WeightsPublished, cache_dir: Path, *, verify_shared_path: bool = False,
-                     timeout_s: float = 600.0) -> Path:
+                     timeout_s: float = 600.0, relay: Relay | None = None) -> Path:
     """Return a local folder holding the announced version's files (a snapshot or a delta), verified.
 
     Co-located (msg.path readable): used in place; the manifest hash and file sizes are checked, file contents
     only with `verify_shared_path` (see the module docstring: by default nobody re-reads a co-located snapshot
     after the trainer hashed it, and a delta is checked by what it decodes to). Otherwise the files are streamed
-    over HTTP from msg.uri into `cache_dir/<run>/v<version>`, hashed as they arrive.
+    over HTTP from msg.uri into `cache_dir/<run>/v<version>`, hashed as they arrive; with `relay`, files hashed
+    by pieces come through the relay chain instead (shared/weight_relay.py), each piece checked as it arrives.
     """
     if msg.path and Path(msg.path, MANIFEST).is_file():
         verify_folder(Path(msg.path), msg.sha256, full=verify_shared_path)
@@ -189,7 +248,10 @@ def fetch_checkpoint(msg: WeightsPublished, cache_dir: Path, *, verify_shared_pa
             (tmp / MANIFEST).write_bytes(manifest_bytes)
             manifest = read_manifest(tmp, msg.sha256)
             for name, entry in manifest.files.items():
-                _download(client, f"{msg.uri.rstrip('/')}/{name}", tmp / name, entry)
+                if relay is not None and entry.pieces:
+                    relay.fetch(client, msg, name, entry, tmp / name)
+                else:
+                    _download(client, f"{msg.uri.rstrip('/')}/{name}", tmp / name, entry)
         os.replace(tmp, dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -428,13 +490,14 @@ def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def materialize(msg: WeightsPublished, cache_dir: Path, *, verify_shared_path: bool = False,
-                timeout_s: float = 600.0) -> Path:
+                timeout_s: float = 600.0, relay: Relay | None = None) -> Path:
     """A full HF folder of the announced version: the snapshot itself, or the nearest snapshot before it with
     every delta since applied (each result checked against its manifest's tensor hashes), written atomically
     to `cache_dir/<run>/v<version>.full` (the run's previous such folder is removed)."""
     manifest = fetch_manifest(msg)
     if manifest.kind == "full":
-        return fetch_checkpoint(msg, cache_dir, verify_shared_path=verify_shared_path, timeout_s=timeout_s)
+        return fetch_checkpoint(msg, cache_dir, verify_shared_path=verify_shared_path, timeout_s=timeout_s,
+                                relay=relay)
     dest = cache_dir / msg.run_id / f"v{msg.version}.full"
     if dest.is_dir():
         return dest
@@ -444,10 +507,11 @@ def materialize(msg: WeightsPublished, cache_dir: Path, *, verify_shared_path: b
         src = version_source(msg, m.base_version, m.base_sha256)
         chain.append((src, fetch_manifest(src)))
     snap_msg, base = chain.pop()
-    snap = fetch_checkpoint(snap_msg, cache_dir, verify_shared_path=verify_shared_path, timeout_s=timeout_s)
+    snap = fetch_checkpoint(snap_msg, cache_dir, verify_shared_path=verify_shared_path, timeout_s=timeout_s,
+                            relay=relay)
     state = read_safetensors(snap)
     for src, m in reversed(chain):
-        update = WeightUpdate.load(fetch_checkpoint(src, cache_dir, timeout_s=timeout_s), m, base)
+        update = WeightUpdate.load(fetch_checkpoint(src, cache_dir, timeout_s=timeout_s, relay=relay), m, base)
         state.update(update.apply(state))
         base = m
     return _write_full(snap, state, dest)

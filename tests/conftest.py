@@ -11,7 +11,9 @@ it is on the PYTHONPATH of every process a test starts, as a user's installed pa
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import threading
 import uuid
 from pathlib import Path
 
@@ -22,6 +24,42 @@ from harness.servers import postgres_admin, private_redis, scratch_database
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures"
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), str(FIXTURES), os.environ.get("PYTHONPATH")) if p)
+
+
+# A test hung past its pytest-timeout (a teardown that cannot be interrupted: the timeout's exception fires once,
+# then asyncio's runner waits forever on a task that will not end) would otherwise hold the whole suite until
+# CI's own limit, with no trace of where. Past its timeout plus this grace the test's name and every thread's
+# stack go to the real stderr and the session exits 1; faulthandler's C watchdog does the same a minute later
+# should the main thread hold the GIL.
+HANG_GRACE_S = float(os.environ.get("FW_HANG_GRACE_S", 120))
+_real_stderr = None
+
+
+def pytest_configure(config) -> None:
+    global _real_stderr
+    _real_stderr = os.fdopen(os.dup(2), "w")  # capture is suspended here; fd 2 is the terminal or CI's log
+
+
+def _hung(nodeid: str, after_s: float) -> None:
+    print(f"\n{nodeid} still running {after_s:.0f}s in, past its timeout: the stacks, then exit", file=_real_stderr,
+          flush=True)
+    faulthandler.dump_traceback(file=_real_stderr, all_threads=True)
+    os._exit(1)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    marker = item.get_closest_marker("timeout")
+    limit = float(marker.args[0]) if marker and marker.args else float(item.config.getini("timeout") or 300)
+    watchdog = threading.Timer(limit + HANG_GRACE_S, _hung, (item.nodeid, limit + HANG_GRACE_S))
+    watchdog.daemon = True
+    watchdog.start()
+    faulthandler.dump_traceback_later(limit + HANG_GRACE_S + 60, exit=True, file=_real_stderr)
+    try:
+        yield
+    finally:
+        watchdog.cancel()
+        faulthandler.cancel_dump_traceback_later()
 
 
 def _scratch_folder(kind: str) -> Path:

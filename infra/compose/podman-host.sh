@@ -201,8 +201,9 @@ case "${1:-all}" in
     service) service ;;
     compose) compose ;;
     base) base ;;
+    local-base) timed base-debootstrap local_base ;;  # the Debian base alone (make sandbox-image)
     build) build ;;
     health-loop) health_loop ;;
     all) packages; configure; service; compose; base; build ;;
-    *) echo "usage: $0 [packages|configure|service|compose|base|build|health-loop|all]" >&2; exit 2 ;;
+    *) echo "usage: $0 [packages|configure|service|compose|base|local-base|build|health-loop|all]" >&2; exit 2 ;;
 esac

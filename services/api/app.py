@@ -7,8 +7,6 @@ import time
 from pathlib import Path
 
 import httpx
-import redis
-from celery import Celery
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import RedirectResponse
 from fastapi.staticfiles import StaticFiles
@@ -17,7 +15,9 @@ from prometheus_client import Counter, Histogram
 from services.api.auth import authorize
 from services.api.config import ApiConfig
 from services.api.errors import add_error_handlers, errors
+from services.api.job_queue import job_queue
 from services.api.routers import agent_sessions, datasets, jobs, runs, sql, system, tokens, trajectories
+from shared.bus import connect_sync
 from shared.db.session import make_engine, session_factory
 
 STATIC_DIR = Path(__file__).parent / "static"
@@ -31,8 +31,8 @@ def create_app(config: ApiConfig) -> FastAPI:
     app.state.config = config
     app.state.engine = engine
     app.state.sessions = session_factory(engine)
-    app.state.redis = redis.Redis.from_url(config.redis_url, socket_timeout=5, socket_connect_timeout=5)
-    app.state.celery = Celery("flywheel-api", broker=config.redis_url)
+    app.state.redis = connect_sync(config.redis_url, timeout_s=5)
+    app.state.celery = job_queue(config.redis_url)
     # Forwards agent-session claims to the rollout workers (routers/agent_sessions.py); one per process so
     # connections are reused. No connection cap: each forwarded claim holds one for its long poll, and a cap
     # would queue claims behind claims (bounded anyway by the requests the API is serving).

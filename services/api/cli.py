@@ -91,6 +91,42 @@ def _load_yaml(path: Path) -> dict:
     return data
 
 
+def _typed(raw: str) -> Any:
+    """A --set value as the type it reads as: JSON scalars (3, 1e-5, true, null, "quoted"), YAML/JSON lists and
+    mappings ([1, 2], {type: vllm}); anything else is the string itself (model=Qwen/Qwen2.5-0.5B, name=no)."""
+    try:
+        return json.loads(raw)
+    except ValueError:
+        pass
+    if raw.strip()[:1] in ("[", "{"):
+        try:
+            return yaml.safe_load(raw)
+        except yaml.YAMLError as e:
+            _fail(f"--set value {raw!r} is not a valid list or mapping ({e})")
+    return raw
+
+
+def apply_overrides(config: dict, overrides: list[str]) -> dict:
+    """`--set key=value` over a run config: dotted keys reach nested fields (algorithm.lr=1e-5), typed values."""
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        parts = key.strip().split(".")
+        if not sep or not all(parts):
+            _fail(f"--set {item!r}: expected KEY=VALUE with a dotted KEY, e.g. --set total_steps=20 "
+                  f"--set algorithm.lr=1e-5")
+        node = config
+        for i, part in enumerate(parts[:-1]):
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                _fail(f"--set {item!r}: {'.'.join(parts[:i + 1])} is {node!r}, not a mapping of fields")
+        node[parts[-1]] = _typed(raw)
+    return config
+
+
+RunRef = Annotated[str, typer.Argument(help="the run's id, a unique prefix of its id, or its name")]
+SET_HELP = "override a config field: KEY=VALUE, dotted keys for nested fields (algorithm.lr=1e-5); repeatable"
+
+
 def _table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
     table = Table(title=title)
     for c in columns:
@@ -105,9 +141,11 @@ def _table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
 
 @runs_app.command("start")
 def runs_start(file: Annotated[Path, typer.Option("-f", "--file", help="run config YAML")],
-               watch: Annotated[bool, typer.Option(help="follow the run until it ends")] = False) -> None:
-    """Start a run from a YAML run config (the body of POST /v1/runs)."""
-    run = call("POST", "/v1/runs", json=_load_yaml(file))
+               watch: Annotated[bool, typer.Option(help="follow the run until it ends")] = False,
+               set_: Annotated[list[str] | None, typer.Option("--set", help=SET_HELP)] = None) -> None:
+    """Start a run from a YAML run config (the body of POST /v1/runs), e.g.
+    `flywheel runs start -f examples/train_recall_grpo.yaml --set total_steps=20 --set algorithm.lr=1e-3`."""
+    run = call("POST", "/v1/runs", json=apply_overrides(_load_yaml(file), set_ or []))
     console.print(f"started {run['kind']} run [bold]{run['name']}[/bold] id={run['id']}")
     if watch:
         runs_watch(run["id"])
@@ -124,19 +162,56 @@ def runs_list(status: Annotated[str | None, typer.Option(help="only runs with th
 
 
 @runs_app.command("show")
-def runs_show(run_id: str) -> None:
+def runs_show(run_id: RunRef) -> None:
     run = call("GET", f"/v1/runs/{run_id}")
     console.print(f"[bold]{run['name']}[/bold] ({run['kind']}) status={run['status']} "
                   f"policy_version={run['policy_version']}")
     if run["error"]:
         console.print(f"[red]error[/red] {run['error']}")
+    _print_attention(run)
     console.print(f"progress {_progress_text(run['progress'])}")
     units, attempts = run["ledger"]["units"], run["ledger"]["attempts"]
     console.print("samples " + _counts(units) + "\nattempts " + _counts(attempts))
+    _reasons_table(run["ledger"].get("top_reasons") or [])
     _table("latest metrics", ["metric", "step", "value"],
            [[k, v["step"], v["value"]] for k, v in sorted(run["latest_metrics"].items())])
     if run.get("pass_at_k"):
-        _pass_at_k_table(run["pass_at_k"])
+        _pass_at_k_table(run["pass_at_k"], run["ledger"])
+    _mismatch_table(run_id)
+
+
+def _print_attention(run: dict) -> None:
+    """A stalled run's reason (and since when), and a warning such as groups without learning signal."""
+    if run.get("stall_reason"):
+        since = f" (since {run['stalled_since'][:19]})" if run.get("stalled_since") else ""
+        console.print(f"[yellow]stalled[/yellow]{since} {run['stall_reason']}")
+    if run.get("warning"):
+        console.print(f"[yellow]warning[/yellow] {run['warning']}")
+
+
+def _reasons_table(reasons: list[dict]) -> None:
+    if reasons:
+        _table("why units ended unscored (errored: the user's code; failed/lost: infrastructure)",
+               ["outcome", "units", "attempts", "reason"],
+               [[r["outcome"], r["units"], r["attempts"], r["reason"]] for r in reasons])
+
+
+MISMATCH_METRICS = ("logprob_diff_mean", "logprob_diff_max", "is_truncated_fraction")
+
+
+def _mismatch_table(run_id: str, last: int = 10) -> None:
+    """Training-inference mismatch of the last `last` steps: |rollout logprob - trainer logprob| over the tokens
+    that the weights a step started from generated (step s starts from version s - 1 and makes version s), and
+    the share of IS weights truncated (the trainer's metrics, recorded under the step)."""
+    series = call("GET", f"/v1/runs/{run_id}/metrics", params={"name": list(MISMATCH_METRICS)})["series"]
+    by_version: dict[int, dict[str, float]] = {}
+    for name, points in series.items():
+        for p in points:
+            by_version.setdefault(p["step"], {})[name] = p["value"]
+    if by_version:
+        _table("training-inference mismatch per step (step s measures version s-1, the weights it started from)",
+               ["step", "mean |dlogp|", "max |dlogp|", "IS truncated"],
+               [[v, *(by_version[v].get(m) for m in MISMATCH_METRICS)] for v in sorted(by_version)[-last:]])
 
 
 def _progress_text(p: dict) -> str:
@@ -149,18 +224,25 @@ def _counts(c: dict[str, int]) -> str:
     return f"{c['total']} = " + " + ".join(parts)
 
 
-def _pass_at_k_table(pass_at_k: dict[str, float]) -> None:
-    _table("pass@k", ["k", "pass@k"], [[k.removeprefix("pass@"), v] for k, v in pass_at_k.items()])
+def _pass_at_k_table(pass_at_k: dict[str, float], ledger: dict | None = None) -> None:
+    """pass@k is over the scored samples; the errored ones (the user's code failed) are counted beside it."""
+    title = "pass@k"
+    if ledger:
+        units = ledger["units"]
+        title += f" over {units['completed']} scored samples ({units.get('errored', 0)} errored, {units['failed']} failed)"
+    _table(title, ["k", "pass@k"], [[k.removeprefix("pass@"), v] for k, v in pass_at_k.items()])
 
 
 @runs_app.command("watch")
-def runs_watch(run_id: str, interval_s: Annotated[float, typer.Option(help="poll period, seconds")] = 1.0) -> None:
+def runs_watch(run_id: RunRef, interval_s: Annotated[float, typer.Option(help="poll period, seconds")] = 1.0) -> None:
     """Live progress bar and mean reward per policy version until the run ends; when the output is not a
     terminal, one progress line per change instead (so logs and pipes see it as it happens)."""
+    run_id = call("GET", f"/v1/runs/{run_id}")["id"]  # a name or id prefix, resolved once
     run = _follow(run_id, interval_s)
     console.print(f"run {run['name']} ended: {run['status']}" + (f": {run['error']}" if run["error"] else ""))
     if run.get("pass_at_k"):
-        _pass_at_k_table(run["pass_at_k"])
+        _pass_at_k_table(run["pass_at_k"], run["ledger"])
+    _reasons_table(run["ledger"].get("top_reasons") or [])
     if run["status"] == "failed":
         raise typer.Exit(1)
 
@@ -168,7 +250,7 @@ def runs_watch(run_id: str, interval_s: Annotated[float, typer.Option(help="poll
 def _follow(run_id: str, interval_s: float) -> dict:
     printed: set[int] = set()
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
-    last_line = ""
+    last_line, last_stall = "", None
     with Progress(*columns, console=console, disable=not console.is_terminal) as bar:
         task = bar.add_task("progress", total=None)
         while True:
@@ -176,11 +258,19 @@ def _follow(run_id: str, interval_s: float) -> dict:
             p = run["progress"]
             bar.update(task, completed=p["done"], total=p["total"],
                        description=f"{run['status']} v{run['policy_version']} {p['unit']}")
-            line = f"{run['status']} v{run['policy_version']}: {_progress_text(p)}, failed samples " \
-                   f"{run['ledger']['units']['failed']}"
+            units = run["ledger"]["units"]
+            line = f"{run['status']} v{run['policy_version']}: {_progress_text(p)}, errored samples " \
+                   f"{units.get('errored', 0)}, failed samples {units['failed']}"
+            if run.get("stall_reason"):
+                line += f"; stalled: {run['stall_reason']}"
+            if run.get("warning"):
+                line += f"; warning: {run['warning']}"
             if not console.is_terminal and line != last_line:  # no live bar: print what changed
                 console.print(line)
                 last_line = line
+            if console.is_terminal and run.get("stall_reason") != last_stall and run.get("stall_reason"):
+                bar.console.print(f"stalled: {run['stall_reason']}")
+            last_stall = run.get("stall_reason")
             for r in call("GET", f"/v1/runs/{run_id}/rewards")["data"]:
                 v = r["policy_version"]
                 if v is not None and v not in printed and (v < run["policy_version"] or run["status"] in TERMINAL):
@@ -198,17 +288,17 @@ def _control(run_id: str, action: str) -> None:
 
 
 @runs_app.command("stop")
-def runs_stop(run_id: str) -> None:
+def runs_stop(run_id: RunRef) -> None:
     _control(run_id, "stop")
 
 
 @runs_app.command("pause")
-def runs_pause(run_id: str) -> None:
+def runs_pause(run_id: RunRef) -> None:
     _control(run_id, "pause")
 
 
 @runs_app.command("resume")
-def runs_resume(run_id: str) -> None:
+def runs_resume(run_id: RunRef) -> None:
     _control(run_id, "resume")
 
 
@@ -218,13 +308,15 @@ def runs_resume(run_id: str) -> None:
 @app.command("eval")
 def evaluate(
     file: Annotated[Path, typer.Option("-f", "--file", help="run config YAML (kind is set to eval)")],
-    checkpoint_run: Annotated[str | None, typer.Option(help="evaluate this run's checkpoint instead of `model`")] = None,
+    checkpoint_run: Annotated[str | None, typer.Option(
+        help="evaluate this run's checkpoint instead of `model` (its id, id prefix or name)")] = None,
     version: Annotated[int | None, typer.Option(help="checkpoint version (default: latest)")] = None,
     wait: Annotated[bool, typer.Option(help="follow the run and print pass@k")] = True,
     interval_s: float = 1.0,
+    set_: Annotated[list[str] | None, typer.Option("--set", help=SET_HELP)] = None,
 ) -> None:
     """Evaluate a model or checkpoint on a dataset: progress bar, then the pass@k table."""
-    config = _load_yaml(file) | {"kind": "eval"}
+    config = apply_overrides(_load_yaml(file), set_ or []) | {"kind": "eval"}
     if checkpoint_run:
         job = call("POST", "/v1/evals", json={"config": config, "checkpoint_run_id": checkpoint_run,
                                               "checkpoint_version": version})

@@ -9,8 +9,9 @@ HTTPExceptions (404 for unknown paths, 405) and database refusals are converted 
 
 from __future__ import annotations
 
+import difflib
 import re
-from typing import Annotated, Any
+from typing import Annotated, Any, get_args
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -20,6 +21,7 @@ from sqlalchemy.exc import DataError, IntegrityError
 from starlette.exceptions import HTTPException
 
 from services.api.schemas import ErrorBody, ErrorItem
+from shared.runs import RunRefused
 
 
 def _integral(value: Any) -> Any:
@@ -54,6 +56,11 @@ class ApiError(HTTPException):
         super().__init__(status_code, summary(self.items), headers)
 
 
+def refused(e: RunRefused) -> ApiError:
+    """A run shared/runs.py refused, answered with its status and every problem as an error item."""
+    return ApiError(e.status, items=[ErrorItem(**p.model_dump()) for p in e.problems])
+
+
 def errors(*codes: int) -> dict[int | str, dict[str, Any]]:
     """OpenAPI `responses` documenting error statuses with the one error body."""
     return {code: {"model": ErrorBody, "description": DESCRIPTIONS.get(code, "error")} for code in codes}
@@ -85,16 +92,53 @@ def _field(loc: tuple | list) -> str | None:
     return ".".join(parts) or None
 
 
-def validation_items(errors_: list[dict]) -> list[ErrorItem]:
-    """pydantic errors as items; a model validator's ValueError reads "field: message", which names its field."""
+def validation_items(errors_: list[dict], body: Any = None) -> list[ErrorItem]:
+    """pydantic errors as items; a model validator's ValueError reads "field: message", which names its field.
+    With the request body's type, an unknown field's hint names the closest valid one."""
     items = []
     for e in errors_:
         field, message = _field(e.get("loc", ())), str(e.get("msg", "")).removeprefix("Value error, ")
         head, sep, rest = message.partition(": ")
         if sep and field in (None, "") and " " not in head:
             field, message = head, rest
-        items.append(ErrorItem(field=field, message=message))
+        hint = None
+        loc = list(e.get("loc", ()))
+        if e.get("type") == "extra_forbidden" and body is not None and loc[:1] == ["body"] and len(loc) > 1:
+            message, hint = "unknown field", unknown_field_hint(str(loc[-1]), field_names(body, loc[1:-1]))
+        items.append(ErrorItem(field=field, message=message, hint=hint))
     return items
+
+
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    """The pydantic models an annotation holds (itself, or inside Optional / Union / list / Annotated)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in get_args(annotation) for m in _models_in(arg)]
+
+
+def field_names(annotation: Any, path: list) -> list[str]:
+    """The field names (and aliases) valid at `path` (a pydantic error location) inside `annotation`. Parts that
+    are no field (list indexes, union tags) leave the level as it is."""
+    models = _models_in(annotation)
+    for part in path:
+        fields = {k: f for m in models for k, f in m.model_fields.items()}
+        fields |= {f.alias: f for f in list(fields.values()) if f.alias}
+        if part in fields:
+            models = _models_in(fields[part].annotation)
+    names = {k for m in models for k in m.model_fields} | {f.alias for m in models for f in m.model_fields.values()
+                                                           if f.alias}
+    return sorted(names)
+
+
+def unknown_field_hint(key: str, names: list[str]) -> str | None:
+    """"did you mean 'samples_per_task'?" for the closest valid name, else the valid names."""
+    if not names:
+        return None
+    close = difflib.get_close_matches(key, names, n=1, cutoff=0.6) or \
+        difflib.get_close_matches(key.lower(), [n.lower() for n in names], n=1, cutoff=0.6)
+    if close:
+        return f"did you mean {next(n for n in names if n.lower() == close[0].lower())!r}?"
+    return f"remove it; valid fields here: {', '.join(names)}"
 
 
 def _allowed_methods(request: Request) -> set[str]:
@@ -117,7 +161,9 @@ def add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return JSONResponse(_body(validation_items(list(exc.errors()))), status_code=422)
+        route_body = getattr(request.scope.get("route"), "body_field", None)
+        body_type = getattr(getattr(route_body, "field_info", None), "annotation", None)
+        return JSONResponse(_body(validation_items(list(exc.errors()), body_type)), status_code=422)
 
     @app.exception_handler(DataError)
     async def bad_value(request: Request, exc: DataError) -> JSONResponse:

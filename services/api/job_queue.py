@@ -6,13 +6,19 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
+from celery import Celery
 from kombu.exceptions import OperationalError
 from sqlalchemy import update
 from sqlalchemy.orm import Session
 
 from services.api.errors import ApiError
 from shared.db.models import Job
-from shared.jobs import JOB_TASKS
+from shared.jobs import JOB_TASKS, celery_broker_url
+
+
+def job_queue(redis_url: str) -> Celery:
+    """The Celery client jobs are sent with; its broker is REDIS_URL (a unix:// one translated for kombu)."""
+    return Celery("flywheel-api", broker=celery_broker_url(redis_url))
 
 
 def submit_job(session: Session, celery, kind: str, params: dict[str, Any], run_id: uuid.UUID | None = None) -> dict:

@@ -12,18 +12,23 @@ from sqlalchemy.orm import Session
 from shared.db.models import EpisodeRow, Metric, Run, TrajectoryRow
 from shared.passk import pass_at_k as pass_at_k_one
 
-UNIT_COLUMNS = ("total", "completed", "in_flight", "retrying", "failed", "cancelled")
-ATTEMPT_COLUMNS = ("total", "completed", "in_flight", "failed", "lost", "cancelled")
+UNIT_COLUMNS = ("total", "completed", "in_flight", "retrying", "errored", "failed", "cancelled")
+ATTEMPT_COLUMNS = ("total", "completed", "in_flight", "errored", "failed", "lost", "cancelled")
 
 
-def ledger(session: Session, run_id: uuid.UUID) -> dict[str, dict[str, int]]:
-    """{"units": {total, completed, in_flight, retrying, failed, cancelled}, "attempts": {total, completed,
-    in_flight, failed, lost, cancelled}}: each set's columns other than total add up to its total."""
-    # run_ledger is a view (migration 0005), not a model: read it as SQL.
+def ledger(session: Session, run_id: uuid.UUID, top: int = 5) -> dict[str, Any]:
+    """{"units": {total, completed, in_flight, retrying, errored, failed, cancelled}, "attempts": {total,
+    completed, in_flight, errored, failed, lost, cancelled}, "top_reasons": [...]}: each set's columns other
+    than total add up to its total; `completed` units are the scored ones."""
+    # run_ledger and run_error_reasons are views (migrations 0005, 0006), not models: read them as SQL.
     row = session.execute(text("SELECT * FROM run_ledger WHERE run_id = :r"), {"r": run_id}).mappings().first()
     row = row or {}
+    reasons = session.execute(text(
+        "SELECT reason, outcome, attempts, units FROM run_error_reasons WHERE run_id = :r "
+        "ORDER BY attempts DESC, reason LIMIT :n"), {"r": run_id, "n": top}).mappings().all()
     return {"units": {c: int(row.get(f"units_{c}", 0)) for c in UNIT_COLUMNS},
-            "attempts": {c: int(row.get(f"attempts_{c}", 0)) for c in ATTEMPT_COLUMNS}}
+            "attempts": {c: int(row.get(f"attempts_{c}", 0)) for c in ATTEMPT_COLUMNS},
+            "top_reasons": [dict(r) | {"reason": r["reason"] or r["outcome"]} for r in reasons]}
 
 
 def progress(run: Run, units: dict[str, int], num_rows: int | None) -> dict[str, Any]:
@@ -34,7 +39,8 @@ def progress(run: Run, units: dict[str, int], num_rows: int | None) -> dict[str,
     if run.kind == "train" and cfg.get("total_steps"):
         done, total, unit = run.policy_version, int(cfg["total_steps"]), "steps"
     else:
-        done, total, unit = units["completed"] + units["failed"], planned_units(cfg, num_rows), "samples"
+        done = units["completed"] + units.get("errored", 0) + units["failed"]
+        total, unit = planned_units(cfg, num_rows), "samples"
     if total is not None:
         done = min(done, total)
     return {"unit": unit, "done": done, "total": total, "fraction": done / total if total else None}
@@ -61,7 +67,8 @@ def latest_metrics(session: Session, run_id: uuid.UUID) -> dict[str, dict[str, A
 
 
 def pass_at_k(session: Session, run_id: uuid.UUID, max_k: int | None = None) -> dict[str, float]:
-    """Mean over tasks of pass@k for k = 1, 2, 4, ... up to the fewest samples any task has."""
+    """Mean over tasks of pass@k for k = 1, 2, 4, ... up to the fewest samples any task has, over the scored
+    samples only (an errored sample is not a wrong answer: its count is in the ledger beside it)."""
     rows = session.execute(
         select(EpisodeRow.task_id, func.count(), func.count().filter(EpisodeRow.is_correct))
         .where(EpisodeRow.run_id == run_id, EpisodeRow.status == "completed").group_by(EpisodeRow.task_id)
@@ -86,9 +93,16 @@ def reward_by_version(session: Session, run_id: uuid.UUID) -> list[dict[str, Any
 
 
 def run_out(run: Run) -> dict[str, Any]:
+    sandbox = ((run.config or {}).get("env") or {}).get("args", {}).get("sandbox")
     return {
         "id": str(run.id), "name": run.name, "kind": run.kind, "status": run.status,
-        "policy_version": run.policy_version, "error": run.error, "summary": run.summary, "config": run.config,
+        "policy_version": run.policy_version, "error": run.error, "stall_reason": run.stall_reason,
+        "stalled_since": run.stalled_since, "warning": run.warning, "summary": run.summary, "config": run.config,
         "created_at": run.created_at, "started_at": run.started_at,
         "finished_at": run.finished_at, "updated_at": run.updated_at,
+        "sandbox": sandbox, "warnings": [SANDBOX_NONE_WARNING] if sandbox == "none" else [],
     }
+
+
+SANDBOX_NONE_WARNING = ("env.args.sandbox is 'none': model-written code runs without a kernel boundary (a Python "
+                        "audit hook only, which the code can switch off); use it only for trusted code")

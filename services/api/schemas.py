@@ -40,39 +40,60 @@ class RunPublic(BaseModel):
     status: str = Field(..., description="pending, running, paused, stopping, stopped, completed or failed")
     policy_version: int
     error: str | None = Field(None, description="why the run failed (set by the controller)")
+    stall_reason: str | None = Field(None, description="why a running run makes no progress (detected by the "
+                                     "controller after STALL_AFTER_S without an attempt ending or a new policy "
+                                     "version; also 'paused: ...'); null while it progresses")
+    stalled_since: datetime | None = Field(None, description="when the current stall began")
+    warning: str | None = Field(None, description="progress that teaches nothing, e.g. a training run whose "
+                                "groups carried no learning signal (equal rewards) for several versions in a row")
     summary: dict[str, Any]
     config: dict[str, Any] = Field(..., description="the RunConfig as stored")
     created_at: datetime | None
     started_at: datetime | None
     finished_at: datetime | None
     updated_at: datetime | None
+    sandbox: str | None = Field(None, description="the mode the env runs model-written code under (env.args.sandbox:"
+                                " namespaces, container or none); null when the env runs none")
+    warnings: list[str] = Field(default_factory=list, description="what weakens this run, e.g. sandbox 'none'")
 
 
 class UnitCounts(BaseModel):
-    """(task, sample) units: completed + in_flight + retrying + failed + cancelled = total."""
+    """(task, sample) units: completed + in_flight + retrying + errored + failed + cancelled = total."""
 
     total: int
-    completed: int
+    completed: int = Field(..., description="produced a scored result")
     in_flight: int
     retrying: int = Field(..., description="an attempt failed or was lost; another will be dispatched")
+    errored: int = Field(0, description="the user's code failed (env, reward function, agent, workflow or agent "
+                         "program raised, returned the wrong type or hung): not scored, not retried")
     failed: int = Field(..., description="out of attempts (or the run ended without finishing it)")
     cancelled: int = Field(..., description="unfinished when the run was stopped")
 
 
 class AttemptCounts(BaseModel):
-    """Dispatched attempts: completed + in_flight + failed + lost + cancelled = total."""
+    """Dispatched attempts: completed + in_flight + errored + failed + lost + cancelled = total."""
 
     total: int
     completed: int
     in_flight: int
-    failed: int
+    errored: int = Field(0, description="ended with a user-code error")
+    failed: int = Field(..., description="infrastructure failure")
     lost: int = Field(..., description="no result before the lease expired")
     cancelled: int
+
+
+class ErrorReason(BaseModel):
+    reason: str = Field(..., description="user-code errors: '<where>: <exception>'; failures: the error's last line")
+    outcome: Literal["error", "failed", "lost"]
+    attempts: int
+    units: int
 
 
 class Ledger(BaseModel):
     units: UnitCounts
     attempts: AttemptCounts
+    top_reasons: list[ErrorReason] = Field(default_factory=list, description="why attempts ended unscored, most "
+                                           "common first (the `run_error_reasons` view)")
 
 
 class Progress(BaseModel):
@@ -219,13 +240,13 @@ class DatasetDetail(BaseModel):
     splits: dict[str, DatasetPublic]
 
 
-class DatasetRow(BaseModel):
+class DatasetRowPublic(BaseModel):
     idx: int
     task_id: str
     data: dict[str, Any]
 
 
-class DatasetRowsPage(Page[DatasetRow]):
+class DatasetRowsPage(Page[DatasetRowPublic]):
     name: str
     split: str
     version: int = Field(..., description="the dataset version these rows belong to")

@@ -30,6 +30,12 @@ class ControllerConfig(ServiceSettings):
         "between them by their `priority` (set it to the rollout workers' total MAX_CONCURRENCY, so one slow run "
         "cannot queue the others behind it); unset: the MAX_CONCURRENCY live rollout workers advertise in their "
         "heartbeats, once two or more runs dispatch")
+    stall_after_s: float = Field(60.0, gt=0, description="a running run with no attempt ended and no new policy "
+                                 "version for this long is stalled: the controller finds out why and puts it in "
+                                 "the run's stall_reason (API, CLI, dashboard), seconds")
+    no_signal_versions: int = Field(3, ge=1, description="a training run whose every group had equal rewards "
+                                    "(zero advantage: nothing learned) for this many policy versions in a row "
+                                    "gets a warning in its status, versions")
     store_method: str = Field("copy", description="'copy' (binary COPY + INSERT SELECT) or 'values'")
 
     @model_validator(mode="after")

@@ -1,8 +1,20 @@
-"""The controller's reads and writes of `runs` (and its leases), `dataset_rows`, the ledger (`rollout_tasks`) and
-what the trainer reported consuming (`consumed_groups`, from `trainer.progress`). Sync
-SQLAlchemy on a Connection; callers run these in a thread. Every write is conditional (compare-and-set on
-the status it expects) so that a controller that lost its lease, or a concurrent API change, is never
-overwritten."""
+"""The controller's Postgres side (the trajectory rows themselves are store.py's): `runs` (and its leases),
+`dataset_rows`, the ledger (`rollout_tasks`, one row per dispatched attempt) and what the trainer reported
+consuming (`consumed_groups`, from `trainer.progress`). Sync SQLAlchemy; callers run these in a thread.
+
+A function taking `db` (an Engine) is one transaction of its own:
+    rows = await asyncio.to_thread(ledger.lease_runs, db, owner, lease_s, limit)
+one taking `conn` (a Connection) is a step of its caller's transaction (the dispatch pass, dispatch.py).
+
+Every write is conditional (compare-and-set on the status it expects) so that a controller that lost its
+lease, or a concurrent API change, is never overwritten.
+
+Ledger row statuses: dispatched (in flight), completed (a scored result), error (the user's code failed: `error`
+holds "<where>: <exception>"; final, not retried), failed (infrastructure failure of that attempt), lost (no
+result before its lease expired; re-dispatched as a new attempt), cancelled (stopped run). A (task, sample) is
+"finished" when some attempt completed, or it finally failed (its last attempt failed or was lost with no
+attempts left; recorded as `final_failure` run events).
+"""
 
 from __future__ import annotations
 
@@ -11,6 +23,7 @@ from typing import Any
 
 from sqlalchemy import (
     Connection,
+    Engine,
     Integer,
     Text,
     and_,
@@ -29,7 +42,7 @@ from sqlalchemy.dialects.postgresql import JSONB, UUID
 from services.controller.plan import Slot
 from shared import leases
 from shared.db.models import (
-    ConsumedGroup,
+    ConsumedGroupRow,
     Dataset,
     DatasetRow,
     EpisodeRow,
@@ -37,10 +50,12 @@ from shared.db.models import (
     RolloutTaskRow,
     Run,
     RunEvent,
+    RunLease,
 )
 from shared.messages import TrainerProgress
 
 ACTIVE_STATUSES = ("pending", "running", "paused", "stopping")
+LEDGER_ROW_STATUSES = ("dispatched", "completed", "error", "failed", "lost", "cancelled")
 
 
 @dataclass
@@ -62,33 +77,88 @@ class LedgerRow:
     greedy: bool
 
 
-def lease_runs(conn: Connection, owner: str, lease_s: float, limit: int) -> list[RunRow]:
+def lease_runs(db: Engine, owner: str, lease_s: float, limit: int) -> list[RunRow]:
     """Take or renew the controller lease (shared/leases.py) of up to `limit` active runs, ours first, then the
     free or expired ones in creation order; returns the runs now held."""
     active_runs = select(cast(Run.id, Text)).where(Run.status.in_(ACTIVE_STATUSES)).order_by(Run.created_at)
-    active = conn.execute(active_runs).scalars().all()
-    held = leases.acquire(conn, leases.CONTROLLER, owner,
-                          leases.free_or_ours(conn, leases.CONTROLLER, owner, active)[:limit], lease_s)
-    rows = conn.execute(select(cast(Run.id, Text), Run.status, Run.config, Run.policy_version)
-                        .where(Run.id.in_(list(held)), Run.status.in_(ACTIVE_STATUSES))
-                        .order_by(Run.created_at)).all()
+    with db.begin() as conn:
+        active = conn.execute(active_runs).scalars().all()
+        held = leases.acquire(conn, leases.CONTROLLER, owner,
+                              leases.free_or_ours(conn, leases.CONTROLLER, owner, active)[:limit], lease_s)
+        rows = conn.execute(select(cast(Run.id, Text), Run.status, Run.config, Run.policy_version)
+                            .where(Run.id.in_(list(held)), Run.status.in_(ACTIVE_STATUSES))
+                            .order_by(Run.created_at)).all()
     return [RunRow(*r) for r in rows]
 
 
-def release_runs(conn: Connection, owner: str) -> None:
-    leases.release(conn, leases.CONTROLLER, owner)
+def release_runs(db: Engine, owner: str) -> None:
+    with db.begin() as conn:
+        leases.release(conn, leases.CONTROLLER, owner)
+
+
+def fail_run(db: Engine, run_id: str, old: str, error: str) -> bool:
+    """A run that cannot start (its config or its dataset is unusable): failed, saying why."""
+    with db.begin() as conn:
+        return set_status(conn, run_id, old, "failed", error=error)
 
 
 def set_status(conn: Connection, run_id: str, old: str, new: str, *, error: str | None = None) -> bool:
     """Compare-and-set runs.status; stamps started_at / finished_at. False when someone changed it first."""
+    ended = {"finished_at": func.now(), "stall_reason": None, "stalled_since": None}
     stamps = {"running": {"started_at": func.coalesce(Run.started_at, func.now())},
-              **dict.fromkeys(("stopped", "completed", "failed"), {"finished_at": func.now()})}
+              **dict.fromkeys(("stopped", "completed", "failed"), ended)}
     done = conn.execute(update(Run).where(Run.id == run_id, Run.status == old).values(
         status=new, error=func.coalesce(error, Run.error), **stamps.get(new, {}))).rowcount == 1
     if done:
         add_event(conn, run_id, "status_changed", f"{old} -> {new}" + (f": {error}" if error else ""),
                   {"from": old, "to": new})
     return done
+
+
+def set_stall(db: Engine, run_id: str, reason: str | None) -> bool:
+    """Record why the run is stalled (None: it progresses again); `stalled_since` keeps the first stall's time
+    while the reason changes. A `stalled` event when a reason is set or changes. False when nothing changed."""
+    with db.begin() as conn:
+        changed = conn.execute(
+            update(Run).where(Run.id == run_id, Run.stall_reason.is_distinct_from(reason))
+            .values(stall_reason=reason, stalled_since=None if reason is None
+                    else func.coalesce(Run.stalled_since, func.now()))).rowcount == 1
+        if changed:
+            add_event(conn, run_id, "stalled" if reason else "progressing", reason or "the run progresses again",
+                      {"reason": reason})
+    return changed
+
+
+def no_signal_warning(conn: Connection, run_id: str, versions: int) -> str | None:
+    """A warning when the trainer's last `versions` steps each had no group with learning signal (metric
+    `groups_without_signal` 1.0: every advantage zero, as when each group's rewards are equal under GRPO), else
+    None."""
+    values = conn.execute(select(Metric.value).where(Metric.run_id == run_id, Metric.name == "groups_without_signal")
+                          .order_by(Metric.step.desc()).limit(versions)).scalars().all()
+    if len(values) < versions or any(v < 1.0 for v in values):
+        return None
+    return (f"no learning signal: in each of the last {versions} policy versions every advantage was zero (each "
+            "group's rewards equal), so nothing was learned (metric groups_without_signal = 1.0). Check the reward "
+            "function and that the task is within reach (reward > 0 sometimes); raise samples_per_task or the "
+            "sampling temperature, or set algorithm.dynamic_sampling to skip such groups")
+
+
+def update_signal_warning(db: Engine, run_id: str, versions: int) -> str | None:
+    """Set or clear the run's no-learning-signal warning (`no_signal_warning`); returns it when newly set."""
+    with db.begin() as conn:
+        warning = no_signal_warning(conn, run_id, versions)
+        changed = conn.execute(update(Run).where(Run.id == run_id, Run.warning.is_distinct_from(warning))
+                               .values(warning=warning)).rowcount == 1
+        if changed and warning:
+            add_event(conn, run_id, "warning", warning, {})
+    return warning if changed else None
+
+
+def trainer_holder(db: Engine, run_id: str) -> str | None:
+    """The trainer holding the run's trainer lease (shared/leases.py), None when none does or it expired."""
+    with db.connect() as conn:
+        return conn.execute(select(RunLease.owner).where(
+            RunLease.run_id == run_id, RunLease.role == leases.TRAINER, RunLease.expires_at > func.now())).scalar()
 
 
 def add_event(conn: Connection, run_id: str, kind: str, message: str, data: dict[str, Any],
@@ -183,47 +253,70 @@ def dropped_groups(conn: Connection, run_id: str, final_failed: list[tuple[str, 
     ), {"r": run_id, "t": tasks, "b": batches}).scalar_one()
 
 
-def record_progress(conn: Connection, msgs: list[TrainerProgress]) -> None:
+def record_progress(db: Engine, msgs: list[TrainerProgress]) -> None:
     """Apply `trainer.progress`: the run's policy version (never backwards) and the groups it consumed (the
     first report of a group wins). Idempotent: the trainer re-sends freely. Runs that no longer exist are
     skipped."""
-    for m in msgs:
-        conn.execute(update(Run).where(Run.id == m.run_id)
-                     .values(policy_version=func.greatest(Run.policy_version, m.version)))
-        if m.groups:
-            conn.execute(text(  # hand-tuned: one array per column (unnest), skipped whole when the run is gone
-                """INSERT INTO consumed_groups (run_id, task_id, batch_idx, status, version)
-                   SELECT CAST(:r AS uuid), t, b, s, :v FROM unnest(CAST(:t AS text[]), CAST(:b AS int[]),
-                                                                  CAST(:s AS text[])) AS g(t, b, s)
-                   WHERE EXISTS (SELECT 1 FROM runs WHERE id = CAST(:r AS uuid))
-                   ON CONFLICT DO NOTHING"""
-            ), {"r": m.run_id, "v": m.version, "t": [g.task_id for g in m.groups],
-                "b": [g.batch_idx for g in m.groups], "s": [g.status for g in m.groups]})
+    with db.begin() as conn:
+        for m in msgs:
+            conn.execute(update(Run).where(Run.id == m.run_id)
+                         .values(policy_version=func.greatest(Run.policy_version, m.version)))
+            if m.groups:
+                conn.execute(text(  # hand-tuned: one array per column (unnest), skipped whole when the run is gone
+                    """INSERT INTO consumed_groups (run_id, task_id, batch_idx, status, version)
+                       SELECT CAST(:r AS uuid), t, b, s, :v FROM unnest(CAST(:t AS text[]), CAST(:b AS int[]),
+                                                                      CAST(:s AS text[])) AS g(t, b, s)
+                       WHERE EXISTS (SELECT 1 FROM runs WHERE id = CAST(:r AS uuid))
+                       ON CONFLICT DO NOTHING"""
+                ), {"r": m.run_id, "v": m.version, "t": [g.task_id for g in m.groups],
+                    "b": [g.batch_idx for g in m.groups], "s": [g.status for g in m.groups]})
 
 
 def unconsumed_groups(conn: Connection, run_id: str) -> set[tuple[str, int]]:
     """(task_id, batch_idx) of the groups with stored completed results that the trainer has not reported
     consuming."""
-    e, g = EpisodeRow, ConsumedGroup
+    e, g = EpisodeRow, ConsumedGroupRow
     consumed = exists().where(g.run_id == e.run_id, g.task_id == e.task_id, g.batch_idx == e.batch_idx)
     query = select(e.task_id, e.batch_idx).distinct().where(e.run_id == run_id, e.status == "completed", ~consumed)
     return {tuple(r) for r in conn.execute(query).all()}
 
 
 def final_failures(conn: Connection, run_id: str) -> list[tuple[str, int, int, int, bool]]:
-    """(task_id, sample_idx, attempt, batch_idx, greedy) of every slot recorded out of attempts."""
+    """(task_id, sample_idx, attempt, batch_idx, greedy) of every slot recorded out of attempts or errored (the
+    user's code failed): slots whose groups can never complete."""
     t, e = RolloutTaskRow, RunEvent
     slot = and_(t.run_id == e.run_id, t.task_id == e.data["task_id"].astext,
                 t.sample_idx == cast(e.data["sample_idx"].astext, Integer),
                 t.attempt == cast(e.data["attempt"].astext, Integer))
-    return [tuple(r) for r in conn.execute(
-        select(t.task_id, t.sample_idx, t.attempt, t.batch_idx, t.greedy).select_from(e).join(t, slot)
-        .where(e.run_id == run_id, e.kind == "final_failure")).all()]
+    recorded = select(t.task_id, t.sample_idx, t.attempt, t.batch_idx, t.greedy).select_from(e).join(t, slot) \
+        .where(e.run_id == run_id, e.kind == "final_failure")
+    errored = select(t.task_id, t.sample_idx, t.attempt, t.batch_idx, t.greedy) \
+        .where(t.run_id == run_id, t.status == "error")
+    return [tuple(r) for r in conn.execute(recorded.union_all(errored)).all()]
 
 
-def active_train_runs(conn: Connection) -> list[str]:
-    return list(conn.execute(select(cast(Run.id, Text))
-                             .where(Run.kind == "train", Run.status.in_(ACTIVE_STATUSES))).scalars())
+def top_reasons(conn: Connection, run_id: str, limit: int = 5) -> list[dict[str, Any]]:
+    """Why attempts ended unscored, most common first: [{"reason", "status" (error | failed | lost), "count"}].
+    A user-code error's reason is its ledger row's error ("<where>: <exception>"); an infrastructure
+    failure's is its traceback's last line, numbers and addresses folded together."""
+    from services.controller.run import outcome_reason
+
+    t = RolloutTaskRow
+    rows = conn.execute(select(t.status, t.error, func.count()).where(
+        t.run_id == run_id, t.status.in_(("error", "failed", "lost"))).group_by(t.status, t.error)
+        .order_by(func.count().desc()).limit(500)).all()
+    counts: dict[tuple[str, str], int] = {}
+    for status, error, n in rows:
+        key = (status, outcome_reason(status, error))
+        counts[key] = counts.get(key, 0) + n
+    top = sorted(counts.items(), key=lambda kv: -kv[1])[:limit]
+    return [{"reason": reason, "status": status, "count": n} for (status, reason), n in top]
+
+
+def active_train_runs(db: Engine) -> list[str]:
+    with db.connect() as conn:
+        return list(conn.execute(select(cast(Run.id, Text))
+                                 .where(Run.kind == "train", Run.status.in_(ACTIVE_STATUSES))).scalars())
 
 
 def expire_leases(conn: Connection, run_id: str) -> list[tuple[str, int, int]]:
@@ -283,3 +376,15 @@ def write_summary(conn: Connection, run_id: str, summary: dict, metrics: dict[st
     conn.execute(delete(Metric).where(Metric.run_id == run_id, Metric.step == 0, Metric.name.like("eval/%")))
     if metrics:
         conn.execute(insert(Metric), [dict(run_id=run_id, name=n, step=0, value=v) for n, v in metrics.items()])
+
+
+def ledger_summary(conn: Connection, run_id: str) -> dict[str, int]:
+    """{dispatched (attempts put on the stream), completed, error, failed, lost, cancelled, in_flight,
+    finished}."""
+    t = RolloutTaskRow
+    counts = dict.fromkeys(LEDGER_ROW_STATUSES, 0)
+    for status, n in conn.execute(select(t.status, func.count()).where(t.run_id == run_id).group_by(t.status)):
+        counts[status] = counts.get(status, 0) + n
+    in_flight = counts.pop("dispatched")
+    total = in_flight + sum(counts.values())
+    return {"dispatched": total, "in_flight": in_flight, **counts, "finished": total - in_flight}

@@ -2,7 +2,7 @@
 
     REDIS_URL=... DATABASE_URL=... python -m services.controller.main
 
-Drives every active run it can lease (see controller.py); several controllers may run side by side."""
+Drives every active run it can lease (controller.py: its five loops); several controllers may run side by side."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ async def build(cfg: ControllerConfig, runtime: ServiceRuntime) -> Loops:
     runtime.on_stop(bus.close)
     controller = Controller(cfg, runtime.worker_id, engine, bus)
     runtime.on_stop(controller.close)
-    controller.status = runtime.status  # reported by /healthz and the heartbeat
+    runtime.status = controller.status  # /healthz and the heartbeat show the runs driven
     return controller.loops(runtime.stop)
 
 

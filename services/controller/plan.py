@@ -61,6 +61,12 @@ class Plan:
         steps = min(policy_version + self.cfg.max_staleness + 1, self.planned_steps)
         return steps * self.cfg.tasks_per_batch + dropped_groups
 
+    def first_window_slots(self) -> int:
+        """Slots the run may dispatch before the trainer steps once (eval: all of them): its first attempts."""
+        if self.is_eval:
+            return len(self.task_ids) * self.cfg.samples_per_task
+        return self.group_limit(0) * self.slots_per_task
+
     def group_index(self, b: int, i: int) -> int:
         """Position in dispatch order of the group holding slot i of batch b (epochs need not split evenly)."""
         epoch, j = divmod(b, self.batches_per_epoch)

@@ -21,3 +21,6 @@ class EnvWorkerConfig(ServiceSettings):
                                    "entries are trimmed, seconds")
     reply_maxlen: int = Field(100_000, ge=100, description="approximate cap of each reply stream, entries")
     max_sessions: int = Field(10_000, ge=1, description="sessions hosted at once; resets beyond it are refused")
+    sandbox_modes: str = Field("namespaces", description="sandbox modes for model-written code this worker must "
+                               "provide, comma-separated (namespaces, container, none); each is checked at start "
+                               "and a mode the host cannot give stops the worker with the reason")

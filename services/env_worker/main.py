@@ -16,10 +16,22 @@ def main() -> int:
     return run_service(EnvWorkerConfig(), build, dependencies=("redis",))  # no Postgres: ready with Redis alone
 
 
+def check_sandbox(cfg: EnvWorkerConfig) -> None:
+    """Fail at start, with the reason, when a sandbox mode this worker must give cannot run here (no fall back)."""
+    from shared.builtin.sandbox import SandboxUnavailable, check_mode
+
+    for mode in filter(None, (m.strip() for m in cfg.sandbox_modes.split(","))):
+        try:
+            check_mode(mode)
+        except (SandboxUnavailable, ValueError) as e:
+            raise SystemExit(f"env-worker: SANDBOX_MODES={cfg.sandbox_modes!r}: {e}") from None
+
+
 async def build(cfg: EnvWorkerConfig, runtime: ServiceRuntime) -> Loops:
     from services.env_worker.worker import EnvWorker
     from shared.bus import connect
 
+    check_sandbox(cfg)
     redis = connect(cfg.redis_url)
     runtime.on_stop(redis.aclose)
     worker = EnvWorker(cfg, runtime.worker_id, redis)

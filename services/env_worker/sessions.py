@@ -3,7 +3,7 @@
 Errors are values, not exceptions: every call returns an `EnvReply`, ok or with an `error_kind`:
 `user` (the env raised; traceback attached), `timeout` (the call overran; the session is dropped because
 its thread may still be inside the env), `session_lost` (unknown session: expired, or another worker's),
-`bad_request` (the env name does not resolve).
+`bad_request` (the env name does not resolve), `infra` (the env's sandbox failed: a container died or hung).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from shared.builtin.sandbox_ns import SandboxInfraError
 from shared.logs import get_logger
 from shared.messages import EnvReply, EnvRequest
 from shared.registry import resolve
@@ -59,6 +60,9 @@ class SessionHost:
         except CallTimeout:
             self.drop(req.session_id)
             reply = self.error(req, "timeout", f"env {req.op} exceeded {req.timeout_s}s")
+        except SandboxInfraError as e:  # the env's container died or hung: not the env's nor the policy's doing
+            self.drop(req.session_id)
+            reply = self.error(req, "infra", f"sandbox failure: {e}")
         except Exception:
             self.drop(req.session_id)
             reply = self.error(req, "user", traceback.format_exc(limit=20)[-8000:])

@@ -9,11 +9,9 @@ from __future__ import annotations
 import asyncio
 import time
 
-import redis.asyncio as aioredis
-
 from services.env_worker.config import EnvWorkerConfig
 from services.env_worker.sessions import SessionHost
-from shared.bus import REDIS_DOWN, Delivery, RequestServer, StreamBus
+from shared.bus import REDIS_DOWN, Delivery, Redis, RequestServer, StreamBus
 from shared.logs import get_logger
 from shared.messages import EnvRequest
 from shared.service import sleep_or_stop
@@ -23,7 +21,7 @@ log = get_logger(__name__)
 
 
 class EnvWorker:
-    def __init__(self, cfg: EnvWorkerConfig, worker_id: str, redis: aioredis.Redis):
+    def __init__(self, cfg: EnvWorkerConfig, worker_id: str, redis: Redis):
         self.cfg, self.worker_id = cfg, worker_id
         self.requests = RequestServer(StreamBus(redis), ENV_REQUESTS, env_inbox(worker_id), GROUP_ENV, worker_id,
                                       EnvRequest, read_count=cfg.read_count, block_ms=cfg.read_block_ms,

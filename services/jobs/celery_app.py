@@ -18,14 +18,14 @@ from services.jobs.tasks import JOBS, JobContext, JobInputError
 from services.jobs.tracking import sync_tracking
 from shared.db.models import RUN_STATUSES, Job, Run
 from shared.db.session import make_engine
-from shared.jobs import JOB_TASKS
+from shared.jobs import JOB_TASKS, celery_broker_url
 from shared.logs import get_logger
 
 log = get_logger(__name__)
 
 
 def make_celery(config: JobsConfig) -> Celery:
-    app = Celery("flywheel-jobs", broker=config.redis_url)
+    app = Celery("flywheel-jobs", broker=celery_broker_url(config.redis_url))
     app.conf.update(
         task_acks_late=True, task_reject_on_worker_lost=True, worker_prefetch_multiplier=1,
         task_ignore_result=True, broker_connection_retry_on_startup=True, worker_hijack_root_logger=False,

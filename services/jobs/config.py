@@ -21,6 +21,8 @@ class JobsConfig(ServiceSettings):
     exports_dir: Path | None = Field(None, description="where parquet exports go; default $DATA_DIR/exports")
     wandb_project: str | None = Field(None, description="WANDB_PROJECT: log run metrics to W&B (off when unset)")
     mlflow_tracking_uri: str | None = Field(None, description="MLFLOW_TRACKING_URI: log run metrics to MLflow")
+    check_model_paths: bool = Field(True, description="CHECK_MODEL_PATHS: an eval job checks the model folder "
+                                    "exists here (false when this worker does not share the rollout workers' files)")
     tracking_interval_s: float = Field(30.0, gt=0, description="period of metric syncing to W&B/MLflow, seconds")
 
     def resolved_weights_dir(self) -> Path:

@@ -17,23 +17,24 @@ from sqlalchemy.orm import Session
 
 from services.jobs.config import JobsConfig
 from shared import streams
-from shared.datasets import DatasetError, DatasetNotFound, DatasetRegistry, load_rows, pin_version
+from shared.bus import connect_sync
+from shared.datasets import DatasetError, DatasetRegistry, load_rows
 from shared.db.models import (
     TERMINAL_RUN_STATUSES,
     Checkpoint,
     EpisodeRow,
     Job,
     Run,
-    RunEvent,
     StepRow,
     TokenArrayRow,
     TrajectoryRow,
 )
 from shared.logs import get_logger
 from shared.run_config import RunConfig
+from shared.runs import RunRefused, create_run
 
 log = get_logger(__name__)
-TRIMMED_STREAMS = (streams.ROLLOUT_TASKS, streams.ENV_REQUESTS, streams.TRAJECTORIES, streams.RUN_EVENTS)
+TRIMMED_STREAMS = (streams.ROLLOUT_TASKS, streams.ENV_REQUESTS, streams.TRAJECTORIES, streams.RUN_CONTROL)
 
 
 class JobInputError(ValueError):
@@ -98,15 +99,15 @@ def evaluate(ctx: JobContext, job: Job) -> dict[str, Any]:
             cfg = RunConfig.model_validate(config)
         except ValueError as e:
             raise JobInputError(f"run config: {e}") from e
-        try:  # the run reads this one version for its whole life
-            cfg.dataset_version, _ = pin_version(s.connection(), cfg.dataset, cfg.dataset_split, cfg.dataset_version)
-        except DatasetNotFound as e:
+        # The API's checks; a checkpoint's model is the weight server's path or URI, not this worker's to see.
+        redis_client = connect_sync(ctx.config.redis_url, timeout_s=5)
+        try:
+            run, _ = create_run(s, redis_client, cfg, check_paths=ctx.config.check_model_paths
+                                and not job.params.get("checkpoint_run_id"), created_by=f"job {job.id}")
+        except RunRefused as e:
             raise JobInputError(str(e)) from e
-        run = Run(name=cfg.name, kind="eval", status="pending", config=cfg.model_dump(mode="json"),
-                  policy_version=0, summary={})
-        s.add(run)
-        s.flush()
-        s.add(RunEvent(run_id=run.id, kind="created", message=f"eval run created by job {job.id}"))
+        finally:
+            redis_client.close()
         s.execute(update(Job).where(Job.id == job.id).values(run_id=run.id))
         s.commit()
         return {"run_id": str(run.id), "model": cfg.model}

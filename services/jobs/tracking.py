@@ -8,12 +8,13 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-import redis
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from services.jobs.tasks import JobContext, JobInputError
+from shared.bus import connect_sync
 from shared.db.models import Job, Metric, Run
+from shared.streams import tracking_cursor_key
 
 
 def _wandb_log(ctx: JobContext, run: Run, rows: list[Metric]) -> None:
@@ -48,7 +49,7 @@ def sync_tracking(ctx: JobContext, job: Job) -> dict[str, Any]:
     enabled = sinks(ctx)
     if not enabled:
         return {"skipped": "tracking is off: set WANDB_PROJECT or MLFLOW_TRACKING_URI on the jobs worker"}
-    r = redis.Redis.from_url(ctx.config.redis_url)
+    r = connect_sync(ctx.config.redis_url)
     run_id = uuid.UUID(job.params["run_id"])
     sent = {}
     with Session(ctx.engine, expire_on_commit=False) as s:
@@ -56,7 +57,7 @@ def sync_tracking(ctx: JobContext, job: Job) -> dict[str, Any]:
         if run is None:
             raise JobInputError(f"run {run_id} does not exist")
         for name, log_rows in enabled.items():
-            key = f"tracking:{name}:{run_id}"
+            key = tracking_cursor_key(name, str(run_id))
             cursor = int(r.get(key) or 0)
             rows = s.execute(select(Metric).where(Metric.run_id == run_id, Metric.id > cursor)
                              .order_by(Metric.id)).scalars().all()

@@ -37,6 +37,7 @@ from services.rollout_worker.gateway import Gateway, GatewaySession
 from shared.logs import get_logger
 from shared.messages import EpisodeResult, RolloutTask
 from shared.registry import EXTERNAL_AGENT_PROGRAM
+from shared.service import wait_for
 from shared.types import Episode
 from shared.types import TerminationReason as TR
 
@@ -69,7 +70,7 @@ class AgentPrograms:
         """Wait for a program elsewhere to claim the session and post its reward; silence is a TIMEOUT."""
         outcome = self.gateway.offer(session, task)
         try:
-            return TR.ENV_DONE, await asyncio.wait_for(outcome, budget)
+            return TR.ENV_DONE, await wait_for(outcome, budget)
         except TimeoutError:
             claimed = "claimed but" if session not in self.gateway.waiting.get(task.run_id, []) else "never claimed and"
             return TR.TIMEOUT, {"error": f"external agent session {claimed} no reward posted within {budget:.0f}s "
@@ -94,7 +95,7 @@ class AgentPrograms:
                     sys.executable, "-m", "services.rollout_worker.agent_runner", cwd=workdir, env=env,
                     stdin=asyncio.subprocess.PIPE, stdout=err, stderr=err, start_new_session=True)
             try:
-                await asyncio.wait_for(proc.communicate(payload), budget)
+                await wait_for(proc.communicate(payload), budget)
             except TimeoutError:
                 _kill_group(proc)
                 await proc.wait()

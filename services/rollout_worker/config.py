@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from shared.settings import ServiceSettings
 
@@ -39,6 +39,23 @@ class RolloutWorkerConfig(ServiceSettings):
     checkpoint_cache_dir: Path | None = Field(
         None, description="CHECKPOINT_CACHE_DIR: where checkpoints fetched over HTTP are kept (not used when the "
         "weight server's volume is mounted: those are read in place); default DATA_DIR/rollout-weights")
+
+    relay_host: str | None = Field(
+        None, description="RELAY_HOST: the address other rollout workers reach this one at. Set, checkpoint files "
+        "fetched over HTTP come through the weight server's relay chain (each worker passes what it verified on to "
+        "the next, so the server sends each version once) and this worker serves them on HEALTH_PORT, which must "
+        "then be fixed (not 0). Such a worker is remote from the weight server: it never reads the server's volume")
+
+    @model_validator(mode="after")
+    def _relay_needs_a_port(self) -> RolloutWorkerConfig:
+        if self.relay_host and not self.health_port:
+            raise ValueError("RELAY_HOST is set but HEALTH_PORT is 0: other workers need a fixed port to fetch "
+                             "relayed checkpoints from; set HEALTH_PORT")
+        return self
+
+    @property
+    def relay_url(self) -> str | None:
+        return f"http://{self.relay_host}:{self.health_port}" if self.relay_host else None
 
     @property
     def weights_cache(self) -> Path:

@@ -1,9 +1,15 @@
 """One RolloutTask -> one EpisodeResult: run the workflow (or the single-agent loop), retry episodes that
-ended in ERROR, assemble each trajectory's tokens, classify the outcome."""
+ended in ERROR, assemble each trajectory's tokens, classify the outcome:
+
+- completed: a scored result (whatever the reward, TIMEOUT and truncations included: the policy's doing);
+- error: the user's code failed: an env, reward function, agent, workflow or agent program raised, returned
+  the wrong type (ERROR) or the env hung past env_step_timeout_s (ENV_TIMEOUT). `error` starts with one line,
+  "<where>: <exception line>", then the traceback; never trained on, never scored;
+- failed: infrastructure failed (InfraFailure, WorkflowTerminated(INFRA_ERROR)): re-dispatched by the controller.
+"""
 
 from __future__ import annotations
 
-import asyncio
 import time
 import traceback
 
@@ -17,6 +23,7 @@ from shared.agent import Episode, WorkflowTerminated
 from shared.builtin.workflows import SingleAgentWorkflow
 from shared.logs import get_logger
 from shared.messages import EpisodeResult, RolloutTask, TrajectoryRecord
+from shared.service import wait_for
 from shared.types import TerminationReason as TR
 from shared.types import compute_mc_returns
 
@@ -36,7 +43,7 @@ async def run_episode(ctx: RunContext, envs: EnvClient, task: RolloutTask, worke
     for attempt in range(error_retries + 1):
         rollout = Rollout(ctx, envs, task, time.monotonic() + budget)
         result = await _run_once(ctx, rollout, task, budget)
-        if result.status == "failed" or result.termination_reason != TR.ERROR or attempt == error_retries:
+        if result.status != "error" or result.termination_reason != TR.ERROR or attempt == error_retries:
             break
         log.info("episode %s ended in ERROR; retrying", rollout.uid, extra={"run_id": task.run_id})
     result.worker_id, result.started_at, result.finished_at = worker_id, started, time.time()
@@ -57,7 +64,7 @@ async def _run_once(ctx: RunContext, rollout: Rollout, task: RolloutTask, budget
     args = ctx.config.workflow.args if ctx.config.workflow else {}
     try:
         workflow = workflow_cls(rollout=rollout, **args)
-        episode = await asyncio.wait_for(workflow.run(dict(task.task), rollout.uid), budget + GRACE_S)
+        episode = await wait_for(workflow.run(dict(task.task), rollout.uid), budget + GRACE_S)
     except WorkflowTerminated as e:
         if e.reason == TR.INFRA_ERROR:
             return failed(task, str(e))
@@ -66,7 +73,8 @@ async def _run_once(ctx: RunContext, rollout: Rollout, task: RolloutTask, budget
         episode = Episode(id=rollout.uid, task=task.task, termination_reason=TR.TIMEOUT)
     except Exception:  # the user's workflow raised
         episode = Episode(id=rollout.uid, task=task.task, termination_reason=TR.ERROR,
-                          info={"error": traceback.format_exc(limit=20)[-8000:]})
+                          info={"error": traceback.format_exc(limit=20)[-8000:],
+                                "error_source": f"workflow {workflow_cls.__name__}"})
     return completed(ctx, task, episode)
 
 
@@ -84,12 +92,34 @@ def completed(ctx: RunContext, task: RolloutTask, episode: Episode) -> EpisodeRe
     info = dict(episode.info)
     if reason in (TR.ERROR, TR.ENV_TIMEOUT, TR.TIMEOUT) and "error" not in info:
         info["error"] = next((t.info["error"] for t in records if t.info.get("error")), None)
+    status, error = "completed", info.get("error")
+    if reason in USER_FAULTS:
+        source = info.get("error_source") or next(
+            (t.info["error_source"] for t in records if t.info.get("error_source")), None) or _default_source(ctx)
+        info["error_source"] = source
+        status, error = "error", user_error(source, error)
     return EpisodeResult(
         run_id=task.run_id, task_id=task.task_id, sample_idx=task.sample_idx, attempt=task.attempt,
-        status="completed", termination_reason=reason, is_correct=episode.is_correct, reward=reward,
+        status=status, termination_reason=reason, is_correct=episode.is_correct, reward=reward,
         task=task.task, trajectories=records, metrics=episode.metrics, info=info, batch_idx=task.batch_idx,
-        greedy=task.greedy, error=info.get("error"),
+        greedy=task.greedy, error=error,
     )
+
+
+USER_FAULTS = (TR.ERROR, TR.ENV_TIMEOUT)  # endings caused by the user's code, not the policy
+
+
+def _default_source(ctx: RunContext) -> str:
+    if ctx.config.agent_program:
+        return f"agent program {ctx.config.agent_program.name}"
+    return f"workflow {(ctx.workflow_cls or SingleAgentWorkflow).__name__}"
+
+
+def user_error(source: str, error: str | None) -> str:
+    """"<where>: <what>" on the first line (the reason runs are summarized by), then the full error."""
+    lines = [line.strip() for line in (error or "").strip().splitlines() if line.strip()]
+    what = lines[-1][:300] if lines else "no error message"
+    return f"{source}: {what}" + (f"\n{error}" if error and error.strip() != what else "")
 
 
 def failed(task: RolloutTask, error: str) -> EpisodeResult:

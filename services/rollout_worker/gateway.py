@@ -36,6 +36,7 @@ from prometheus_client import Counter, Histogram
 from services.rollout_worker.chat_assembly import AgentCalls, BadRequest, ChatFormat, Prompt, parse_tool_calls
 from services.rollout_worker.engines import InferenceError, SamplingParams
 from shared.logs import get_logger
+from shared.service import wait_for
 
 log = get_logger(__name__)
 AGENT_HEADER = "X-Flywheel-Agent"
@@ -154,7 +155,7 @@ class Gateway:
             if left <= 0:
                 return web.Response(status=204)
             try:
-                await asyncio.wait_for(event.wait(), left)
+                await wait_for(event.wait(), left)
             except TimeoutError:
                 return web.Response(status=204)
 
@@ -287,7 +288,7 @@ class Gateway:
         if left <= 0:
             raise TimeoutError
         start = time.perf_counter()
-        gen = await asyncio.wait_for(session.ctx.engine.generate(prompt.ids, sampling, max_tokens), left)
+        gen = await wait_for(session.ctx.engine.generate(prompt.ids, sampling, max_tokens), left)
         return gen, time.perf_counter() - start
 
     def _chat_body(self, session: GatewaySession, agent: AgentCalls, body: dict, gen: Any,

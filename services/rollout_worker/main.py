@@ -30,7 +30,13 @@ async def build(cfg: RolloutWorkerConfig, runtime: ServiceRuntime) -> Loops:
     runtime.on_stop(redis.aclose)
     db = make_engine(cfg.database_url, pool_size=2)
     runtime.on_stop(db.dispose)
-    worker = RolloutWorker(cfg, runtime.worker_id, redis, db)
+    relay = None
+    if cfg.relay_url:  # checkpoints through the relay chain; serve them to the workers after this one
+        from shared.weight_relay import Relay, relay_router
+
+        relay = Relay(cfg.relay_url)
+        runtime.app.include_router(relay_router(relay))
+    worker = RolloutWorker(cfg, runtime.worker_id, redis, db, relay)
     await worker.start()
     runtime.on_stop(worker.close)
     worker.status = runtime.status  # reported by /healthz and the heartbeat

@@ -5,7 +5,8 @@
 
 Failures are classified once, here: an env worker that does not answer or an engine that fails after its
 retries raise `InfraFailure` (the episode is `failed`, re-dispatched, never trained on); user env errors and
-user agent exceptions end the trajectory with ERROR and the traceback in `info["error"]`.
+user agent exceptions end the trajectory with ERROR and the traceback in `info["error"]`, and where it came from
+(`env <name>.reset`, `agent <Class>.update_from_model`, ...) in `info["error_source"]`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from services.rollout_worker.runs import RunContext
 from shared.agent import BaseAgent, WorkflowTerminated
 from shared.logs import get_logger
 from shared.messages import EnvReply, RolloutTask
+from shared.service import wait_for
 from shared.types import Action, Step, Trajectory
 from shared.types import TerminationReason as TR
 
@@ -75,6 +77,7 @@ class AgentSession:
         self.info: dict[str, Any] = {}
         self.timings = {"gen_s": 0.0, "env_s": 0.0}
         self.trusted = type(agent).__module__.startswith("shared.builtin.")
+        self.stage = f"agent {type(agent).__name__}"  # the user code running now: where an exception came from
 
     async def run(self) -> Trajectory:
         try:
@@ -89,26 +92,28 @@ class AgentSession:
         except Exception:  # the user's agent raised
             reason = TR.ERROR
             self.info["error"] = traceback.format_exc(limit=20)[-8000:]
+            self.info["error_source"] = self.stage
         finally:
             if self.owner is not None:
                 self.r.envs.close_quietly(self.session_id, run_id=self.r.task.run_id, env=self.env_name,
                                           owner=self.owner)
         return self.finish(reason)
 
-    async def agent_call(self, fn, *args):
+    async def agent_call(self, fn, *args, where: str | None = None):
         """User agent code runs in a thread under the trajectory's deadline, so a blocking agent ends its own
         trajectory (TimeoutError -> TIMEOUT) instead of freezing every trajectory on this event loop. A thread
         that never returns cannot be killed: it is abandoned, like a hung env call. The built-in agents are
         ours and never block: they run inline (thread hops were ~15% of the loop in bench-rollout)."""
+        self.stage = f"agent {type(self.agent).__name__}.{where or getattr(fn, '__name__', 'call')}"
         if self.trusted:
             return fn(*args)
-        return await asyncio.wait_for(asyncio.to_thread(fn, *args), max(self.r.time_left(), 0.001))
+        return await wait_for(asyncio.to_thread(fn, *args), max(self.r.time_left(), 0.001))
 
     async def loop(self) -> TR:
         await self.agent_call(self.agent.reset)
         reply = await self.env_call("reset", task=self.task)
         if not reply.ok:
-            return self.env_failure(reply)
+            return self.env_failure(reply, "reset")
         self.owner = reply.env_worker_id
         await self.agent_call(self.agent.update_from_env, reply.observation, 0.0, False, reply.info)
         for _ in range(self.cfg.max_steps):
@@ -121,7 +126,8 @@ class AgentSession:
 
     async def turn(self) -> TR | None:
         """One model call and env step; a termination reason, or None to go on."""
-        messages = copy.deepcopy(await self.agent_call(lambda: self.agent.chat_completions))  # appended in place
+        messages = await self.agent_call(lambda: self.agent.chat_completions, where="chat_completions")
+        messages = copy.deepcopy(messages)  # appended in place
         prompt_ids = self.builder.prompt_ids(messages)
         max_tokens = self.response_budget(prompt_ids)
         if max_tokens <= 0:
@@ -134,6 +140,7 @@ class AgentSession:
         gen_ms = (time.perf_counter() - started) * 1000
         action = await self.agent_call(self.agent.update_from_model, gen.text)
         step = await self.agent_call(self.agent.get_current_state)
+        self.stage = f"agent {type(self.agent).__name__}.update_from_model"  # the wrong types came from there
         self.check_agent_output(action, step)
         if step.action is None:
             step.action = action.action
@@ -146,7 +153,7 @@ class AgentSession:
         reply = await self.env_call("step", action=action)
         step.env_ms = (time.perf_counter() - started) * 1000
         if not reply.ok:
-            return self.env_failure(reply)
+            return self.env_failure(reply, "step")
         step.observation, step.reward, step.done = reply.observation, reply.reward, reply.done
         step.info.update(reply.info)
         self.info["is_correct"] = bool(reply.info.get("is_correct", reply.reward > 0))
@@ -180,7 +187,7 @@ class AgentSession:
     async def generate(self, prompt_ids: list[int], max_tokens: int):
         start = time.perf_counter()
         sampling = self.r.ctx.sampling(self.r.task.greedy)
-        gen = await asyncio.wait_for(self.r.ctx.engine.generate(prompt_ids, sampling, max_tokens),
+        gen = await wait_for(self.r.ctx.engine.generate(prompt_ids, sampling, max_tokens),
                                      max(self.r.time_left(), 0.001))
         self.timings["gen_s"] += time.perf_counter() - start
         GEN_SECONDS.observe(time.perf_counter() - start)
@@ -202,9 +209,12 @@ class AgentSession:
             raise EnvSessionLost(reply.error or "env session lost")
         return reply
 
-    def env_failure(self, reply: EnvReply) -> TR:
+    def env_failure(self, reply: EnvReply, op: str) -> TR:
         self.info["error"] = reply.error
         self.info["error_kind"] = reply.error_kind
+        self.info["error_source"] = f"env {self.env_name}.{op}"
+        if reply.error_kind == "infra":  # the env's sandbox failed: never scored
+            return TR.INFRA_ERROR
         return TR.ENV_TIMEOUT if reply.error_kind == "timeout" else TR.ERROR
 
     def finish(self, reason: TR) -> Trajectory:

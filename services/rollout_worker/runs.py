@@ -2,12 +2,17 @@
 and hot reload of the run's weights (newest checkpoint in Postgres at first use, then the `weights` stream).
 A delta version is applied in place when the engine supports it and serves the delta's base; otherwise (behind,
 joined late, engine without in-place update, or a delta that does not verify) the worker loads the full
-weights: the snapshot, or the nearest snapshot before it with the deltas since applied and verified."""
+weights: the snapshot, or the nearest snapshot before it with the deltas since applied and verified.
+
+LoRA runs (`algorithm.lora`) naming the same model (and engine settings) share one engine: one copy of the base,
+each run served through an `AdapterView` with its own adapter. Their versions are adapters (the manifest names
+the base), loaded for that run only; an adapter of another base is refused and the old version keeps serving."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -19,12 +24,13 @@ from sqlalchemy import Engine, select
 from sqlalchemy.orm import Session
 
 from services.rollout_worker.assembly import ChatTokenizer
-from services.rollout_worker.engines import InferenceEngine, SamplingParams, build_engine
+from services.rollout_worker.engines import AdapterView, InferenceEngine, SamplingParams, build_engine
 from shared.db.models import Checkpoint, Run
 from shared.logs import get_logger
 from shared.messages import WeightsPublished
 from shared.registry import resolve
 from shared.run_config import RunConfig
+from shared.weight_relay import Relay
 from shared.weights import (
     CheckpointManifest,
     ChecksumError,
@@ -74,13 +80,17 @@ class RunContext:
 
 
 class RunRegistry:
-    def __init__(self, db: Engine, weights_cache: Path, hf_batch_wait_ms: float):
-        self.db = db
+    def __init__(self, db: Engine, weights_cache: Path, hf_batch_wait_ms: float, relay: Relay | None = None):
+        self.db, self.relay = db, relay  # relay: fetch checkpoint files through the relay chain
         self.weights_cache = weights_cache
         self.hf_batch_wait_ms = hf_batch_wait_ms
         self.contexts: dict[str, RunContext] = {}
+        self.bases: dict[tuple, InferenceEngine] = {}  # (model, engine settings) -> the engine LoRA runs share
+        self._bases_lock = asyncio.Lock()  # two LoRA runs starting at once build one base
         self.announced: dict[str, WeightsPublished] = {}  # newest seen on the stream, served or not
         self._locks: dict[str, asyncio.Lock] = {}
+        self._manifests: dict[str, CheckpointManifest] = {}  # sha256 -> verified manifest
+        self._manifests_lock = threading.Lock()
 
     async def get(self, run_id: str) -> RunContext:
         if run_id not in self.contexts:
@@ -107,6 +117,7 @@ class RunRegistry:
                 WEIGHT_VERSION.remove(ctx.run_id)
             try:
                 await ctx.engine.close()
+                await self._close_unused_bases()
             except Exception:
                 log.warning("closing the engine of run %s failed", ctx.run_id, exc_info=True)
             log.info("released run %s after %.0fs without tasks", ctx.run_id, now - ctx.last_used,
@@ -124,8 +135,18 @@ class RunRegistry:
         kwargs: dict = {"hf": {"batch_wait_ms": self.hf_batch_wait_ms},
                         # a delta's layers go to the server as a file: where it reads full checkpoints from too
                         "openai": {"scratch_dir": self.weights_cache / ".deltas"}}.get(config.engine.type, {})
-        engine = await asyncio.to_thread(build_engine, config.engine.type, config.model, config.engine,
-                                         tokenizer, **kwargs)
+        if config.algorithm.lora is not None:
+            if config.engine.type == "vllm":
+                kwargs["lora"] = True  # vLLM reserves its adapter slots at start-up
+            key = (config.model, config.engine.model_dump_json())
+            async with self._bases_lock:
+                if key not in self.bases:
+                    self.bases[key] = await asyncio.to_thread(build_engine, config.engine.type, config.model,
+                                                              config.engine, tokenizer, **kwargs)
+            engine: InferenceEngine = AdapterView(self.bases[key], run_id)
+        else:
+            engine = await asyncio.to_thread(build_engine, config.engine.type, config.model, config.engine,
+                                             tokenizer, **kwargs)
         workflow_cls = resolve("workflow", config.workflow.name) if config.workflow else None
         log.info("serving run %s: model %s, engine %s", run_id, config.model, config.engine.type,
                  extra={"run_id": run_id})
@@ -146,7 +167,9 @@ class RunRegistry:
             c = session.scalars(query).first()
         if c is None:
             return None
-        return WeightsPublished(run_id=run_id, version=c.version, uri=c.uri, path=c.path, sha256=c.sha256,
+        # a relaying worker is on another machine than the weight server's volume: it fetches over HTTP
+        path = None if self.relay is not None else c.path
+        return WeightsPublished(run_id=run_id, version=c.version, uri=c.uri, path=path, sha256=c.sha256,
                                 bytes=c.bytes, created_at=time.time())
 
     async def load_newest(self, ctx: RunContext) -> None:
@@ -157,6 +180,8 @@ class RunRegistry:
         WEIGHT_VERSION.labels(ctx.run_id).set(ctx.engine.version)
 
     async def on_weights(self, msg: WeightsPublished) -> None:
+        if self.relay is not None and msg.path:  # remote from the weight server's volume: over HTTP only
+            msg = msg.model_copy(update={"path": None})
         seen = self.announced.get(msg.run_id)
         if seen is None or msg.version > seen.version:
             self.announced[msg.run_id] = msg
@@ -184,8 +209,17 @@ class RunRegistry:
             RELOADS.labels("ok").inc()
             WEIGHT_VERSION.labels(ctx.run_id).set(ctx.engine.version)
 
+    def _manifest(self, msg: WeightsPublished) -> CheckpointManifest:
+        """`fetch_manifest`, remembering the last few by sha256: a delta's base manifest was the version before's."""
+        manifest = self._manifests.get(msg.sha256) or fetch_manifest(msg)
+        with self._manifests_lock:  # reloads of different runs run on threads at once
+            self._manifests[msg.sha256] = manifest
+            while len(self._manifests) > 4:
+                del self._manifests[next(iter(self._manifests))]
+        return manifest
+
     async def _load(self, ctx: RunContext, msg: WeightsPublished) -> None:
-        manifest = await asyncio.to_thread(fetch_manifest, msg)
+        manifest = await asyncio.to_thread(self._manifest, msg)
         if (manifest.kind == "delta" and ctx.engine.supports_update
                 and ctx.engine.version == manifest.base_version):
             try:
@@ -200,13 +234,27 @@ class RunRegistry:
                 RELOADS.labels("delta_failed").inc()
                 log.exception("applying delta v%d failed; loading the full weights instead", msg.version,
                               extra={"run_id": ctx.run_id})
-        folder = await asyncio.to_thread(materialize, msg, self.weights_cache)
+        folder = await asyncio.to_thread(materialize, msg, self.weights_cache, relay=self.relay)
+        if manifest.base_model is not None:
+            if not isinstance(ctx.engine, AdapterView):
+                raise ChecksumError(f"v{msg.version} is a LoRA adapter but run {ctx.run_id} trains full weights")
+            await ctx.engine.load_adapter(folder, msg.version, manifest.base_model)
+            return
         await ctx.engine.load_weights(folder, msg.version)
 
     def _update(self, msg: WeightsPublished, manifest: CheckpointManifest) -> WeightUpdate:
-        base = fetch_manifest(version_source(msg, manifest.base_version, manifest.base_sha256))
-        return WeightUpdate.load(fetch_checkpoint(msg, self.weights_cache), manifest, base)
+        base = self._manifest(version_source(msg, manifest.base_version, manifest.base_sha256))
+        return WeightUpdate.load(fetch_checkpoint(msg, self.weights_cache, relay=self.relay), manifest, base)
+
+    async def _close_unused_bases(self) -> None:
+        used = {id(c.engine.base) for c in self.contexts.values() if isinstance(c.engine, AdapterView)}
+        for key, base in list(self.bases.items()):
+            if id(base) not in used:
+                del self.bases[key]
+                await base.close()
 
     async def close(self) -> None:
         for ctx in self.contexts.values():
             await ctx.engine.close()
+        for base in self.bases.values():
+            await base.close()

@@ -18,7 +18,6 @@ import asyncio
 import math
 import time
 
-import redis.asyncio as aioredis
 from prometheus_client import Counter, Gauge
 from sqlalchemy import Engine
 
@@ -28,12 +27,13 @@ from services.rollout_worker.env_client import EnvClient
 from services.rollout_worker.episodes import failed, run_episode
 from services.rollout_worker.gateway import Gateway
 from services.rollout_worker.runs import RunContext, RunRegistry
-from shared.bus import REDIS_DOWN, BroadcastReader, Delivery, StreamBus, StreamConsumer
+from shared.bus import REDIS_DOWN, BroadcastReader, Delivery, Redis, StreamBus, StreamConsumer
 from shared.logs import get_logger
 from shared.messages import EpisodeResult, RolloutTask, WeightsPublished
 from shared.retry import RetryPolicy
 from shared.service import sleep_or_stop
 from shared.streams import GROUP_ROLLOUT, ROLLOUT_TASKS, TRAJECTORIES, WEIGHTS
+from shared.weight_relay import Relay
 
 log = get_logger(__name__)
 INFLIGHT = Gauge("rollout_tasks_inflight", "Tasks being run")
@@ -47,14 +47,15 @@ PUBLISH_RETRY = RetryPolicy(REDIS_DOWN, first_wait_s=1.0, max_wait_s=1.0, what="
 
 
 class RolloutWorker:
-    def __init__(self, cfg: RolloutWorkerConfig, worker_id: str, redis: aioredis.Redis, db: Engine):
+    def __init__(self, cfg: RolloutWorkerConfig, worker_id: str, redis: Redis, db: Engine,
+                 relay: Relay | None = None):
         self.cfg, self.worker_id = cfg, worker_id
         self.bus = StreamBus(redis)
         self.consumer = StreamConsumer(self.bus, ROLLOUT_TASKS, GROUP_ROLLOUT, worker_id, expect=RolloutTask,
                                        max_deliveries=cfg.max_deliveries, claim_idle_ms=cfg.claim_idle_ms,
                                        block_ms=cfg.read_block_ms, batch_size=cfg.max_concurrency)
         self.envs = EnvClient(self.bus, worker_id, cfg.env_reply_margin_s)
-        self.runs = RunRegistry(db, cfg.weights_cache, cfg.hf_batch_wait_ms)
+        self.runs = RunRegistry(db, cfg.weights_cache, cfg.hf_batch_wait_ms, relay)
         self.gateway = Gateway(cfg.gateway_host, cfg.gateway_port, cfg.gateway_public_host, cfg.gateway_token)
         self.programs = AgentPrograms(self.gateway, cfg.agent_memory_bytes)
         self.running: dict[asyncio.Task, Delivery] = {}

@@ -39,6 +39,7 @@ class Sample:
     weight: float = 1.0  # stale samples may be down-weighted
     traj_idx: int = 0  # position in its episode: a workflow may produce several trajectories of one name
     name: str = "agent"  # the trajectory's role (solver, judge, ...)
+    versions: list[int] = field(default_factory=list)  # policy version that generated each token (-1: env's)
 
     @property
     def uid(self) -> str:
@@ -80,6 +81,7 @@ def samples_from_result(result: EpisodeResult) -> list[Sample]:
             response_ids=list(traj.response_ids), loss_mask=mask, logprobs=logprobs, reward=float(traj.reward),
             min_version=_min_version(traj.versions, mask, traj.policy_versions[0]), greedy=result.greedy,
             traj_idx=traj_idx, name=traj.name,
+            versions=list(traj.versions) if len(traj.versions) == len(traj.response_ids) else [],
         ))
     return out
 
@@ -144,6 +146,20 @@ class GroupBuffer:
             self.groups.pop(g.key, None)
 
 
+def mismatch_probe(buffer: GroupBuffer, version: int, limit: int = 64) -> list[Sample]:
+    """Up to `limit` waiting samples with trained tokens that `version` generated. The trainer, still at
+    `version` before its step, measures the training-inference mismatch on them as well: with max_staleness >= 1
+    the batch it trains on is mostly older samples, whose difference is the policy's change, not the engines'."""
+    out: list[Sample] = []
+    for group in buffer.groups.values():
+        for s in group.samples.values():
+            if any(v == version and m for v, m in zip(s.versions, s.loss_mask, strict=False)):
+                out.append(s)
+                if len(out) == limit:
+                    return out
+    return out
+
+
 def select_groups(
     groups: list[Group], num_groups: int, *, dynamic_sampling: bool, version: int, max_staleness: int,
     stale_policy: str,
@@ -184,7 +200,8 @@ def staleness(samples: list[Sample], version: int) -> list[int]:
 
 def build_tensors(groups: list[Group], pad_id: int) -> dict:
     """Left-padded prompts, right-padded responses, masks, outcome rewards on the last trained token,
-    behaviour logprobs, the group index (`uid`) and ReMax's greedy baseline reward per row."""
+    behaviour logprobs and the policy version of each response token (-1: not the model's, or unknown), the
+    group index (`uid`) and ReMax's greedy baseline reward per row."""
     rows = [s for g in groups for s in g.samples.values()]
     baselines = [g.greedy[s.name].reward if s.name in g.greedy else 0.0 for g in groups for s in g.samples.values()]
     P = max(len(s.prompt_ids) for s in rows)
@@ -195,6 +212,7 @@ def build_tensors(groups: list[Group], pad_id: int) -> dict:
     attention = torch.zeros((B, P + R), dtype=torch.long)
     response_mask = torch.zeros((B, R), dtype=torch.long)
     behaviour = torch.zeros((B, R), dtype=torch.float32)
+    versions = torch.full((B, R), -1, dtype=torch.long)
     rewards = torch.zeros((B, R), dtype=torch.float32)
     for i, s in enumerate(rows):
         p, r = len(s.prompt_ids), len(s.response_ids)
@@ -203,11 +221,14 @@ def build_tensors(groups: list[Group], pad_id: int) -> dict:
         attention[i, P - p:P + r] = 1
         response_mask[i, :r] = torch.tensor(s.loss_mask[:r])
         behaviour[i, :r] = torch.tensor(s.logprobs[:r])
+        if s.versions:
+            versions[i, :r] = torch.tensor(s.versions[:r])
         rewards[i, _last_trained(s.loss_mask, r)] = s.reward
     return {
         "prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], 1),
         "attention_mask": attention, "position_ids": (attention.cumsum(-1) - 1).clamp(min=0),
         "response_mask": response_mask, "behaviour_log_probs": behaviour * response_mask,
+        "behaviour_versions": versions,
         "token_level_rewards": rewards, "reward_baselines": torch.tensor(baselines, dtype=torch.float32),
         "sample_weights": torch.tensor([s.weight for s in rows], dtype=torch.float32),
         "uid": np.array([s.uid for s in rows], dtype=object),

@@ -3,8 +3,9 @@
 verl does the forward/backward, the PPO loss (`verl.workers.utils.losses.ppo_loss`), gradient clipping, the
 optimizer step and the sharded checkpoints. This module only converts our padded tensors into verl's
 no-padding TensorDict and back. On CPU it first selects the CPU platform and creates the gloo process group
-(FACTS.md: verl would otherwise ask for CUDA and build a duplicate `cpu:gloo` backend); on GPU verl creates
-its own process group (`torchrun` sets RANK/WORLD_SIZE for multi-GPU).
+(otherwise verl asks for CUDA, and its TrainingWorker, started without Ray, builds the duplicated backend
+string `cpu:gloo,cpu:gloo`); on GPU verl creates its own process group (`torchrun` sets RANK/WORLD_SIZE for
+multi-GPU).
 """
 
 from __future__ import annotations
@@ -47,33 +48,69 @@ def setup_distributed(device: str) -> None:
 
 
 class PolicyEngine:
-    """One policy under training (plus a frozen reference when kl_coef > 0)."""
+    """One policy under training (plus a frozen reference when kl_coef > 0). A LoRA policy (`algo.lora`) trains
+    the adapter only: the base is frozen (no gradients, so no optimizer state), and the reference is the same
+    model with the adapter switched off (verl's `no_lora_adapter`), not a second copy."""
 
     def __init__(self, model_path: str, algo: AlgorithmConfig, *, device: str = "cpu", dtype: str = "fp32",
                  micro_batch_size: int = 8, group_size: int = 1, temperature: float = 1.0,
-                 lr_warmup_steps: int = 0):
+                 lr_warmup_steps: int = 0, remove_padding: bool = False, micro_batch_tokens: int | None = None,
+                 attn_implementation: str = "sdpa", fused_backend: str | None = "auto", lora: dict | None = None,
+                 engine_options: dict | None = None, compile_layers: bool = False):
+        """`micro_batch_tokens` set: verl's dynamic batch size, micro-batches formed by a token budget (each
+        holds sequences whose lengths sum to at most this; a longer sequence gets one of its own) instead of
+        `micro_batch_size` rows. `remove_padding`: sequences are packed end to end into one row per micro-batch
+        (verl's `use_remove_padding`), so no compute goes into padding; the attention stays per sequence
+        (flash-attn varlen where installed, else transformers' block-diagonal mask built from the restarting
+        position ids). `attn_implementation` is the HF attention (sdpa, flex_attention, flash_attention_2);
+        `fused_backend` verl's fused linear + log-prob kernel (torch or triton; auto: torch on CUDA, none on CPU,
+        where the trainer service turns it on for packed sequences: verl patches the model class's forward for it,
+        so an in-process HF model of that class, as the demos and tests use beside an engine, stops working);
+        `lora` verl's LoRA fields of the model config (lora_rank, lora_alpha, target_modules; default: those of
+        `algo.lora`); `engine_options` more `FSDPEngineConfig` fields
+        (the GPU bench tries reshard_after_forward and the like). `compile_layers`: each decoder layer's forward
+        through torch.compile (verl's own flag compiles only the entropy function); FSDP2's hooks stay outside."""
         setup_distributed(device)
         from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig
 
         from services.trainer.algorithm import actor_config
 
         self.algo, self.temperature, self.micro_batch_size = algo, temperature or 1.0, micro_batch_size
+        lora = lora or (algo.lora.verl_fields() if algo.lora else None)
+        self.is_lora = bool(lora and lora.get("lora_rank", 0) > 0)
         self.engine_config = FSDPEngineConfig(
             strategy="fsdp2", model_dtype=dtype, dtype="float32" if dtype == "fp32" else "bfloat16",
             mixed_precision={"param_dtype": dtype, "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
-            use_torch_compile=False, use_dynamic_bsz=False, micro_batch_size_per_gpu=micro_batch_size,
-            infer_micro_batch_size_per_gpu=micro_batch_size)
+            use_torch_compile=False, use_dynamic_bsz=micro_batch_tokens is not None,
+            max_token_len_per_gpu=micro_batch_tokens, infer_max_token_len_per_gpu=micro_batch_tokens,
+            micro_batch_size_per_gpu=micro_batch_size, infer_micro_batch_size_per_gpu=micro_batch_size,
+            **(engine_options or {}))
         self.optim_config = FSDPOptimizerConfig(lr=algo.lr, weight_decay=algo.weight_decay, clip_grad=algo.grad_clip,
                                                 lr_warmup_steps=lr_warmup_steps)
         self.actor_config = actor_config(algo, self.engine_config, self.optim_config, batch_size=micro_batch_size,
                                          micro_batch_size=micro_batch_size, group_size=group_size)
-        self.model_config = _model_config(model_path, fused=device != "cpu")
+        if fused_backend == "auto":
+            fused_backend = "torch" if device != "cpu" else None
+        if fused_backend and not _ties_embeddings(model_path):
+            # verl's fused kernel reads lm_head.weight outside lm_head's forward; FSDP2 keeps an untied head
+            # sharded until then ("mixed torch.Tensor and DTensor"), so untied models take the unfused path
+            log.info("model %s has an untied output layer: verl's fused log-prob kernel is not used", model_path)
+            fused_backend = None
+        model_config = partial(_model_config, model_path, remove_padding=remove_padding, attn=attn_implementation,
+                               fused_backend=fused_backend, lora=lora)
+        self.model_config = model_config()
         self.actor = self._worker(self.model_config, forward_only=False)
+        if self.is_lora and algo.lora is not None and algo.lora.dropout > 0:
+            _set_lora_dropout(self.peft_model, algo.lora.dropout)
+        if compile_layers:
+            _compile_decoder_layers(self.actor.engine.module, dynamic=micro_batch_tokens is not None)
         # verl builds forward-only engines with pinned-memory CPU offload, which needs an accelerator: on CPU
-        # the frozen reference is an ordinary engine that is simply never updated.
-        self.ref = (self._worker(_model_config(model_path, fused=device != "cpu"), forward_only=device != "cpu")
-                    if algo.kl_coef > 0 else None)
-        self.critic = self._critic(model_path) if algo.adv_estimator == "gae" else None
+        # the frozen reference is an ordinary engine that is simply never updated. LoRA: the actor with its
+        # adapter off is the reference (what verl's trainers do for LoRA: `ref_in_actor`).
+        self.ref = (self._worker(model_config(), forward_only=device != "cpu")
+                    if algo.kl_coef > 0 and not self.is_lora else None)
+        # a value head has no vocabulary projection: no fused log-prob kernel
+        self.critic = self._critic(model_config(fused_backend=None)) if algo.adv_estimator == "gae" else None
 
     def _worker(self, model_config, *, forward_only: bool):
         from copy import deepcopy
@@ -94,7 +131,7 @@ class PolicyEngine:
         worker.set_loss_fn(partial(ppo_loss, self.actor_config))
         return worker
 
-    def _critic(self, model_path: str):
+    def _critic(self, model_config):
         """PPO's value model: the policy's backbone with a value head, trained with verl's value loss."""
         from copy import deepcopy
 
@@ -105,7 +142,6 @@ class PolicyEngine:
 
         optim = FSDPOptimizerConfig(lr=self.algo.critic_lr, weight_decay=self.algo.weight_decay,
                                     clip_grad=self.algo.grad_clip)
-        model_config = _model_config(model_path, fused=False)  # a value head has no vocabulary projection
         worker = TrainingWorker(TrainingWorkerConfig(
             model_type="value_model", model_config=model_config, engine_config=deepcopy(self.engine_config),
             optimizer_config=optim, checkpoint_config=CheckpointConfig(
@@ -142,11 +178,24 @@ class PolicyEngine:
         return no_padding_2_padding(nested, view).float() * t["response_mask"]
 
     # -- verl calls -------------------------------------------------------------------------------------------
+    @property
+    def has_reference(self) -> bool:
+        """Whether the loss has a KL-to-reference term (`log_probs(reference=True)` then gives its log-probs)."""
+        return self.algo.kl_coef > 0
+
+    @property
+    def peft_model(self):
+        """The PEFT model under FSDP (LoRA only)."""
+        module = self.actor.engine.module
+        return getattr(module, "_fsdp_wrapped_module", module)
+
     def log_probs(self, t: dict, *, reference: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token log-probs and entropies of the responses under the current (or reference) policy."""
-        worker = self.ref if reference else self.actor
+        worker = self.ref if reference and not self.is_lora else self.actor
         rows = t["input_ids"].shape[0]
-        out = worker.infer_batch(self._tensordict(t, compute_loss=False, micro_batch_size_per_gpu=self._micro(rows)))
+        meta = {"no_lora_adapter": True} if reference and self.is_lora else {}
+        out = worker.infer_batch(self._tensordict(t, compute_loss=False, micro_batch_size_per_gpu=self._micro(rows),
+                                                  **meta))
         return self._response_values(out["log_probs"], t), self._response_values(out["entropy"], t)
 
     def values(self, t: dict) -> torch.Tensor:
@@ -224,20 +273,76 @@ class PolicyEngine:
             self.model_config.generation_config.save_pretrained(folder)
         return state
 
+    def export_adapter(self, folder: Path, dtype: str = "auto") -> dict | None:
+        """The LoRA adapter alone in PEFT's layout (adapter_config.json + adapter_model.safetensors, the tensor
+        names `PeftModel.save_pretrained` writes), in `dtype` as `export_hf`. Returns the tensors on rank 0."""
+        from safetensors.torch import save_file
+
+        from shared.weights import ADAPTER_WEIGHTS
+
+        folder.mkdir(parents=True, exist_ok=True)
+        gen, _ = self.actor.engine.get_per_tensor_param(base_sync_done=True)  # the adapter's tensors only
+        if dtype == "auto":
+            dtype = getattr(self.model_config.hf_config, "dtype", None) or self.engine_config.model_dtype
+        dtype = getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}.get(str(dtype), str(dtype)).removeprefix("torch."))
+        state = {name: p.detach().to("cpu", dtype, copy=True).contiguous() for name, p in gen}
+        if dist.get_rank() != 0:
+            return None
+        save_file(state, str(folder / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        self.peft_model.peft_config["default"].save_pretrained(str(folder))
+        return state
+
     @property
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.actor.engine.module.parameters())
 
 
-def _model_config(path: str, *, fused: bool):
-    """On CUDA, verl's fused linear + log-prob kernel (torch backend, chunked, fp32 inside): without flash-attn,
-    verl's unfused bf16 log-prob path runs one log_softmax per token (16,384 kernel launches per 16 x 1024
-    batch), which made a 0.5B step CPU-bound at 1.8% MFU. The CPU path keeps plain logits (fp32, exact vs HF)."""
+def _model_config(path: str, *, remove_padding: bool, attn: str, fused_backend: str | None, lora: dict | None):
+    """verl's fused linear + log-prob kernel (`fused_backend`, chunked, fp32 inside): without it, verl's unfused
+    log-prob path loops in Python over the rows of the logits, one log_softmax each: per sequence when padded,
+    per token when packed (16,384 CUDA launches per 16 x 1024 batch made a 0.5B step CPU-bound at 1.8% MFU; on
+    CPU, a packed step took 3x as long as with the kernel). Unfused CPU log-probs are plain logits, exact vs HF."""
     from verl.workers.config import HFModelConfig
 
-    return HFModelConfig(path=path, override_config={"attn_implementation": "sdpa"}, use_remove_padding=False,
-                         enable_gradient_checkpointing=False, use_fused_kernels=fused,
-                         fused_kernel_options={"impl_backend": "torch"} if fused else {})
+    return HFModelConfig(path=path, override_config={"attn_implementation": attn}, use_remove_padding=remove_padding,
+                         enable_gradient_checkpointing=False, use_fused_kernels=fused_backend is not None,
+                         fused_kernel_options={"impl_backend": fused_backend} if fused_backend else {},
+                         **(lora or {}))
+
+
+def _compile_decoder_layers(model: torch.nn.Module, *, dynamic: bool) -> int:
+    """Each decoder layer's forward (the classes the model names in `_no_split_modules`, the units FSDP2 wraps)
+    through torch.compile, in place: FSDP2's all-gather and reshard hooks run in the module call, outside the
+    compiled forward, as when a layer is compiled before it is sharded. The layers share one forward, so dynamo
+    traces it once for all of them (modules' parameters are graph inputs) where shapes agree; packed micro-batches
+    vary in length, so they compile with dynamic shapes. Returns how many layers were wrapped."""
+    import torch._dynamo
+
+    names = set(getattr(model, "_no_split_modules", None) or [])  # FSDP2 subclasses the model: still there
+    layers = [m for m in model.modules() if type(m).__name__.removeprefix("FSDP") in names]
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 2 * len(layers))
+    for layer in layers:
+        layer.forward = torch.compile(layer.forward, dynamic=dynamic)
+    return len(layers)
+
+
+def _set_lora_dropout(peft_model, p: float) -> None:
+    """verl builds the LoRA layers without dropout: put `p` on each adapter's input (the adapter's config says it,
+    so the exported adapter_config.json does too)."""
+    from torch import nn
+
+    for module in peft_model.modules():
+        dropouts = getattr(module, "lora_dropout", None)
+        if isinstance(dropouts, nn.ModuleDict):
+            for name in dropouts:
+                dropouts[name] = nn.Dropout(p)
+    peft_model.peft_config["default"].lora_dropout = p
+
+
+def _ties_embeddings(path: str) -> bool:
+    from transformers import AutoConfig
+
+    return bool(getattr(AutoConfig.from_pretrained(path), "tie_word_embeddings", False))
 
 
 def _mean(v) -> float:

@@ -10,7 +10,7 @@ from collections import Counter
 import torch
 
 from services.trainer.algorithm import compute_advantages, importance_weights
-from services.trainer.batch import Group, build_tensors, staleness
+from services.trainer.batch import Group, Sample, build_tensors, staleness
 from services.trainer.engine import PolicyEngine
 from shared.run_config import AlgorithmConfig
 
@@ -19,17 +19,22 @@ class Learner:
     def __init__(self, engine: PolicyEngine, algo: AlgorithmConfig, pad_id: int):
         self.engine, self.algo, self.pad_id = engine, algo, pad_id
 
-    def step(self, groups: list[Group], version: int, seed: int = 0) -> dict[str, float]:
-        """Train on `groups` (weights at `version`); returns the step's metrics (verl's plus ours)."""
+    def step(self, groups: list[Group], version: int, seed: int = 0, probe: list[Sample] = ()) -> dict[str, float]:
+        """Train on `groups` (weights at `version`); returns the step's metrics (verl's plus ours). `probe`:
+        waiting samples (not trained on here) with tokens `version` generated, on which the training-inference
+        mismatch is measured too."""
         started = time.perf_counter()
         t = build_tensors(groups, self.pad_id)
         old, entropy = self.engine.log_probs(t)
-        ref = self.engine.log_probs(t, reference=True)[0] if self.engine.ref is not None else None
+        ref = self.engine.log_probs(t, reference=True)[0] if self.engine.has_reference else None
         values = self.engine.values(t) if self.engine.critic is not None else None
         advantages, returns = compute_advantages(self.algo, t, values)
         weights, is_metrics = importance_weights(old, t["behaviour_log_probs"], t["response_mask"],
                                                  self.algo.is_cap, t["sample_weights"])
         metrics = self.batch_metrics(groups, t, old, entropy, version)
+        metrics["groups_without_signal"] = groups_without_signal(groups, advantages, t["response_mask"])
+        metrics |= mismatch_metrics(torch.cat([same_version_diffs(t, old, version), self.probe_diffs(probe, version)]))
+        metrics["is_truncated_fraction"] = float(is_metrics.get("rollout_is_ratio_fraction_high", 0.0))
         if t["response_mask"].sum() > 0:  # a batch of only masked (errored) samples has nothing to learn
             verl_metrics = self.engine.update(t, old, advantages, weights, ref, seed=seed)
             metrics |= {
@@ -46,6 +51,15 @@ class Learner:
         metrics["step_s"] = elapsed
         metrics["tokens_per_s"] = float(t["attention_mask"].sum()) / elapsed
         return metrics
+
+    def probe_diffs(self, probe: list[Sample], version: int) -> torch.Tensor:
+        from services.trainer.ranks import world_size
+
+        probe = list(probe)[: len(probe) - len(probe) % world_size()]  # rows split evenly over trainer ranks
+        if not probe:
+            return torch.zeros(0)
+        t = build_tensors([Group(("mismatch-probe", -1), {(i, 0): s for i, s in enumerate(probe)})], self.pad_id)
+        return same_version_diffs(t, self.engine.log_probs(t)[0], version)
 
     @staticmethod
     def batch_metrics(groups: list[Group], t: dict, old: torch.Tensor, entropy: torch.Tensor,
@@ -65,3 +79,30 @@ class Learner:
             "response_tokens": float(mask.sum()),
             **{f"staleness_{age}": float(n) for age, n in sorted(ages.items())},
         }
+
+
+def groups_without_signal(groups: list[Group], advantages: torch.Tensor, mask: torch.Tensor) -> float:
+    """The share of groups none of whose trained tokens got a nonzero advantage: they teach the policy nothing.
+    Read off the estimator's own advantages, so it holds for each: GRPO/RLOO groups of equal rewards, ReMax
+    rewards equal to the greedy baseline's, while GAE's critic or REINFORCE++'s batch whitening give such groups
+    a signal. The controller warns when a run's every group is like that for versions in a row."""
+    per_row = (advantages.abs() * mask).amax(dim=1) if advantages.numel() else torch.zeros(len(mask))
+    per_group = torch.split(per_row, [len(g.samples) for g in groups])  # build_tensors' row order
+    return sum(float(rows.max()) < 1e-6 for rows in per_group) / max(len(groups), 1)
+
+
+def same_version_diffs(t: dict, old: torch.Tensor, version: int) -> torch.Tensor:
+    """|rollout engine's logprob - trainer's recomputed logprob| of the trained tokens that the weights of
+    `version` generated. The trainer holds exactly those weights, so any difference is the engines', not the
+    policy's: kernels, dtype, published weights' precision, the sampler's processing."""
+    same = t["response_mask"].bool() & (t["behaviour_versions"] == version)
+    return (old - t["behaviour_log_probs"]).abs()[same]
+
+
+def mismatch_metrics(diffs: torch.Tensor) -> dict[str, float]:
+    """Training-inference mismatch of a step: mean, max and number of `same_version_diffs`; nothing when no
+    token of the trained-from version was at hand (every token came from older versions)."""
+    if diffs.numel() == 0:
+        return {}
+    return {"logprob_diff_mean": float(diffs.mean()), "logprob_diff_max": float(diffs.max()),
+            "logprob_diff_tokens": float(diffs.numel())}

@@ -35,8 +35,6 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from prometheus_client import Counter, Gauge, Histogram
-from redis.asyncio import Redis
-from redis.exceptions import RedisError
 from sqlalchemy import Engine
 
 from services.trainer import batch as batching
@@ -45,11 +43,12 @@ from services.trainer.batch import Group, GroupBuffer, GroupKey, SampleKey
 from services.trainer.config import TrainerSettings
 from services.trainer.publisher import WeightPublisher
 from services.trainer.state import CheckpointDir, SampleRecord, StepRecord
-from shared.bus import Delivery, StreamBus, StreamConsumer
+from shared.bus import Delivery, Redis, RedisError, StreamBus, StreamConsumer
 from shared.logs import get_logger
-from shared.messages import AcceptedResult, ConsumedGroup, TrainerProgress
+from shared.messages import AcceptedResult, ConsumedGroup, RunControl, TrainerProgress
 from shared.run_config import RunConfig
-from shared.streams import ACCEPTED_RESULTS, GROUP_TRAIN, TRAINER_PROGRESS
+from shared.streams import ACCEPTED_RESULTS, GROUP_TRAIN, RUN_CONTROL, TRAINER_PROGRESS
+from shared.weights import BaseModelRef, base_model_digest
 
 log = get_logger(__name__)
 STEPS = Counter("trainer_steps_total", "Optimizer steps (policy versions) completed", ["run_id"])
@@ -96,6 +95,8 @@ class Trainer:
             # Entries are held until the step that uses them is durable, however long that takes: no timer takes
             # them from a live trainer, and no count of deliveries dead-letters them (claim_pending takes over).
             max_deliveries=None, claim_idle_ms=None, batch_size=settings.read_batch, block_ms=settings.read_block_ms)
+        # A user's stop (`run.control`): the run is let go at once instead of at the next poll of the runs table
+        self.control = StreamConsumer(self.bus, RUN_CONTROL, GROUP_TRAIN, worker_id, expect=RunControl, block_ms=None)
         self.publisher = WeightPublisher(settings.weight_server_url, settings.weights_dir, settings.publish_timeout_s,
                                          settings.delta_zstd_level)
         self.torch_thread = ThreadPoolExecutor(1, thread_name_prefix="torch")  # all verl work on one thread
@@ -108,6 +109,7 @@ class Trainer:
     # -- the loop ---------------------------------------------------------------------------------------------
     async def serve(self, stop: asyncio.Event) -> None:
         await self.consumer.start()
+        await self.control.start()
         await self.refresh_runs()
         next_poll = time.monotonic() + self.settings.runs_poll_s
         while not stop.is_set():
@@ -121,6 +123,7 @@ class Trainer:
                 self.claim_due = False
                 await self.claim_pending()
             await self.route(await self.consumer.read())
+            await self.control.process(self.apply_control, await self.control.read())
             for run in list(self.runs.values()):
                 await self.maybe_step(run)
         await self.close()
@@ -145,6 +148,14 @@ class Trainer:
         for run_id in held - set(self.runs):
             await self.open_run(active[run_id])
         self.status.update(runs={r.run_id: r.version for r in self.runs.values()}, broken=self.broken)
+
+    async def apply_control(self, deliveries: list[Delivery]) -> None:
+        """A stopped run of ours is closed now, acknowledging what it held (as `refresh_runs` does for a run no
+        longer active); pause and resume change nothing here: a paused run keeps training on what arrived."""
+        for d in deliveries:
+            if d.message.action == "stop" and d.message.run_id in self.runs:
+                log.info("run stopped by its user", extra={"run_id": d.message.run_id})
+                await self.close_run(d.message.run_id, ack_held=True)
 
     async def _leases(self, run_ids: list[str]) -> set[str]:
         return await asyncio.to_thread(db.hold_leases, self.db, self.worker_id, run_ids, self.settings.lease_ttl_s)
@@ -175,8 +186,8 @@ class Trainer:
         s = self.settings
         make = partial(ShardedEngine, row.id) if world_size() > 1 else PolicyEngine
         engine = make(config.model, config.algorithm, device=s.device, dtype=s.dtype,
-                              micro_batch_size=s.micro_batch_size, group_size=config.samples_per_task,
-                              temperature=config.sampling.temperature)
+                      group_size=config.samples_per_task, temperature=config.sampling.temperature,
+                      **s.engine_options())
         ckpts = CheckpointDir(s.state_dir, row.id, s.keep_checkpoints)
         version = self._recover(row, engine, ckpts)
         tokenizer = engine.model_config.tokenizer
@@ -349,7 +360,8 @@ class Trainer:
 
     async def step(self, run: RunState, groups: list[Group]) -> None:
         version = run.version + 1
-        metrics = await self._in_torch(run.learner.step, groups, run.version, version)
+        probe = batching.mismatch_probe(run.buffer, run.version)  # the mismatch at run.version, when the batch has none
+        metrics = await self._in_torch(partial(run.learner.step, probe=probe), groups, run.version, version)
         metrics |= {f"dropped_{k}": float(n) for k, n in run.dropped.items()}
         metrics |= {f"samples_{k}": float(n) for k, n in run.counts.items()}
         record = StepRecord(run_id=run.run_id, version=version, samples=self._records(groups), metrics=metrics)
@@ -396,6 +408,12 @@ class Trainer:
         folder = self.publisher.staging_folder(run_id, version)
         run = self.runs.get(run_id)
         config = run.config if run is not None else RunConfig.model_validate(db.load_run(self.db, run_id).config)
+        if config.algorithm.lora is not None:  # the adapter alone, tied to the base it was trained on
+            tensors = engine.export_adapter(folder, config.engine.weights_dtype)
+            base = BaseModelRef(name=config.model, sha256=base_model_digest(config.model))
+            self.publisher.publish(run_id, version, folder, metrics, self.settings.best_metric, tensors=tensors,
+                                   base_model=base)
+            return
         tensors = engine.export_hf(folder, config.engine.weights_dtype, weights=False)
         self.publisher.publish(run_id, version, folder, metrics, self.settings.best_metric, tensors=tensors)
 

@@ -30,6 +30,7 @@ from shared.retry import RetryPolicy
 from shared.weights import (
     CHUNK,
     DELTA_FILE,
+    BaseModelRef,
     TensorEntry,
     compress_delta,
     delta_parts,
@@ -77,10 +78,13 @@ class WeightPublisher:
         return folder
 
     def publish(self, run_id: str, version: int, folder: Path, metrics: dict[str, float],
-                best_metric: str | None = None, tensors: dict | None = None) -> WeightsPublished:
+                best_metric: str | None = None, tensors: dict | None = None,
+                base_model: BaseModelRef | None = None) -> WeightsPublished:
         """Publish the exported HF `folder` (consumed) as `version`: as a delta when possible, else in full.
         `tensors`: the exported weights, when the folder was written without them (the trainer's export_hf
-        with weights=False): written to model.safetensors only if a full snapshot is sent."""
+        with weights=False): written to model.safetensors only if a full snapshot is sent. `base_model`: the
+        folder is a LoRA adapter (PEFT layout) for this base; always sent whole (every element of an adapter
+        changes at each step, and it is small: a delta would save nothing)."""
         if tensors is None:
             tensors = read_safetensors(folder)
         written = any(folder.glob("*.safetensors"))
@@ -92,8 +96,10 @@ class WeightPublisher:
         last = self.last.pop(run_id, None)
         body = {"metrics": metrics, "best_metric": best_metric, "full_bytes": full_bytes}
         digests: dict[str, str] = {}  # file name -> sha256, for files hashed before they were written
-        if (last is not None and plan["base_version"] == last.version and plan["base_sha256"] == last.sha256
-                and _layout(tensors) == {n: (e.dtype, e.shape) for n, e in last.entries.items()}):
+        if base_model is not None:
+            body["base_model"] = base_model.model_dump()
+        if (base_model is None and last is not None and plan["base_version"] == last.version
+                and plan["base_sha256"] == last.sha256 and _layout(tensors) == {n: (e.dtype, e.shape) for n, e in last.entries.items()}):
             entries, delta, digests = self._write_delta(run_id, version, last, tensors, clock)
             shutil.rmtree(folder, ignore_errors=True)
             folder = delta
@@ -137,13 +143,6 @@ class WeightPublisher:
         folder = self.staging_folder(run_id, version)
         (folder / DELTA_FILE).write_bytes(data)  # fsynced by the caller
         return last.entries | changed, folder, {DELTA_FILE: hashlib.sha256(data).hexdigest()}
-
-    def post_publish(self, run_id: str, version: int, folder: Path, files: dict[str, str],
-                     metrics: dict[str, float]) -> WeightsPublished:
-        """Publish a staged folder whose file hashes are already known (co-located only)."""
-        body = {"metrics": metrics, "staging_path": str(folder), "files": files}
-        return WeightsPublished.model_validate(
-            self._retry(lambda c: c.post(f"{self.url}/v1/runs/{run_id}/versions/{version}/publish", json=body)))
 
     def _upload(self, run_id: str, version: int, path: Path) -> str:
         digest = sha256_file(path)

@@ -77,6 +77,9 @@ class ShardedEngine:
     def export_hf(self, folder, dtype: str = "auto", *, weights: bool = True) -> dict | None:
         return self._call("export_hf", folder, dtype, weights=weights)
 
+    def export_adapter(self, folder, dtype: str = "auto") -> dict | None:
+        return self._call("export_adapter", folder, dtype)
+
     def close(self) -> None:
         _broadcast(("drop", self.key))
         _ENGINES.pop(self.key, None)

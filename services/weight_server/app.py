@@ -4,7 +4,9 @@
     GET  /v1/runs/{run}/versions/{v}/plan                          send v as a delta (on which base) or full?
     POST /v1/runs/{run}/versions/{v}/publish                       make the version durable and announce it
     GET  /v1/runs/{run}/versions                                   available versions
-    GET  /v1/runs/{run}/versions/{v}/{name}                        streamed download (MANIFEST.json first)
+    GET  /v1/runs/{run}/versions/{v}/{name}                        streamed download (MANIFEST.json first;
+                                                                   Range: bytes=<start>- resumes)
+    GET  /v1/runs/{run}/versions/{v}/sources/{name}?peer=&failed=  where a relaying worker fetches the file from
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from fastapi.responses import FileResponse
 from prometheus_client import Counter, Histogram
 from pydantic import BaseModel, Field
 
+from services.weight_server.chains import RelayChains
 from services.weight_server.store import CheckpointStore, PublishError, check_name
-from shared.weights import ChecksumError, TensorEntry
+from shared.weights import MANIFEST, BaseModelRef, ChecksumError, TensorEntry
 
 PUBLISHED = Counter("weight_server_published_total", "Checkpoint versions published")
 REJECTED = Counter("weight_server_rejected_total", "Publishes or uploads rejected", ["reason"])
@@ -37,6 +40,8 @@ class PublishRequest(BaseModel):
     tensors: dict[str, TensorEntry] = Field(
         default_factory=dict, description="every tensor of the version's full weights: dtype, shape, xxh3-128 digest")
     full_bytes: int = Field(0, ge=0, description="size of the full weights this version stands for")
+    base_model: BaseModelRef | None = Field(
+        None, description="a LoRA version (the adapter alone, PEFT layout): the base model it belongs to")
 
 
 class PublishPlan(BaseModel):
@@ -51,8 +56,19 @@ def _run(run_id: str) -> str:
         raise HTTPException(422, f"run id {run_id!r} is not a UUID") from None
 
 
-def build_router(store: CheckpointStore) -> APIRouter:
+class RelaySource(BaseModel):
+    source: str | None = Field(description="base URL of the worker to fetch from; None: this weight server")
+
+
+def _range_start(header: str | None) -> int:
+    """Where a `Range: bytes=<start>-` request (a resumed download) starts; 0 for anything else."""
+    first = (header or "").removeprefix("bytes=").split("-", 1)[0]
+    return int(first) if first.isdigit() and "," not in (header or "") else 0
+
+
+def build_router(store: CheckpointStore, chains: RelayChains | None = None) -> APIRouter:
     router = APIRouter(prefix="/v1/runs/{run_id}/versions")
+    chains = chains or RelayChains()
 
     @router.put("/{version}/files/{name}")
     async def upload(run_id: str, version: int, name: str, request: Request, sha256: str | None = None) -> dict:
@@ -77,7 +93,7 @@ def build_router(store: CheckpointStore) -> APIRouter:
     @router.post("/{version}/publish")
     async def publish(run_id: str, version: int, body: PublishRequest) -> dict:
         try:
-            layout = body.model_dump(include={"kind", "base_version", "tensors", "full_bytes"})
+            layout = body.model_dump(include={"kind", "base_version", "tensors", "full_bytes", "base_model"})
             with PUBLISH_SECONDS.time():
                 msg = await run_in_threadpool(store.publish, _run(run_id), version, body.files, body.metrics,
                                               body.staging_path, body.best_metric, layout)
@@ -95,8 +111,18 @@ def build_router(store: CheckpointStore) -> APIRouter:
     async def versions(run_id: str) -> list[dict]:
         return await run_in_threadpool(store.list_versions, _run(run_id))
 
+    @router.get("/{version}/sources/{name}", response_model=RelaySource)
+    def source(run_id: str, version: int, name: str, peer: str, failed: str | None = None) -> RelaySource:
+        for url in (peer, failed):
+            if url is not None and not url.startswith(("http://", "https://")):
+                raise HTTPException(422, f"{url!r} is not a worker's base URL (http://host:port)")
+        if not (store.folder(_run(run_id), version) / MANIFEST).is_file():
+            raise HTTPException(404, f"run {run_id} has no version {version}")
+        return RelaySource(source=chains.source(_run(run_id), version, name, peer.rstrip("/"),
+                                                failed.rstrip("/") if failed else None))
+
     @router.get("/{version}/{name}")
-    async def download(run_id: str, version: int, name: str) -> FileResponse:
+    async def download(run_id: str, version: int, name: str, request: Request) -> FileResponse:
         if name != "MANIFEST.json":
             try:
                 check_name(name)
@@ -105,7 +131,7 @@ def build_router(store: CheckpointStore) -> APIRouter:
         path = store.folder(_run(run_id), version) / name
         if not path.is_file():
             raise HTTPException(404, f"run {run_id} version {version} has no file {name}")
-        BYTES_SERVED.inc(path.stat().st_size)
+        BYTES_SERVED.inc(max(0, path.stat().st_size - _range_start(request.headers.get("range"))))
         return FileResponse(path, media_type="application/octet-stream")
 
     return router

@@ -20,8 +20,10 @@ class WeightServerSettings(ServiceSettings):
     snapshot_every: int = Field(
         10, ge=1, description="a full snapshot every N versions, deltas (only what changed) in between; 1: always full")
     announce_path: bool = Field(True, description="announce the shared-volume path for co-located readers")
-    # The co-located trainer hashes its files as read back from this same volume after fsync, so re-reading
-    # them here checks the same bytes on the same disk a second time; HTTP uploads are always hashed.
+    # The co-located trainer declares each staged file's sha256: a full snapshot's files hashed as read back
+    # after it wrote them, a delta file hashed from the bytes in memory before it wrote them. Trusting the
+    # declaration saves a read of every checkpoint; re-hashing catches what went wrong between the trainer's
+    # write and this server's rename. HTTP uploads are always hashed.
     verify_staging: bool = Field(
         False, description="re-hash files a co-located trainer publishes by staging path instead of trusting the "
         "sha256 it declares (one more read of the checkpoint per version; HTTP uploads are always hashed)")

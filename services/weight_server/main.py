@@ -17,18 +17,18 @@ def main() -> int:
 
 
 async def build(settings: WeightServerSettings, runtime: ServiceRuntime) -> Loops:
-    import redis
-
     from services.weight_server.app import build_router
     from services.weight_server.store import CheckpointStore
+    from shared.bus import connect_sync
     from shared.db.session import make_engine
 
     engine = make_engine(settings.database_url)
     runtime.on_stop(engine.dispose)
-    store = CheckpointStore(settings.weights_dir, engine, redis.Redis.from_url(settings.redis_url),
+    store = CheckpointStore(settings.weights_dir, engine, connect_sync(settings.redis_url),
                             settings.public_url, settings.keep_last, settings.announce_path,
                             settings.verify_staging, settings.snapshot_every)
     store.reconcile()
+    runtime.on_stop(store.close)
     runtime.app.include_router(build_router(store))  # uploads and downloads beside /healthz, on one port
     runtime.status["weights_dir"] = str(settings.weights_dir)
     return []  # HTTP is all it serves

@@ -6,10 +6,14 @@ shared/weights.py). `plan` tells the publisher which to send: a full snapshot ev
 each kept version's whole chain (its snapshot and every delta after it), so every kept version can be rebuilt.
 
 Publish order (each step durable before the next): files land in a temp folder next to the target (uploaded
-over HTTP, or moved from a staging folder on the same volume), every file is fsynced and checked against the
-sha256 the publisher sent, MANIFEST.json is written, the folder is renamed into place, the `checkpoints` row
-is inserted, and only then `WeightsPublished` is appended to the `weights` stream. A reader that sees the
-announcement therefore always finds a complete folder. A crash between rename and announcement is repaired at
+over HTTP, or moved from a staging folder on the same volume), every file is fsynced and its sha256 recorded,
+MANIFEST.json is written, the folder is renamed into place, the `checkpoints` row is inserted, and only then
+`WeightsPublished` is appended to the `weights` stream. A reader that sees the announcement therefore always
+finds a complete folder. Which sha256 is recorded: files uploaded over HTTP are hashed here and checked against
+the sha256 the publisher declared; files a co-located publisher staged on the volume are recorded with the
+sha256 it declared, unread (VERIFY_STAGING=false, the default), or re-hashed and checked (VERIFY_STAGING=true).
+Retention (deleting the versions no longer kept) runs afterwards on the store's own thread, one pass at a time,
+so a publish request never waits for an `rmtree`. A crash between rename and announcement is repaired at
 start-up (`reconcile`): folders on disk without a row are registered and announced then.
 """
 
@@ -20,23 +24,27 @@ import os
 import shutil
 import time
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-import redis
 from sqlalchemy import Engine, select, update
 from sqlalchemy.dialects.postgresql import insert
 
-from shared.bus import announce
+from shared.bus import SyncRedis, announce
 from shared.db.models import Checkpoint
 from shared.logs import get_logger
 from shared.messages import WeightsPublished
 from shared.streams import WEIGHTS
 from shared.weights import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
     MANIFEST,
+    PIECE_BYTES,
     CheckpointManifest,
     ChecksumError,
     FileEntry,
     fsync_path,
+    piece_hashes,
     read_manifest,
     sha256_file,
 )
@@ -84,13 +92,18 @@ class Upload:
 
 
 class CheckpointStore:
-    def __init__(self, root: Path, engine: Engine, redis_client: redis.Redis, public_url: str,
+    def __init__(self, root: Path, engine: Engine, redis_client: SyncRedis, public_url: str,
                  keep_last: int = 3, announce_path: bool = True, verify_staging: bool = False,
                  snapshot_every: int = 10):
         self.root, self.engine, self.redis = root, engine, redis_client
         self.verify_staging, self.snapshot_every = verify_staging, snapshot_every
         self.public_url, self.keep_last, self.announce_path = public_url, keep_last, announce_path
         root.mkdir(parents=True, exist_ok=True)
+        self._retention = ThreadPoolExecutor(max_workers=1, thread_name_prefix="retention")
+
+    def close(self) -> None:
+        """Finish the retention passes already asked for."""
+        self._retention.shutdown(wait=True)
 
     # -- paths ------------------------------------------------------------------------------------------------
     def folder(self, run_id: str, version: int) -> Path:
@@ -143,6 +156,9 @@ class CheckpointStore:
         if existing is not None and self.folder(run_id, version).is_dir():
             return self._message(existing)
         layout = self._check_layout(run_id, version, dict(layout or {}))
+        if layout.get("base_model") and not {ADAPTER_CONFIG, ADAPTER_WEIGHTS} <= set(files):
+            raise PublishError(f"LoRA v{version} must hold {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS} (PEFT's layout); "
+                               f"got {sorted(files)}")
         source = Path(staging_path) if staging_path else self.upload_dir(run_id, version)
         if not source.is_dir():
             raise PublishError(f"staging folder {source} does not exist on the weight server's volume")
@@ -153,7 +169,7 @@ class CheckpointStore:
         os.replace(tmp, final)
         fsync_path(final.parent)
         msg = self._register(run_id, version, final, metrics)
-        self.apply_retention(run_id, best_metric)
+        self.schedule_retention(run_id, best_metric)
         return msg
 
     def _check_layout(self, run_id: str, version: int, layout: dict) -> dict:
@@ -191,7 +207,8 @@ class CheckpointStore:
     def _hash_and_sync(folder: Path, files: dict[str, str], *, trust_declared: bool) -> dict[str, FileEntry]:
         """Hash each file once (for the manifest, checked against what the publisher declared) and fsync it.
         `trust_declared` (a co-located publisher with VERIFY_STAGING=false, the default): a declared sha256 is
-        recorded without reading the file again; undeclared files are still hashed."""
+        recorded without reading the file again; undeclared files are still hashed. Every file is hashed by
+        pieces too (`FileEntry.pieces`: what rollout workers check and relay piece by piece)."""
         entries = {}
         for name, declared in sorted(files.items()):
             path = folder / name
@@ -199,7 +216,8 @@ class CheckpointStore:
             if declared and digest != declared:
                 raise PublishError(f"{name}: sha256 {digest} on disk differs from the declared {declared}")
             fsync_path(path)
-            entries[name] = FileEntry(sha256=digest, bytes=path.stat().st_size)
+            entries[name] = FileEntry(sha256=digest, bytes=path.stat().st_size, pieces=piece_hashes(path),
+                                      piece_bytes=PIECE_BYTES)
         return entries
 
     def _register(self, run_id: str, version: int, folder: Path, metrics: dict[str, float]) -> WeightsPublished:
@@ -230,6 +248,16 @@ class CheckpointStore:
                 Checkpoint.status == "available")).first()
 
     # -- retention --------------------------------------------------------------------------------------------
+    def schedule_retention(self, run_id: str, best_metric: str | None) -> Future:
+        """`apply_retention` on the retention thread (passes run one after another, in publish order)."""
+        def run() -> list[int]:
+            try:
+                return self.apply_retention(run_id, best_metric)
+            except Exception:
+                log.exception("retention of run %s failed; the next publish tries again", run_id)
+                return []
+        return self._retention.submit(run)
+
     def apply_retention(self, run_id: str, best_metric: str | None) -> list[int]:
         """Keep the last `keep_last` versions and the best by `best_metric` (higher is better), each with the
         snapshot and deltas it is built on."""

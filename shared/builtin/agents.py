@@ -1,5 +1,5 @@
 """Built-in agents (rLLM-compatible): MathAgent, ToolAgent (Qwen `<tool_call>` format), FrozenLakeAgent,
-CodeAgent. Each keeps the chat history it sends to the model and records one `Step` per model call; the
+CodeAgent, DigitsAgent. Each keeps the chat history it sends to the model and records one `Step` per model call; the
 rollout worker fills each step's token ids, logprobs, policy version and (after env.step) reward and done."""
 
 from __future__ import annotations
@@ -178,3 +178,13 @@ class CodeAgent(ChatAgent):
             return [{"role": "user", "content": observation["feedback"] + "\nPlease fix the code."}]
         question = observation.get("question") or observation.get("prompt") or observation.get("problem") or ""
         return [{"role": "user", "content": f"{question}\n\n{self.INSTRUCTION}"}]
+
+
+class DigitsAgent(ChatAgent):
+    """The digits env's agent (shared/builtin/envs.py: DigitsEnv): each word the env says is one user message,
+    each answer one assistant message, in one growing chat."""
+
+    def observation_messages(self, observation: Any) -> list[dict[str, Any]]:
+        if not isinstance(observation, dict) or "word" not in observation:
+            raise ValueError(f"DigitsAgent expects observations like {{'word': 'seven'}}, got {observation!r}")
+        return [{"role": "user", "content": str(observation["word"])}]

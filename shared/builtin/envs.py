@@ -2,17 +2,19 @@
 
 Each env is built per rollout by an env worker from the dataset row merged with the run's `env.args`.
 Single-turn envs (math, countdown) grade the first response and finish; the multi-turn ones (frozenlake,
-tool, code with feedback, search) run until solved, failed, or `max_turns`.
+tool, code with feedback, search) run until solved, failed, or `max_turns`; digits runs a fixed number of turns
+and rewards at the end.
 """
 
 from __future__ import annotations
 
 import re
+import uuid
 from typing import Any
 
 from shared.agent import BaseEnv
 from shared.builtin import rewards
-from shared.builtin.sandbox import SandboxLimits, run_python
+from shared.builtin.sandbox import DEFAULT_MODE, SandboxLimits, container_session, run_python, sandbox_mode
 from shared.builtin.tools import Bm25Index, FinishTool, PythonTool, SearchTool, load_corpus_index
 
 
@@ -129,6 +131,7 @@ class ToolEnv(BaseEnv):
     (other calls in the same turn are not run)."""
 
     required_fields = (GROUND_TRUTH,)
+    runs_model_code = True  # the python tool: the run config gives it an explicit `sandbox` arg
 
     def __init__(self, task: dict, tools: dict[str, Any], reward_fn=rewards.math_reward, max_turns: int = 5):
         self.task, self.reward_fn, self.max_turns = task, reward_fn, max_turns
@@ -167,20 +170,29 @@ class ToolEnv(BaseEnv):
     @staticmethod
     def from_dict(info: dict) -> ToolEnv:
         rewards.ground_truths(info)
-        return ToolEnv(dict(info), {"python": PythonTool()}, max_turns=int(info.get("max_turns", 5)))
+        return ToolEnv(dict(info), {"python": PythonTool(sandbox=info.get("sandbox"), image=info.get("image"))},
+                       max_turns=int(info.get("max_turns", 5)))
 
 
 class CodeEnv(BaseEnv):
     """Runs the response's last ```python block followed by the task's `tests` (assert statements) in the
-    sandbox. Reward 1 when everything passes; with `max_turns` > 1 a failure is shown as feedback."""
+    sandbox (`sandbox`: namespaces by default; see shared/builtin/sandbox.py). Reward 1 when everything passes;
+    with `max_turns` > 1 a failure is shown as feedback."""
+
+    runs_model_code = True  # the run config gives it an explicit `sandbox` arg (see shared/run_config.py)
 
     required_fields = (("tests",),)
     CODE_BLOCK = re.compile(r"```(?:python|py)?\n(.*?)```", re.S)
 
-    def __init__(self, task: dict, max_turns: int = 1, limits: SandboxLimits | None = None):
+    def __init__(self, task: dict, max_turns: int = 1, limits: SandboxLimits | None = None,
+                 sandbox: str = DEFAULT_MODE, image: str | None = None):
         if not task.get("tests"):
             raise ValueError("code task needs 'tests': Python code with assert statements")
-        self.task, self.max_turns = task, max_turns
+        self.task, self.max_turns, self.sandbox, self.image = task, max_turns, sandbox_mode(sandbox), image
+        if self.sandbox == "container" and not image:
+            raise ValueError("code env with sandbox 'container' needs `image` (env.args.image), e.g. "
+                             "localhost/flywheel-sandbox-python:local (make sandbox-image)")
+        self.container = None  # mode container: this session's container, from the warm pool at the first step
         self.limits = limits or SandboxLimits(wall_s=10, cpu_s=10, memory_bytes=1 << 30)
         self.turns = 0
 
@@ -196,18 +208,38 @@ class CodeEnv(BaseEnv):
     def step(self, action: Any) -> tuple[dict, float, bool, dict]:
         self.turns += 1
         tests = self.task["tests"]
+        # The tests must run to their end: a solution that exits (sys.exit(0), os._exit(0)) before the asserts
+        # exits 0 too. A per-step token written (to stderr, which a passing run leaves nearly empty, so the
+        # output cap does not cut it) after the last assert tells a finished run from that shortcut
+        # (a solution written to find the token in its own source could still forge it: see README, Security).
+        token = f"fw-tests-passed-{uuid.uuid4().hex}"
         program = self.extract_code(_response_text(action)) + "\n\n" + (
-            "\n".join(tests) if isinstance(tests, list) else tests)
-        result = run_python(program, limits=self.limits)
-        info = {"is_correct": result.ok, "error": result.error, "duration_s": result.duration_s}
-        if result.ok or self.turns >= self.max_turns:
-            return {}, float(result.ok), True, info
+            "\n".join(tests) if isinstance(tests, list) else tests) + f"\nimport sys\nsys.stderr.write({token!r})\n"
+        if self.sandbox == "container":
+            if self.container is None:
+                self.container = container_session(self.image, self.limits)
+            result = self.container.run_python(program, limits=self.limits)  # SandboxInfraError: not a score
+        else:
+            result = run_python(program, limits=self.limits, mode=self.sandbox)
+        passed = result.ok and token in result.stderr
+        if result.ok and not passed:
+            result.exit_code, result.stderr = 1, result.stderr + "\nthe tests did not run to their end (the program exited early)"
+        info = {"is_correct": passed, "error": result.error, "duration_s": result.duration_s,
+                "sandbox": result.mode}
+        if passed or self.turns >= self.max_turns:
+            return {}, float(passed), True, info
         feedback = f"Your code failed the tests: {result.error}\n{result.stderr[-1500:]}"
         return {"feedback": feedback}, 0.0, False, info
 
+    def close(self) -> None:
+        if self.container is not None:
+            self.container.close()
+            self.container = None
+
     @staticmethod
     def from_dict(info: dict) -> CodeEnv:
-        return CodeEnv(dict(info), max_turns=int(info.get("max_turns", 1)))
+        return CodeEnv(dict(info), max_turns=int(info.get("max_turns", 1)), sandbox=info.get("sandbox"),
+                       image=info.get("image"))
 
 
 class SearchEnv(ToolEnv):
@@ -229,3 +261,63 @@ class SearchEnv(ToolEnv):
         return SearchEnv(task, {"search": SearchTool(index, int(info.get("top_k", 3)))},
                          reward_fn=lambda t, r: rewards.search_reward(t, r, metric=metric),
                          max_turns=int(info.get("max_turns", 5)))
+
+
+NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
+
+
+class DigitsEnv(BaseEnv):
+    """Multi-turn, reward at the end: each turn the env says a number word ("seven") and the model answers its
+    digit ("7"). The next word is (the digit the model answered + the task's secret offset for that turn) mod 10,
+    so what the env says depends on the model's previous action, and the right answer of every turn depends
+    on what the env said just before it. After the last turn the reward is the share of turns answered right
+    (`all_or_nothing: true`: 1 only when every turn is right); earlier turns get 0. Each step's info has
+    `correct` (that turn) and the last one `is_correct` (every turn right) and `turns_right`.
+
+    Why it is learnable: every turn is one next-token choice among ten digits, and one mapping word -> digit
+    serves every turn, so a tiny random-init model finds it from the partial credit of single right turns.
+    Why it is not a bandit: the words of turns 2.. come from the model's own earlier answers and from offsets
+    it never sees, so an answer can only be right by reading the newest env message inside a context that
+    holds earlier words and answers, and the reward, given once at the end, has to be credited across turns.
+    A policy that ignores the env scores 0.1; one that learned only the first turn scores about 0.4."""
+
+    required_fields = (("first",), ("offsets",))
+
+    def __init__(self, first: str, offsets: list[int], all_or_nothing: bool = False):
+        if first not in NUMBER_WORDS:
+            raise ValueError(f"digits task: 'first' must be a number word ({', '.join(NUMBER_WORDS)}), got {first!r}")
+        if not offsets or not all(isinstance(o, int) for o in offsets):
+            raise ValueError(f"digits task: 'offsets' must be a non-empty list of integers (one per turn after the "
+                             f"first), got {offsets!r}; rows come from shared.builtin.datasets.generate('digits')")
+        self.first, self.offsets, self.all_or_nothing = first, list(offsets), all_or_nothing
+        self.word, self.right = first, []
+
+    @property
+    def turns(self) -> int:
+        return len(self.offsets) + 1
+
+    def reset(self) -> tuple[dict, dict]:
+        self.word, self.right = self.first, []
+        return {"word": self.word}, {}
+
+    def step(self, action: Any) -> tuple[dict, float, bool, dict]:
+        digit = NUMBER_WORDS.index(self.word)
+        answer = _response_text(action).strip()
+        correct = answer == str(digit)
+        self.right.append(correct)
+        turn = len(self.right)
+        if turn >= self.turns:
+            reward = float(all(self.right)) if self.all_or_nothing else sum(self.right) / self.turns
+            return {}, reward, True, {"correct": correct, "turn": turn, "is_correct": all(self.right),
+                                      "turns_right": sum(self.right)}
+        answered = int(answer) if answer.isdigit() and len(answer) == 1 else digit  # a non-digit: the right one
+        self.word = NUMBER_WORDS[(answered + self.offsets[turn - 1]) % 10]
+        return {"word": self.word}, 0.0, False, {"correct": correct, "turn": turn}
+
+    @staticmethod
+    def from_dict(info: dict) -> DigitsEnv:
+        for key in ("first", "offsets"):
+            if key not in info:
+                raise ValueError(f"digits task needs {key!r} (got keys {sorted(info)}); rows come from "
+                                 "shared.builtin.datasets.generate('digits', n)")
+        return DigitsEnv(str(info["first"]), list(info["offsets"]), bool(info.get("all_or_nothing", False)))

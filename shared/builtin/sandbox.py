@@ -1,27 +1,25 @@
-"""Run untrusted Python (tool calls, generated code, unit tests) in a separate, limited process.
+"""Run model-written Python (tool calls, generated code, unit tests) behind a boundary, with limits.
 
-    result = run_python("print(1 + 1)", limits=SandboxLimits(wall_s=5))
+    result = run_python("print(1 + 1)", limits=SandboxLimits(wall_s=5), mode="namespaces")
     result.ok, result.stdout, result.timed_out, result.error
 
-What it protects against (each covered by tests/unit/builtin/test_builtin_sandbox.py):
-- runaway CPU: RLIMIT_CPU, and a wall-clock limit after which the whole process group is SIGKILLed;
-- memory bombs: RLIMIT_AS (allocation fails with MemoryError inside the child);
-- fork bombs: process creation (fork, exec, subprocess, posix_spawn, os.system) is refused by an audit hook;
-  RLIMIT_NPROC backs this up when the worker does not run as root (the kernel does not apply it to root);
-- network: the child enters a fresh network namespace when the kernel allows it (root or unprivileged user
-  namespaces; loopback only, down), and an audit hook refuses socket creation in any case;
-- writes outside its own temp dir (the child's cwd, deleted afterwards): refused by the audit hook on `open`
-  and file-system calls; file size capped by RLIMIT_FSIZE;
-- reads and directory listings outside its temp dir and the Python installation (stdlib, site-packages):
-  refused by the same hook, so the worker's files, the repo and /etc stay unreadable;
-- huge output: stdout/stderr go to files capped by RLIMIT_FSIZE and are read back truncated to `output_bytes`;
-- killing or signalling other processes (os.kill is refused).
+Modes (`MODES`; an env takes its mode from its args, `sandbox: namespaces | container | none`):
+- `namespaces` (the default): a kernel boundary per execution, bubblewrap with user/mount/PID/net/IPC/UTS
+  namespaces, an unprivileged uid, a read-only view of only the Python installation, a private size-capped work
+  dir, a seccomp filter and rlimits; see sandbox_ns.py for exactly what is and is not visible inside.
+- `container`: a container per session from an image the env names (env arg `image`), through the Docker SDK on
+  Docker or podman, from a warm pool; see sandbox_container.py. A container that dies or hangs raises
+  SandboxInfraError: the trajectory ends as an infrastructure failure, never a score.
+- `none`: NO kernel boundary: a separate process with rlimits and a Python audit hook (sandbox_boot.py) that
+  refuses processes, sockets, ctypes and file access outside its temp dir. It keeps a buggy program from harming
+  the worker, but code running in the interpreter can switch the hook off (tests/unit/builtin/test_sandbox_escapes.py
+  shows which escapes it lets through): only for trusted code, and only when asked for by name.
 
-What it does NOT protect against: the audit hook is a Python-level guard, not a security boundary. Code that
-reaches native code (a C extension with its own syscalls, an interpreter bug, gc/introspection tricks)
-can bypass it; ctypes/cffi imports are refused to close the obvious hole. There is no seccomp, no mount namespace, no separate user. For
-hostile code at scale, run env workers in a container/gVisor/Firecracker sandbox; this module keeps a buggy or
-mildly adversarial program from killing or hanging the worker.
+A mode that cannot run on this host raises SandboxUnavailable with the reason; nothing falls back to a weaker
+mode. `check_mode(mode)` runs that check up front (the env worker calls it at start).
+
+Every mode: the wall-clock limit kills the whole process tree; output is capped at `output_bytes` per stream
+(`truncated`); RLIMIT_CPU/AS/FSIZE/NPROC/NOFILE are set before the program starts, soft = hard.
 """
 
 from __future__ import annotations
@@ -37,7 +35,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from shared.builtin import sandbox_ns
+from shared.builtin.sandbox_ns import SandboxUnavailable
+
 BOOT = Path(__file__).with_name("sandbox_boot.py")
+MODES = ("namespaces", "container", "none")
+DEFAULT_MODE = "namespaces"
+__all__ = ["MODES", "DEFAULT_MODE", "SandboxLimits", "SandboxResult", "SandboxUnavailable", "check_mode",
+           "run_python", "sandbox_mode"]
 
 
 @dataclass(frozen=True)
@@ -47,7 +52,8 @@ class SandboxLimits:
     memory_bytes: int = 1 << 30  # address space (RLIMIT_AS); Python alone maps ~40 MB
     file_bytes: int = 8 << 20  # largest file the program may write, incl. its stdout/stderr (RLIMIT_FSIZE)
     output_bytes: int = 16 << 10  # stdout / stderr returned to the caller, each, bytes
-    max_procs: int = 64  # RLIMIT_NPROC (effective for non-root workers only)
+    max_procs: int = 32  # RLIMIT_NPROC: processes+threads (namespaces: per sandbox; none: non-root workers only)
+    disk_bytes: int = 64 << 20  # namespaces: size of the work dir and of /tmp (tmpfs, each), bytes
 
 
 @dataclass
@@ -58,6 +64,7 @@ class SandboxResult:
     timed_out: bool
     truncated: bool
     duration_s: float
+    mode: str = DEFAULT_MODE
 
     @property
     def ok(self) -> bool:
@@ -76,9 +83,39 @@ class SandboxResult:
         return tail[-1] if tail else f"exit code {self.exit_code}"
 
 
+def sandbox_mode(mode: object) -> str:
+    """An env's `sandbox` arg, validated: one of MODES (None: the default)."""
+    if mode is None:
+        return DEFAULT_MODE
+    if mode not in MODES:
+        raise ValueError(f"unknown sandbox mode {mode!r}; choose one of {', '.join(MODES)} (env arg `sandbox`)")
+    return str(mode)
+
+
+def check_mode(mode: str) -> None:
+    """Raise SandboxUnavailable (or ValueError for an unknown mode) unless `mode` can run here."""
+    if sandbox_mode(mode) == "namespaces":
+        sandbox_ns.layout()
+    elif mode == "container":
+        from shared.builtin import sandbox_container
+
+        sandbox_container.client()
+
+
 def run_python(code: str, *, stdin: str = "", files: dict[str, str] | None = None,
-               limits: SandboxLimits = SandboxLimits()) -> SandboxResult:
-    """Execute `code` as `main.py` in a fresh temp dir (plus `files`), return its captured output."""
+               limits: SandboxLimits = SandboxLimits(), mode: str = DEFAULT_MODE,
+               image: str | None = None) -> SandboxResult:
+    """Execute `code` as `main.py` in a fresh work dir (plus `files`), return its captured output. Mode
+    `container` runs it in a fresh container of `image` (from the warm pool), removed afterwards."""
+    if mode == "container":
+        session = container_session(image, limits)
+        try:
+            return session.run_python(code, stdin=stdin, files=files, limits=limits)
+        finally:
+            session.close()
+    check_mode(mode)
+    if mode == "namespaces":
+        return _run_namespaced(code, stdin, files or {}, limits)
     workdir = Path(tempfile.mkdtemp(prefix="fw-sandbox-"))
     try:
         (workdir / "main.py").write_text(code)
@@ -89,9 +126,48 @@ def run_python(code: str, *, stdin: str = "", files: dict[str, str] | None = Non
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+def container_session(image: str | None, limits: SandboxLimits):
+    """A container of `image` for one env session (mode `container`), its limits from `limits`."""
+    from shared.builtin import sandbox_container
+
+    if not image:
+        raise ValueError("sandbox mode 'container' needs the env arg `image` (e.g. localhost/flywheel-sandbox-python:local)")
+    spec = sandbox_container.ContainerSpec(image, memory_bytes=limits.memory_bytes, max_procs=max(16, limits.max_procs),
+                                           disk_bytes=limits.disk_bytes)
+    return sandbox_container.pool_for(spec).acquire()
+
+
+def _limits_cfg(limits: SandboxLimits) -> dict:
+    return {"cpu_s": limits.cpu_s, "memory_bytes": limits.memory_bytes, "file_bytes": limits.file_bytes,
+            "max_procs": limits.max_procs}
+
+
+def _run_namespaced(code: str, stdin: str, files: dict[str, str], limits: SandboxLimits) -> SandboxResult:
+    named = {Path(name).name: text for name, text in files.items() if Path(name).name not in ("", "main.py")}
+    raw = sandbox_ns.run(sandbox_ns.layout(), {"main.py": code, **named}, stdin, _limits_cfg(limits),
+                         limits.wall_s, limits.disk_bytes)
+    try:
+        stdout, t1 = _read_fd_capped(raw.stdout_fd, limits.output_bytes)
+        stderr, t2 = _read_fd_capped(raw.stderr_fd, limits.output_bytes)
+    finally:
+        os.close(raw.stdout_fd)
+        os.close(raw.stderr_fd)
+    return SandboxResult(stdout, stderr, raw.exit_code, raw.timed_out, t1 or t2, raw.duration_s, "namespaces")
+
+
+def _read_fd_capped(fd: int, cap: int) -> tuple[str, bool]:
+    os.lseek(fd, 0, os.SEEK_SET)
+    with os.fdopen(os.dup(fd), "rb") as f:
+        return _capped(f.read(cap + 1), cap)
+
+
+def _capped(data: bytes, cap: int) -> tuple[str, bool]:
+    truncated = len(data) > cap
+    return data[:cap].decode(errors="replace") + ("\n[output truncated]" if truncated else ""), truncated
+
+
 def _run(workdir: Path, stdin: str, limits: SandboxLimits) -> SandboxResult:
-    cfg = json.dumps({"cpu_s": limits.cpu_s, "memory_bytes": limits.memory_bytes,
-                      "file_bytes": limits.file_bytes, "max_procs": limits.max_procs})
+    cfg = json.dumps({**_limits_cfg(limits), "guard": "hook"})
     out_path, err_path = workdir / ".stdout", workdir / ".stderr"
     start = time.monotonic()
     with open(out_path, "wb") as out, open(err_path, "wb") as err:
@@ -103,7 +179,7 @@ def _run(workdir: Path, stdin: str, limits: SandboxLimits) -> SandboxResult:
     stdout, t1 = _read_capped(out_path, limits.output_bytes)
     stderr, t2 = _read_capped(err_path, limits.output_bytes)
     return SandboxResult(stdout, stderr, None if timed_out else proc.returncode, timed_out, t1 or t2,
-                         time.monotonic() - start)
+                         time.monotonic() - start, "none")
 
 
 def _wait(proc: subprocess.Popen, stdin: str, wall_s: float) -> bool:
@@ -127,6 +203,4 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 def _read_capped(path: Path, cap: int) -> tuple[str, bool]:
     with open(path, "rb") as f:
-        data = f.read(cap + 1)
-    truncated = len(data) > cap
-    return data[:cap].decode(errors="replace") + ("\n[output truncated]" if truncated else ""), truncated
+        return _capped(f.read(cap + 1), cap)

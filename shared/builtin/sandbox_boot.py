@@ -1,8 +1,10 @@
 """Runs inside the sandbox child process, before the untrusted program: `python -I sandbox_boot.py CONFIG_JSON`.
 
-Applies the limits to itself (so no `preexec_fn` is needed in a threaded parent), then executes `main.py`
-from the current directory (the sandbox's temp dir) as `__main__`. See shared/builtin/sandbox.py for what this
-does and does not protect against.
+Applies the limits to itself (so no `preexec_fn` is needed in a threaded parent; soft = hard, and raising a hard
+limit needs CAP_SYS_RESOURCE, which no sandboxed program has), then executes `main.py` from the current
+directory as `__main__`. Config `guard`: "kernel" (inside bubblewrap: the namespaces and seccomp are the
+boundary, `site_packages` are added to sys.path since the interpreter runs with -S) or "hook" (mode `none`:
+the Python audit hook below, a guard against accidents only). See shared/builtin/sandbox.py.
 """
 
 import json
@@ -46,7 +48,7 @@ def set_limits(cfg: dict) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (cfg["memory_bytes"], cfg["memory_bytes"]))
     resource.setrlimit(resource.RLIMIT_FSIZE, (cfg["file_bytes"], cfg["file_bytes"]))
     resource.setrlimit(resource.RLIMIT_NPROC, (cfg["max_procs"], cfg["max_procs"]))
-    resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
 
@@ -109,6 +111,15 @@ def disable_fork_exec() -> None:
 def main() -> None:
     cfg = json.loads(sys.argv[1])
     root = os.path.realpath(os.getcwd())
+    if cfg.get("guard") == "kernel":
+        set_limits(cfg)
+        sys.argv = ["main.py"]
+        sys.path[:0] = [root]
+        sys.path.extend(cfg.get("site_packages", ()))
+        source = open("main.py").read()
+        exec(compile(source, "main.py", "exec"), {"__name__": "__main__", "__file__": "main.py",
+                                                  "__builtins__": __builtins__})
+        return
     isolate_network()  # best effort; the audit hook blocks sockets either way
     source = open("main.py").read()
     set_limits(cfg)

@@ -14,7 +14,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from shared.builtin.sandbox import SandboxLimits, run_python
+from shared.builtin.sandbox import DEFAULT_MODE, SandboxLimits, run_python, sandbox_mode
 
 
 class PythonTool:
@@ -28,13 +28,16 @@ class PythonTool:
         },
     }
 
-    def __init__(self, limits: SandboxLimits | None = None):
+    def __init__(self, limits: SandboxLimits | None = None, sandbox: str = DEFAULT_MODE, image: str | None = None):
         self.limits = limits or SandboxLimits(wall_s=5, cpu_s=5, memory_bytes=512 << 20)
+        self.sandbox, self.image = sandbox_mode(sandbox), image
+        if self.sandbox == "container" and not image:
+            raise ValueError("the python tool with sandbox 'container' needs `image` (env.args.image)")
 
     def __call__(self, code: str = "", **_: Any) -> str:
         if not isinstance(code, str) or not code.strip():
             return "Error: the python tool needs a non-empty 'code' string argument"
-        result = run_python(code, limits=self.limits)
+        result = run_python(code, limits=self.limits, mode=self.sandbox, image=self.image)
         if result.ok:
             return result.stdout or "(no output; use print())"
         return f"Error: {result.error}\n{result.stdout}{result.stderr[-2000:]}".strip()

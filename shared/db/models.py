@@ -55,6 +55,11 @@ class Run(Base):
     policy_version: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
     error: Mapped[str | None] = mapped_column(Text)
     summary: Mapped[dict] = mapped_column(JSONB, nullable=False, default=dict)  # e.g. pass@k for eval runs
+    # Why a running run makes no progress (the controller detects it; null while it progresses) and since when.
+    stall_reason: Mapped[str | None] = mapped_column(Text)
+    stalled_since: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # Progress that teaches nothing, e.g. a training run whose groups carry no learning signal (null: none).
+    warning: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = _now()
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
@@ -75,7 +80,7 @@ class RunLease(Base):
     expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
 
 
-class ConsumedGroup(Base):
+class ConsumedGroupRow(Base):
     """The controller's record of what the trainer consumed, one row per group (task, batch), from the
     `trainer.progress` stream: used by a step, or dropped with a reason (stale, filtered, incomplete, excluded).
     Dropped groups widen the dispatch window so replacements are dispatched."""
@@ -161,7 +166,7 @@ class EpisodeRow(Base):
     task_id: Mapped[str] = mapped_column(String(200), nullable=False)
     sample_idx: Mapped[int] = mapped_column(Integer, nullable=False)
     attempt: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
-    status: Mapped[str] = mapped_column(String(16), nullable=False)  # completed | failed
+    status: Mapped[str] = mapped_column(String(16), nullable=False)  # completed | error | failed
     termination_reason: Mapped[str] = mapped_column(String(32), nullable=False)
     is_correct: Mapped[bool] = mapped_column(Boolean, nullable=False, default=False)
     reward: Mapped[float] = mapped_column(Float, nullable=False, default=0.0)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import psycopg
 from sqlalchemy import Engine, create_engine
 from sqlalchemy.exc import DisconnectionError, InterfaceError, OperationalError
-from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
 from sqlalchemy.orm import sessionmaker
 
 # Postgres unreachable or the connection dropped (restart, failover, network): wait and retry, never treat
@@ -17,14 +16,5 @@ def make_engine(url: str, **kw) -> Engine:
     return create_engine(url, pool_pre_ping=True, future=True, **kw)
 
 
-def make_async_engine(url: str, **kw) -> AsyncEngine:
-    # psycopg 3 serves both sync and async under the same `postgresql+psycopg` URL.
-    return create_async_engine(url, pool_pre_ping=True, **kw)
-
-
 def session_factory(engine: Engine) -> sessionmaker:
     return sessionmaker(engine, expire_on_commit=False)
-
-
-def async_session_factory(engine: AsyncEngine) -> async_sessionmaker:
-    return async_sessionmaker(engine, expire_on_commit=False)

@@ -6,14 +6,15 @@
 """
 
 from shared.messages.codec import MESSAGE_TYPES, Message, MessageDecodeError, decode, encode
+from shared.messages.control import RunControl
 from shared.messages.env import EnvReply, EnvRequest
 from shared.messages.rollout import RolloutTask
 from shared.messages.training import AcceptedResult, ConsumedGroup, TrainerProgress
-from shared.messages.trajectory import EpisodeResult, StepRecord, TrajectoryRecord
+from shared.messages.trajectory import EpisodeResult, TrajectoryRecord, TrajectoryStep
 from shared.messages.weights import WeightsPublished
 
 __all__ = [
     "MESSAGE_TYPES", "AcceptedResult", "ConsumedGroup", "EnvReply", "EnvRequest", "EpisodeResult", "Message",
-    "MessageDecodeError", "RolloutTask", "StepRecord", "TrainerProgress", "TrajectoryRecord", "WeightsPublished",
+    "MessageDecodeError", "RolloutTask", "RunControl", "TrajectoryStep", "TrainerProgress", "TrajectoryRecord", "WeightsPublished",
     "decode", "encode",
 ]

@@ -9,7 +9,8 @@ from pydantic import Field
 
 from shared.messages.codec import Message
 
-EnvErrorKind = Literal["user", "timeout", "session_lost", "bad_request"]
+# infra: the env's sandbox failed (a container died or hung): the trajectory is an infrastructure failure
+EnvErrorKind = Literal["user", "timeout", "session_lost", "bad_request", "infra"]
 
 
 class EnvRequest(Message):

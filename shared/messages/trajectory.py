@@ -16,7 +16,9 @@ from shared.messages.codec import Logprobs, Message, TokenIds
 from shared.types import Step, TerminationReason, TokenSequence, Trajectory
 
 
-class StepRecord(BaseModel):
+class TrajectoryStep(BaseModel):
+    """One step (one model call and what the env answered) of a trajectory on the wire."""
+
     model_config = ConfigDict(extra="ignore")
 
     prompt_ids: TokenIds = Field(default_factory=list)
@@ -36,7 +38,7 @@ class StepRecord(BaseModel):
     env_ms: float = 0.0
 
     @classmethod
-    def from_step(cls, step: Step, **timing: float) -> StepRecord:
+    def from_step(cls, step: Step, **timing: float) -> TrajectoryStep:
         action = step.action.action if hasattr(step.action, "action") else step.action
         return cls(
             prompt_ids=step.prompt_ids, response_ids=step.response_ids, logprobs=step.logprobs,
@@ -55,7 +57,7 @@ class TrajectoryRecord(BaseModel):
     reward: float = 0.0
     termination_reason: TerminationReason = TerminationReason.UNKNOWN
     info: dict[str, Any] = Field(default_factory=dict)
-    steps: list[StepRecord] = Field(default_factory=list)
+    steps: list[TrajectoryStep] = Field(default_factory=list)
     # Assembled multi-turn token stream (see shared.types.TokenSequence).
     prompt_ids: TokenIds = Field(default_factory=list)
     response_ids: TokenIds = Field(default_factory=list)
@@ -71,7 +73,7 @@ class TrajectoryRecord(BaseModel):
             uid=traj.uid, name=traj.name,
             reward=float(traj.reward if traj.reward is not None else sum(s.reward for s in traj.steps)),
             termination_reason=traj.termination_reason or TerminationReason.UNKNOWN, info=traj.info,
-            steps=[StepRecord.from_step(s) for s in traj.steps],
+            steps=[TrajectoryStep.from_step(s) for s in traj.steps],
             prompt_ids=tokens.prompt_ids, response_ids=tokens.response_ids, loss_mask=tokens.loss_mask,
             logprobs=tokens.logprobs, versions=tokens.versions, mismatch=tokens.mismatch,
         )
@@ -90,7 +92,10 @@ class EpisodeResult(Message):
     task_id: str
     sample_idx: int = Field(ge=0)
     attempt: int = Field(0, ge=0)
-    status: Literal["completed", "failed"]
+    # completed: a scored result; error: the user's code (env, reward fn, agent, workflow, agent program) raised,
+    # returned the wrong type or hung, `error` says where and why (never trained on, never scored, not retried);
+    # failed: infrastructure failed (re-dispatched while attempts remain).
+    status: Literal["completed", "error", "failed"]
     termination_reason: TerminationReason
     is_correct: bool = False
     reward: float = 0.0

@@ -5,10 +5,7 @@ trainer would (rows in runs, episodes, trajectories, steps, token arrays, metric
 from __future__ import annotations
 
 import contextlib
-import os
 import subprocess
-import sys
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -19,7 +16,7 @@ from sqlalchemy import create_engine
 from sqlalchemy.orm import Session
 
 from harness.ports import free_port
-from harness.procs import stop, wait_http
+from harness.procs import start_service, stop, wait_http
 from shared.db.models import (
     Checkpoint,
     EpisodeRow,
@@ -38,10 +35,8 @@ ADMIN_TOKEN = "test-admin-token-0123456789"
 
 
 def service_env(database_url: str, redis_url: str, data_dir: Path, **extra: str) -> dict[str, str]:
-    env = dict(os.environ, DATABASE_URL=database_url, REDIS_URL=redis_url, DATA_DIR=str(data_dir),
-               LOG_FORMAT="text", PYTHONUNBUFFERED="1")
-    env.update(extra)
-    return env
+    """The environment (as `start_service` keywords) every control-plane service gets in these tests."""
+    return {"database_url": database_url, "redis_url": redis_url, "data_dir": str(data_dir), **extra}
 
 
 @dataclass
@@ -57,10 +52,12 @@ class LiveApi:
 
 
 def start_api(database_url: str, redis_url: str, data_dir: Path, **extra: str) -> LiveApi:
+    """The API as a process on a free port; its output in `data_dir`/api.log."""
     port = free_port()
-    env = service_env(database_url, redis_url, data_dir, API_PORT=str(port), API_TOKEN=ADMIN_TOKEN,
-                      API_HOST="127.0.0.1", **extra)
-    proc = subprocess.Popen([sys.executable, "-m", "services.api.main"], cwd=REPO, env=env)
+    Path(data_dir).mkdir(parents=True, exist_ok=True)
+    proc = start_service("services.api.main", log=Path(data_dir) / "api.log",
+                         **service_env(database_url, redis_url, data_dir, API_PORT=str(port), API_TOKEN=ADMIN_TOKEN,
+                                       API_HOST="127.0.0.1", **extra))
     url = f"http://127.0.0.1:{port}"
     wait_http(url + "/healthz", proc)
     return LiveApi(url, ADMIN_TOKEN, proc)
@@ -77,19 +74,10 @@ def running_api(database_url: str, redis_url: str, data_dir: Path, **extra: str)
 
 
 def start_jobs(database_url: str, redis_url: str, data_dir: Path, **extra: str) -> subprocess.Popen:
-    env = service_env(database_url, redis_url, data_dir, JOBS_POOL="threads", JOBS_CONCURRENCY="2",
-                      HEALTH_PORT="0", **extra)
-    return subprocess.Popen([sys.executable, "-m", "services.jobs.main"], cwd=REPO, env=env)
-
-
-def wait_for(fn, timeout_s: float = 60, interval_s: float = 0.2):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = fn()
-        if value:
-            return value
-        time.sleep(interval_s)
-    raise TimeoutError(f"condition not met within {timeout_s}s")
+    Path(data_dir).mkdir(parents=True, exist_ok=True)
+    return start_service("services.jobs.main", log=Path(data_dir) / "jobs.log",
+                         **service_env(database_url, redis_url, data_dir, JOBS_POOL="threads", JOBS_CONCURRENCY="2",
+                                       **extra))
 
 
 def run_config(dataset: str, **over) -> dict:
@@ -106,7 +94,9 @@ def trainer_metrics(v: int) -> list[tuple[str, float]]:
     """Metric rows per step under the names the trainer writes (services/trainer/learner.py; the docs test
     checks these names against it)."""
     return [("reward_mean", 0.2 + 0.2 * v), ("ppo_kl", 0.01 * v), ("kl_behaviour", 0.002 * v),
-            ("entropy", 1.0 - 0.1 * v), ("tokens_per_s", 300.0 + v)]
+            ("entropy", 1.0 - 0.1 * v), ("tokens_per_s", 300.0 + v),
+            ("logprob_diff_mean", 0.001 * (v + 1)), ("logprob_diff_max", 0.01 * (v + 1)),
+            ("is_truncated_fraction", 0.05 * v)]
 
 
 def seed_run(database_url: str, *, name: str = "seeded", kind: str = "train", status: str = "running",

@@ -11,28 +11,26 @@ storage and completion logic runs without a model.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import threading
 import time
 
 import pytest
-from api_testlib import REPO, run_config, service_env, start_api, wait_for
+from api_testlib import run_config, service_env, start_api
 from fixtures.fake_rollouts import serve_rollout_tasks
 
-from harness.procs import stop
+import services.controller.main  # noqa: F401  (a controller that cannot import fails here, not as a timeout)
+from harness.procs import start_service, stop, wait_until
 from shared.messages.rollout import RolloutTask
-from shared.messages.trajectory import EpisodeResult, StepRecord, TrajectoryRecord
-
-pytest.importorskip("services.controller.main")
+from shared.messages.trajectory import EpisodeResult, TrajectoryRecord, TrajectoryStep
 
 
 @pytest.fixture(scope="module")
-def stack(database_url, redis_url, tmp_path_factory):
+def stack(isolated_urls, tmp_path_factory):
+    redis_url, database_url = isolated_urls  # its controller would otherwise resume earlier modules' runs
     data = tmp_path_factory.mktemp("journey")
     api = start_api(database_url, redis_url, data, SQL_TIMEOUT_S="0.5")
-    env = service_env(database_url, redis_url, data, HEALTH_PORT="0", STOP_TIMEOUT_S="1", POLL_INTERVAL_S="0.2")
-    controller = subprocess.Popen([sys.executable, "-m", "services.controller.main"], cwd=REPO, env=env)
+    controller = start_service("services.controller.main", log=data / "controller.log",
+                               **service_env(database_url, redis_url, data, STOP_TIMEOUT_S="1", POLL_INTERVAL_S="0.2"))
     yield api
     stop(controller)
     stop(api.proc)
@@ -41,7 +39,7 @@ def stack(database_url, redis_url, tmp_path_factory):
 def answer(task: RolloutTask) -> EpisodeResult:
     correct = task.sample_idx % 2 == 0
     reply = f"The answer is \\boxed{{{task.task.get('answer') if correct else 'wrong'}}}"
-    step = StepRecord(prompt_ids=[1, 2], response_ids=[3, 4, 5], logprobs=[-0.1, -0.2, -0.3],
+    step = TrajectoryStep(prompt_ids=[1, 2], response_ids=[3, 4, 5], logprobs=[-0.1, -0.2, -0.3],
                       chat_completions=[{"role": "user", "content": task.task["question"]},
                                         {"role": "assistant", "content": reply}],
                       model_response=reply, reward=float(correct), done=True, weight_version=0)
@@ -72,8 +70,8 @@ def test_user_journey(stack, redis_url):
             redis_url, stop_worker, lambda t: answer(t) if t.run_id == eval_id else None))
         worker.start()
         try:
-            run = wait_for(lambda: (x := api.get(f"/v1/runs/{eval_id}").json())["status"] in
-                           ("completed", "failed") and x, timeout_s=60)
+            run = wait_until(lambda: (x := api.get(f"/v1/runs/{eval_id}").json())["status"] in
+                             ("completed", "failed") and x, 60, "the evaluation run to end")
         finally:
             stop_worker.set()
             worker.join(5)
@@ -96,9 +94,10 @@ def test_user_journey(stack, redis_url):
 
         # A training run (no rollout worker answers it): started, then stopped by the user.
         train_id = api.post("/v1/runs", json=run_config("journey", name="journey-train", total_steps=100)).json()["id"]
-        wait_for(lambda: api.get(f"/v1/runs/{train_id}").json()["status"] == "running", timeout_s=30)
+        wait_until(lambda: api.get(f"/v1/runs/{train_id}").json()["status"] == "running", 30, "the run to start")
         assert api.post(f"/v1/runs/{train_id}/stop").json()["status"] == "stopping"
-        stopped = wait_for(lambda: (x := api.get(f"/v1/runs/{train_id}").json())["status"] == "stopped" and x, 30)
+        stopped = wait_until(lambda: (x := api.get(f"/v1/runs/{train_id}").json())["status"] == "stopped" and x, 30,
+                             "the run to stop")
         units, attempts = stopped["ledger"]["units"], stopped["ledger"]["attempts"]
         assert units["in_flight"] == attempts["in_flight"] == 0 and units["cancelled"] > 0  # a stopped run adds up
         assert sum(v for k, v in units.items() if k != "total") == units["total"] > 0

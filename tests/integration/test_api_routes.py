@@ -12,9 +12,12 @@ import uuid
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from api_testlib import run_config, seed_run, start_api
+import redis
+from api_testlib import run_config, seed_run, start_api, trainer_metrics
 
 from harness.procs import stop
+from shared.messages import RunControl, decode
+from shared.streams import RUN_CONTROL
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +145,7 @@ def test_run_body_not_json_is_4xx(client):
     assert r.status_code == 422
 
 
-def test_state_transitions_and_conflicts(client, dataset, database_url):
+def test_state_transitions_and_conflicts(client, dataset, database_url, redis_url):
     run_id = client.post("/v1/runs", json=run_config(dataset, name="lifecycle")).json()["id"]
     r = client.post(f"/v1/runs/{run_id}/pause")
     assert r.status_code == 409 and "pending" in r.json()["message"]
@@ -154,9 +157,16 @@ def test_state_transitions_and_conflicts(client, dataset, database_url):
     r = client.post(f"/v1/runs/{running}/resume")
     assert r.status_code == 409 and "stopping" in r.json()["message"]
     assert client.post(f"/v1/runs/{uuid.uuid4()}/stop").status_code == 404
-    assert client.post("/v1/runs/not-a-uuid/stop").status_code == 422
+    r = client.post("/v1/runs/not-a-uuid/stop")  # neither an id nor a name: no run
+    assert r.status_code == 404 and r.json()["detail"][0]["field"] == "run_id", r.text
+    assert client.post("/v1/runs/lifecycle/stop").json()["status"] == "stopping"  # a run's name addresses it
     kinds = [e["kind"] for e in client.get(f"/v1/runs/{running}/events").json()["data"]]
     assert kinds.count("status_changed") >= 4
+    # each accepted change is a command on run.control for the controller and the trainer; refused ones are not
+    with redis.Redis.from_url(redis_url) as r:
+        commands = [decode(fields, RunControl) for _, fields in r.xrange(RUN_CONTROL)]
+    assert [c.action for c in commands if c.run_id == str(running)] == ["pause", "resume", "stop"]
+    assert [c.action for c in commands if c.run_id == run_id] == ["stop"]
 
 
 def test_trajectories_filters_and_detail(client, database_url):
@@ -195,7 +205,7 @@ def test_run_detail_metrics_checkpoints_rewards(client, database_url):
     assert 0 < detail["pass_at_k"]["pass@1"] <= detail["pass_at_k"]["pass@2"] <= 1
     series = client.get(f"/v1/runs/{run_id}/metrics", params={"name": ["ppo_kl"]}).json()["series"]
     assert list(series) == ["ppo_kl"] and [p["step"] for p in series["ppo_kl"]] == [0, 1, 2]
-    assert len(client.get(f"/v1/runs/{run_id}/metrics").json()["series"]) == 5
+    assert set(client.get(f"/v1/runs/{run_id}/metrics").json()["series"]) == {name for name, _ in trainer_metrics(0)}
     ckpts = client.get(f"/v1/runs/{run_id}/checkpoints").json()["data"]
     assert [c["version"] for c in ckpts] == [0, 1, 2]
     rewards = client.get(f"/v1/runs/{run_id}/rewards").json()["data"]

@@ -1,6 +1,7 @@
-"""POST /v1/runs refuses a run that cannot work, with the field, the reason and how to fix it, before anything
-is stored: a model folder that does not exist, a relative path that is no folder and no hub id, token budgets
-past the model's context, an engine no live rollout worker offers, dataset rows without the env's fields.
+"""POST /v1/runs refuses a run that cannot work (shared/runs.py, the checks the eval job makes too), with the
+field, the reason and how to fix it, before anything is stored: a model folder that does not exist, a relative
+path that is no folder and no hub id, token budgets past the model's context, an engine no live rollout worker
+offers, dataset rows without the env's fields.
 
     pytest -q tests/integration/test_api_run_checks.py
 """
@@ -118,3 +119,20 @@ def test_several_problems_are_listed_together(client, redis_url):
         r.delete("heartbeat:rollout-worker:fake-2")
     assert resp.status_code == 400
     assert {d["field"] for d in resp.json()["detail"]} == {"model", "engine.type", "dataset"}
+
+
+def test_lora_target_modules_the_model_lacks_are_refused(client, tmp_path):
+    from harness.tiny_model import build_number_model
+
+    model = str(build_number_model(tmp_path / "number"))
+    lora = {"rank": 4, "target_modules": ["q_proj", "qkv_proj"]}
+    cfg = run_config("checks", model=model, max_prompt_tokens=64, max_response_tokens=8, algorithm={"lora": lora})
+    item = refused(client.post("/v1/runs", json=cfg), 400, "algorithm.lora.target_modules")
+    assert "no module named 'qkv_proj'" in item["message"] and "q_proj" not in item["message"]
+    assert "v_proj" in item["hint"] and "all-linear" in item["hint"]
+    for targets in (["q_proj", "v_proj"], ["self_attn.o_proj"], "all-linear"):
+        cfg["algorithm"]["lora"]["target_modules"] = targets
+        assert client.post("/v1/runs", json=cfg).status_code == 201, targets
+    cfg["algorithm"]["lora"]["rank"] = 1000  # sane rank: the field and the bound, before anything is stored
+    r = client.post("/v1/runs", json=cfg)
+    assert r.status_code == 422 and "rank" in r.text and "256" in r.text, r.text

@@ -23,7 +23,7 @@ def test_accounting_counts_each_outcome(database_url):
         s.add(Run(id=run_id, name="audit", kind="eval", status="running", config={}))
         s.flush()
         slots = {  # (task, sample): attempts dispatched
-            ("a", 0): 1, ("b", 0): 2, ("c", 0): 3, ("d", 0): 1, ("e", 0): 2, ("f", 0): 1,
+            ("a", 0): 1, ("b", 0): 2, ("c", 0): 3, ("d", 0): 1, ("e", 0): 2, ("f", 0): 1, ("g", 0): 1,
         }
         for (task, sample), n in slots.items():
             for attempt in range(n):
@@ -33,6 +33,7 @@ def test_accounting_counts_each_outcome(database_url):
             _episode(run_id, "b", 0, 0, status="failed"), _episode(run_id, "b", 0, 1),  # retried, stored
             _episode(run_id, "e", 0, 0), _episode(run_id, "e", 0, 1),  # zombie: two attempts stored
             _episode(run_id, "f", 0, 0),  # stored AND recorded as failed
+            _episode(run_id, "g", 0, 0, status="error"),  # the user's code failed: final, not lost
         ])
         s.add_all([  # c ran out of attempts (recorded); d has nothing at all (lost)
             RunEvent(run_id=run_id, kind="final_failure", data={"task_id": "c", "sample_idx": 0}),
@@ -43,5 +44,6 @@ def test_accounting_counts_each_outcome(database_url):
         counts = run_accounting(s, run_id)
     engine.dispose()
     assert counts == {
-        "dispatched": 6, "stored": 4, "failed_recorded": 1, "lost": 1, "duplicates": 2, "late_results": 1,
+        "dispatched": 7, "stored": 4, "errored": 1, "failed_recorded": 1, "lost": 1, "duplicates": 2,
+        "late_results": 1,
     }

@@ -8,7 +8,9 @@ from __future__ import annotations
 import json
 import threading
 import time
+import uuid
 
+import httpx
 import pytest
 import yaml
 from api_testlib import run_config, seed_run, start_api, start_jobs
@@ -96,6 +98,15 @@ def test_runs_watch_until_the_run_ends(cli, database_url):
     assert out.index("running v1: 16/") < out.index("ended: completed")
 
 
+def test_runs_show_prints_the_training_inference_mismatch_per_step(cli, database_url):
+    run_id = seed_run(database_url, name="cli-mismatch", versions=3)
+    out = cli("runs", "show", str(run_id))
+    title = "training-inference mismatch per step (step s measures version s-1, the weights it started from)"
+    assert title in out
+    rows = [line.replace("│", " ").split() for line in out[out.index(title):].splitlines()]
+    assert ["2", "0.003", "0.03", "0.1"] in rows and ["0", "0.001", "0.01", "0"] in rows  # step, mean, max, share
+
+
 def test_failed_run_shows_its_error(cli, database_url):
     run_id = seed_run(database_url, name="cli-failed", kind="eval", status="running", versions=1)
     engine = create_engine(database_url)
@@ -107,6 +118,23 @@ def test_failed_run_shows_its_error(cli, database_url):
     assert "error every attempt failed: model folder does not exist" in cli("runs", "show", str(run_id))
     out = cli("runs", "watch", str(run_id), ok=False)
     assert "ended: failed: every attempt failed" in out
+
+
+def test_runs_show_and_watch_print_why_a_run_is_stalled_and_its_warning(cli, database_url):
+    run_id = seed_run(database_url, name="cli-stalled", status="running", versions=2)
+    engine = create_engine(database_url)
+    with Session(engine) as s:
+        s.execute(update(Run).where(Run.id == run_id).values(
+            stall_reason="no env worker alive", warning="no learning signal: in each of the last 3 versions"))
+        s.commit()
+    out = cli("runs", "show", str(run_id))
+    assert "stalled no env worker alive" in out and "warning no learning signal: in each of the last 3" in out
+    with Session(engine) as s:  # ended, so `watch` prints its line once and returns
+        s.execute(update(Run).where(Run.id == run_id).values(status="failed", error="gave up"))
+        s.commit()
+    engine.dispose()
+    out = cli("runs", "watch", str(run_id), ok=False)
+    assert "stalled: no env worker alive; warning: no learning signal" in out, out
 
 
 def test_eval_of_a_checkpoint_prints_pass_at_k(cli, database_url, tmp_path):
@@ -132,3 +160,57 @@ def test_tokens_and_sql(cli, api, monkeypatch, database_url):
     assert "403" in cli("runs", "stop", "00000000-0000-0000-0000-000000000000", ok=False)
     monkeypatch.setenv("FLYWHEEL_TOKEN", "wrong")
     assert "401" in cli("runs", "list", ok=False)
+
+
+def test_runs_start_set_overrides_config_fields_with_typed_values(cli, api, tmp_path):
+    (tmp_path / "d.jsonl").write_text(MATH_ROWS)
+    cli("datasets", "import", str(tmp_path / "d.jsonl"), "--name", "cli-set")
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(run_config("cli-set", name="cli-set-run")))
+    out = cli("runs", "start", "-f", str(tmp_path / "run.yaml"), "--set", "samples_per_task=3",
+              "--set", "algorithm.lr=1e-5", "--set", "sampling.top_p=0.9", "--set", "name=cli-set-over",
+              "--set", "env.args={max_turns: 2}")
+    run_id = out.split("id=")[1].split()[0]
+    config = httpx.get(f"{api.url}/v1/runs/{run_id}", headers={"Authorization": f"Bearer {api.token}"}).json()["config"]
+    assert config["samples_per_task"] == 3 and config["algorithm"]["lr"] == 1e-5 and config["sampling"]["top_p"] == 0.9
+    assert config["name"] == "cli-set-over" and config["env"] == {"name": "math", "args": {"max_turns": 2}}
+    assert "expected KEY=VALUE" in cli("runs", "start", "-f", str(tmp_path / "run.yaml"), "--set", "lr", ok=False)
+    out = cli("runs", "start", "-f", str(tmp_path / "run.yaml"), "--set", "name.first=x", ok=False)
+    assert "name is 'cli-set-run', not a mapping" in out
+
+
+def test_a_misspelt_field_or_dataset_names_the_closest_valid_one(cli, tmp_path):
+    (tmp_path / "d.jsonl").write_text(MATH_ROWS)
+    cli("datasets", "import", str(tmp_path / "d.jsonl"), "--name", "cli-spelling")
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(run_config("cli-spelling", samples_per_tsk=4)))
+    out = cli("runs", "start", "-f", str(tmp_path / "run.yaml"), ok=False)
+    assert "samples_per_tsk: unknown field" in out and "hint: did you mean 'samples_per_task'?" in out, out
+    out = cli("runs", "start", "-f", str(tmp_path / "run.yaml"), "--set", "samples_per_tsk=null",
+              "--set", "algorithm.lrr=0.1", ok=False)  # nested: the hint names the nested model's field
+    assert "algorithm.lrr: unknown field" in out and "did you mean 'lr'?" in out, out
+    (tmp_path / "typo.yaml").write_text(yaml.safe_dump(run_config("cli-speling")))
+    out = cli("runs", "start", "-f", str(tmp_path / "typo.yaml"), ok=False)
+    assert "no dataset named 'cli-speling'" in out and "did you mean 'cli-spelling'?" in out, out
+    assert "cli-spelling/train" in out  # what exists is listed
+
+
+def test_runs_are_addressed_by_name_or_unique_id_prefix(cli, database_url):
+    named = seed_run(database_url, name="cli-by-name", versions=1)
+    assert "cli-by-name (train)" in cli("runs", "show", "cli-by-name")
+    assert "cli-by-name (train)" in cli("runs", "show", str(named)[:8])
+    assert "now stopping" in cli("runs", "stop", str(named)[:13])  # dashes count as part of the prefix
+    seed_run(database_url, name="cli-by-name", versions=1)
+    out = cli("runs", "show", "cli-by-name", ok=False)
+    assert "ambiguous: 2 runs are named 'cli-by-name'" in out and str(named) in out, out
+    twins = [uuid.UUID("abcdef01-1000-4000-8000-000000000000"), uuid.UUID("abcdef01-2000-4000-8000-000000000000")]
+    engine = create_engine(database_url)
+    with Session(engine) as s:
+        s.add_all(Run(id=i, name=f"cli-twin-{n}", kind="eval", status="completed", config=run_config("x"), summary={})
+                  for n, i in enumerate(twins))
+        s.commit()
+    engine.dispose()
+    out = cli("runs", "show", "abcdef01", ok=False)
+    assert "ambiguous: 2 run ids start with 'abcdef01'" in out and all(str(i) in out for i in twins), out
+    assert "cli-twin-1 (eval)" in cli("runs", "show", "ABCDEF01-2")  # case does not matter
+    out = cli("runs", "show", "cli-by-nmae", ok=False)
+    assert "404" in out and "did you mean 'cli-by-name'?" in out, out
+    assert "404" in cli("runs", "show", str(uuid.uuid4()), ok=False)  # a full id is looked up as given

@@ -5,22 +5,23 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Callable
 
 import pytest
+from api_testlib import running_api
+from fixtures.aio import cancel_and_wait
 from sqlalchemy import insert, select, text, update
 from sqlalchemy.orm import Session
 
+from harness.procs import ServiceGroup, wait_until_async
+from services.controller.ledger import ledger_summary
 from shared.bus import StreamBus
 from shared.db.models import Dataset, DatasetRow, Run, RunEvent
 from shared.db.session import make_engine
-from shared.ledger import ledger_summary
 from shared.messages import (
     AcceptedResult,
     ConsumedGroup,
@@ -42,8 +43,6 @@ from shared.streams import (
     heartbeat_key,
 )
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 
 @pytest.fixture(scope="module")
 def engine(database_url):
@@ -54,26 +53,16 @@ def engine(database_url):
 
 @pytest.fixture
 def start_controller(redis_url, database_url, tmp_path):
-    procs: list[subprocess.Popen] = []
+    group = ServiceGroup(tmp_path, redis_url=redis_url, database_url=database_url, poll_interval_s="0.2",
+                         run_lease_s="2", reconcile_interval_s="0.3", ledger_lease_margin_s="0",
+                         store_claim_idle_ms="1000", stop_timeout_s="5")
 
     def start(**env) -> subprocess.Popen:
-        full = {**os.environ, "REDIS_URL": redis_url, "DATABASE_URL": database_url, "HEALTH_PORT": "0",
-                "WORKER_ID": f"ctl-{len(procs)}", "LOG_FORMAT": "text", "POLL_INTERVAL_S": "0.2",
-                "RUN_LEASE_S": "2", "RECONCILE_INTERVAL_S": "0.3", "LEDGER_LEASE_MARGIN_S": "0",
-                "STORE_CLAIM_IDLE_MS": "1000", "STOP_TIMEOUT_S": "5", **env}
-        log = open(tmp_path / f"controller-{len(procs)}.log", "w")
-        procs.append(subprocess.Popen([sys.executable, "-m", "services.controller.main"], cwd=REPO, env=full,
-                                      stdout=log, stderr=subprocess.STDOUT))
-        return procs[-1]
+        name = f"controller-{len(group.procs)}"
+        return group.start(name, "services.controller.main", **{"worker_id": f"ctl-{len(group.procs)}", **env})
 
     yield start
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+    group.stop(10)
 
 
 def add_dataset(engine, n: int, sources=("a", "b")) -> str:
@@ -110,14 +99,6 @@ def events(engine, run_id: str, kind: str) -> list[dict]:
                                                           RunEvent.kind == kind)).scalars())
 
 
-async def wait_until(pred: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)
-
-
 class FakeRolloutWorker:
     """Consumes rollout.tasks over the wire and answers with EpisodeResults. `answer(task)` returns
     "correct", "wrong", "failed" or None (never answer: the task is lost). Tracks tasks outstanding."""
@@ -137,8 +118,7 @@ class FakeRolloutWorker:
         return self
 
     async def __aexit__(self, *exc):
-        self.task.cancel()
-        await asyncio.gather(self.task, return_exceptions=True)
+        await cancel_and_wait(self.task)
 
     async def _loop(self) -> None:
         while True:
@@ -163,6 +143,8 @@ class FakeRolloutWorker:
         verdict = self.answer(t)
         if verdict is None:
             return None
+        if verdict.startswith("error:"):  # the user's code failed, as the rollout worker reports it
+            return user_error_result(t, verdict.removeprefix("error:"))
         ok = verdict == "correct"
         return episode_result(t, status="failed" if verdict == "failed" else "completed", correct=ok)
 
@@ -181,6 +163,13 @@ def episode_result(t: RolloutTask, status: str = "completed", correct: bool = Tr
         greedy=t.greedy, started_at=time.time(), finished_at=time.time())
 
 
+def user_error_result(t: RolloutTask, reason: str) -> EpisodeResult:
+    return EpisodeResult(
+        run_id=t.run_id, task_id=t.task_id, sample_idx=t.sample_idx, attempt=t.attempt, status="error",
+        termination_reason="error", task=t.task, error=f"{reason}\nTraceback (most recent call last): ...",
+        worker_id="fake", batch_idx=t.batch_idx, greedy=t.greedy, started_at=time.time(), finished_at=time.time())
+
+
 def stored_keys(engine, run_id: str) -> list[tuple[str, int]]:
     with engine.connect() as c:
         return [tuple(r) for r in c.execute(text(
@@ -197,7 +186,7 @@ async def test_eval_run_backpressure_completion_and_passk(engine, redis_client, 
 
     start_controller()
     async with FakeRolloutWorker(redis_client, run, answer, hold_s=0.15) as worker:
-        await wait_until(lambda: run_row(engine, run).status == "completed", what="eval run completed")
+        await wait_until_async(lambda: run_row(engine, run).status == "completed", 30, "eval run completed")
     assert 0 < worker.max_outstanding <= 5
     assert sorted(worker.keys()) == sorted((f"t{i}", s, 0) for i in range(12) for s in range(3))
     row = run_row(engine, run)
@@ -229,10 +218,11 @@ async def test_lost_task_is_redispatched_and_its_late_result_not_stored(engine, 
 
     start_controller()
     async with FakeRolloutWorker(redis_client, run, answer) as worker:
-        await wait_until(lambda: run_row(engine, run).status == "completed", what="run completed after a loss")
+        await wait_until_async(lambda: run_row(engine, run).status == "completed", 30,
+                               "run completed after a loss")
         assert ("t0", 0, 1) in worker.keys()
         await StreamBus(redis_client).publish(TRAJECTORIES, episode_result(held[0]))  # the straggler arrives
-        await wait_until(lambda: events(engine, run, "late_result"), what="late_result event")
+        await wait_until_async(lambda: events(engine, run, "late_result"), 30, "late_result event")
     assert sorted(stored_keys(engine, run)) == [("t0", 0), ("t1", 0), ("t2", 0)]
     with engine.connect() as c:
         attempts = c.execute(text("SELECT attempt FROM episodes WHERE run_id = :r AND task_id = 't0'"),
@@ -260,11 +250,11 @@ async def test_dead_lettered_task_is_a_failed_attempt_and_retried(engine, redis_
 
     start_controller()  # the task lease (trajectory_timeout_s, 10 min) outlives the test: only the dead letter ends it
     async with FakeRolloutWorker(redis_client, run, answer) as worker:
-        await wait_until(lambda: doomed, what="t1 dispatched")
+        await wait_until_async(lambda: doomed, 30, "t1 dispatched")
         dlq = dead_letter(ROLLOUT_TASKS)
         await redis_client.xadd(dlq, {b"junk": b"1"})
         await redis_client.xadd(dlq, {**encode(doomed[0]), b"dlq_reason": b"handler failed 5 times: boom"})
-        await wait_until(lambda: run_row(engine, run).status == "completed", what="run completed")
+        await wait_until_async(lambda: run_row(engine, run).status == "completed", 30, "run completed")
     assert ("t1", 0, 1) in worker.keys()
     [event] = events(engine, run, "dead_lettered")
     assert event == {"stream": ROLLOUT_TASKS, "task_id": "t1", "sample_idx": 0, "attempt": 0}
@@ -276,7 +266,7 @@ async def test_failed_attempt_retried_until_final_failure(engine, redis_client, 
     run = add_run(engine, add_dataset(engine, 3), kind="eval", samples_per_task=1, max_attempts=3)
     start_controller()
     async with FakeRolloutWorker(redis_client, run, lambda t: "failed" if t.task_id == "t1" else "correct") as w:
-        await wait_until(lambda: run_row(engine, run).status == "completed", what="run completed")
+        await wait_until_async(lambda: run_row(engine, run).status == "completed", 30, "run completed")
     assert sorted(k for k in w.keys() if k[0] == "t1") == [("t1", 0, 0), ("t1", 0, 1), ("t1", 0, 2)]
     assert events(engine, run, "final_failure") == [{"task_id": "t1", "sample_idx": 0, "attempt": 2}]
     summary = run_row(engine, run).summary
@@ -287,17 +277,17 @@ async def test_failed_attempt_retried_until_final_failure(engine, redis_client, 
 async def test_attempts_failing_for_one_reason_fail_the_run_fast_with_that_reason(engine, redis_client,
                                                                                  start_controller):
     """Every attempt fails the same way (as with a model path that does not exist): the run ends `failed` with
-    the reason in runs.error after max(20, 2 * max_in_flight) attempts in a row, not `completed` after all 36,
-    and nothing more is dispatched."""
+    the reason in runs.error after its first 12 attempts (one per unit: fail fast scales with a small run; a
+    large one waits max(20, 2 * max_in_flight)), not `completed` after all 36, and nothing more is dispatched."""
     run = add_run(engine, add_dataset(engine, 12), kind="eval", samples_per_task=1, max_attempts=3, max_in_flight=4)
     start_controller()
     async with FakeRolloutWorker(redis_client, run, lambda t: "failed") as worker:
-        await wait_until(lambda: run_row(engine, run).status == "failed", what="run failed")
+        await wait_until_async(lambda: run_row(engine, run).status == "failed", 30, "run failed")
         dispatched = len(worker.received)
         await asyncio.sleep(0.8)
         assert len(worker.received) == dispatched < 36
     row = run_row(engine, run)
-    assert row.error == "20 attempts in a row failed: env session lost"
+    assert row.error == "12 attempts in a row failed: env session lost"
     with engine.connect() as c:
         assert ledger_summary(c, run)["in_flight"] == 0  # cancelled: the run holds nothing any more
 
@@ -318,9 +308,7 @@ class SlotWorker:
         return self
 
     async def __aexit__(self, *exc):
-        for t in [self.task, *self.running]:
-            t.cancel()
-        await asyncio.gather(self.task, *self.running, return_exceptions=True)
+        await cancel_and_wait(self.task, *self.running)
 
     async def _loop(self) -> None:
         while True:
@@ -351,9 +339,9 @@ async def test_a_slow_run_does_not_starve_another(engine, redis_client, start_co
     fast = add_run(engine, add_dataset(engine, 30), kind="eval", samples_per_task=1, max_in_flight=32)
     start_controller(ROLLOUT_CAPACITY="4")
     async with SlotWorker(redis_client, 4, {slow: 5.0, fast: 0.05}) as worker:
-        await wait_until(lambda: run_row(engine, fast).status == "completed", timeout=30, what="fast run done")
+        await wait_until_async(lambda: run_row(engine, fast).status == "completed", 30, "fast run done")
         assert worker.done[slow] < 30
-        await wait_until(lambda: worker.done[slow] >= 2, timeout=15, what="the slow run progressing")
+        await wait_until_async(lambda: worker.done[slow] >= 2, 15, "the slow run progressing")
         assert run_row(engine, slow).status == "running"
 
 
@@ -365,9 +353,9 @@ async def test_runs_share_the_slots_live_workers_advertise_by_default(engine, re
     await redis_client.set(heartbeat_key("rollout-worker", "slots"), json.dumps({"max_concurrency": 4}), ex=120)
     start_controller()
     async with SlotWorker(redis_client, 4, {slow: 5.0, fast: 0.05}) as worker:
-        await wait_until(lambda: run_row(engine, fast).status == "completed", timeout=30, what="fast run done")
+        await wait_until_async(lambda: run_row(engine, fast).status == "completed", 30, "fast run done")
         assert worker.done[slow] < 30
-        await wait_until(lambda: worker.done[slow] >= 2, timeout=15, what="the slow run progressing")
+        await wait_until_async(lambda: worker.done[slow] >= 2, 15, "the slow run progressing")
     await redis_client.delete(heartbeat_key("rollout-worker", "slots"))
 
 
@@ -376,16 +364,16 @@ async def test_pause_stops_dispatch_resume_continues_stop_stops(engine, redis_cl
     run = add_run(engine, add_dataset(engine, 40), kind="eval", samples_per_task=1, max_in_flight=2)
     start_controller()
     async with FakeRolloutWorker(redis_client, run, lambda t: "correct", hold_s=0.05) as worker:
-        await wait_until(lambda: len(worker.received) >= 4, what="first dispatches")
+        await wait_until_async(lambda: len(worker.received) >= 4, 30, "first dispatches")
         set_run(engine, run, status="paused")
         await asyncio.sleep(0.6)  # the controller reads the runs table every 0.2 s
         frozen = len(worker.received)
         await asyncio.sleep(1.0)
         assert len(worker.received) == frozen < 40
         set_run(engine, run, status="running")
-        await wait_until(lambda: len(worker.received) >= frozen + 4, what="dispatch after resume")
+        await wait_until_async(lambda: len(worker.received) >= frozen + 4, 30, "dispatch after resume")
         set_run(engine, run, status="stopping")
-        await wait_until(lambda: run_row(engine, run).status == "stopped", what="stopped")
+        await wait_until_async(lambda: run_row(engine, run).status == "stopped", 30, "stopped")
         count = len(worker.received)
         await asyncio.sleep(0.6)
         assert len(worker.received) == count < 40
@@ -394,13 +382,40 @@ async def test_pause_stops_dispatch_resume_continues_stop_stops(engine, redis_cl
         assert ledger_summary(c, run)["in_flight"] == 0
 
 
+async def test_pause_resume_stop_through_the_api_reach_the_controller_as_commands(
+        engine, redis_client, start_controller, database_url, redis_url, tmp_path):
+    """The API's pause, resume and stop reach the controller on `run.control` and take effect at once: here it
+    reads the runs table only every 20 s, so a change applied within seconds came as a command."""
+    run = add_run(engine, add_dataset(engine, 40), kind="eval", samples_per_task=1, max_in_flight=2)
+    with running_api(database_url, redis_url, tmp_path / "api") as api, api.client() as client:
+        start_controller(POLL_INTERVAL_S="20", RUN_LEASE_S="60")
+        async with FakeRolloutWorker(redis_client, run, lambda t: "correct", hold_s=0.05) as worker:
+            await wait_until_async(lambda: len(worker.received) >= 4, 30, "first dispatches")
+            polled = time.monotonic()  # the run was taken at the controller's first poll, just before
+            assert client.post(f"/v1/runs/{run}/pause").json()["status"] == "paused"
+            await asyncio.sleep(0.6)
+            frozen = len(worker.received)
+            await asyncio.sleep(1.0)
+            assert len(worker.received) == frozen < 40
+            assert client.post(f"/v1/runs/{run}/resume").json()["status"] == "running"
+            await wait_until_async(lambda: len(worker.received) >= frozen + 4, 5, "dispatch after resume")
+            assert client.post(f"/v1/runs/{run}/stop").json()["status"] == "stopping"
+            await wait_until_async(lambda: run_row(engine, run).status == "stopped", 5, "stopped")
+            assert time.monotonic() - polled < 15, "too slow to tell commands from the next poll"
+            count = len(worker.received)
+            await asyncio.sleep(0.6)
+            assert len(worker.received) == count < 40
+    with engine.connect() as c:
+        assert ledger_summary(c, run)["in_flight"] == 0
+
+
 async def test_stop_cancels_in_flight_after_timeout(engine, redis_client, start_controller):
     run = add_run(engine, add_dataset(engine, 4), kind="eval", samples_per_task=1, max_in_flight=4)
     start_controller(STOP_TIMEOUT_S="0.5")
     async with FakeRolloutWorker(redis_client, run, lambda t: None) as worker:  # never answers
-        await wait_until(lambda: len(worker.received) == 4, what="dispatch")
+        await wait_until_async(lambda: len(worker.received) == 4, 30, "dispatch")
         set_run(engine, run, status="stopping")
-        await wait_until(lambda: run_row(engine, run).status == "stopped", what="stopped")
+        await wait_until_async(lambda: run_row(engine, run).status == "stopped", 30, "stopped")
     with engine.connect() as c:
         assert ledger_summary(c, run)["cancelled"] == 4
     assert events(engine, run, "cancelled") == [{"count": 4}]
@@ -416,9 +431,9 @@ async def test_stop_takes_back_the_tasks_no_worker_started(engine, redis_client,
             return ledger_summary(c, run)["in_flight"]
 
     start_controller(STOP_TIMEOUT_S="60")
-    await wait_until(lambda: in_flight() == 6, what="six tasks queued, no worker yet")
+    await wait_until_async(lambda: in_flight() == 6, 30, "six tasks queued, no worker yet")
     set_run(engine, run, status="stopping")
-    await wait_until(lambda: run_row(engine, run).status == "stopped", timeout=10, what="stopped at once")
+    await wait_until_async(lambda: run_row(engine, run).status == "stopped", 10, "stopped at once")
     async with FakeRolloutWorker(redis_client, run, lambda t: "correct") as worker:
         await asyncio.sleep(1.0)
     assert worker.received == []
@@ -430,7 +445,7 @@ async def test_stop_takes_back_the_tasks_no_worker_started(engine, redis_client,
 async def test_missing_dataset_fails_the_run(engine, redis_client, start_controller):
     run = add_run(engine, "no-such-dataset", kind="eval")
     start_controller()
-    await wait_until(lambda: run_row(engine, run).status == "failed", what="failed")
+    await wait_until_async(lambda: run_row(engine, run).status == "failed", 30, "failed")
     assert "no-such-dataset" in run_row(engine, run).error
     assert events(engine, run, "status_changed")[-1] == {"from": "pending", "to": "failed"}
 
@@ -449,15 +464,15 @@ async def test_staleness_window_and_remax_greedy_samples(engine, redis_client, s
 
     start_controller()
     async with FakeRolloutWorker(redis_client, run, answer) as worker:
-        await wait_until(lambda: len(worker.received) == 12, what="batches 0 and 1")
+        await wait_until_async(lambda: len(worker.received) == 12, 30, "batches 0 and 1")
         await asyncio.sleep(0.6)
         assert {t.batch_idx for t in worker.received} == {0, 1}  # batch 2 waits for policy version 1
         version = 1
         set_run(engine, run, policy_version=1)
-        await wait_until(lambda: len(worker.received) == 18, what="batch 2")
+        await wait_until_async(lambda: len(worker.received) == 18, 30, "batch 2")
         assert run_row(engine, run).status == "running"
         set_run(engine, run, policy_version=3)
-        await wait_until(lambda: run_row(engine, run).status == "completed", what="completed at version 3")
+        await wait_until_async(lambda: run_row(engine, run).status == "completed", 30, "completed at version 3")
     assert not violations
     greedy = [t for t in worker.received if t.greedy]
     assert len(greedy) == 6 and all(t.sample_idx == 2 for t in greedy)
@@ -472,14 +487,14 @@ async def test_what_the_trainer_never_read_is_replayed_when_redis_loses_its_data
                   max_staleness=0, total_steps=2)
     start_controller()
     async with FakeRolloutWorker(redis_client, run, lambda t: "correct"):
-        await wait_until(lambda: len(stored_keys(engine, run)) == 4, what="batch 0 stored")
+        await wait_until_async(lambda: len(stored_keys(engine, run)) == 4, 30, "batch 0 stored")
     with engine.connect() as c:
         groups = c.execute(text("SELECT DISTINCT task_id FROM episodes WHERE run_id = :r ORDER BY 1"),
                            {"r": run}).scalars().all()
     consumed = ConsumedGroup(task_id=groups[0], batch_idx=0, status="used")
     await StreamBus(redis_client).publish(TRAINER_PROGRESS, TrainerProgress(run_id=run, version=0, groups=[consumed]))
-    await wait_until(lambda: bool(engine.connect().execute(text(
-        "SELECT 1 FROM consumed_groups WHERE run_id = :r"), {"r": run}).first()), what="the report applied")
+    await wait_until_async(lambda: bool(engine.connect().execute(text(
+        "SELECT 1 FROM consumed_groups WHERE run_id = :r"), {"r": run}).first()), 30, "the report applied")
     await redis_client.flushdb()
 
     async def replayed() -> list[AcceptedResult]:
@@ -498,13 +513,144 @@ async def test_controller_sigkill_and_restart_loses_and_doubles_nothing(engine, 
     run = add_run(engine, add_dataset(engine, 60), kind="eval", samples_per_task=2, max_in_flight=8)
     first = start_controller()
     async with FakeRolloutWorker(redis_client, run, lambda t: "correct", hold_s=0.2) as worker:
-        await wait_until(lambda: len(stored_keys(engine, run)) >= 30, what="some results stored")
+        await wait_until_async(lambda: len(stored_keys(engine, run)) >= 30, 30, "some results stored")
         first.send_signal(signal.SIGKILL)
         first.wait(10)
         killed_at = len(worker.received)
         start_controller()  # takes over once the dead controller's run lease expires
-        await wait_until(lambda: run_row(engine, run).status == "completed", what="completed after restart")
+        await wait_until_async(lambda: run_row(engine, run).status == "completed", 30, "completed after restart")
     assert killed_at < 120
     keys = stored_keys(engine, run)
     assert sorted(keys) == sorted((f"t{i}", s) for i in range(60) for s in range(2))  # none lost, none doubled
     assert run_row(engine, run).summary["pass@k"]["1"] == 1.0
+
+
+# -- stalls: a running run that makes no progress says why -------------------------------------------------------
+async def wait_stall(engine, run_id: str, prefix: str | None, timeout: float = 20.0) -> Run:
+    what = f"stall_reason starting {prefix!r}"
+    def holds() -> bool:
+        reason = run_row(engine, run_id).stall_reason
+        return reason is None if prefix is None else (reason or "").startswith(prefix)
+
+    await wait_until_async(holds, timeout, what)
+    return run_row(engine, run_id)
+
+
+async def test_a_stalled_run_says_why_each_reason_detected(engine, redis_client, start_controller):
+    """No rollout worker, then none offering the run's engine, then no env worker, then paused: each detected from
+    the workers' heartbeats after STALL_AFTER_S without progress; cleared once results flow."""
+    run = add_run(engine, add_dataset(engine, 4), kind="eval", max_in_flight=4)
+    with engine.begin() as c:  # `engine` is add_run's first argument: set the run's engine here
+        c.execute(text("UPDATE runs SET config = config || CAST(:e AS jsonb) WHERE id = :r"),
+                  {"r": run, "e": json.dumps({"engine": {"type": "openai", "base_url": "http://127.0.0.1:1/v1"}})})
+    for key in [k async for k in redis_client.scan_iter(match="heartbeat:*")]:
+        await redis_client.delete(key)
+    start_controller(STALL_AFTER_S="1")
+    row = await wait_stall(engine, run, "no live rollout worker (no rollout-worker heartbeat")
+    assert row.status == "running" and row.stalled_since is not None
+    await redis_client.set(heartbeat_key("rollout-worker", "w-hf"), json.dumps({"engines": ["hf"]}), px=60_000)
+    await wait_stall(engine, run, "no live rollout worker offers engine 'openai' (the 1 live workers offer hf)")
+    await redis_client.set(heartbeat_key("rollout-worker", "w-oa"), json.dumps({"engines": ["openai"]}), px=60_000)
+    await wait_stall(engine, run, "no env worker alive")
+    await redis_client.set(heartbeat_key("env-worker", "e1"), json.dumps({"sessions": 0}), px=60_000)
+    await wait_stall(engine, run, "no attempt ended and no policy version for over 1s")  # the facts, no guess
+    assert "4 tasks in flight" in run_row(engine, run).stall_reason
+    set_run(engine, run, status="paused")
+    await wait_stall(engine, run, "paused: resume it")
+    reasons = [e["reason"] for e in events(engine, run, "stalled")]
+    assert len(reasons) == 5 and reasons[0].startswith("no live rollout worker (")
+    set_run(engine, run, status="running")
+    async with FakeRolloutWorker(redis_client, run, lambda t: "correct"):
+        await wait_until_async(lambda: run_row(engine, run).status == "completed", 30, "run completed")
+    row = run_row(engine, run)
+    assert row.stall_reason is None and row.stalled_since is None  # an ended run is not stalled
+
+
+async def test_a_training_run_says_no_trainer_holds_it_then_that_the_window_waits_for_the_trainer(
+        engine, redis_client, start_controller):
+    run = add_run(engine, add_dataset(engine, 8), kind="train", samples_per_task=2, tasks_per_batch=2,
+                  max_staleness=0, total_steps=3)
+    await redis_client.set(heartbeat_key("rollout-worker", "w"), json.dumps({"engines": ["hf"]}), px=60_000)
+    await redis_client.set(heartbeat_key("env-worker", "e"), json.dumps({}), px=60_000)
+    start_controller(STALL_AFTER_S="1")
+    async with FakeRolloutWorker(redis_client, run, lambda t: "correct") as worker:
+        await wait_until_async(lambda: len(worker.received) == 4, 30, "the first batch")
+        await wait_stall(engine, run, "no trainer holds this run (no live trainer lease): 4 results stored")
+        with engine.begin() as c:  # a trainer holds the run but has not stepped yet
+            c.execute(text("INSERT INTO run_leases (run_id, role, owner, expires_at) VALUES "
+                           "(:r, 'trainer', 'trainer-7', now() + interval '1 minute')"), {"r": run})
+        await wait_stall(engine, run, "staleness window full: groups up to policy version 0 + max_staleness 0")
+        assert "trainer-7" in run_row(engine, run).stall_reason
+        set_run(engine, run, policy_version=1)  # the trainer stepped: progress, and the window moves on
+        await wait_stall(engine, run, None, timeout=5)
+        await wait_until_async(lambda: len(worker.received) == 8, 30, "the second batch")
+
+
+async def test_groups_without_learning_signal_for_versions_in_a_row_warn(engine, redis_client, start_controller):
+    """The trainer's `groups_without_signal` metric at 1.0 (every advantage zero) for
+    NO_SIGNAL_VERSIONS versions in a row puts a warning in the run's status; a version with signal clears it."""
+    run = add_run(engine, add_dataset(engine, 4), kind="train", samples_per_task=2, tasks_per_batch=2,
+                  total_steps=50)
+    start_controller(NO_SIGNAL_VERSIONS="3")
+
+    def report(version: int, value: float) -> None:
+        with engine.begin() as c:
+            c.execute(text("INSERT INTO metrics (run_id, name, step, value) VALUES (:r, 'groups_without_signal', "
+                           ":v, :x)"), {"r": run, "v": version, "x": value})
+        set_run(engine, run, policy_version=version)
+
+    async with FakeRolloutWorker(redis_client, run, lambda t: "wrong"):
+        await wait_until_async(lambda: run_row(engine, run).status == "running", 30, "running")
+        report(1, 1.0)
+        report(2, 1.0)
+        await asyncio.sleep(1.0)
+        assert run_row(engine, run).warning is None  # two versions: not yet
+        report(3, 1.0)
+        await wait_until_async(lambda: (run_row(engine, run).warning or "").startswith(
+            "no learning signal: in each of the last 3 policy versions every advantage was zero"), 30, "the no-signal warning")
+        assert len(events(engine, run, "warning")) == 1
+        report(4, 0.5)
+        await wait_until_async(lambda: run_row(engine, run).warning is None, 30, "the warning cleared")
+
+
+async def test_a_run_in_which_nothing_scored_fails_with_the_dominant_reason(engine, redis_client, start_controller):
+    """No streak reaches a fail-fast threshold (the reasons differ), yet no unit scored: the run ends `failed`,
+    never `completed`, naming the most common reason; errored units are final (never re-dispatched)."""
+    run = add_run(engine, add_dataset(engine, 4), kind="eval", max_attempts=1)
+    verdicts = {"t0": "failed", "t1": "error:env math.reset: KeyError: 'answer'",
+                "t2": "error:env math.reset: KeyError: 'answer'", "t3": "error:agent A.update_from_model: TypeError: x"}
+    start_controller()
+    async with FakeRolloutWorker(redis_client, run, lambda t: verdicts[t.task_id]) as worker:
+        await wait_until_async(lambda: run_row(engine, run).status in ("completed", "failed"), 30, "run ended")
+    row = run_row(engine, run)
+    assert row.status == "failed", row.error
+    assert row.error == ("no unit produced a scored result (3 errored, 1 out of attempts); most common reason "
+                         "(2 attempts, error): env math.reset: KeyError: 'answer'")
+    assert len(worker.received) == 4  # nothing retried
+    assert row.summary["scored"] == 0 and row.summary["errored"] == 3
+    with engine.connect() as c:
+        ledger = c.execute(text("SELECT units_errored, units_failed, attempts_errored FROM run_ledger "
+                                "WHERE run_id = :r"), {"r": run}).one()
+    assert tuple(ledger) == (3, 1, 3)
+
+
+async def test_a_training_run_in_which_nothing_scores_fails_instead_of_running_forever(
+        engine, redis_client, start_controller):
+    """A training run's trainer never steps when nothing scores, so the run is never done; failed groups are
+    refilled from later epochs and reasons that differ keep every fail-fast streak short. Once its first window
+    of units all ended without a scored result, it fails with the most common reason."""
+    run = add_run(engine, add_dataset(engine, 8), kind="train", samples_per_task=2, tasks_per_batch=2,
+                  max_staleness=0, max_attempts=1, total_steps=5)
+    start_controller()
+
+    def verdict(t: RolloutTask) -> str:  # a reason of its own per unit: no streak reaches a threshold
+        word = "abcdefgh"[int(t.task_id[1:])] * (t.sample_idx + 1)
+        return f"error:env math.reset: KeyError: '{word}'" if t.sample_idx == 0 else "failed"
+
+    async with FakeRolloutWorker(redis_client, run, verdict) as worker:
+        await wait_until_async(lambda: run_row(engine, run).status in ("completed", "failed"), 30, "run ended")
+    row = run_row(engine, run)
+    assert row.status == "failed"
+    assert row.error.startswith("no unit produced a scored result (2 errored, 2 out of attempts); most common "
+                                "reason (2 attempts, failed): env session lost"), row.error
+    assert len(worker.received) == 4  # the first window only: nothing re-dispatched or refilled after it

@@ -15,8 +15,9 @@ import uuid
 import pytest
 from api_testlib import run_config, running_api
 from sqlalchemy import insert
-from test_controller_runs import FakeRolloutWorker, run_row, set_run, start_controller, wait_until  # noqa: F401 (fixture)
+from test_controller_runs import FakeRolloutWorker, run_row, set_run, start_controller  # noqa: F401 (fixture)
 
+from harness.procs import wait_until_async
 from shared.datasets import DatasetInUse, DatasetNotFound, DatasetRegistry
 from shared.db.models import Run
 from shared.db.session import make_engine
@@ -131,14 +132,14 @@ async def test_reimport_while_a_run_runs_leaves_its_rows_unchanged(client, engin
 
     controller = start_controller()
     async with FakeRolloutWorker(redis_client, run_id, lambda t: "correct", hold_s=0.05) as worker:
-        await wait_until(lambda: len(worker.received) >= 16, what="first dispatches")
+        await wait_until_async(lambda: len(worker.received) >= 16, 30, "first dispatches")
         worker.paused = True
         upload(client, name, rows("imposter", 50))  # re-import the name while the run runs
         controller.send_signal(signal.SIGTERM)
         controller.wait(30)
         start_controller()  # a fresh controller rebuilds the run's plan from Postgres
         worker.paused = False
-        await wait_until(lambda: run_row(engine, run_id).status == "completed", timeout=90, what="run completed")
+        await wait_until_async(lambda: run_row(engine, run_id).status == "completed", 90, "run completed")
         await asyncio.sleep(0.3)
     seen = {t.task_id: t.task for t in worker.received}
     assert set(seen) == set(original), f"tasks not from the pinned version: {sorted(set(seen) - set(original))[:5]}"

@@ -4,20 +4,17 @@ token-exact."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import time
 import uuid
 from pathlib import Path
 
 import pytest
 from sqlalchemy import insert, text
 
+from harness.live import wait_run_ended
+from harness.procs import ServiceGroup
+from services.controller.ledger import ledger_summary
 from shared.db.models import Dataset, DatasetRow, Run
 from shared.db.session import make_engine
-from shared.ledger import ledger_summary
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(not (REPO / "services" / "rollout_worker" / "main.py").exists(),
@@ -25,28 +22,17 @@ pytestmark = pytest.mark.skipif(not (REPO / "services" / "rollout_worker" / "mai
 
 
 @pytest.fixture
-def services(redis_url, database_url, tmp_path):
-    procs: list[subprocess.Popen] = []
-
-    def start(module: str, **env) -> subprocess.Popen:
-        full = {**os.environ, "REDIS_URL": redis_url, "DATABASE_URL": database_url, "HEALTH_PORT": "0",
-                "LOG_FORMAT": "text", "DATA_DIR": str(tmp_path / "data"), **env}
-        log = open(tmp_path / f"{module.split('.')[1]}.log", "w")
-        procs.append(subprocess.Popen([sys.executable, "-m", module], cwd=REPO, env=full, stdout=log,
-                                      stderr=subprocess.STDOUT))
-        return procs[-1]
-
-    yield start
-    for p in procs:
-        p.send_signal(signal.SIGTERM)
-    for p in procs:
-        try:
-            p.wait(20)
-        except subprocess.TimeoutExpired:
-            p.kill()
+def services(isolated_urls, tmp_path):
+    """Start services by module name; all stopped afterwards. Isolated: a controller on the shared database
+    would resume earlier modules' runs."""
+    redis_url, database_url = isolated_urls
+    group = ServiceGroup(tmp_path, redis_url=redis_url, database_url=database_url, data_dir=str(tmp_path / "data"))
+    yield lambda module, **env: group.start(module.split(".")[1], module, **env)
+    group.stop()
 
 
-def test_eval_run_end_to_end_with_hf_engine(database_url, redis_client, services, tmp_path):
+def test_eval_run_end_to_end_with_hf_engine(isolated_urls, services, tmp_path):
+    database_url = isolated_urls[1]
     from harness.tiny_model import build_tiny_model
     from shared.builtin.datasets import generate
 
@@ -67,17 +53,10 @@ def test_eval_run_end_to_end_with_hf_engine(database_url, redis_client, services
     services("services.rollout_worker.main", WORKER_ID="e2e-rollout")
     services("services.controller.main", WORKER_ID="e2e-ctl")
 
-    deadline = time.monotonic() + 180
-    while True:
-        with engine.connect() as c:
-            status, summary, error = c.execute(text("SELECT status, summary, error FROM runs WHERE id = :r"),
-                                               {"r": run_id}).one()
-        if status in ("completed", "failed", "stopped"):
-            break
-        assert time.monotonic() < deadline, f"eval run still {status} after 180 s; logs in {tmp_path}"
-        time.sleep(0.5)
-
-    assert status == "completed", error
+    status = wait_run_ended(engine, str(run_id), 180)
+    with engine.connect() as c:
+        summary, error = c.execute(text("SELECT summary, error FROM runs WHERE id = :r"), {"r": run_id}).one()
+    assert status == "completed", f"{status}: {error}; logs in {tmp_path}"
     assert summary["num_tasks"] == 4 and summary["n"] == 2
     assert set(summary["pass@k"]) == {"1", "2"} and set(summary["by_source"]) == {"arithmetic"}
     assert all(0.0 <= v <= 1.0 for v in summary["pass@k"].values())

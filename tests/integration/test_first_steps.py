@@ -1,7 +1,8 @@
-"""README's "The first ten minutes", end to end: the local stack (`make up`), the tiny model built where the
-examples name it (`.data/models/tiny-qwen2`, relative to the repo root), datasets from the built-in generators,
-then with the CLI only a finished evaluation (pass@k table) and a finished training run (the example config
-with fewer steps, so the test ends in minutes on a CPU).
+"""README's "The first ten minutes", end to end: the local stack (`make up`), the tiny models built where the
+examples name them (`.data/models/tiny-qwen2`, `.data/models/tiny-number`, relative to the repo root), datasets
+from the built-in generators, then with the CLI only a finished evaluation (pass@k table), the recall training
+example as the README runs it, whose reward must climb from chance to >= 0.6 (it ends near 0.95), the run
+addressed by its name, and the countdown example cut short with --set (so it ends in seconds on a CPU).
 
     pytest -q -m slow tests/integration/test_first_steps.py
 """
@@ -20,6 +21,7 @@ from services.api.cli import app
 
 TOKEN = "first-steps-token-0123"
 MODEL = REPO / ".data/models/tiny-qwen2"  # what the README builds; .data/ is git-ignored
+NUMBER_MODEL = REPO / ".data/models/tiny-number"
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +31,10 @@ def stack(isolated_urls, tmp_path_factory):
         from harness.tiny_model import build_tiny_model
 
         build_tiny_model(MODEL)
+    if not (NUMBER_MODEL / "config.json").exists():
+        from harness.tiny_model import build_number_model
+
+        build_number_model(NUMBER_MODEL)
     env = {"REDIS_URL": redis_url, "DATABASE_URL": database_url, "API_TOKEN": TOKEN}
     with LocalStack(tmp_path_factory.mktemp("first-steps"), env) as s:
         s.start()
@@ -50,7 +56,8 @@ def cli(stack, monkeypatch):
 
 
 @pytest.mark.slow
-def test_readme_path_from_make_up_to_a_finished_eval_and_training_run(cli, tmp_path):
+@pytest.mark.timeout(1200)  # 80 policy versions of 256 samples on a CPU: ~2 min idle, 12 on a loaded 2-core box
+def test_readme_path_from_make_up_to_a_finished_eval_and_a_training_run_that_learns(cli):
     assert "math-tiny/test: 8 rows" in cli("datasets", "import", "arithmetic", "--generator", "--name", "math-tiny",
                                            "--split", "test", "--n", "8")
     out = cli("eval", "-f", str(REPO / "examples/eval_math_hf.yaml"), "--interval-s", "2")
@@ -58,12 +65,23 @@ def test_readme_path_from_make_up_to_a_finished_eval_and_training_run(cli, tmp_p
     run_id = re.search(r"eval run id=(\S+)", out)[1]
     assert "samples 32 = completed 32" in cli("runs", "show", run_id)
 
+    assert "recall/train: 200 rows" in cli("datasets", "import", "recall", "--generator", "--name", "recall",
+                                           "--n", "200")
+    out = cli("runs", "start", "-f", str(REPO / "examples/train_recall_grpo.yaml"), "--watch")
+    assert "ended: completed" in out and "80/80 steps" in out, out
+    rewards = {int(v): float(r) for v, r in re.findall(r"policy v(\d+): mean reward ([\d.]+)", out)}
+    first, last = [rewards[v] for v in sorted(rewards)[:3]], [rewards[v] for v in sorted(rewards)[-3:]]
+    assert len(rewards) >= 70 and sum(first) / 3 <= 0.2, rewards  # at chance: the model is random
+    assert sum(last) / 3 >= 0.6, rewards  # and it learned: the reward climbed
+    shown = cli("runs", "show", "recall-grpo")  # by name, as the README shows
+    assert "recall-grpo (train)" in shown and "completed" in shown, shown
+
     assert "countdown/train: 16 rows" in cli("datasets", "import", "countdown", "--generator", "--name", "countdown",
                                              "--n", "16")
     config = yaml.safe_load((REPO / "examples/train_countdown_grpo.yaml").read_text())
     assert config["model"] == ".data/models/tiny-qwen2"  # relative: resolved against the repo root
-    config |= {"total_steps": 2, "tasks_per_batch": 2, "samples_per_task": 2, "max_response_tokens": 32}
-    (tmp_path / "train.yaml").write_text(yaml.safe_dump(config))
-    out = cli("runs", "start", "-f", str(tmp_path / "train.yaml"), "--watch")
+    out = cli("runs", "start", "-f", str(REPO / "examples/train_countdown_grpo.yaml"), "--watch",
+              *[f"--set={k}={v}" for k, v in
+                {"total_steps": 2, "tasks_per_batch": 2, "samples_per_task": 2, "max_response_tokens": 32}.items()])
     assert "ended: completed" in out, out
     assert "2/2 steps" in out

@@ -23,7 +23,7 @@ import msgpack
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from harness.live import accounting, insert_run, register_dataset, start_mock_llm, wait_run_done
+from harness.live import accounting, insert_run, register_dataset, start_mock_llm, wait_run_ended
 from harness.ports import free_port
 from harness.stack import LocalStack
 from harness.tiny_model import build_tiny_model
@@ -219,7 +219,8 @@ async def test_valid_work_is_still_processed_after_the_bad_entries(live):
         "engine": {"type": "openai", "base_url": live["llm"], "request_timeout_s": 10, "max_retries": 1},
         "trajectory_timeout_s": 30, "max_in_flight": 8,
     })
-    assert wait_run_done(engine, run_id, 90), f"run did not complete:\n{stack.instance('controller').log_tail()}"
+    status = wait_run_ended(engine, run_id, 90)
+    assert status == "completed", f"run {status}:\n{stack.instance('controller').log_tail()}"
     counts = accounting(engine, run_id)
     assert counts["stored"] == counts["dispatched"] == 8 and counts["lost"] == 0 and counts["duplicates"] == 0
     # an evaluation run's results are stored, never handed to the trainer

@@ -17,10 +17,10 @@ from sqlalchemy import insert, text
 from harness.procs import start_service, stop, wait_heartbeat
 from harness.runners import Runners
 from harness.tiny_model import build_tiny_model
+from services.controller.store import TrajectoryStore
 from shared.bus import connect
 from shared.db.models import RolloutTaskRow
 from shared.db.session import make_engine
-from shared.store import TrajectoryStore
 from shared.types import TerminationReason as TR
 
 
@@ -123,8 +123,12 @@ async def test_failing_programs_are_recorded_and_the_worker_lives(worker, redis,
     # Only `hangs` needs the limit to fire; the others get room for a slow interpreter start on a busy machine.
     _, [r] = await run_program(worker, redis, model_path, program,
                                trajectory_timeout_s=15 if program == "hangs" else 60)
-    assert r.status == "completed" and r.termination_reason == reason
+    # A program that fails is the user's code failing: an `error` outcome saying where (never a scored 0); one
+    # that runs out of time is a scored TIMEOUT.
+    assert r.status == ("completed" if reason == TR.TIMEOUT else "error") and r.termination_reason == reason
     assert needle in r.error and r.reward == 0.0
+    if r.status == "error":
+        assert r.error.startswith(f"agent program fw_agent_programs:{program}: "), r.error
     if program in ("crashes", "hangs"):  # the call made before failing is kept (masked as ERROR/TIMEOUT)
         assert len(r.trajectories) == 1 and r.trajectories[0].termination_reason == reason
     assert worker["proc"].poll() is None

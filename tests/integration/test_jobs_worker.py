@@ -13,11 +13,11 @@ import uuid
 import httpx
 import pytest
 import redis
-from api_testlib import run_config, seed_run, start_api, start_jobs, wait_for
+from api_testlib import run_config, seed_run, start_api, start_jobs
 from sqlalchemy import create_engine, select, update
 from sqlalchemy.orm import Session
 
-from harness.procs import stop
+from harness.procs import stop, wait_until
 from shared.db.models import Checkpoint, Run
 
 
@@ -52,11 +52,11 @@ def finished_job(client, job: dict, timeout_s: float = 60) -> dict:
         j = client.get(f"/v1/jobs/{job['id']}").json()
         return j if j["status"] in ("succeeded", "failed") else None
 
-    return wait_for(done, timeout_s)
+    return wait_until(done, timeout_s, f"job {job['id']} to finish", interval_s=0.2)
 
 
 def test_worker_health_and_heartbeat(worker, redis_url):
-    beat = wait_for(lambda: redis.Redis.from_url(redis_url).get("heartbeat:jobs:jobs-test"), 30)
+    beat = wait_until(lambda: redis.Redis.from_url(redis_url).get("heartbeat:jobs:jobs-test"), 30, "its heartbeat")
     port = json.loads(beat)["port"]
     assert httpx.get(f"http://127.0.0.1:{port}/healthz").status_code == 200
     ready = httpx.get(f"http://127.0.0.1:{port}/readyz")
@@ -90,7 +90,6 @@ def test_import_jsonl_csv_and_hf_folder(client, tmp_path):
 
 
 def test_import_from_builtin_generator(client):
-    pytest.importorskip("shared.builtin.datasets")
     job = client.post("/v1/datasets/import", json={"name": "gen-arith", "generator": "arithmetic", "n": 12, "seed": 3})
     done = finished_job(client, job.json())
     assert done["status"] == "succeeded", done["error"]
@@ -110,7 +109,9 @@ def test_bad_import_fails_the_job_with_the_reason(client, tmp_path):
 
 
 def test_evaluate_checkpoint_creates_eval_run(client, database_url, tmp_path):
-    (tmp_path / "e.jsonl").write_text("\n".join(json.dumps({"id": i}) for i in range(3)))
+    """The job creates the run through shared/runs.py, with the checks POST /v1/runs makes."""
+    (tmp_path / "e.jsonl").write_text("\n".join(json.dumps({"id": i, "question": f"{i}+1", "answer": str(i + 1)})
+                                                for i in range(3)))
     finished_job(client, client.post("/v1/datasets/import", json={"name": "eval-ds", "path": str(tmp_path / "e.jsonl")}).json())
     source = seed_run(database_url, name="trained", status="completed")
     body = {"config": run_config("eval-ds", name="eval-of-trained", samples_per_task=4), "checkpoint_run_id": str(source),
@@ -123,6 +124,12 @@ def test_evaluate_checkpoint_creates_eval_run(client, database_url, tmp_path):
     body["config"]["dataset"] = "missing"
     failed = finished_job(client, client.post("/v1/evals", json=body).json())
     assert failed["status"] == "failed" and "missing" in failed["error"]
+    (tmp_path / "q.jsonl").write_text("\n".join(json.dumps({"id": i, "question": f"{i}+1"}) for i in range(3)))
+    finished_job(client, client.post("/v1/datasets/import", json={"name": "no-answers", "path": str(tmp_path / "q.jsonl")}).json())
+    body["config"]["dataset"] = "no-answers"
+    refused = finished_job(client, client.post("/v1/evals", json=body).json())
+    assert refused["status"] == "failed" and refused["run_id"] is None
+    assert "dataset: env 'math' needs a" in refused["error"], refused["error"]
 
 
 def test_export_to_parquet_loads_with_hf_datasets(client, database_url):

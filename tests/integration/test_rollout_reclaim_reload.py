@@ -17,13 +17,13 @@ from fixtures.rollout_stack import (
     make_task,
     publish_tasks,
     run_config,
+    weights_published,
 )
 
 from harness.procs import start_service, stop, wait_heartbeat
 from harness.tiny_model import build_tiny_model
 from shared.builtin.datasets import generate
 from shared.bus import StreamBus, connect
-from shared.messages import WeightsPublished
 from shared.streams import GROUP_ROLLOUT, ROLLOUT_TASKS, WEIGHTS
 from shared.weights import write_manifest
 
@@ -83,12 +83,6 @@ async def test_killed_worker_tasks_are_reclaimed(redis_url, database_url, models
         print((stop(victim) + (stop(survivor) if survivor else "") + stop(env))[-4000:])
 
 
-def published(run_id: str, version: int, folder, sha256: str) -> WeightsPublished:
-    size = sum(p.stat().st_size for p in folder.iterdir())
-    return WeightsPublished(run_id=run_id, version=version, uri="http://127.0.0.1:9/unused", path=str(folder),
-                            sha256=sha256, bytes=size, created_at=time.time())
-
-
 async def test_hot_reload_changes_weights_and_versions(redis_url, database_url, models, redis, tmp_path):
     v0, v1 = models
     ckpt = tmp_path / "ckpt-v1"
@@ -104,14 +98,14 @@ async def test_hot_reload_changes_weights_and_versions(redis_url, database_url, 
         before = await probe(redis, run_id, "before")
         assert before.trajectories[0].steps[0].weight_version == 0
         bus = StreamBus(redis)
-        await bus.publish(WEIGHTS, published(run_id, 1, ckpt, sha))
+        await bus.publish(WEIGHTS, weights_published(run_id, 1, ckpt, sha))
         after = await probe_until_version(redis, run_id, 1)
         step0, step1 = before.trajectories[0].steps[0], after.trajectories[0].steps[0]
         assert step0.prompt_ids == step1.prompt_ids  # same prompt, greedy decoding ...
         assert step0.logprobs != step1.logprobs  # ... other weights
         assert set(after.trajectories[0].versions) <= {1, -1}
         # a checkpoint whose checksum does not match is refused; version 1 keeps serving
-        await bus.publish(WEIGHTS, published(run_id, 2, ckpt, "0" * 64))
+        await bus.publish(WEIGHTS, weights_published(run_id, 2, ckpt, "0" * 64))
         await asyncio.sleep(1.0)
         again = await probe(redis, run_id, "after-bad")
         assert again.trajectories[0].steps[0].weight_version == 1

@@ -24,7 +24,8 @@ def model_path(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def stack(redis_url, database_url, tmp_path_factory):
+def stack(isolated_urls, tmp_path_factory):
+    redis_url, database_url = isolated_urls  # no task left on the stream by an earlier module
     data = tmp_path_factory.mktemp("data")
     env = start_service("services.env_worker.main", redis_url=redis_url, worker_id="env-1")
     rollout = start_service("services.rollout_worker.main", redis_url=redis_url, database_url=database_url,
@@ -90,8 +91,9 @@ async def test_user_env_exception_is_error_not_infra(stack, model_path, redis):
     run_id = insert_run(stack["database_url"], run_config(model_path, env={"name": "fw_user_plugins:CrashingEnv"}))
     await publish_tasks(redis, [make_task(run_id, {"id": "crash", "question": "?"})])
     [r] = await collect_results(redis, run_id, expected=1)
-    assert r.status == "completed" and r.termination_reason == TR.ERROR
-    assert "ZeroDivisionError" in r.error and "ZeroDivisionError" in r.trajectories[0].info["error"]
+    assert r.status == "error" and r.termination_reason == TR.ERROR
+    assert r.error.startswith("env fw_user_plugins:CrashingEnv.")  # where, then what
+    assert "ZeroDivisionError" in r.error.split("\n")[0] and "ZeroDivisionError" in r.trajectories[0].info["error"]
 
 
 async def test_multi_turn_frozenlake_token_assembly(stack, model_path, redis):
@@ -138,8 +140,8 @@ async def test_lost_env_session_is_infra_failure(stack, model_path, redis, redis
     for r in results:
         if r.termination_reason == TR.INFRA_ERROR:
             assert r.status == "failed" and r.trajectories == []
-        else:
-            assert r.status == "completed"
+        else:  # the live env worker's step ran past env_step_timeout_s: the user's env hung
+            assert r.status == "error" and r.error.startswith("env fw_user_plugins:SlowEnv.step: ")
 
 
 async def test_a_task_past_its_lease_is_not_run(stack, model_path, redis):

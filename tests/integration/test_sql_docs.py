@@ -80,16 +80,17 @@ def test_documented_metric_names_are_the_trainers():
 
 def test_run_ledger_counts_units_and_attempts_that_add_up(stored, database_url):
     with reader(database_url) as conn:
-        rows = {r[0]: r for r in conn.execute(
-            "SELECT run_name, units_total, units_completed, units_in_flight, units_retrying, units_failed, "
-            "units_cancelled, attempts_total, attempts_completed, attempts_in_flight, attempts_failed, "
-            "attempts_lost, attempts_cancelled FROM run_ledger").fetchall()}
-    for name, (_, ut, *units_and_attempts) in rows.items():
-        units, (at, *attempts) = units_and_attempts[:5], units_and_attempts[5:]
-        assert sum(units) == ut and sum(attempts) == at, name
+        every = conn.execute(
+            "SELECT run_name, units_total, units_completed, units_in_flight, units_retrying, units_errored, "
+            "units_failed, units_cancelled, attempts_total, attempts_completed, attempts_in_flight, "
+            "attempts_errored, attempts_failed, attempts_lost, attempts_cancelled FROM run_ledger").fetchall()
+    for name, ut, *units_and_attempts in every:  # every run of the session's database, errored units included
+        units, (at, *attempts) = units_and_attempts[:6], units_and_attempts[6:]
+        assert sum(units) == ut and sum(attempts) == at, (name, ut, units_and_attempts)
+    rows = {r[0]: r for r in every}
     # 18 seeded units completed first time, t-retried completed on its 2nd attempt, t-out out of attempts
-    assert rows["sql-docs-a"][1:] == (21, 19, 1, 0, 1, 0, 24, 19, 1, 3, 1, 0)
-    assert rows["sql-docs-stopped"][1:7] == (3, 2, 0, 0, 0, 1)
+    assert rows["sql-docs-a"][1:] == (21, 19, 1, 0, 0, 1, 0, 24, 19, 1, 0, 3, 1, 0)
+    assert rows["sql-docs-stopped"][1:8] == (3, 2, 0, 0, 0, 0, 1)
 
 
 def test_failures_by_reason_counts_infrastructure_failures(stored, database_url):

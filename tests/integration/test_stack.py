@@ -28,8 +28,9 @@ from sqlalchemy import create_engine, insert, select
 from sqlalchemy.orm import Session
 
 from harness.ports import free_port
+from harness.procs import wait_until
 from harness.servers import RedisServer
-from harness.stack import SERVICES, Backoff, LocalStack, ServiceSpec
+from harness.stack import REPO, SERVICES, Backoff, LocalStack, ServiceSpec
 from shared.db.models import Dataset, Run
 from shared.streams import heartbeat_key
 
@@ -99,7 +100,9 @@ def test_kill_restart_and_idempotent_stop(redis_url, database_url, tmp_path):
         stack.wait_healthy(30)
         ports = [i.port for i in stack.instances]
         assert len(set(ports)) == 2
-        assert client.exists(heartbeat_key("probe", "probe-0"), heartbeat_key("probe", "probe-1")) == 2
+        # /healthz can answer a moment before the first heartbeat is written: both start together.
+        keys = [heartbeat_key("probe", "probe-0"), heartbeat_key("probe", "probe-1")]
+        wait_until(lambda: client.exists(*keys) == 2, 15, "both probes' heartbeats")
 
         stack.kill("probe", 1, signal.SIGKILL)
         stack.instance("probe", 1).proc.wait(10)
@@ -179,9 +182,10 @@ def test_console_entry_stops_everything_on_ctrl_c(redis_url, database_url, tmp_p
     finally:
         stack.kill()
     assert stack.returncode == 0, "".join(lines) + rest
-    assert "controller-0 " in "".join(lines)  # service output is echoed with its name
+    assert "started controller-0 " in "".join(lines)
     assert_all_gone(children)
-    assert (tmp_path / "logs" / "controller-0.log").read_text()
+    log_lines = (tmp_path / "logs" / "controller-0.log").read_text()
+    assert " I [controller] " in log_lines and " I [controller] " not in "".join(lines) + rest  # info: the log only
 
 
 # ---------------------------------------------------------------- supervision (the console entry's `make up`)
@@ -199,17 +203,6 @@ def server_dir():
     shutil.rmtree(folder, ignore_errors=True)
 
 
-def wait_for(pred, timeout_s: float, what: str, interval_s: float = 0.1):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
-        time.sleep(interval_s)
-
-
 def test_supervised_stack_restarts_crashed_services_with_backoff(redis_url, database_url, tmp_path, caplog):
     env = {"REDIS_URL": redis_url, "DATABASE_URL": database_url}
     stack = LocalStack(tmp_path, env=env, specs={"probe": PROBE, "crasher": CRASHER},
@@ -222,14 +215,14 @@ def test_supervised_stack_restarts_crashed_services_with_backoff(redis_url, data
         probe = stack.instance("probe")
         first_pid = probe.proc.pid
         stack.kill("probe", 0, signal.SIGKILL)
-        wait_for(lambda: probe.alive and probe.proc.pid != first_pid, 30, "probe-0 restarted")
+        wait_until(lambda: probe.alive and probe.proc.pid != first_pid, 30, "probe-0 restarted")
         stack.wait_healthy(30)  # on its old port
         assert probe.watch.restarts == 1
         assert "probe-0 exited with code -9" in caplog.text and "probe-0 restarted (restart 1)" in caplog.text
 
         stack.start(["crasher"])  # joins the supervised stack, then exits with code 3 every time it starts
         crasher = stack.instance("crasher")
-        wait_for(lambda: crasher.watch.restarts >= 3, 60, "three restarts of the crash loop")
+        wait_until(lambda: crasher.watch.restarts >= 3, 60, "three restarts of the crash loop")
         delays = [float(m) for m in re.findall(r"crasher-0 exited with code 3.*?restarting it in ([\d.]+)s", caplog.text)]
         assert delays[:3] == [0.2, 0.4, 0.8], caplog.text  # each wait twice the one before
         procs = process_tree(stack)
@@ -268,20 +261,20 @@ def test_killed_embedded_redis_is_restarted_and_readiness_reports_the_outage(ser
 
         dead = stack.redis.pid
         os.kill(dead, signal.SIGKILL)
-        down = wait_for(lambda: (r := httpx.get(probe_ready)).status_code == 503 and r.json(), 10, "probe not ready")
+        down = wait_until(lambda: (r := httpx.get(probe_ready)).status_code == 503 and r.json(), 10, "probe not ready")
         assert down["redis"] is False and down["postgres"] is True
         assert httpx.get(stack.api_url + "/healthz").status_code == 200  # liveness: the process is fine
         assert httpx.get(stack.api_url + "/readyz").json()["redis"] is False
         shown = api.get(f"/v1/runs/{run_id}").json()
         assert shown["status"] == "running" and "Redis is unreachable" in shown["outage"]
 
-        wait_for(lambda: httpx.get(probe_ready).status_code == 200, 60, "probe ready again", interval_s=0.25)
+        wait_until(lambda: httpx.get(probe_ready).status_code == 200, 60, "probe ready again", interval_s=0.25)
         # The supervisor counts the restart just after the new Redis is up, so the probe can see it first.
-        wait_for(lambda: stack._server_watches["redis"].restarts >= 1, 5, "restart counted", interval_s=0.05)
+        wait_until(lambda: stack._server_watches["redis"].restarts >= 1, 5, "restart counted", interval_s=0.05)
         assert stack.redis.pid != dead and stack._server_watches["redis"].restarts == 1
         assert "embedded Redis exited with code -9" in caplog.text
         assert redis.Redis.from_url(stack.redis_url).xlen("survivor") == 1  # same address, AOF replayed
-        wait_for(lambda: api.get(f"/v1/runs/{run_id}").json().get("outage") is None, 10, "run outage cleared")
+        wait_until(lambda: api.get(f"/v1/runs/{run_id}").json().get("outage") is None, 10, "run outage cleared")
         api.close()
         procs = process_tree(stack) + [psutil.Process(stack.redis.pid), psutil.Process(stack.postgres.pid)]
     finally:
@@ -293,7 +286,9 @@ def test_console_entry_survives_repeated_sigterm_without_orphans(server_dir):
     """`make up` with embedded servers, then SIGTERM twice (and once more): every service, its children and
     both embedded servers are gone when the stack exits."""
     env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "DATABASE_URL")}
-    env.update(DATA_DIR=str(server_dir), API_PORT=str(free_port()), WEIGHT_SERVER_PORT=str(free_port()))
+    # a short same-signal window: the second SIGTERM must land while the services still stop (about 1 s)
+    env.update(DATA_DIR=str(server_dir), API_PORT=str(free_port()), WEIGHT_SERVER_PORT=str(free_port()),
+               STACK_SAME_SIGNAL_S="0.05")
     stack, lines = start_console_stack(env, "controller,jobs,api")
     try:
         assert "all services healthy" in lines[-1], "".join(lines)[-4000:]
@@ -304,7 +299,7 @@ def test_console_entry_survives_repeated_sigterm_without_orphans(server_dir):
         for part in ("services.controller.main", "services.jobs.main", "services.api.main", "redis-server"):
             assert part in commands, commands
         stack.send_signal(signal.SIGTERM)
-        time.sleep(0.3)
+        time.sleep(0.2)  # past the same-signal window: a second request, not the first delivered twice
         stack.send_signal(signal.SIGTERM)
         time.sleep(0.3)
         stack.send_signal(signal.SIGTERM)
@@ -314,6 +309,40 @@ def test_console_entry_survives_repeated_sigterm_without_orphans(server_dir):
     output = "".join(lines) + rest
     assert stack.returncode == 0, output[-4000:]
     assert "again: killing the remaining services now" in output, output[-4000:]
+    assert_all_gone(procs)
+
+
+def test_make_up_console_shows_what_a_user_acts_on_and_one_signal_to_the_group_stops_once(server_dir, tmp_path):
+    """`make up` as a user runs it, with embedded servers and Celery as root: the console has no initdb /
+    pg_ctl output and no Celery superuser warning (both in the log files), and one stop request that reaches
+    the stack twice (a SIGTERM to the terminal's process group, passed on once more by a wrapper such as make or
+    a process supervisor) is one stop, not "SIGTERM again"."""
+    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "DATABASE_URL")}
+    env.update(DATA_DIR=str(server_dir), API_PORT=str(free_port()), WEIGHT_SERVER_PORT=str(free_port()))
+    (tmp_path / "Makefile").write_text(f"up:\n\t{sys.executable} -m harness.stack --services jobs,api\n")
+    make = subprocess.Popen(["make", "-f", str(tmp_path / "Makefile"), "up"], cwd=REPO, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    lines = []
+    try:
+        for line in make.stdout:
+            lines.append(line)
+            if "all services healthy" in line:
+                break
+        procs = psutil.Process(make.pid).children(recursive=True)
+        stack_pid = next(p.pid for p in procs if "harness.stack" in " ".join(p.cmdline()))
+        os.killpg(make.pid, signal.SIGTERM)  # what a supervisor's stop does to the group
+        os.kill(stack_pid, signal.SIGTERM)  # and the same request passed on to the stack by its parent
+        rest, _ = make.communicate(timeout=90)
+    finally:
+        make.kill()
+    console = "".join(lines) + rest
+    assert "all services healthy; API at" in console, console[-4000:]
+    assert "again" not in console and "SIGTERM: stopping every service" in console, console[-4000:]
+    for noise in ("initdb", "pg_ctl", "Running commandline", "superuser privileges", "XDG_RUNTIME_DIR"):
+        assert noise not in console, (noise, console[-4000:])
+    assert len(console.splitlines()) <= 20, console  # started x N, healthy, stopping, stopped
+    assert "initdb" in (server_dir / "logs" / "stack.log").read_text()  # kept, in the log file
+    assert "superuser privileges" in (server_dir / "logs" / "jobs-0.log").read_text()
     assert_all_gone(procs)
 
 
@@ -332,7 +361,7 @@ def test_a_worker_started_by_hand_joins_a_running_stack(server_dir, monkeypatch)
         )
         try:
             client = redis.Redis.from_url(stack.redis_url)
-            assert wait_for(lambda: client.exists(heartbeat_key("probe", "probe-extra")), 30, "the extra heartbeat")
+            assert wait_until(lambda: client.exists(heartbeat_key("probe", "probe-extra")), 30, "the extra heartbeat")
         finally:
             extra.terminate()
             extra.wait(30)
@@ -349,10 +378,10 @@ def test_killed_embedded_postgres_is_restarted_at_the_same_address(server_dir, m
         probe_ready = f"http://127.0.0.1:{stack.instance('probe').port}/readyz"
         url, dead = stack.database_url, stack.postgres.pid
         os.kill(dead, signal.SIGKILL)
-        down = wait_for(lambda: (r := httpx.get(probe_ready)).status_code == 503 and r.json(), 10, "probe not ready")
+        down = wait_until(lambda: (r := httpx.get(probe_ready)).status_code == 503 and r.json(), 10, "probe not ready")
         assert down["postgres"] is False and down["redis"] is True
-        wait_for(lambda: stack.postgres.alive and stack.postgres.pid != dead, 90, "PostgreSQL restarted", 0.25)
-        wait_for(lambda: httpx.get(probe_ready).status_code == 200, 30, "probe ready again", 0.25)
+        wait_until(lambda: stack.postgres.alive and stack.postgres.pid != dead, 90, "PostgreSQL restarted", interval_s=0.25)
+        wait_until(lambda: httpx.get(probe_ready).status_code == 200, 30, "probe ready again", interval_s=0.25)
         engine = create_engine(url)  # the address the services were given
         try:
             with Session(engine) as s:

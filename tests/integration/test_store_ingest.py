@@ -7,11 +7,12 @@ import uuid
 import pytest
 from sqlalchemy import insert, select, text, update
 
+from services.controller.ledger import ledger_summary
+from services.controller.store import TrajectoryStore
 from shared.db.models import RolloutTaskRow, Run, RunEvent
 from shared.db.session import make_engine
-from shared.ledger import ledger_summary
-from shared.messages import EpisodeResult, StepRecord, TrajectoryRecord, decode, encode
-from shared.store import TrajectoryStore
+from shared.messages import EpisodeResult, TrajectoryRecord, TrajectoryStep, decode, encode
+from shared.types import TerminationReason
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +39,7 @@ def dispatch(engine, run_id: str, keys: list[tuple[str, int, int]]) -> None:
 def result(run_id: str, task_id: str, sample_idx: int = 0, attempt: int = 0, *, status="completed",
            steps: int = 2) -> EpisodeResult:
     step_records = [
-        StepRecord(prompt_ids=[1, 2, 3], response_ids=[4, 5], logprobs=[-0.5, -0.25], observation={"q": "1+1"},
+        TrajectoryStep(prompt_ids=[1, 2, 3], response_ids=[4, 5], logprobs=[-0.5, -0.25], observation={"q": "1+1"},
                    action="\\boxed{2}", model_response="ok\x00", reward=1.0, done=i == steps - 1, weight_version=3)
         for i in range(steps)
     ]
@@ -95,8 +96,8 @@ def test_batch_of_many_episodes(engine, method):
     assert counts(engine, run) == {"episodes": 300, "trajectories": 300, "steps": 900, "token_arrays": 1200,
                                    "late": 0}
     with engine.connect() as c:
-        assert ledger_summary(c, run) == {"dispatched": 300, "in_flight": 0, "completed": 300, "failed": 0,
-                                          "lost": 0, "cancelled": 0, "finished": 300}
+        assert ledger_summary(c, run) == {"dispatched": 300, "in_flight": 0, "completed": 300, "error": 0,
+                                          "failed": 0, "lost": 0, "cancelled": 0, "finished": 300}
 
 
 def test_late_result_is_an_event_not_a_trajectory(engine):
@@ -129,9 +130,34 @@ def test_failed_result_marks_ledger_failed(engine):
                                                            RolloutTaskRow.run_id == uuid.UUID(run))).scalar_one()
         summary = ledger_summary(c, run)
     assert err == "env session lost"
-    assert summary == {"dispatched": 2, "in_flight": 0, "completed": 1, "failed": 1, "lost": 0, "cancelled": 0,
-                       "finished": 2}
+    assert summary == {"dispatched": 2, "in_flight": 0, "completed": 1, "error": 0, "failed": 1, "lost": 0,
+                       "cancelled": 0, "finished": 2}
     assert counts(engine, run)["trajectories"] == 1  # the failed attempt's episode row only, no trajectory
+
+
+def test_user_code_error_is_its_own_outcome_never_trained_on(engine):
+    """status="error": the ledger row ends `error` with the error's first line ("<where>: <what>"), the episode
+    keeps the whole error and its trajectories (to read what happened), and nothing goes to the trainer."""
+    store = TrajectoryStore(engine)
+    run = new_run(engine, kind="train")
+    dispatch(engine, run, [("t0", 0, 0), ("t1", 0, 0)])
+    errored = result(run, "t0").model_copy(update={
+        "status": "error", "termination_reason": TerminationReason.ERROR,
+        "error": "env math.reset: KeyError: 'answer'\nTraceback (most recent call last):\n  ...\nKeyError: 'answer'"})
+    out = store.write([errored, result(run, "t1")])
+    assert (out.errored, out.stored, out.failed) == (1, 1, 0)
+    assert [r.task_id for r in out.to_train] == ["t1"]
+    with engine.connect() as c:
+        ledger = dict(c.execute(select(RolloutTaskRow.task_id, RolloutTaskRow.error).where(
+            RolloutTaskRow.run_id == uuid.UUID(run))).all())
+        episode = c.execute(text("SELECT status, error FROM episodes WHERE run_id = :r AND task_id = 't0'"),
+                            {"r": run}).one()
+        summary = ledger_summary(c, run)
+    assert ledger["t0"] == "env math.reset: KeyError: 'answer'"
+    assert episode.status == "error" and episode.error.endswith("KeyError: 'answer'") and "Traceback" in episode.error
+    assert summary["error"] == 1 and summary["completed"] == 1 and summary["finished"] == 2
+    assert counts(engine, run)["trajectories"] == 2
+    assert store.write([errored]).duplicates == 1  # re-delivered: applied once
 
 
 def test_only_what_the_store_accepted_is_handed_to_the_trainer(engine):

@@ -6,11 +6,13 @@ groups (which widens its dispatch window), fed only by those reports, sees them.
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 
 import pytest
 from sqlalchemy import text
 
+from harness.procs import wait_until_async
 from services.controller import ledger
 from services.trainer.batch import GroupBuffer
 from services.trainer.config import TrainerSettings
@@ -18,9 +20,17 @@ from services.trainer.loop import RunState, Trainer
 from shared import leases
 from shared.bus import connect
 from shared.db.session import make_engine
-from shared.messages import AcceptedResult, EpisodeResult, TrainerProgress, TrajectoryRecord, decode, encode
+from shared.messages import (
+    AcceptedResult,
+    EpisodeResult,
+    RunControl,
+    TrainerProgress,
+    TrajectoryRecord,
+    decode,
+    encode,
+)
 from shared.run_config import RunConfig
-from shared.streams import ACCEPTED_RESULTS, GROUP_TRAIN, TRAINER_PROGRESS
+from shared.streams import ACCEPTED_RESULTS, GROUP_TRAIN, RUN_CONTROL, TRAINER_PROGRESS
 from shared.types import TerminationReason
 
 
@@ -75,8 +85,8 @@ async def _final_failure(trainer: Trainer, run_id: str, task: str, sample: int, 
 async def _controller_count(trainer: Trainer, run_id: str, final_failed: list[tuple[str, int]]) -> int:
     """The controller's count of dropped groups after it applied every `trainer.progress` report so far."""
     reports = [decode(f, TrainerProgress) for _, f in await trainer.redis.xrange(TRAINER_PROGRESS)]
-    with trainer.db.begin() as c:
-        ledger.record_progress(c, reports)
+    ledger.record_progress(trainer.db, reports)
+    with trainer.db.connect() as c:
         return ledger.dropped_groups(c, run_id, final_failed)
 
 
@@ -135,13 +145,6 @@ async def test_dropped_groups_are_recorded_at_once_acknowledged_and_counted_by_t
     assert await _controller_count(trainer, r, []) == 3
 
 
-async def _wait(pred, what: str, timeout_s: float = 20.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not await pred():
-        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.05)
-
-
 async def test_a_run_opened_later_claims_the_entries_a_dead_trainer_left_pending(trainer, monkeypatch):
     """Entries another trainer read and never acknowledged (it died) are delivered to the trainer that opens
     their run, though it was already running; entries of a run another live trainer owns stay pending."""
@@ -171,18 +174,45 @@ async def test_a_run_opened_later_claims_the_entries_a_dead_trainer_left_pending
     try:
         async def started() -> bool:  # its start-up claim took both entries, kept neither (both runs foreign)
             return await owners() == {"trainer-a": 2}
-        await _wait(started, "the start-up claim")
+        await wait_until_async(started, 20, "the start-up claim")
         assert not trainer.runs and not mine.held
 
         async def taken_over() -> bool:  # once the dead trainer's lease expired
             return bool(mine.held)
-        await _wait(taken_over, "the run's pending entry delivered to its new trainer")
+        await wait_until_async(taken_over, 20, "the run's pending entry delivered to its new trainer")
         assert {k[1:] for k in mine.held} == {("a", 0)}
         assert theirs.run_id not in trainer.runs and not theirs.held
         assert (await trainer.redis.xpending(ACCEPTED_RESULTS, GROUP_TRAIN))["pending"] == 2  # nothing acked
     finally:
         stop.set()
         await serving
+
+
+async def test_a_stop_on_run_control_lets_the_run_go_at_once(trainer, monkeypatch):
+    """The API's stop reaches the trainer on `run.control`: it lets the run go and acknowledges what it held at
+    once, though it reads the runs table only every 60 s here."""
+    run = _add_run(trainer, 0)
+    trainer.runs.clear()  # opened by the serve loop itself
+    monkeypatch.setattr(trainer, "_build_run", lambda row: run)  # no model: intake only
+    monkeypatch.setattr(trainer.settings, "runs_poll_s", 60.0)
+    await _accepted(trainer, _result(run.run_id, "a", 0, 1.0, 0, 0))  # one sample of two: held, never a step
+    stop = asyncio.Event()
+    serving = asyncio.create_task(trainer.serve(stop))
+    try:
+        async def held() -> bool:
+            return bool(run.held)
+        await wait_until_async(held, 20, "the sample held")
+        with trainer.db.begin() as c:  # what the API does: the status first, then the command
+            c.execute(text("UPDATE runs SET status = 'stopping' WHERE id = :id"), {"id": run.run_id})
+        await trainer.redis.xadd(RUN_CONTROL, encode(RunControl(run_id=run.run_id, action="stop",
+                                                                sent_at=time.time())))
+
+        async def let_go() -> bool:
+            return run.run_id not in trainer.runs and await _pending(trainer) == 0
+        await wait_until_async(let_go, 5.0, "the run let go and its sample acknowledged")
+    finally:
+        stop.set()
+        await asyncio.wait_for(serving, 30)
 
 
 async def test_a_stored_result_never_trained_on_drops_its_group_even_after_a_restart(trainer):

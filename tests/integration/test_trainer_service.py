@@ -5,10 +5,8 @@ results the store accepted: a zombie result (its attempt's lease expired) is nev
 
 from __future__ import annotations
 
-import os
 import random
 import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -21,6 +19,7 @@ from sqlalchemy import create_engine, text
 from trainer_testlib import REPO, WeightServer
 
 from harness.ports import free_port
+from harness.procs import start_service, wait_until
 from harness.servers import scratch_database
 from harness.tiny_model import build_number_model
 from shared import leases
@@ -123,33 +122,25 @@ def _publish_batch(redis_url: str, run_id: str, batch: int, version: int) -> set
 
 def _start_trainer(redis_url, database_url, ws: WeightServer, tmp_path: Path, fault: str | None = None,
                    launcher: tuple[str, ...] = (), worker_id: str = "trainer-t"):
-    env = {**os.environ, "REDIS_URL": redis_url, "DATABASE_URL": database_url, "WEIGHT_SERVER_URL": ws.url,
-           "WEIGHTS_DIR": ws.env["WEIGHTS_DIR"], "STATE_DIR": str(tmp_path / "trainer"), "WORKER_ID": worker_id,
-           "LOG_FORMAT": "text", "RUNS_POLL_S": "0.2", "PYTHONPATH": str(REPO)}
-    if fault:
-        env["FAULT_POINT"] = fault
-    log = open(tmp_path / f"trainer-{fault or 'clean'}.log", "w")
-    for key in ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE"):
-        env.pop(key, None)
     # A fault is injected by the test's own wrapper of the service (trainer_with_fault.py), which kills it there.
-    entry = [str(Path(__file__).with_name("trainer_with_fault.py"))] if fault else ["-m", "services.trainer.main"]
-    return subprocess.Popen([sys.executable, *launcher, *entry], cwd=REPO, env=env, stdout=log,
-                            stderr=subprocess.STDOUT)
+    target = str(Path(__file__).with_name("trainer_with_fault.py")) if fault else "services.trainer.main"
+    return start_service(target, launcher=launcher, log=tmp_path / f"trainer-{fault or 'clean'}.log",
+                         redis_url=redis_url, database_url=database_url, weight_server_url=ws.url,
+                         weights_dir=ws.env["WEIGHTS_DIR"], state_dir=str(tmp_path / "trainer"), worker_id=worker_id,
+                         runs_poll_s="0.2", pythonpath=str(REPO), fault_point=fault,
+                         master_port=None, master_addr=None, rank=None, world_size=None)
 
 
 def _wait_version(database_url: str, run_id: str, version: int, proc, timeout_s: float = 120) -> None:
     """Until the trainer committed `version` (its own record: these tests run no controller)."""
     engine = create_engine(database_url)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+
+    def committed() -> bool:
         with engine.connect() as c:
-            v = c.execute(text("SELECT coalesce(max(version), 0) FROM train_samples WHERE run_id = :id "
-                               "AND status = 'used'"), {"id": run_id}).scalar()
-        if v >= version:
-            return
-        assert proc.poll() is None, f"trainer exited with {proc.returncode}"
-        time.sleep(0.3)
-    raise TimeoutError(f"run did not reach version {version}")
+            return c.execute(text("SELECT coalesce(max(version), 0) FROM train_samples WHERE run_id = :id "
+                                  "AND status = 'used'"), {"id": run_id}).scalar() >= version
+
+    wait_until(committed, timeout_s, f"the trainer to commit version {version}", procs=[proc], interval_s=0.3)
 
 
 def _wait_exit(proc: subprocess.Popen, timeout_s: float = 120) -> int:
@@ -219,8 +210,19 @@ def test_trainer_trains_whole_groups_reports_and_publishes(stack, redis_url, dat
                         .scalars())
             ckpts = c.execute(text("SELECT version FROM checkpoints WHERE run_id = :id ORDER BY 1"),
                               {"id": run_id}).scalars().all()
+            mismatch = {(r.name, r.step): r.value for r in c.execute(text(
+                "SELECT name, step, value FROM metrics WHERE run_id = :id AND (name LIKE 'logprob_diff%' "
+                "OR name = 'is_truncated_fraction')"), {"id": run_id})}
         assert {"reward_mean", "reward_std", "pass_rate", "entropy", "grad_norm", "clip_fraction",
-                "tokens_per_s", "kl_behaviour"} <= names
+                "tokens_per_s", "kl_behaviour", "groups_without_signal"} <= names
+        # Training-inference mismatch, as the real trainer records it: step 1 starts from version 0, which
+        # generated every token at hand (one a sample): its batch, and the waiting samples it probes (batch 1
+        # and the incomplete group); step 2 starts from version 1, which generated none of them, so it has no
+        # logprob_diff rows (never a made-up 0). IS truncation: every step.
+        assert mismatch[("logprob_diff_tokens", 1)] == 2 * TASKS * N + (N - 1)
+        assert 0 < mismatch[("logprob_diff_mean", 1)] <= mismatch[("logprob_diff_max", 1)]
+        assert not any(name.startswith("logprob_diff") and step == 2 for name, step in mismatch)
+        assert {("is_truncated_fraction", 1), ("is_truncated_fraction", 2)} <= set(mismatch)
         assert ckpts == [1, 2]
         assert _pending(redis_url) == N - 1  # only the incomplete group is still held
         with create_engine(database_url).begin() as c:  # the run stops: what it held is released
@@ -264,22 +266,10 @@ def test_trainer_killed_mid_step_resumes_with_nothing_lost_or_doubled(stack, red
         proc.wait(60)
 
 
-def _wait(pred, what: str, procs=(), timeout_s: float = 90) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        for p in procs:
-            assert p.poll() is None, f"a service exited with {p.returncode} while waiting for {what}"
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out waiting for {what}")
-        time.sleep(0.2)
-
-
 def _start_controller(redis_url: str, database_url: str, tmp_path: Path) -> subprocess.Popen:
-    env = {**os.environ, "REDIS_URL": redis_url, "DATABASE_URL": database_url, "HEALTH_PORT": "0",
-           "WORKER_ID": "ctl-t", "LOG_FORMAT": "text", "POLL_INTERVAL_S": "0.2", "RUN_LEASE_S": "2",
-           "RECONCILE_INTERVAL_S": "0.3", "STORE_CLAIM_IDLE_MS": "1000"}
-    return subprocess.Popen([sys.executable, "-m", "services.controller.main"], cwd=REPO, env=env,
-                            stdout=open(tmp_path / "controller.log", "w"), stderr=subprocess.STDOUT)
+    return start_service("services.controller.main", log=tmp_path / "controller.log", redis_url=redis_url,
+                         database_url=database_url, worker_id="ctl-t", poll_interval_s="0.2", run_lease_s="2",
+                         reconcile_interval_s="0.3", store_claim_idle_ms="1000")
 
 
 def _episode(t: RolloutTask, reward: float | None) -> EpisodeResult:
@@ -332,7 +322,7 @@ def test_dropped_and_incomplete_groups_are_refilled_until_total_steps(stack, red
         def status() -> str:
             with engine.connect() as c:
                 return c.execute(text("SELECT status FROM runs WHERE id = :id"), {"id": run_id}).scalar()
-        _wait(lambda: status() == "completed", "the run to complete", (ctl, proc), timeout_s=120)
+        wait_until(lambda: status() == "completed", 120, "the run to complete", procs=(ctl, proc))
         rows = _trained(database_url, run_id)
         used = [r for r in rows if r.status == "used"]
         assert sorted({r.version for r in used}) == [1, 2, 3] and len(used) == 3 * TASKS * 2
@@ -340,7 +330,7 @@ def test_dropped_and_incomplete_groups_are_refilled_until_total_steps(stack, red
         assert any(r.task_id == "t0" and r.status == "filtered" for r in rows)
         assert [(r.task_id, r.sample_idx) for r in rows if r.status == "incomplete"] == [(doomed[0], 0)]
         assert max(r.sample_idx for r in used) >= 2  # replacements came from a further epoch
-        _wait(lambda: _pending(redis_url) == 0, "the trainer to release what it held", (proc,))
+        wait_until(lambda: _pending(redis_url) == 0, 90, "the trainer to release what it held", procs=(proc,))
     finally:
         stop.set()
         for p in (ctl, proc):
@@ -366,13 +356,13 @@ def test_trainer_taking_over_a_dead_trainers_run_gets_its_pending_entries(stack,
         def claimed_at_start() -> bool:  # its start-up claim ran while the run was still the dead trainer's
             consumers = client.xpending(ACCEPTED_RESULTS, GROUP_TRAIN)["consumers"]
             return [c["name"] for c in consumers] == [b"trainer-next"]
-        _wait(claimed_at_start, "the second trainer's start-up claim", (proc,))
+        wait_until(claimed_at_start, 90, "the second trainer's start-up claim", procs=(proc,))
         with engine.begin() as c:  # the dead trainer's lease expires
             c.execute(text("UPDATE run_leases SET expires_at = now() WHERE owner = 'trainer-dead'"))
         _wait_version(database_url, run_id, 1, proc, timeout_s=60)
         rows = _trained(database_url, run_id)
         assert {(r.task_id, r.sample_idx) for r in rows} == keys and {r.version for r in rows} == {1}
-        _wait(lambda: _pending(redis_url) == 0, "the entries to be acknowledged", (proc,))
+        wait_until(lambda: _pending(redis_url) == 0, 90, "the entries to be acknowledged", procs=(proc,))
     finally:
         proc.terminate()
         proc.wait(60)
@@ -390,7 +380,7 @@ def test_trainer_service_under_torchrun_two_ranks(stack, redis_url, database_url
         rows = _trained(database_url, run_id)
         assert {(r.task_id, r.sample_idx) for r in rows} == keys
         # a step is recorded before it is published: wait for the announcement
-        _wait(lambda: _published_versions(redis_url, run_id) == [1, 2], "v2 announced", [proc], timeout_s=60)
+        wait_until(lambda: _published_versions(redis_url, run_id) == [1, 2], 60, "v2 announced", procs=[proc])
     finally:
         proc.terminate()  # torchrun passes SIGTERM on; rank 0 stops the follower, every process exits
         proc.wait(90)

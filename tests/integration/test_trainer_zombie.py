@@ -11,9 +11,6 @@ store; the slot's retry completes the group.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -25,6 +22,7 @@ from fixtures.fake_rollouts import serve_rollout_tasks
 from sqlalchemy import create_engine, text
 from trainer_testlib import REPO, WeightServer
 
+from harness.procs import ServiceGroup, wait_until
 from harness.tiny_model import build_number_model
 from services.controller import ledger
 from shared.messages import EpisodeResult, RolloutTask, TrajectoryRecord, encode
@@ -44,20 +42,6 @@ def _episode(t: RolloutTask, reward: float, version: int = 0) -> EpisodeResult:
     return EpisodeResult(run_id=t.run_id, task_id=t.task_id, sample_idx=t.sample_idx, attempt=t.attempt,
                          status="completed", termination_reason="env_done", reward=reward, trajectories=[traj],
                          batch_idx=t.batch_idx, task=t.task, worker_id="fake")
-
-
-def _env(redis_url: str, database_url: str, worker_id: str, **extra: str) -> dict:
-    return {**os.environ, "REDIS_URL": redis_url, "DATABASE_URL": database_url, "WORKER_ID": worker_id,
-            "LOG_FORMAT": "text", "HEALTH_PORT": "0", "PYTHONPATH": str(REPO), **extra}
-
-
-def _wait(pred, what: str, procs=(), timeout_s: float = 150) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        for p in procs:
-            assert p.poll() is None, f"a service exited with {p.returncode} while waiting for {what}"
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
 
 
 def test_a_zombie_result_stored_as_late_is_never_trained_on(urls, tmp_path: Path):
@@ -89,32 +73,26 @@ def test_a_zombie_result_stored_as_late_is_never_trained_on(urls, tmp_path: Path
     client.xadd(TRAJECTORIES, encode(_episode(zombie_task, reward=1.0)))  # the zombie's result arrives
 
     ws = WeightServer(redis_url, database_url, tmp_path / "weights", keep_last=10).start()
-    log = open(tmp_path / "trainer.log", "w")
-    trainer = subprocess.Popen(
-        [sys.executable, "-m", "services.trainer.main"], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-        env=_env(redis_url, database_url, "trainer-z", WEIGHT_SERVER_URL=ws.url, WEIGHTS_DIR=ws.env["WEIGHTS_DIR"],
-                 STATE_DIR=str(tmp_path / "trainer"), RUNS_POLL_S="0.2"))
-    procs = [trainer]
+    group = ServiceGroup(tmp_path, redis_url=redis_url, database_url=database_url, pythonpath=str(REPO))
+    trainer = group.start("trainer", "services.trainer.main", worker_id="trainer-z", weight_server_url=ws.url,
+                          weights_dir=ws.env["WEIGHTS_DIR"], state_dir=str(tmp_path / "trainer"), runs_poll_s="0.2")
     stop = threading.Event()
     worker = threading.Thread(target=serve_rollout_tasks, daemon=True, args=(
         redis_url, stop, lambda t: _episode(t, reward=float(t.sample_idx % 2))))
     try:
-        _wait(lambda: "training run" in (tmp_path / "trainer.log").read_text(), "the trainer to open the run",
-              procs)
+        wait_until(lambda: "training run" in group.log("trainer"), 150, "the trainer to open the run",
+                   procs=[trainer])
         time.sleep(2.0)  # whatever the trainer reads of `trajectories`, it has read by now
         with engine.begin() as c:  # the controller's expiry pass (what its drive loop runs)
             assert ledger.expire_leases(c, run_id) == [("t0", 0, 0)]
         worker.start()
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "services.controller.main"], cwd=REPO,
-            stdout=open(tmp_path / "controller.log", "w"), stderr=subprocess.STDOUT,
-            env=_env(redis_url, database_url, "ctl-z", POLL_INTERVAL_S="0.2", RUN_LEASE_S="2",
-                     RECONCILE_INTERVAL_S="0.3")))
+        group.start("controller", "services.controller.main", worker_id="ctl-z", poll_interval_s="0.2",
+                    run_lease_s="2", reconcile_interval_s="0.3")
 
         def status() -> str:
             with engine.connect() as c:
                 return c.execute(text("SELECT status FROM runs WHERE id = :r"), {"r": run_id}).scalar()
-        _wait(lambda: status() == "completed", "the run to complete", procs)
+        wait_until(lambda: status() == "completed", 150, "the run to complete", procs=group.procs.values())
         with engine.connect() as c:
             late = c.execute(text("SELECT data FROM run_events WHERE run_id = :r AND kind = 'late_result'"),
                              {"r": run_id}).scalars().all()
@@ -127,8 +105,6 @@ def test_a_zombie_result_stored_as_late_is_never_trained_on(urls, tmp_path: Path
         assert [tuple(r) for r in used] == [("t0", 0, 1), ("t0", 1, 0), ("t1", 0, 0), ("t1", 1, 0)]
     finally:
         stop.set()
-        for p in procs:
-            p.terminate()
-            p.wait(60)
+        group.stop(60)
         ws.stop()
         engine.dispose()

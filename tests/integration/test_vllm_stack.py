@@ -22,7 +22,7 @@ from fixtures.vllm_env import REPO, hf_generate, reference_logprobs, vllm_env, v
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
-from harness.live import register_dataset, wait_run_done
+from harness.live import register_dataset, wait_run_ended
 from harness.procs import wait_heartbeat
 from harness.stack import LocalStack
 from harness.tiny_model import build_vllm_tiny_model
@@ -112,7 +112,8 @@ def test_eval_run_on_vllm_loads_the_current_checkpoint_first(stack):
               "sampling": {"temperature": 0.0}, "samples_per_task": 1, "max_prompt_tokens": 256,
               "max_response_tokens": 12, "trajectory_timeout_s": 600.0}
     run_id = insert_run(stack.db, config, checkpoint=(2, current))
-    assert wait_run_done(stack.db, run_id, 600), f"eval run did not complete; logs in {stack.data / 'logs'}"
+    status = wait_run_ended(stack.db, run_id, 600)
+    assert status == "completed", f"eval run {status}; logs in {stack.data / 'logs'}"
     rows = stored_tokens(stack.db, run_id)
     assert len(rows) == 4
     for prompt_ids, response_ids, logprobs, loss_mask, versions in rows:
@@ -133,7 +134,8 @@ def test_training_run_with_vllm_rollouts_hot_reloads_the_trainers_checkpoints(st
               "max_in_flight": 4, "max_prompt_tokens": 256, "max_response_tokens": 8,
               "trajectory_timeout_s": 600.0}
     run_id = insert_run(stack.db, config)
-    assert wait_run_done(stack.db, run_id, 900), f"training run did not complete; logs in {stack.data / 'logs'}"
+    status = wait_run_ended(stack.db, run_id, 900)
+    assert status == "completed", f"training run {status}; logs in {stack.data / 'logs'}"
     with stack.db.connect() as c:
         rows = c.execute(text("SELECT version, uri, path, sha256 FROM checkpoints WHERE run_id = :r"),
                          {"r": run_id}).all()

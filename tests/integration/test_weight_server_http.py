@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -83,6 +85,13 @@ def test_upload_publish_download_roundtrip(server, run_id, redis_url, database_u
     verify_folder(local, msg.sha256, full=True)
     assert {p.name for p in local.iterdir()} == {*files, MANIFEST}
     assert (local / "model-0.safetensors").read_bytes() == files["model-0.safetensors"]
+    # a download resumes where it broke off (Range), and the manifest hashes each 1 MiB piece for relays
+    data = files["model-0.safetensors"]
+    r = httpx.get(f"{msg.uri}/model-0.safetensors", headers={"Range": "bytes=1000-"})
+    assert r.status_code == 206 and r.content == data[1000:]
+    entry = verify_folder(local, msg.sha256).files["model-0.safetensors"]
+    assert entry.pieces == [hashlib.sha256(data[i:i + entry.piece_bytes]).hexdigest()
+                            for i in range(0, len(data), entry.piece_bytes)]
 
 
 def test_checksum_mismatch_on_upload_is_rejected_and_nothing_is_announced(server, run_id, redis_url):
@@ -125,9 +134,15 @@ def test_staging_publish_retention_and_restart(server, run_id, redis_url, tmp_pa
                      best_metric="reward_mean")
         assert r.status_code == 200, r.text
         assert not staging.exists()  # moved, not copied
-    kept = [v["version"] for v in httpx.get(f"{server.url}/v1/runs/{run_id}/versions").json()]
+    # retention runs after the publish request, on the server's retention thread
+    deadline = time.monotonic() + 30
+    while (kept := [v["version"] for v in httpx.get(f"{server.url}/v1/runs/{run_id}/versions").json()]) != [1, 3, 4]:
+        assert time.monotonic() < deadline, f"retention left {kept}"
+        time.sleep(0.05)
     assert kept == [1, 3, 4]  # last two plus the best (v1)
-    assert not (tmp_path / "weights" / run_id / "v2").exists()
+    while (tmp_path / "weights" / run_id / "v2").exists():
+        assert time.monotonic() < deadline, "v2's folder was not removed"
+        time.sleep(0.05)
 
     # A crash after the rename but before the row: the folder is registered and announced on restart.
     server.stop()
@@ -164,3 +179,32 @@ def test_trusting_server_records_declared_hashes_and_hashes_undeclared_files(red
             verify_folder(Path(msg.path), msg.sha256, full=True)  # the manifest matches the bytes either way
     finally:
         ws.stop()
+
+
+def test_publish_does_not_wait_for_retention(database_url, redis_url, run_id, tmp_path):
+    """The publish call returns while the retention pass it asked for is still running (held here until the
+    test lets it go); the pass then deletes what is no longer kept."""
+    from services.weight_server.store import CheckpointStore
+
+    store = CheckpointStore(tmp_path / "weights", create_engine(database_url), redis.Redis.from_url(redis_url),
+                            "http://127.0.0.1:1", keep_last=1)
+    release, passes = threading.Event(), []
+    apply = store.apply_retention
+
+    def held_retention(run, best):
+        assert release.wait(30)
+        passes.append(apply(run, best))
+        return passes[-1]
+
+    store.apply_retention = held_retention
+    try:
+        for v in (1, 2):
+            staging = tmp_path / "weights" / f"staging-{v}"
+            staging.mkdir(parents=True)
+            (staging / "config.json").write_bytes(b"{}")
+            store.publish(run_id, v, {"config.json": ""}, {}, staging_path=str(staging))
+        assert (tmp_path / "weights" / run_id / "v1").is_dir() and passes == []  # both publishes returned
+        release.set()
+    finally:
+        store.close()
+    assert passes == [[1], []] and not (tmp_path / "weights" / run_id / "v1").exists()

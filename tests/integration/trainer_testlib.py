@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 from harness.ports import free_port
-from harness.procs import wait_http
+from harness.procs import start_service, stop, wait_http
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -17,17 +15,17 @@ class WeightServer:
     def __init__(self, redis_url: str, database_url: str, weights_dir: Path, keep_last: int = 2, **env: str):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.env = {**os.environ, "REDIS_URL": redis_url, "DATABASE_URL": database_url,
-                    "WEIGHTS_DIR": str(weights_dir), "WEIGHT_SERVER_PORT": str(self.port),
-                    "KEEP_LAST": str(keep_last), "LOG_FORMAT": "text", **env}
+        self.log = Path(weights_dir).parent / f"{Path(weights_dir).name}-server.log"
+        self.env = {"REDIS_URL": redis_url, "DATABASE_URL": database_url, "WEIGHTS_DIR": str(weights_dir),
+                    "WEIGHT_SERVER_PORT": str(self.port), "KEEP_LAST": str(keep_last), **env}
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> WeightServer:
-        self.proc = subprocess.Popen([sys.executable, "-m", "services.weight_server.main"], cwd=REPO, env=self.env)
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        self.proc = start_service("services.weight_server.main", log=self.log, **self.env)
         wait_http(f"{self.url}/healthz", self.proc)
         return self
 
     def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(15)
+        if self.proc:
+            stop(self.proc, 15)

@@ -10,21 +10,22 @@ API. A claim forwarded to a worker that answers too late is lost to this caller:
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import time
 import uuid
+from typing import Annotated
 
 import httpx
-from fastapi import APIRouter, Request, Response
-from redis.exceptions import RedisError
+from fastapi import APIRouter, Path, Request, Response
 
 from services.api.deps import Config
 from services.api.errors import ApiError, errors
+from services.api.run_refs import resolve_run
 from services.api.schemas import AgentSessionPublic, ClaimRequest
+from shared.bus import RedisError, SyncRedis
 from shared.db.models import TERMINAL_RUN_STATUSES, Run
 from shared.registry import EXTERNAL_AGENT_PROGRAM
-from shared.streams import heartbeat_key
+from shared.workers import live_workers
 
 router = APIRouter(prefix="/runs", tags=["agent programs"])
 POLL_S = 1.0  # with several workers, how long each is asked to wait before the next is asked
@@ -33,11 +34,13 @@ POLL_S = 1.0  # with several workers, how long each is asked to wait before the 
 @router.post("/{run_id}/sessions", response_model=AgentSessionPublic,
              responses={204: {"description": "no session of the run came free within wait_s"},
                         **errors(400, 404, 409, 422, 502, 503)})
-async def claim_session(run_id: uuid.UUID, request: Request, config: Config,
+async def claim_session(run_id: Annotated[str, Path(min_length=1, max_length=200, description="the run's id, a "
+                                                   "unique prefix of its id, or its name")],
+                        request: Request, config: Config,
                         body: ClaimRequest | None = None) -> Response | dict:
     # Not the request-scoped DB session: a long poll would hold a pooled connection for its whole wait, and a
     # few dozen waiting runners would exhaust the pool (every other route then fails).
-    await asyncio.to_thread(_check_run, request.app.state.sessions, run_id)
+    run_id = await asyncio.to_thread(_check_run, request.app.state.sessions, run_id)
     deadline = time.monotonic() + (body or ClaimRequest()).wait_s
     http: httpx.AsyncClient = request.app.state.gateway_http
     while True:
@@ -59,8 +62,10 @@ async def claim_session(run_id: uuid.UUID, request: Request, config: Config,
             await asyncio.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
 
 
-def _check_run(sessions, run_id: uuid.UUID) -> None:
+def _check_run(sessions, ref: str) -> uuid.UUID:
+    """The id of the run `ref` names (id, id prefix or name), when it takes external sessions now."""
     with sessions() as db:
+        run_id = resolve_run(db, ref)
         run = db.get(Run, run_id)
     if run is None:
         raise ApiError(404, f"run {run_id} not found")
@@ -70,24 +75,16 @@ def _check_run(sessions, run_id: uuid.UUID) -> None:
                        hint='create the run with "agent_program": {"name": "external"}')
     if run.status in TERMINAL_RUN_STATUSES:
         raise ApiError(409, f"run {run_id} is {run.status}: it hands out no more sessions")
+    return run_id
 
 
-def live_gateways(redis_client) -> list[str]:
+def live_gateways(redis_client: SyncRedis) -> list[str]:
     """The gateway URLs live rollout workers advertise in their heartbeats."""
     try:
-        keys = list(redis_client.scan_iter(match=heartbeat_key("rollout-worker", "*"), count=500))
-        values = redis_client.mget(keys) if keys else []
+        workers = live_workers(redis_client, "rollout-worker")
     except RedisError as e:
         raise ApiError(503, f"Redis is unreachable, so no rollout worker can be found: {e}") from e
-    urls = []
-    for raw in values:
-        try:
-            url = json.loads(raw or "{}").get("gateway_url")
-        except ValueError:
-            continue
-        if url:
-            urls.append(url)
-    return urls
+    return [w.gateway_url for w in workers if w.gateway_url]
 
 
 async def _claim_at(http: httpx.AsyncClient, gateway: str, run_id: uuid.UUID, wait_s: float,

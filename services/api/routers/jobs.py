@@ -13,6 +13,7 @@ from sqlalchemy import func, select
 from services.api.deps import DB
 from services.api.errors import ApiError, Int, StrictBody, errors, int_in
 from services.api.job_queue import job_out, submit_job
+from services.api.run_refs import resolve_run
 from services.api.schemas import JobPublic, Page
 from shared.db.models import Checkpoint, Job, Run
 from shared.run_config import RunConfig
@@ -44,7 +45,9 @@ class EvalRequest(StrictBody):
     """Evaluate a checkpoint (or `config.model` as given) on a dataset: the job creates an eval run."""
 
     config: RunConfig
-    checkpoint_run_id: uuid.UUID | None = Field(None, strict=False, description="run whose checkpoint replaces config.model")
+    checkpoint_run_id: str | None = Field(None, min_length=1, max_length=200,
+                                          description="run whose checkpoint replaces config.model: its id, a "
+                                                      "unique prefix of its id, or its name")
     checkpoint_version: int_in(0, 2**31 - 1) | None = Field(None, description="default: the latest")  # type: ignore[valid-type]
 
 
@@ -52,9 +55,11 @@ class EvalRequest(StrictBody):
 def evaluate(body: EvalRequest, request: Request, session: DB) -> dict:
     """Queue an evaluation job; its result names the eval run it created (poll GET /v1/jobs/{id})."""
     if body.checkpoint_run_id is not None:
-        if session.get(Run, body.checkpoint_run_id) is None:
-            raise ApiError(404, f"run {body.checkpoint_run_id} does not exist", field="checkpoint_run_id")
-        q = select(Checkpoint.version).where(Checkpoint.run_id == body.checkpoint_run_id,
+        run_id = resolve_run(session, body.checkpoint_run_id, field="checkpoint_run_id")
+        body.checkpoint_run_id = str(run_id)  # the job reads the run's id
+        if session.get(Run, run_id) is None:
+            raise ApiError(404, f"run {run_id} does not exist", field="checkpoint_run_id")
+        q = select(Checkpoint.version).where(Checkpoint.run_id == run_id,
                                              Checkpoint.status == "available")
         if body.checkpoint_version is not None:
             q = q.where(Checkpoint.version == body.checkpoint_version)

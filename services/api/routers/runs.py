@@ -3,6 +3,7 @@ metrics, checkpoints, events, reward by policy version, export."""
 
 from __future__ import annotations
 
+import time
 import uuid
 from typing import Annotated, Literal
 
@@ -10,11 +11,11 @@ from fastapi import APIRouter, Query, Request
 from sqlalchemy import func, select, update
 
 from services.api.deps import DB, Config
-from services.api.errors import ApiError, errors
+from services.api.errors import ApiError, errors, refused
 from services.api.job_queue import submit_job
 from services.api.progress import latest_metrics, ledger, pass_at_k, progress, reward_by_version, run_out
 from services.api.routers.system import dependency_outage
-from services.api.run_checks import check_run
+from services.api.run_refs import RunId
 from services.api.schemas import (
     CheckpointPublic,
     JobPublic,
@@ -26,7 +27,8 @@ from services.api.schemas import (
     TrajectoryPublic,
     VersionReward,
 )
-from shared.datasets import DatasetNotFound, count_rows, pin_version
+from shared.bus import RedisError, announce
+from shared.datasets import count_rows
 from shared.db.models import (
     RUN_STATUSES,
     TERMINAL_RUN_STATUSES,
@@ -36,20 +38,21 @@ from shared.db.models import (
     RunEvent,
     TrajectoryRow,
 )
+from shared.logs import get_logger
+from shared.messages.control import TRANSITIONS, Action, RunControl
 from shared.run_config import RunConfig
+from shared.runs import RunRefused
+from shared.runs import create_run as add_run
+from shared.streams import RUN_CONTROL
 from shared.types import TerminationReason
 
-router = APIRouter(prefix="/runs", tags=["runs"])
+log = get_logger(__name__)
+# 400 on every route: a run reference (name, id prefix) that matches several runs (services/api/run_refs.py).
+router = APIRouter(prefix="/runs", tags=["runs"], responses=errors(400))
 INT32 = 2**31 - 1
 Limit = Annotated[int, Query(ge=1, le=1000)]
 Offset = Annotated[int, Query(ge=0, le=INT32)]
 RunStatus = Literal[RUN_STATUSES]  # type: ignore[valid-type]
-# user request -> (statuses it is allowed from, status it sets)
-TRANSITIONS = {
-    "pause": (("running",), "paused"),
-    "resume": (("paused",), "running"),
-    "stop": (("pending", "running", "paused"), "stopping"),
-}
 
 
 ON_RUN = errors(404, 422)
@@ -62,18 +65,6 @@ def get_run(session, run_id: uuid.UUID) -> Run:
     return run
 
 
-def _pin_dataset(session, cfg: RunConfig) -> int:
-    """Pin the dataset version the run reads (the latest unless the config names one); returns its rows."""
-    try:
-        version, num_rows = pin_version(session.connection(), cfg.dataset, cfg.dataset_split, cfg.dataset_version)
-    except DatasetNotFound as e:
-        raise ApiError(404, str(e), field="dataset_version" if cfg.dataset_version else "dataset",
-                       hint="upload it with POST /v1/datasets or `flywheel datasets import`; list them with "
-                            "`flywheel datasets list`") from e
-    cfg.dataset_version = version
-    return num_rows
-
-
 @router.post("", status_code=201, response_model=RunPublic, responses=errors(400, 404, 409, 422))
 def create_run(cfg: RunConfig, request: Request, session: DB, config: Config) -> dict:
     """Start a training or evaluation run (`kind`). The controller picks it up while it is `pending`. The run
@@ -83,13 +74,10 @@ def create_run(cfg: RunConfig, request: Request, session: DB, config: Config) ->
     work as given (a local path that does not exist, a relative path that is no folder and no hub id, token
     budgets beyond the model's context, an engine no live rollout worker offers, dataset rows without a field
     the env needs)."""
-    num_rows = _pin_dataset(session, cfg)
-    check_run(request.app.state.engine, request.app.state.redis, cfg, config.check_model_paths)
-    run = Run(name=cfg.name, kind=cfg.kind, status="pending", config=cfg.model_dump(mode="json"),
-              policy_version=0, summary={})
-    session.add(run)
-    session.flush()
-    session.add(RunEvent(run_id=run.id, kind="created", message=f"{cfg.kind} run created", data={"rows": num_rows}))
+    try:
+        run, _ = add_run(session, request.app.state.redis, cfg, check_paths=config.check_model_paths)
+    except RunRefused as e:
+        raise refused(e) from e
     session.commit()
     return run_out(run)
 
@@ -108,7 +96,7 @@ def list_runs(session: DB, status: RunStatus | None = None, kind: Literal["train
 
 
 @router.get("/{run_id}", response_model=RunDetail, responses=ON_RUN)
-def show_run(run_id: uuid.UUID, request: Request, session: DB) -> dict:
+def show_run(run_id: RunId, request: Request, session: DB) -> dict:
     """Status (and `error` when it failed), the ledger in units and attempts, progress, current policy version,
     latest metrics (and pass@k for evals)."""
     run = get_run(session, run_id)
@@ -127,7 +115,10 @@ def show_run(run_id: uuid.UUID, request: Request, session: DB) -> dict:
     return out
 
 
-def _transition(session, run_id: uuid.UUID, action: str) -> dict:
+def _control(request: Request, session, run_id: uuid.UUID, action: Action) -> dict:
+    """Change the status by compare-and-set (the answer, at once), commit, then tell the controller and the
+    trainer on `run.control` (shared/messages/control.py). Redis refusing the message fails nothing: they read
+    the status at their next poll of the runs they lease."""
     allowed, new = TRANSITIONS[action]
     changed = session.execute(
         update(Run).where(Run.id == run_id, Run.status.in_(allowed)).values(status=new).returning(Run.id)
@@ -138,6 +129,12 @@ def _transition(session, run_id: uuid.UUID, action: str) -> dict:
                             f"{' or '.join(allowed)}")
     session.add(RunEvent(run_id=run_id, kind="status_changed", message=f"{action} requested", data={"to": new}))
     session.commit()
+    try:
+        announce(request.app.state.redis, RUN_CONTROL, RunControl(run_id=str(run_id), action=action,
+                                                                  sent_at=time.time()))
+    except RedisError as e:
+        log.warning("run.control not published (applied at the next poll instead): %r", e,
+                    extra={"run_id": str(run_id)})
     return run_out(get_run(session, run_id))
 
 
@@ -145,24 +142,24 @@ CONTROL = errors(404, 409, 422)
 
 
 @router.post("/{run_id}/pause", response_model=RunPublic, responses=CONTROL)
-def pause_run(run_id: uuid.UUID, session: DB) -> dict:
-    return _transition(session, run_id, "pause")
+def pause_run(run_id: RunId, request: Request, session: DB) -> dict:
+    return _control(request, session, run_id, "pause")
 
 
 @router.post("/{run_id}/resume", response_model=RunPublic, responses=CONTROL)
-def resume_run(run_id: uuid.UUID, session: DB) -> dict:
-    return _transition(session, run_id, "resume")
+def resume_run(run_id: RunId, request: Request, session: DB) -> dict:
+    return _control(request, session, run_id, "resume")
 
 
 @router.post("/{run_id}/stop", response_model=RunPublic, responses=CONTROL)
-def stop_run(run_id: uuid.UUID, session: DB) -> dict:
+def stop_run(run_id: RunId, request: Request, session: DB) -> dict:
     """Graceful stop: the run goes to `stopping`; the controller finishes or cancels in-flight work."""
-    return _transition(session, run_id, "stop")
+    return _control(request, session, run_id, "stop")
 
 
 @router.get("/{run_id}/trajectories", response_model=Page[TrajectoryPublic], responses=ON_RUN)
 def list_trajectories(
-    run_id: uuid.UUID, session: DB, policy_version: Annotated[int | None, Query(ge=0, le=INT32)] = None,
+    run_id: RunId, session: DB, policy_version: Annotated[int | None, Query(ge=0, le=INT32)] = None,
     min_reward: Annotated[float | None, Query(allow_inf_nan=False)] = None,
     max_reward: Annotated[float | None, Query(allow_inf_nan=False)] = None,
     termination_reason: TerminationReason | None = None, task_id: Annotated[str | None, Query(max_length=200)] = None,
@@ -200,7 +197,7 @@ def trajectory_out(t: TrajectoryRow) -> dict:
 
 
 @router.get("/{run_id}/metrics", response_model=MetricSeries, responses=ON_RUN)
-def run_metrics(run_id: uuid.UUID, session: DB,
+def run_metrics(run_id: RunId, session: DB,
                 name: Annotated[list[str] | None, Query(max_length=100)] = None,
                 since_step: Annotated[int, Query(ge=0, le=INT32)] = 0,
                 limit: Annotated[int, Query(ge=1, le=100_000)] = 10_000) -> dict:
@@ -216,7 +213,7 @@ def run_metrics(run_id: uuid.UUID, session: DB,
 
 
 @router.get("/{run_id}/rewards", response_model=Page[VersionReward], responses=ON_RUN)
-def run_rewards(run_id: uuid.UUID, session: DB) -> dict:
+def run_rewards(run_id: RunId, session: DB) -> dict:
     """Mean reward and count of trajectories per policy version (what `flywheel runs watch` prints)."""
     get_run(session, run_id)
     items = reward_by_version(session, run_id)
@@ -224,7 +221,7 @@ def run_rewards(run_id: uuid.UUID, session: DB) -> dict:
 
 
 @router.get("/{run_id}/checkpoints", response_model=Page[CheckpointPublic], responses=ON_RUN)
-def run_checkpoints(run_id: uuid.UUID, session: DB) -> dict:
+def run_checkpoints(run_id: RunId, session: DB) -> dict:
     get_run(session, run_id)
     rows = session.execute(select(Checkpoint).where(Checkpoint.run_id == run_id).order_by(Checkpoint.version))
     items = [{"version": c.version, "uri": c.uri, "path": c.path, "sha256": c.sha256, "bytes": c.bytes,
@@ -233,7 +230,7 @@ def run_checkpoints(run_id: uuid.UUID, session: DB) -> dict:
 
 
 @router.get("/{run_id}/events", response_model=Page[RunEventPublic], responses=ON_RUN)
-def run_events(run_id: uuid.UUID, session: DB, after_id: Annotated[int, Query(ge=0, le=2**62)] = 0,
+def run_events(run_id: RunId, session: DB, after_id: Annotated[int, Query(ge=0, le=2**62)] = 0,
                limit: Limit = 100) -> dict:
     """Events in order; poll with `after_id` = the last id seen."""
     get_run(session, run_id)
@@ -245,7 +242,7 @@ def run_events(run_id: uuid.UUID, session: DB, after_id: Annotated[int, Query(ge
 
 
 @router.post("/{run_id}/export", status_code=202, response_model=JobPublic, responses=errors(404, 422, 503))
-def export_run(run_id: uuid.UUID, request: Request, session: DB, config: Config) -> dict:
+def export_run(run_id: RunId, request: Request, session: DB, config: Config) -> dict:
     """Queue an export of the run's trajectories to parquet (a job; poll GET /v1/jobs/{id})."""
     get_run(session, run_id)
     return submit_job(session, request.app.state.celery, "export", {"run_id": str(run_id)}, run_id=run_id)

@@ -6,13 +6,12 @@ from __future__ import annotations
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, Gauge, generate_latest
-from redis.exceptions import RedisError
 from sqlalchemy import func, select, text
 from sqlalchemy.exc import SQLAlchemyError
 
 from services.api.schemas import Health, Readiness
 from shared import streams
-from shared.bus import stream_stats
+from shared.bus import RedisError, stream_stats
 from shared.db.models import RUN_STATUSES, Run
 
 router = APIRouter(tags=["system"])
@@ -22,7 +21,7 @@ STREAM_LAG = Gauge("stream_lag", "Entries not yet delivered to the group", ["str
 DEAD_LETTERS = Gauge("stream_dead_letters", "XLEN of a stream's dead-letter stream", ["stream"])
 RUNS_BY_STATUS = Gauge("runs", "Runs by status", ["status"])
 MONITORED_STREAMS = (streams.ROLLOUT_TASKS, streams.ENV_REQUESTS, streams.TRAJECTORIES, streams.ACCEPTED_RESULTS,
-                     streams.TRAINER_PROGRESS, streams.WEIGHTS, streams.RUN_EVENTS)
+                     streams.TRAINER_PROGRESS, streams.WEIGHTS, streams.RUN_CONTROL)
 
 
 @router.get("/healthz", response_model=Health)

@@ -34,29 +34,67 @@
     view.innerHTML = `<h2>Runs</h2><table id="runs"><thead><tr><th>name</th><th>kind</th><th>status</th>
       <th>policy version</th><th>created</th></tr></thead><tbody>${runs.map(r => `
       <tr class="link" data-href="#/runs/${esc(r.id)}"><td>${esc(r.name)}</td><td>${esc(r.kind)}</td>
-      <td>${status(r.status)}${r.error ? ` <span class="error">${esc(r.error)}</span>` : ""}</td><td>${r.policy_version}</td><td>${when(r.created_at)}</td></tr>`).join("")}
+      <td>${status(r.status)}${r.error ? ` <span class="error">${esc(r.error)}</span>` : ""}${r.stall_reason ? ` <span class="stall">stalled: ${esc(r.stall_reason)}</span>` : ""}</td><td>${r.policy_version}</td><td>${when(r.created_at)}</td></tr>`).join("")}
       </tbody></table>${runs.length ? "" : "<p>No runs yet: start one with <code>flywheel runs start -f run.yaml</code>.</p>"}`;
   }
 
+  // [key, title, which metric series, run kinds it is drawn for, y axis 0-1 when every value is in 0-1]
   const CHARTS = [
-    ["reward", "reward over policy versions", m => /(^|\/)reward/.test(m) && !/std/.test(m)],
-    ["pass", "pass rate over policy versions", m => /pass/.test(m)],
-    ["kl", "KL over policy versions", m => /kl/i.test(m)],
-    ["entropy", "entropy over policy versions", m => /entropy/i.test(m)],
-    ["throughput", "throughput", m => /throughput|per_s|tokens_s/i.test(m)],
+    ["reward", "reward over policy versions", m => /(^|\/)reward/.test(m) && !/std/.test(m), ["train"], true],
+    ["pass", "pass rate over policy versions", m => /pass/.test(m), ["train"], true],
+    ["kl", "KL over policy versions", m => /kl/i.test(m), ["train"], false],
+    ["entropy", "entropy over policy versions", m => /entropy/i.test(m), ["train"], false],
+    ["throughput", "throughput", m => /throughput|per_s|tokens_s/i.test(m), ["train"], false],
+    ["time", "reward over time", m => /(^|\/)reward/.test(m) && !/std/.test(m), ["train"], true],
+    // |rollout logprob - trainer logprob| on the tokens the trained-from version generated, and the share of
+    // truncated IS weights (services/trainer/learner.py: mismatch_metrics), recorded under the step that
+    // measured them: step s starts from version s - 1
+    ["mismatch", "training-inference mismatch per step (step s measures version s-1)", m => /^(logprob_diff_(mean|max)|is_truncated_fraction)$/.test(m), ["train"], false],
+    ["passk", "pass@k", () => false, ["eval"], true],
   ];
+  const TERMINATIONS = ["env_done", "max_steps", "prompt_truncation", "response_truncation", "env_timeout", "timeout",
+    "error", "infra_error", "cancelled", "unknown"];
+  const PAGE = 50;  // trajectories per page
 
   const COLORS = ["#3b82f6", "#22c55e", "#ef4444", "#a855f7", "#f59e0b"];
   const INTEGER_STEPS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000];  // versions, steps
 
+  // The y range: 0-1 for a 0-1 quantity (reward, pass rate) whose values all lie in 0-1; a band around a flat
+  // series (uPlot's default turns an all-zero series into 0-100 and a flat 6.231 into ticks that all read
+  // "6.231"); else the data with a margin, never below 0 for data that is not.
+  function yRange(values, unit) {
+    const lo = Math.min(...values), hi = Math.max(...values);
+    if (unit && lo >= 0 && hi <= 1) return [0, 1];
+    if (hi - lo <= 1e-9 * Math.max(1, Math.abs(hi))) {
+      if (lo === 0) return [0, 1];
+      const d = Math.abs(lo) * 0.2;
+      return [lo - d, hi + d];
+    }
+    const pad = (hi - lo) * 0.1;
+    return [lo >= 0 && lo - pad < 0 ? 0 : lo - pad, hi + pad];
+  }
+
+  // Tick labels with as many decimals as the tick spacing needs (0.25 needs 2), so neighbouring ticks never
+  // read the same.
+  function tickLabels(splits, incr) {
+    let decimals = 0;
+    while (decimals < 12 && Math.abs(Math.round(incr * 10 ** decimals) - incr * 10 ** decimals) > 1e-6) decimals++;
+    return splits.map(v => (v === null ? "" : Math.abs(v) >= 1e6 ? v.toExponential(2) : v.toFixed(decimals)));
+  }
+
   // A line chart in `el` of series [{label, points: [{x, y}]}] (x: a number, or seconds since the epoch with
   // opts.time). uPlot wants one shared x array: the union of every series' x, null where a series has no point.
-  // The number of points drawn goes to el.dataset.points (the browser test reads it).
+  // For the browser test: el.dataset.points (points drawn), yRange ("lo,hi") and yTicks (labels, "|"-joined).
+  // opts.ended: the run is over, so a chart without data says it was not recorded instead of "no data yet".
   function lineChart(el, series, opts = {}) {
-    const lines = series.map(s => ({ label: s.label, points: s.points.filter(p => Number.isFinite(p.x) && Number.isFinite(p.y)) }));
+    const lines = series.map(s => ({ label: s.label, points: s.points.filter(p => Number.isFinite(p.x) && Number.isFinite(p.y)) }))
+      .filter(s => s.points.length || !opts.ended);
     const count = lines.reduce((n, s) => n + s.points.length, 0);
     el.dataset.points = String(count);
-    if (!count) { el.innerHTML = `<p class="empty">no data yet</p>`; return; }
+    if (!count) {
+      el.innerHTML = `<p class="empty">${opts.ended ? "not recorded for this run" : "no data yet"}</p>`;
+      return;
+    }
     const xs = [...new Set(lines.flatMap(s => s.points.map(p => p.x)))].sort((a, b) => a - b);
     const index = new Map(xs.map((x, i) => [x, i]));
     const ys = lines.map(s => {
@@ -64,62 +102,154 @@
       s.points.forEach(p => { column[index.get(p.x)] = p.y; });
       return column;
     });
+    const [yMin, yMax] = yRange(lines.flatMap(s => s.points.map(p => p.y)), opts.unit);
+    el.dataset.yRange = `${yMin},${yMax}`;
     const pad = opts.time ? 60 : 1;  // a single x value (one version so far) still gets an axis around it
     plots.push(new uPlot({
       width: el.clientWidth || 360, height: 220, legend: { live: false },
-      scales: { x: { time: !!opts.time, range: (u, lo, hi) => (xs.length === 1 ? [xs[0] - pad, xs[0] + pad] : [lo, hi]) } },
-      axes: [{ label: opts.xLabel, ...(opts.time ? {} : { incrs: INTEGER_STEPS }) }, { size: 56 }],
+      scales: {
+        x: { time: !!opts.time, range: (u, lo, hi) => (xs.length === 1 ? [xs[0] - pad, xs[0] + pad] : [lo, hi]) },
+        y: { range: () => [yMin, yMax] },
+      },
+      axes: [{ label: opts.xLabel, ...(opts.time ? {} : { incrs: opts.xIncrs || INTEGER_STEPS }) },
+        { size: 60, space: 30, values: (u, splits, axis, space, incr) => {
+          const labels = tickLabels(splits, incr);
+          el.dataset.yTicks = labels.join("|");
+          return labels;
+        } }],
       series: [{ label: opts.xLabel }, ...lines.map((s, i) => ({
         label: s.label, stroke: COLORS[i % COLORS.length], width: 2, spanGaps: true, points: { size: 5 },
       }))],
     }, [xs, ...ys], el));
   }
 
-  async function runPage(id) {
-    const [run, metrics, rewards, trajs] = await Promise.all([
-      api(`/runs/${id}`), api(`/runs/${id}/metrics`), api(`/runs/${id}/rewards`), api(`/runs/${id}/trajectories?limit=50`),
-    ]);
+  // The run page: #run-main (status, cards, charts) is redrawn every 3 s while the run goes; #traj-section
+  // (filters, one page of trajectories) keeps its form, and only its rows are refreshed.
+  async function runPage(id, query, refresh = false) {
+    const at = location.hash;
+    if (!refresh) view.innerHTML = `<div id="run-main"><p>loading…</p></div><section id="traj-section"></section>`;
+    const [run, metrics, rewards] = await Promise.all([api(`/runs/${id}`), api(`/runs/${id}/metrics`), api(`/runs/${id}/rewards`)]);
+    const main = document.getElementById("run-main");
+    if (!main || location.hash !== at) return;  // the user went elsewhere meanwhile
+    plots.splice(0).forEach(plot => plot.destroy());
     const u = run.ledger.units, a = run.ledger.attempts, p = run.progress;
-    view.innerHTML = `<h2>${esc(run.name)} ${status(run.status)}</h2>
+    const ended = ["stopped", "completed", "failed"].includes(run.status);
+    const charts = CHARTS.filter(c => c[3].includes(run.kind));
+    main.innerHTML = `<h2>${esc(run.name)} ${status(run.status)}</h2>
       <p class="meta">${esc(run.kind)} run ${esc(run.id)} · model ${esc(run.config.model)} · dataset ${esc(run.config.dataset)}
         · created ${when(run.created_at)}</p>
       ${run.error ? `<p class="error" id="run-error">${esc(run.error)}</p>` : ""}
+      ${run.stall_reason ? `<p class="stall" id="run-stall">stalled${run.stalled_since ? ` since ${when(run.stalled_since)}` : ""}: ${esc(run.stall_reason)}</p>` : ""}
+      ${run.warning ? `<p class="stall" id="run-warning">warning: ${esc(run.warning)}</p>` : ""}
       <div class="progress" title="progress"><div style="width:${Math.round((p.fraction || 0) * 100)}%"></div></div>
       <div class="cards" id="ledger">
         <div class="card">policy version<b>${run.policy_version}</b></div>
         <div class="card">progress (${esc(p.unit)})<b>${p.done}${p.total !== null ? " / " + p.total : ""}</b></div>
-        <div class="card" title="(task, sample) units; they add up to ${u.total}">samples completed<b>${u.completed}</b></div>
-        <div class="card">samples failed<b>${u.failed}</b></div>
+        <div class="card" title="(task, sample) units with a scored result; all units add up to ${u.total}">samples scored<b>${u.completed}</b></div>
+        <div class="card" title="the user's env, reward function, agent, workflow or agent program failed: not scored">samples errored<b>${u.errored}</b></div>
+        <div class="card" title="infrastructure failures, out of attempts">samples failed<b>${u.failed}</b></div>
         <div class="card">samples in flight<b>${u.in_flight + u.retrying}</b></div>
         ${u.cancelled ? `<div class="card">samples cancelled<b>${u.cancelled}</b></div>` : ""}
-        <div class="card" title="completed ${a.completed}, failed ${a.failed}, lost ${a.lost}, cancelled ${a.cancelled}">attempts<b>${a.total}</b></div>
-        ${Object.entries(run.pass_at_k || {}).map(([k, v]) => `<div class="card">${esc(k)}<b>${num(v)}</b></div>`).join("")}
+        <div class="card" title="completed ${a.completed}, errored ${a.errored}, failed ${a.failed}, lost ${a.lost}, cancelled ${a.cancelled}">attempts<b>${a.total}</b></div>
+        ${Object.entries(run.pass_at_k || {}).map(([k, v]) => `<div class="card" title="over the ${u.completed} scored samples">${esc(k)}<b>${num(v)}</b></div>`).join("")}
+        ${run.kind === "eval" ? evalCards(rewards.data) : ""}
       </div>
-      <div class="charts">${CHARTS.map(([key, title]) => `<div class="chart"><h3>${title}</h3><div class="plot" id="chart-${key}"></div></div>`).join("")}
-        <div class="chart"><h3>reward over time</h3><div class="plot" id="chart-time"></div></div></div>
-      <h3>Trajectories (${trajs.count})</h3>
-      <table id="trajectories"><thead><tr><th>task</th><th>sample</th><th>reward</th><th>termination</th><th>steps</th>
-        <th>tokens (prompt / response)</th><th>policy version</th></tr></thead><tbody>${trajs.data.map(t => `
-        <tr class="link" data-href="#/trajectories/${esc(t.id)}"><td>${esc(t.task_id)}</td><td>${t.sample_idx}</td>
-        <td>${num(t.reward)}</td><td>${esc(t.termination_reason)}</td><td>${t.num_steps}</td>
-        <td>${t.prompt_tokens} / ${t.response_tokens}</td><td>${t.policy_version_min}–${t.policy_version_max}</td></tr>`).join("")}
-      </tbody></table>`;
-    drawRunCharts(metrics.series, rewards.data);
-    if (!["stopped", "completed", "failed"].includes(run.status)) timer = setTimeout(() => route(), 3000);
+      ${run.ledger.top_reasons.length ? `<table id="reasons"><thead><tr><th>outcome</th><th>units</th><th>attempts</th>
+        <th>why units ended unscored</th></tr></thead><tbody>${run.ledger.top_reasons.map(r => `<tr><td>${esc(r.outcome)}</td>
+        <td>${r.units}</td><td>${r.attempts}</td><td>${esc(r.reason)}</td></tr>`).join("")}</tbody></table>` : ""}
+      <div class="charts">${charts.map(([key, title]) => `<div class="chart"><h3>${title}</h3><div class="plot" id="chart-${key}"></div></div>`).join("")}</div>`;
+    drawRunCharts(run, charts, metrics.series, rewards.data, ended);
+    if (!refresh) trajectoryFilters(id, query);
+    await trajectoryRows(id, query);
+    if (!ended) timer = setTimeout(() => runPage(id, query, true).catch(showError), 3000);
   }
 
-  function drawRunCharts(series, rewards) {
+  // An evaluation's samples all come from one model: its mean reward and pass rate are numbers, not curves.
+  function evalCards(rewards) {
+    const n = rewards.reduce((t, r) => t + r.num_trajectories, 0);
+    const mean = key => (n ? rewards.reduce((t, r) => t + (r[key] ?? 0) * r.num_trajectories, 0) / n : null);
+    return `<div class="card">mean reward<b id="eval-mean-reward">${num(mean("mean_reward"))}</b></div>
+      <div class="card">pass rate<b id="eval-pass-rate">${num(mean("pass_rate"))}</b></div>`;
+  }
+
+  function drawRunCharts(run, charts, series, rewards, ended) {
     const byVersion = key => rewards.map(r => ({ x: r.policy_version, y: r[key] })).filter(q => q.x !== null);
-    for (const [key, , match] of CHARTS) {
+    for (const [key, , match, , unit] of charts) {
+      const el = document.getElementById(`chart-${key}`);
+      if (key === "passk") {  // pass@k against k, from the run's stored samples
+        const points = Object.entries(run.pass_at_k || {}).map(([k, v]) => ({ x: +k.replace("pass@", ""), y: v }));
+        lineChart(el, [{ label: "pass@k", points }], { xLabel: "k (samples per task)", unit, ended, xIncrs: [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024] });
+        continue;
+      }
+      if (key === "time") {
+        const timed = Object.entries(series).filter(([name]) => match(name))
+          .map(([name, pts]) => ({ label: name, points: pts.map(q => ({ x: Date.parse(q.ts) / 1000, y: q.value })) }));
+        lineChart(el, timed.slice(0, 3), { time: true, unit, ended });
+        continue;
+      }
       const lines = Object.entries(series).filter(([name]) => match(name))
         .map(([name, pts]) => ({ label: name, points: pts.map(q => ({ x: q.step, y: q.value })) }));
       if (key === "reward") lines.unshift({ label: "mean reward (trajectories)", points: byVersion("mean_reward") });
       if (key === "pass") lines.unshift({ label: "pass rate (trajectories)", points: byVersion("pass_rate") });
-      lineChart(document.getElementById(`chart-${key}`), lines.slice(0, 4), { xLabel: key === "throughput" ? "step" : "policy version" });
+      lineChart(el, lines.slice(0, 4), { xLabel: key === "throughput" || key === "mismatch" ? "step" : "policy version", unit, ended });
     }
-    const timed = Object.entries(series).filter(([name]) => /(^|\/)reward/.test(name))
-      .map(([name, pts]) => ({ label: name, points: pts.map(q => ({ x: Date.parse(q.ts) / 1000, y: q.value })) }));
-    lineChart(document.getElementById("chart-time"), timed.slice(0, 3), { time: true });
+  }
+
+  // Trajectory filters live in the page address (#/runs/<id>?task_id=...&offset=50): shareable, and the back
+  // button undoes a filter. The API filters and pages (GET /v1/runs/{id}/trajectories).
+  const FILTERS = ["policy_version", "task_id", "termination_reason", "min_reward", "max_reward"];
+
+  function trajectoryFilters(id, query) {
+    const q = new URLSearchParams(query);
+    const input = (name, label, attrs = "") => `<label>${label} <input name="${name}" value="${esc(q.get(name) || "")}" ${attrs}></label>`;
+    document.getElementById("traj-section").innerHTML = `<h3>Trajectories (<span id="traj-count">…</span>)</h3>
+      <form id="traj-filter" class="filters">
+        ${input("policy_version", "policy version", 'type="number" min="0" step="1" class="short"')}
+        ${input("task_id", "task")}
+        <label>termination <select name="termination_reason"><option value="">any</option>${TERMINATIONS.map(t =>
+          `<option${q.get("termination_reason") === t ? " selected" : ""}>${t}</option>`).join("")}</select></label>
+        ${input("min_reward", "reward ≥", 'type="number" step="any" class="short"')}
+        ${input("max_reward", "reward ≤", 'type="number" step="any" class="short"')}
+        <button>filter</button> <a href="#/runs/${esc(id)}" id="traj-clear">clear</a>
+      </form>
+      <table id="trajectories"><thead><tr><th>task</th><th>sample</th><th>reward</th><th>termination</th><th>steps</th>
+        <th>tokens (prompt / response)</th><th>policy version</th></tr></thead><tbody></tbody></table>
+      <div class="pager" id="traj-pager"></div>`;
+    document.getElementById("traj-filter").addEventListener("submit", e => {
+      e.preventDefault();
+      const next = new URLSearchParams();
+      for (const [k, v] of new FormData(e.target)) if (String(v).trim()) next.set(k, String(v).trim());
+      location.hash = `#/runs/${id}` + (next.toString() ? "?" + next : "");
+    });
+  }
+
+  async function trajectoryRows(id, query) {
+    const q = new URLSearchParams(query);
+    const offset = Math.max(0, parseInt(q.get("offset") || "0", 10) || 0);
+    const params = new URLSearchParams({ limit: String(PAGE), offset: String(offset) });
+    FILTERS.forEach(k => { if (q.get(k)) params.set(k, q.get(k)); });
+    const body = document.querySelector("#trajectories tbody");
+    let trajs;
+    try {
+      trajs = await api(`/runs/${id}/trajectories?${params}`);
+    } catch (e) {  // a bad filter (e.g. a negative version) is shown under the form, the page stays
+      if (body) body.innerHTML = `<tr><td colspan="7" class="error">${esc(e.message)}</td></tr>`;
+      return;
+    }
+    if (!body) return;
+    body.innerHTML = trajs.data.map(t => `
+        <tr class="link" data-href="#/trajectories/${esc(t.id)}"><td>${esc(t.task_id)}</td><td>${t.sample_idx}</td>
+        <td>${num(t.reward)}</td><td>${esc(t.termination_reason)}</td><td>${t.num_steps}</td>
+        <td>${t.prompt_tokens} / ${t.response_tokens}</td><td>${t.policy_version_min}–${t.policy_version_max}</td></tr>`).join("")
+      || `<tr><td colspan="7" class="meta">no trajectories${FILTERS.some(k => q.get(k)) ? " match these filters" : " yet"}</td></tr>`;
+    document.getElementById("traj-count").textContent = String(trajs.count);
+    const page = o => { const n = new URLSearchParams(q); n.set("offset", String(o)); return `#/runs/${esc(id)}?${n}`; };
+    const last = Math.max(0, Math.floor((trajs.count - 1) / PAGE) * PAGE);
+    const link = (cond, o, text, idAttr) => (cond ? `<a href="${page(o)}" id="${idAttr}">${text}</a>` : `<span class="off">${text}</span>`);
+    document.getElementById("traj-pager").innerHTML = trajs.count === 0 ? "" : `
+      ${link(offset > 0, 0, "« newest", "traj-first")} ${link(offset > 0, Math.max(0, offset - PAGE), "‹ newer", "traj-prev")}
+      <span id="traj-range">${Math.min(offset + 1, trajs.count)}–${Math.min(offset + trajs.data.length, trajs.count)} of ${trajs.count}</span>
+      ${link(offset + PAGE < trajs.count, offset + PAGE, "older ›", "traj-next")} ${link(offset < last, last, "oldest »", "traj-last")}`;
   }
 
   function message(m) {
@@ -143,16 +273,21 @@
         <p class="meta">action: <code>${esc(JSON.stringify(s.action))}</code></p></div>`).join("")}`;
   }
 
+  function showError(e) {
+    view.innerHTML = `<p class="error">${esc(e.message)}</p>`;
+  }
+
   async function route() {
     clearTimeout(timer);
     plots.splice(0).forEach(plot => plot.destroy());
-    const [, kind, id] = location.hash.split("/");
+    const [path, query = ""] = location.hash.replace(/^#/, "").split("?");
+    const [, kind, id] = path.split("/");
     try {
-      if (kind === "runs" && id) await runPage(id);
+      if (kind === "runs" && id) await runPage(id, query);
       else if (kind === "trajectories" && id) await trajectoryPage(id);
       else await runsPage();
     } catch (e) {
-      view.innerHTML = `<p class="error">${esc(e.message)}</p>`;
+      showError(e);
     }
   }
 

@@ -6,7 +6,13 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from services.rollout_worker.engines.base import Generation, InferenceEngine, InferenceError, SamplingParams
+from services.rollout_worker.engines.base import (
+    AdapterView,
+    Generation,
+    InferenceEngine,
+    InferenceError,
+    SamplingParams,
+)
 
 ENGINES = {
     "hf": "services.rollout_worker.engines.hf:HFEngine",
@@ -23,4 +29,4 @@ def build_engine(engine_type: str, model_path: str, engine_cfg: Any, tokenizer: 
     return getattr(importlib.import_module(module), cls)(model_path, engine_cfg, tokenizer, **kwargs)
 
 
-__all__ = ["ENGINES", "Generation", "InferenceEngine", "InferenceError", "SamplingParams", "build_engine"]
+__all__ = ["ENGINES", "AdapterView", "Generation", "InferenceEngine", "InferenceError", "SamplingParams", "build_engine"]

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:
-    from shared.weights import WeightUpdate
+    from shared.weights import BaseModelRef, WeightUpdate
 
 
 class InferenceError(Exception):
@@ -127,3 +127,30 @@ class InferenceEngine(ABC):
 
     async def close(self) -> None:
         return None
+
+
+class AdapterView(InferenceEngine):
+    """One LoRA run's handle on a base engine that every LoRA run naming the same model shares: the run's requests
+    carry its adapter, its version is its adapter's, and a new adapter version replaces only its own."""
+
+    def __init__(self, base: InferenceEngine, run_id: str):
+        self.base, self.run_id = base, run_id
+
+    @property
+    def version(self) -> int:
+        return self.base.adapter_version(self.run_id)
+
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams, max_tokens: int) -> Generation:
+        return await self.base.generate(prompt_ids, sampling, max_tokens, adapter=self.run_id)
+
+    async def load_weights(self, folder: Path, version: int) -> None:
+        raise ValueError(f"run {self.run_id} trains a LoRA adapter: a full-weight checkpoint cannot be served to it")
+
+    async def load_adapter(self, folder: Path, version: int, base_model: BaseModelRef) -> None:
+        """Serve the PEFT adapter in `folder` as this run's `version`; ChecksumError when it belongs to another
+        base model than the one loaded."""
+        await self.base.load_adapter(self.run_id, folder, version, base_model)
+
+    async def close(self) -> None:
+        """Drop this run's adapter (the base stays for the other runs; the registry closes it after the last)."""
+        await self.base.remove_adapter(self.run_id)

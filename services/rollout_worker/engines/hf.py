@@ -7,6 +7,12 @@ A weight reload waits for the batch in flight, swaps the state dict in place and
 carries the version its batch started on. A delta (`apply_update`) is written into the parameters and checked
 between two batches (undone if it does not verify); on GPU, or when the engine's dtype is wider than the
 published one, the changed tensors are rebuilt and checked while batches run, then copied in.
+
+LoRA runs share one engine per base model: each run's adapter is a named PEFT adapter on the one model, each
+request names its run, and one batch mixes runs (PEFT's per-row `adapter_names`; a run without an adapter yet,
+version 0, gets the base). A run's new adapter version is read while batches run, then copied into the run's
+adapter between two batches (a new adapter config: loaded under a new name and the old one deleted), so no other
+run's adapter or version changes; every result carries its run's adapter version as of the batch it ran in.
 """
 
 from __future__ import annotations
@@ -21,10 +27,10 @@ from prometheus_client import Histogram
 
 from services.rollout_worker.engines.base import Generation, InferenceEngine, SamplingParams
 from shared.logs import get_logger
-from shared.weights import read_safetensors
+from shared.weights import ADAPTER_CONFIG, ADAPTER_WEIGHTS, read_safetensors
 
 if TYPE_CHECKING:
-    from shared.weights import WeightUpdate
+    from shared.weights import BaseModelRef, WeightUpdate
 
 log = get_logger(__name__)
 BATCH_SIZE = Histogram("hf_batch_size", "Requests per HF generate call", buckets=(1, 2, 4, 8, 16, 32, 64, 128))
@@ -37,6 +43,7 @@ class _Request:
     sampling: SamplingParams
     max_tokens: int
     future: asyncio.Future
+    adapter: str | None = None  # the LoRA run whose adapter serves this request
 
 
 class HFEngine(InferenceEngine):
@@ -48,6 +55,7 @@ class HFEngine(InferenceEngine):
         from transformers import AutoModelForCausalLM
 
         self.torch = torch
+        self.model_path = model_path
         self.device = engine_cfg.device
         dtype = getattr(torch, engine_cfg.dtype)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(self.device).eval()
@@ -57,6 +65,8 @@ class HFEngine(InferenceEngine):
         self.eos_ids = _eos_ids(tokenizer, self.model)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
         self._version = initial_version
+        self._adapters: dict[str, tuple[str, int]] = {}  # LoRA run -> (PEFT adapter name, version)
+        self._adapter_configs: dict[str, str] = {}  # LoRA run -> its adapter_config.json as served
         self._pending: list[_Request] = []
         self._wakeup = asyncio.Event()
         self._lock = asyncio.Lock()  # one generate batch or one weight swap at a time
@@ -66,11 +76,16 @@ class HFEngine(InferenceEngine):
     def version(self) -> int:
         return self._version
 
-    async def generate(self, prompt_ids: list[int], sampling: SamplingParams, max_tokens: int) -> Generation:
+    def adapter_version(self, run_id: str) -> int:
+        """The adapter version run `run_id`'s requests start on (0: none loaded yet, the base serves it)."""
+        return self._adapters.get(run_id, ("", 0))[1]
+
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams, max_tokens: int,
+                       adapter: str | None = None) -> Generation:
         if self._loop_task is None or self._loop_task.done():
             self._loop_task = asyncio.create_task(self._batch_loop())
         future = asyncio.get_running_loop().create_future()
-        self._pending.append(_Request(list(prompt_ids), sampling, max_tokens, future))
+        self._pending.append(_Request(list(prompt_ids), sampling, max_tokens, future, adapter))
         self._wakeup.set()
         return await future
 
@@ -95,20 +110,22 @@ class HFEngine(InferenceEngine):
 
     async def _run_batch(self, batch: list[_Request]) -> None:
         async with self._lock:
-            version = self._version
+            versions = [self.adapter_version(r.adapter) if r.adapter else self._version for r in batch]
+            names = [self._adapters.get(r.adapter, ("__base__", 0))[0] for r in batch]
             try:
-                results = await asyncio.to_thread(self._generate_batch, batch)
+                results = await asyncio.to_thread(self._generate_batch, batch, names)
             except Exception as e:
                 for r in batch:
                     if not r.future.done():
                         r.future.set_exception(e)
                 return
-        for r, (ids, logprobs, finish) in zip(batch, results, strict=True):
+        for r, version, (ids, logprobs, finish) in zip(batch, versions, results, strict=True):
             if not r.future.done():
                 text = self.tokenizer.decode(ids, skip_special_tokens=True)
                 r.future.set_result(Generation(ids, logprobs, text, finish, version))
 
-    def _generate_batch(self, batch: list[_Request]) -> list[tuple[list[int], list[float], str]]:
+    def _generate_batch(self, batch: list[_Request], adapter_names: list[str] | None = None,
+                        ) -> list[tuple[list[int], list[float], str]]:
         torch = self.torch
         start = time.perf_counter()
         width = max(len(r.prompt_ids) for r in batch)
@@ -119,8 +136,9 @@ class HFEngine(InferenceEngine):
             attention[i, width - len(r.prompt_ids):] = 1
         sampling = batch[0].sampling
         max_new = max(r.max_tokens for r in batch)
+        per_row = {"adapter_names": adapter_names} if self._adapters and adapter_names else {}
         with torch.no_grad():
-            out = self.model.generate(
+            out = self.model.generate(**per_row,
                 input_ids=input_ids.to(self.device), attention_mask=attention.to(self.device),
                 max_new_tokens=max_new, min_new_tokens=1, **self._sampling_kwargs(sampling),
                 eos_token_id=self.eos_ids, pad_token_id=self.pad_id, output_scores=True,
@@ -182,6 +200,71 @@ class HFEngine(InferenceEngine):
                 self._version = update.version
         log.info("hf engine now serves version %d (%d tensors updated in place)", update.version,
                  len(update.names), extra={"policy_version": update.version})
+
+    async def load_adapter(self, run_id: str, folder: Path, version: int, base_model: BaseModelRef) -> None:
+        """Serve the PEFT adapter in `folder` to run `run_id` as `version` from its next request on; the other
+        runs' adapters are untouched. ChecksumError (nothing changes) when it was trained on another base."""
+        from safetensors.torch import load_file
+
+        from shared.weights import ChecksumError, base_model_digest
+
+        loaded = await asyncio.to_thread(base_model_digest, self.model_path)
+        if base_model.sha256 != loaded:
+            raise ChecksumError(f"adapter v{version} of run {run_id} belongs to base model {base_model.name} "
+                                f"(sha256 {base_model.sha256[:12]}), but this engine serves {self.model_path} "
+                                f"(sha256 {loaded[:12]}): an adapter is applied to its own base only")
+        old = self._adapters.get(run_id)
+        config = (Path(folder) / ADAPTER_CONFIG).read_text()
+        if old is not None and self._adapter_configs.get(run_id) == config:  # same shapes: copy the tensors in
+            state = await asyncio.to_thread(load_file, str(Path(folder) / ADAPTER_WEIGHTS))
+            async with self._lock:  # between batches
+                await asyncio.to_thread(self._copy_adapter, old[0], state)
+                self._adapters[run_id] = (old[0], version)
+        else:
+            name = f"run_{run_id.replace('-', '')}_v{version}"  # a new name: the old version serves until the swap
+            async with self._lock:  # between batches
+                await asyncio.to_thread(self._add_adapter, name, folder)
+                self._adapters[run_id] = (name, version)
+                if old is not None:
+                    self.model.delete_adapter(old[0])
+        self._adapter_configs[run_id] = config
+        log.info("hf engine serves run %s its adapter v%d", run_id, version,
+                 extra={"run_id": run_id, "policy_version": version})
+
+    def _add_adapter(self, name: str, folder: Path) -> None:
+        from peft import PeftModel
+
+        if isinstance(self.model, PeftModel):
+            self.model.load_adapter(str(folder), adapter_name=name, is_trainable=False)
+        else:
+            self.model = PeftModel.from_pretrained(self.model, str(folder), adapter_name=name).eval()
+
+    def _copy_adapter(self, name: str, state: dict) -> None:
+        from peft.utils import set_peft_model_state_dict
+
+        expected = self.served_adapter_names(name)
+        if set(state) != expected:
+            raise ValueError(f"adapter file has other tensors than adapter {name}: {sorted(set(state) ^ expected)[:5]}")
+        with self.torch.no_grad():
+            set_peft_model_state_dict(self.model, state, adapter_name=name)
+
+    def served_adapter_names(self, name: str) -> set[str]:
+        from peft.utils import get_peft_model_state_dict
+
+        return set(get_peft_model_state_dict(self.model, adapter_name=name))
+
+    async def remove_adapter(self, run_id: str) -> None:
+        self._adapter_configs.pop(run_id, None)
+        async with self._lock:
+            old = self._adapters.pop(run_id, None)
+            if old is not None and len(self.model.peft_config) > 1:  # PEFT keeps at least one adapter
+                self.model.delete_adapter(old[0])
+
+    def served_adapter(self, run_id: str) -> dict:
+        """The adapter tensors run `run_id` is served with, under PEFT's saved names (what its file holds)."""
+        from peft.utils import get_peft_model_state_dict
+
+        return get_peft_model_state_dict(self.model, adapter_name=self._adapters[run_id][0])
 
     def _copy_in(self, params: dict, new: dict) -> None:
         with self.torch.no_grad():

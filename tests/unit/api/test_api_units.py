@@ -11,7 +11,14 @@ import pytest
 from services.api.auth import Principal, hash_token, new_token
 from services.api.progress import planned_units, progress
 from services.api.routers.sql import FORBIDDEN, _cell
-from shared.datasets import Dataset, DatasetError, detect_format, rows_from_bytes, task_id_of, validate_rows
+from shared.datasets import (
+    DatasetError,
+    LoadedDataset,
+    detect_format,
+    rows_from_bytes,
+    task_id_of,
+    validate_rows,
+)
 
 
 def test_validate_rows_explains_what_is_wrong():
@@ -46,7 +53,7 @@ def test_loaders():
 
 
 def test_repeat():
-    ds = Dataset("d", "train", [{"a": 1}, {"a": 2}], ["0", "1"]).repeat(3)
+    ds = LoadedDataset("d", "train", [{"a": 1}, {"a": 2}], ["0", "1"]).repeat(3)
     assert len(ds) == 6 and ds.task_ids == ["0", "0", "0", "1", "1", "1"]
 
 
@@ -80,6 +87,7 @@ def test_progress_never_passes_its_total():
     FakeRun.kind = "eval"
     assert progress(FakeRun, {"completed": 100, "failed": 4}, 20) == {"unit": "samples", "done": 104,
                                                                      "total": 320, "fraction": 104 / 320}
+    assert progress(FakeRun, {"completed": 100, "errored": 6, "failed": 4}, 20)["done"] == 110  # errored: finished
 
 
 def test_sql_guard_and_cells():

@@ -56,3 +56,26 @@ def test_a_run_that_learns_every_question_through_enough_versions_passes():
     assert result["initial_reward"] == pytest.approx(0.1)
     assert judge(result | {"versions_hot_reloaded": 13, "wall_s": 60}) == []
     assert "hot-reloaded" in judge(result | {"versions_hot_reloaded": 9, "wall_s": 60})[0]
+
+
+def test_the_readme_training_example_is_the_demo_run_on_the_builtin_recall_task():
+    """examples/train_recall_grpo.yaml (the README's first training run) trains as `make demo` does, with the
+    registered `recall` agent, env and generator."""
+    import yaml
+
+    from bench.demo import ALGORITHM, LR, SAMPLES, STEPS, TASKS, demo_config
+    from shared.builtin.datasets import generate
+    from shared.registry import resolve
+    from shared.run_config import RunConfig
+
+    example = yaml.safe_load(open("examples/train_recall_grpo.yaml"))
+    RunConfig.model_validate(example)
+    demo = demo_config(example["model"], STEPS, TASKS, SAMPLES, LR, max_staleness=1)
+    same = ("model", "samples_per_task", "tasks_per_batch", "max_prompt_tokens", "max_response_tokens",
+            "max_staleness", "total_steps", "max_in_flight", "sampling", "engine")
+    assert {k: example[k] for k in same} == {k: demo[k] for k in same} | {"model": example["model"]}
+    assert example["algorithm"] == ALGORITHM | {"lr": LR}
+    assert resolve("env", example["env"]["name"]) is RecallEnv and example["dataset"] == "recall"
+    rows = generate("recall", 30, seed=1)
+    assert [r["question"] for r in rows] == [r["question"] for r in dataset_rows(30, seed=1)]
+    assert all(RecallEnv.from_dict(r).step(r["answer"])[1] == 1.0 for r in rows) and len({r["id"] for r in rows}) == 30

@@ -124,7 +124,26 @@ def test_code_env_survives_hostile_solution():
     env = build("code", {"tests": "assert True"})
     env.reset()
     _, reward, done, info = env.step("```python\nimport os\nwhile True: os.fork()\n```")
-    assert (reward, done) == (0.0, True) and "not allowed" in info["error"]
+    assert (reward, done) == (0.0, True) and "Resource temporarily unavailable" in info["error"]
+    assert info["sandbox"] == "namespaces"  # the default: a kernel boundary, its process limit stopped the bomb
+
+
+@pytest.mark.parametrize("exit_call", ["import sys\nsys.exit(0)", "import os\nos._exit(0)"])
+def test_code_env_does_not_reward_exiting_before_the_tests(exit_call):
+    env = build("code", {"tests": "assert add(1, 2) == 3"})
+    env.reset()
+    _, reward, done, info = env.step(f"```python\ndef add(a, b):\n    return 0\n{exit_call}\n```")
+    assert (reward, done, info["is_correct"]) == (0.0, True, False) and "did not run to their end" in info["error"]
+
+
+def test_code_and_tool_envs_take_the_sandbox_mode_from_their_args():
+    env = build("code", {"tests": "assert True", "sandbox": "none"})
+    env.reset()
+    assert env.step("```python\nimport os\nos.fork()\n```")[3]["sandbox"] == "none"  # the audit hook refused
+    with pytest.raises(ValueError, match="unknown sandbox mode 'off'"):
+        build("code", {"tests": "assert True", "sandbox": "off"})
+    tool = build("tool", {"question": "q", "ground_truth": "1", "sandbox": "none"})
+    assert tool.tools["python"].sandbox == "none"
 
 
 CORPUS = [
@@ -192,3 +211,43 @@ def test_generators_are_deterministic_and_checked():
     assert eval(" + ".join(map(str, row["nums"]))) is not None and "target" in row
     with pytest.raises(ValueError, match="unknown built-in dataset"):
         generate("nope", 1)
+
+
+def play_digits(task: dict, policy) -> tuple[float, list[bool], list[str]]:
+    """One episode of the digits env: `policy(turn, words said so far)` answers; (reward, right per turn, words)."""
+    env = build("digits", task)
+    words, right = [env.reset()[0]["word"]], []
+    while True:
+        obs, reward, done, info = env.step(policy(len(right), words))
+        right.append(info["correct"])
+        if done:
+            return reward, right, words
+        assert reward == 0.0  # the reward comes only at the end
+        words.append(obs["word"])
+
+
+def test_digits_env_rewards_at_the_end_and_its_words_follow_the_answers():
+    from shared.builtin.envs import NUMBER_WORDS
+
+    task = generate("digits", 1, seed=1)[0]
+    digit = lambda word: str(NUMBER_WORDS.index(word))  # noqa: E731
+    reward, right, words = play_digits(task, lambda t, words: digit(words[-1]))
+    assert (reward, right, len(words)) == (1.0, [True, True, True], 3)
+    for i, offset in enumerate(task["offsets"]):  # the next word: the answer + the turn's secret offset
+        assert NUMBER_WORDS.index(words[i + 1]) == (NUMBER_WORDS.index(words[i]) + offset) % 10
+    wrong = play_digits(task, lambda t, words: str((int(digit(words[-1])) + 1) % 10) if t == 1 else digit(words[-1]))
+    assert wrong[:2] == (2 / 3, [True, False, True]) and wrong[2][2] != words[2]  # another answer, another word
+    assert play_digits({**task, "all_or_nothing": True}, lambda t, w: digit(w[-1]) if t != 1 else "x")[0] == 0.0
+    with pytest.raises(ValueError, match="offsets"):
+        build("digits", {"first": "one"})
+
+
+def test_digits_env_is_not_solved_by_ignoring_the_env_or_by_reading_only_the_first_word():
+    from shared.builtin.envs import NUMBER_WORDS
+
+    rows = generate("digits", 200, seed=0)
+    digit = lambda word: str(NUMBER_WORDS.index(word))  # noqa: E731
+    constant = max(sum(play_digits(r, lambda t, w, d=d: d)[0] for r in rows) / len(rows) for d in "0123456789")
+    assert constant == pytest.approx(0.1, abs=0.02)  # 1/10 per turn in expectation; the best of ten digits
+    first_only = sum(play_digits(r, lambda t, w: digit(w[0]))[0] for r in rows) / len(rows)
+    assert 0.3 < first_only < 0.5  # the first turn right, later ones by chance (an offset of 0)

@@ -105,3 +105,30 @@ def test_the_kernels_work_where_numba_has_nowhere_to_cache_them():
             "gaps, vals = changes(old, new); patch(old, gaps, vals); assert (old == new).all(); print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "int8", "float64"])
+@pytest.mark.parametrize("share", [0.0, 0.002, 0.3, 1.0])
+def test_the_diff_on_the_weights_device_encodes_what_the_host_kernel_does(dtype, share):
+    """`changes_on_device` (torch, where the trainer's weights live) gives the same (gaps, values) as `changes`
+    over the integer views of the same bits; run here on CPU tensors, on a GPU by `make gpu-smoke`."""
+    import torch
+
+    from shared.delta_kernels import changes_on_device
+
+    g = torch.Generator().manual_seed(7)
+    size = 70_001  # gaps past a uint8's range at the sparse share
+    old = (torch.randn(size, generator=g) * 50).to(getattr(torch, dtype))
+    new = old.clone()
+    hit = torch.rand(size, generator=g) < share
+    bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[new.element_size()]
+    new.view(bits)[hit] ^= 1  # one flipped bit, as a tiny optimizer step would
+    on_device = changes_on_device(old, new)
+    host = changes(old.view(bits).numpy(), new.view(bits).numpy())
+    if host is None:
+        assert on_device is None
+        return
+    assert on_device is not None
+    (dev_gaps, dev_vals), (host_gaps, host_vals) = on_device, host
+    assert dev_gaps.dtype == host_gaps.dtype and np.array_equal(dev_gaps, host_gaps)
+    assert np.array_equal(dev_vals, host_vals)

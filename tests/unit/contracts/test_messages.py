@@ -16,9 +16,10 @@ from shared.messages import (
     EpisodeResult,
     MessageDecodeError,
     RolloutTask,
-    StepRecord,
+    RunControl,
     TrainerProgress,
     TrajectoryRecord,
+    TrajectoryStep,
     WeightsPublished,
     decode,
     encode,
@@ -39,7 +40,7 @@ SAMPLES = {
         reward=1.0, trajectories=[TrajectoryRecord(
             uid="u", prompt_ids=[1, 2, 3], response_ids=[4, 5, 6, 7], loss_mask=[1, 1, 0, 1],
             logprobs=[-0.25, -1.5, 0.0, -3.0], versions=[2, 2, -1, 3],
-            steps=[StepRecord(prompt_ids=[1, 2, 3], response_ids=[4, 5], logprobs=[-0.25, -1.5], weight_version=2,
+            steps=[TrajectoryStep(prompt_ids=[1, 2, 3], response_ids=[4, 5], logprobs=[-0.25, -1.5], weight_version=2,
                               chat_completions=[{"role": "user", "content": "hi"}], reward=1.0, done=True)],
         )],
     ),
@@ -51,6 +52,7 @@ SAMPLES = {
 }
 
 SAMPLES["accepted_result"] = AcceptedResult.stored(SAMPLES["episode_result"])
+SAMPLES["run_control"] = RunControl(run_id="r", action="stop", sent_at=NOW)
 
 
 def test_every_message_type_has_a_sample():

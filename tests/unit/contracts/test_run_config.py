@@ -64,8 +64,13 @@ def test_cross_field_checks_say_how_to_fix(data, reason):
 
 
 def test_single_sample_allowed_for_eval_and_non_group_estimators():
-    RunConfig.model_validate(_cfg(samples_per_task=1, kind="eval"))
-    RunConfig.model_validate(_cfg(samples_per_task=1, algorithm={"adv_estimator": "reinforce_plus_plus"}))
+    # training with the default group estimator (grpo) needs a group; evaluation and reinforce++ do not
+    assert "needs samples_per_task >= 2" in _error(_cfg(samples_per_task=1))
+    evaluation = RunConfig.model_validate(_cfg(samples_per_task=1, kind="eval"))
+    assert (evaluation.kind, evaluation.samples_per_task, evaluation.algorithm.adv_estimator) == ("eval", 1, "grpo")
+    single = RunConfig.model_validate(_cfg(samples_per_task=1, algorithm={"adv_estimator": "reinforce_plus_plus"}))
+    assert (single.kind, single.samples_per_task, single.algorithm.adv_estimator) == (
+        "train", 1, "reinforce_plus_plus")
 
 
 def test_settings_from_environment(monkeypatch):
@@ -77,3 +82,17 @@ def test_settings_from_environment(monkeypatch):
     monkeypatch.setenv("LOG_FORMAT", "xml")
     with pytest.raises(ValidationError, match="LOG_FORMAT must be json, text or auto"):
         ServiceSettings()
+
+
+def test_sandbox_is_explicit_for_envs_that_run_model_code_and_checked_for_all():
+    base = {"name": "r", "kind": "eval", "model": "m", "dataset": "d", "agent": {"name": "math"}}
+    code = RunConfig(**base, env={"name": "code"})
+    assert code.env.args["sandbox"] == "namespaces" and code.sandbox == "namespaces"  # a row cannot override it
+    assert RunConfig(**base, env={"name": "math"}).sandbox is None
+    assert RunConfig(**base, env={"name": "code", "args": {"sandbox": "none"}}).sandbox == "none"
+    with pytest.raises(ValueError, match="env.args.sandbox: unknown sandbox mode 'off'"):
+        RunConfig(**base, env={"name": "code", "args": {"sandbox": "off"}})
+    with pytest.raises(ValueError, match="env.args.image: sandbox 'container'"):
+        RunConfig(**base, env={"name": "code", "args": {"sandbox": "container"}})
+    image = {"sandbox": "container", "image": "localhost/flywheel-sandbox-python:local"}
+    assert RunConfig(**base, env={"name": "code", "args": image}).sandbox == "container"

@@ -165,8 +165,11 @@ def test_attempts_failing_for_one_reason_in_a_row_fail_the_run_and_a_success_res
     for t in ("t0", "t1", "t2"):
         driver.apply(t, 0, 0, "failed", boom)
     assert driver.fail_reason == "3 attempts in a row failed: OSError: model path /m/0x7f3a does not exist"
-    assert config(kind="eval", max_in_flight=4).fail_fast_threshold == 20
-    assert config(kind="eval", max_in_flight=64).fail_fast_threshold == 128
+    def threshold(n_tasks: int, max_in_flight: int) -> int:
+        cfg = config(kind="eval", samples_per_task=1, max_in_flight=max_in_flight)
+        return RunDriver(RunRow("r2", "running", {}, 0), cfg, tasks(n_tasks)).fail_fast_failures
+
+    assert (threshold(500, 4), threshold(500, 64), threshold(40, 64)) == (20, 128, 40)  # capped by the run's size
 
 
 def test_lost_attempts_neither_fail_the_run_fast_nor_reset_a_streak():
@@ -191,3 +194,52 @@ def test_rollout_capacity_is_shared_by_priority_and_what_a_run_cannot_use_goes_t
     assert fair_shares(8, {"a": (3.0, 256), "b": (1.0, 256)}) == {"a": 6, "b": 2}
     assert fair_shares(10, {"small": (1.0, 2), "b": (1.0, 256), "c": (2.0, 256)}) == {"small": 2, "b": 2, "c": 5}
     assert fair_shares(2, {r: (1.0, 8) for r in "abc"}) == {"a": 1, "b": 1, "c": 1}  # every run progresses
+
+
+def _dispatch(driver: RunDriver, n: int) -> list:
+    items = driver.next_items(n)
+    driver.mark_dispatched(items, {(s.task_id, s.sample_idx, a) for s, a in items})
+    return items
+
+
+def test_fail_fast_scales_with_a_small_run():
+    """40 units whose first attempts all fail the same way fail the run after those 40, not after 512."""
+    driver = RunDriver(RunRow("r1", "running", {}, 0), config(kind="eval", max_in_flight=256), tasks(40))
+    assert driver.fail_fast_failures == 40 and driver.fail_fast_errors == 10
+    _dispatch(driver, 40)
+    for i in range(39):
+        driver.apply(f"t{i}", 0, 0, "failed", "Traceback ...\nOSError: config.json is not valid JSON")
+    assert driver.fail_reason is None
+    driver.apply("t39", 0, 0, "failed", "Traceback ...\nOSError: config.json is not valid JSON")
+    assert driver.fail_reason == "40 attempts in a row failed: OSError: config.json is not valid JSON"
+    big = RunDriver(RunRow("r2", "running", {}, 0), config(kind="eval", max_in_flight=256), tasks(4000))
+    assert big.fail_fast_failures == 512  # max(20, 2 * max_in_flight) where the run is larger than that
+
+
+def test_errored_units_are_final_counted_apart_and_fail_fast_on_their_own_threshold():
+    cfg = config(kind="eval", max_in_flight=64, fail_fast_after_errors=3)
+    driver = RunDriver(RunRow("r1", "running", {}, 0), cfg, tasks(6))
+    _dispatch(driver, 6)
+    where = "env math.reset: RuntimeError: boom"
+    assert driver.apply("t0", 0, 0, "error", where) is True  # final: its group can never complete
+    driver.apply("t1", 0, 0, "completed")
+    assert driver.apply("t2", 0, 0, "error", where) and driver.apply("t3", 0, 0, "error", where + "\ntraceback")
+    assert driver.fail_reason is None  # the completed unit reset the streak: 2 in a row
+    assert driver.num_errored == 3 and driver.num_completed == 1 and not driver.retry and not driver.final_failed
+    driver.apply("t4", 0, 0, "error", where)
+    assert driver.fail_reason == "3 units in a row ended in a user-code error: env math.reset: RuntimeError: boom"
+    driver.apply("t5", 0, 0, "completed")
+    assert driver.is_done  # scored + errored + out of attempts = every unit
+    rebuilt = RunDriver(RunRow("r1", "running", {}, 0), cfg, tasks(6))
+    rebuilt.rebuild([LedgerRow(f"t{i}", 0, 0, "error" if i in (0, 2, 3, 4) else "completed", 0, 0, False)
+                     for i in range(6)])
+    assert rebuilt.num_errored == 4 and rebuilt.num_completed == 2 and rebuilt.is_done
+
+
+def test_train_errored_slot_counts_as_a_group_that_cannot_complete():
+    cfg = config(samples_per_task=2, tasks_per_batch=2, max_in_flight=8)
+    driver = RunDriver(RunRow("r1", "running", {}, 0), cfg, tasks(4))
+    items = _dispatch(driver, 8)
+    s = items[0][0]
+    driver.apply(s.task_id, s.sample_idx, 0, "error", "agent A.update_from_model: TypeError: x")
+    assert driver.final_failed_groups() == [(s.task_id, s.batch_idx)]

@@ -14,7 +14,8 @@ REPO = Path(__file__).resolve().parents[3]
 # Tests whose subject is a bench script (its entry point, its task or its corpus), by path prefix.
 TESTS_OF_BENCH = ("tests/unit/bench/", "tests/chaos/", "tests/gpu/test_gpu_trainer_smoke.py",
                   "tests/integration/test_learning_", "tests/unit/builtin/test_math_grading.py",
-                  "tests/integration/test_trainer_engine.py")  # the last: the demo's sampler feeds a GAE update
+                  "tests/integration/test_trainer_engine.py",  # the demo's sampler feeds a GAE update
+                  "tests/integration/test_lora.py")  # runs `make demo-lora` (bench.demo's run_stack with LoRA)
 
 
 def imports(folder: str) -> list[tuple[str, str]]:

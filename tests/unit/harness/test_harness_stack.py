@@ -1,4 +1,4 @@
-"""Pure parts of the local stack: URL translation for Celery, the service table, restart backoff, the socket path.
+"""Pure parts of the local stack: the service table, restart backoff, the socket path.
 
     pytest -q tests/unit/harness/test_harness_stack.py
 """
@@ -10,15 +10,9 @@ import tomllib
 from pathlib import Path
 
 from harness.servers import _redis_socket_path
-from harness.stack import SERVICES, Backoff, celery_broker_url
+from harness.stack import SERVICES, Backoff, ConsoleFilter
 
 REPO = Path(__file__).resolve().parents[3]
-
-
-def test_celery_broker_url_translates_unix_sockets_only():
-    assert celery_broker_url("unix:///tmp/x/redis.socket?db=3") == "redis+socket:///tmp/x/redis.socket?virtual_host=3"
-    assert celery_broker_url("unix:///tmp/r.sock") == "redis+socket:///tmp/r.sock?virtual_host=0"
-    assert celery_broker_url("redis://127.0.0.1:6379/2") == "redis://127.0.0.1:6379/2"
 
 
 def test_service_table_matches_the_console_scripts():
@@ -48,3 +42,24 @@ def test_redis_socket_path_is_short_and_stable_for_deep_folders(tmp_path):
     deep = Path("/tmp") / ("d" * 120)
     path = _redis_socket_path(deep)
     assert len(str(path)) < 100 and path == _redis_socket_path(deep) != _redis_socket_path(deep / "x")
+
+
+def test_the_console_shows_warnings_errors_and_their_tracebacks_not_info_or_harmless_noise():
+    output = [
+        ("/x/celery/platforms.py:841: SecurityWarning: You're running the worker with superuser privileges", False),
+        ("12:00:00 I [jobs] jobs ready", False),
+        ("12:00:01 W [trainer] /x/verl/workers/engine/__init__.py:32: torchtitan engine is not available", False),
+        ("  warnings.warn(...)", False),  # the rest of a hidden warning stays hidden
+        ("12:00:02 W [controller] run 3a52: 12 samples older than max_staleness dropped", True),
+        ("12:00:03 E [trainer] step failed", True),
+        ("Traceback (most recent call last):", True),  # a traceback under an error is shown whole
+        ('  File "x.py", line 1, in <module>', True),
+        ("ValueError: boom", True),
+        ("12:00:04 I [trainer] step 3 done", False),
+        ("some library banner", False),
+        ("12:00:05 C [api] cannot bind port 8000", True),
+        ('{"ts": 1.5, "level": "INFO", "service": "api", "msg": "ready"}', False),  # LOG_FORMAT=json
+        ('{"ts": 1.5, "level": "ERROR", "service": "api", "msg": "boom"}', True),
+    ]
+    shown = ConsoleFilter()
+    assert [shown(line) for line, _ in output] == [want for _, want in output]

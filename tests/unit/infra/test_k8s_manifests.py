@@ -144,3 +144,15 @@ def test_gpu_overlay_swaps_in_the_vllm_rollout_image():
             for c in pod_containers(doc):
                 if c["image"].split("/")[-1].startswith(APP_IMAGES):
                     assert "/" in c["image"] and ":" in c["image"], f"{overlay}: {c['image']} needs a registry and tag"
+
+
+def test_env_worker_may_build_sandboxes_and_gvisor_overlay_runs_it_under_runsc():
+    """The namespaces sandbox needs unshare/clone/mount (RuntimeDefault seccomp refuses them); still non-root,
+    no capabilities, no privilege escalation. overlays/cpu-gvisor adds the RuntimeClass and uses it."""
+    container = find("cpu", "Deployment", "env-worker")["spec"]["template"]["spec"]["containers"][0]
+    security = container["securityContext"]
+    assert security["seccompProfile"]["type"] == "Unconfined" and security["capabilities"]["drop"] == ["ALL"]
+    assert security["allowPrivilegeEscalation"] is False
+    gvisor = find("cpu-gvisor", "Deployment", "env-worker")["spec"]["template"]["spec"]
+    assert gvisor["runtimeClassName"] == "gvisor"
+    assert find("cpu-gvisor", "RuntimeClass", "gvisor")["handler"] == "runsc"

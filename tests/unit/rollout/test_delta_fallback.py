@@ -38,7 +38,7 @@ def reloads(result: str) -> float:
 async def test_a_failed_delta_falls_back_to_the_full_weights_of_its_version(monkeypatch, tmp_path, error, counted):
     delta = CheckpointManifest(run_id="r", version=2, files={}, kind="delta", base_version=1)
     monkeypatch.setattr(runs, "fetch_manifest", lambda msg: delta)
-    monkeypatch.setattr(runs, "materialize", lambda msg, cache: tmp_path / "full-v2")
+    monkeypatch.setattr(runs, "materialize", lambda msg, cache, relay=None: tmp_path / "full-v2")
     registry = runs.RunRegistry(db=None, weights_cache=tmp_path, hf_batch_wait_ms=0)
     monkeypatch.setattr(registry, "_update", lambda msg, manifest: object())
     engine, before = Engine(error), reloads(counted)

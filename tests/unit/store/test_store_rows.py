@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import uuid
 
+from services.controller.store import TABLES, build_rows
 from shared.db.models import EpisodeRow, StepRow, TokenArrayRow, TrajectoryRow
-from shared.messages import EpisodeResult, StepRecord, TrajectoryRecord
-from shared.store import TABLES, build_rows
+from shared.messages import EpisodeResult, TrajectoryRecord, TrajectoryStep
 
 
 def test_tables_are_the_models_columns_the_store_writes():
@@ -18,7 +18,7 @@ def test_tables_are_the_models_columns_the_store_writes():
 
 
 def test_row_values_sit_under_their_column_names():
-    step = StepRecord(prompt_ids=[1, 2], response_ids=[3], logprobs=[-0.5], model_response="ok", reward=0.25,
+    step = TrajectoryStep(prompt_ids=[1, 2], response_ids=[3], logprobs=[-0.5], model_response="ok", reward=0.25,
                       weight_version=7)
     traj = TrajectoryRecord(uid="u1", name="solver", reward=0.5, termination_reason="env_done", steps=[step],
                             prompt_ids=[1, 2], response_ids=[3], loss_mask=[1], logprobs=[-0.5], versions=[7])

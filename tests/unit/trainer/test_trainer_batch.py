@@ -12,6 +12,7 @@ from services.trainer.batch import (
     build_tensors,
     doomed_groups,
     excluded_reason,
+    mismatch_probe,
     samples_from_result,
     select_groups,
     staleness,
@@ -192,3 +193,37 @@ def test_sample_without_behaviour_logprobs_is_masked_out_and_counted(logprobs):
 def test_untrained_tokens_need_no_logprob():
     (s,) = samples_from_result(result("a", 0, 1.0, mask=(0, 1), logprobs=[float("nan"), -0.5]))
     assert s.loss_mask == [0, 1]
+
+
+@pytest.mark.parametrize("estimator, equal_rewards_teach", [
+    ("grpo", False), ("rloo", False), ("reinforce_plus_plus", True), ("gae", True)])
+def test_groups_without_learning_signal_are_read_off_the_estimators_advantages(estimator, equal_rewards_teach):
+    """`groups_without_signal`: the share of a step's groups none of whose tokens got an advantage. A group of
+    equal rewards teaches nothing under GRPO/RLOO; under REINFORCE++ (batch whitening) and GAE (a critic) it still
+    does, and counting it signal-free there would warn a healthy run."""
+    from services.trainer.algorithm import compute_advantages
+    from services.trainer.learner import groups_without_signal
+    from shared.run_config import AlgorithmConfig
+
+    algo = AlgorithmConfig(adv_estimator=estimator)
+    groups = buffer_of([result("a", 0, 0.0), result("a", 1, 0.0), result("b", 0, 1.0), result("b", 1, 0.0)]
+                       ).complete_groups()
+    t = build_tensors(groups, pad_id=0)
+    values = torch.full_like(t["behaviour_log_probs"], 0.3) if estimator == "gae" else None
+    advantages, _ = compute_advantages(algo, t, values)
+    assert groups_without_signal(groups, advantages, t["response_mask"]) == (0.0 if equal_rewards_teach else 0.5)
+    masked = t["response_mask"] * 0  # nothing trained: nothing taught, whatever the advantages
+    assert groups_without_signal(groups, advantages, masked) == 1.0
+
+
+def test_each_tokens_version_reaches_the_tensors_and_the_mismatch_probe_takes_only_trained_tokens_of_a_version():
+    results = [result("a", 0, 1.0, versions=(3, -1, 4), response=(8, 9, 10), mask=(1, 0, 1)),
+               result("a", 1, 0.0, versions=(3, -1, 3), response=(8, 9, 10), mask=(1, 0, 1)),
+               result("b", 0, 0.0, versions=(-1, 4), response=(8, 9), mask=(0, 1), reason=TR.ERROR)]
+    buf = buffer_of(results)
+    t = build_tensors(buf.complete_groups(), pad_id=0)
+    assert t["behaviour_versions"].tolist() == [[3, -1, 4], [3, -1, 3]]
+    probe = mismatch_probe(buf, 4)  # the errored sample's version-4 token has no loss: not a trained token
+    assert [(s.group[0], s.key[2]) for s in probe] == [("a", 0)]
+    assert len(mismatch_probe(buf, 3)) == 2 and len(mismatch_probe(buf, 3, limit=1)) == 1
+    assert mismatch_probe(buf, 5) == []

@@ -15,6 +15,9 @@ Guarantees:
   ended differently, is recorded once as a `late_result` run event and not stored as a trajectory.
 - `status="failed"` results mark the ledger row failed with the error and store the episode row (no
   trajectories: they are never trained on); the controller re-dispatches attempt+1 while attempts remain.
+- `status="error"` results (the user's code failed) mark the ledger row `error` with the error's first line
+  ("<where>: <exception>") and store the episode (full error) with its trajectories, to read what happened;
+  they are never trained on, never scored and not retried.
 
 - What to train on (`StoreOutcome.to_train`): the completed results of training runs that this write accepted,
   plus completed re-deliveries of attempts already stored (the first publish may have been lost in a crash).
@@ -76,6 +79,7 @@ class StoreOutcome:
 
     stored: int = 0  # completed results stored with their trajectories
     failed: int = 0  # failed results recorded (ledger row failed)
+    errored: int = 0  # results whose user code failed (ledger row error)
     duplicates: int = 0  # re-deliveries of results already applied
     late: list[Key] = field(default_factory=list)
     rows: int = 0  # rows inserted across the four trajectory tables
@@ -156,6 +160,7 @@ def _classify(
             accepted.append(r)
             outcome.stored += r.status == "completed"
             outcome.failed += r.status == "failed"
+            outcome.errored += r.status == "error"
         else:  # lost, cancelled, ended otherwise, or never dispatched by a controller
             late.append((r, status))
             outcome.late.append(r.key)
@@ -166,7 +171,7 @@ def _classify(
 def _finish_ledger(cur, accepted: list[EpisodeResult]) -> None:
     if not accepted:
         return
-    cols = list(zip(*[(*r.key, r.status, r.worker_id, _text(r.error)) for r in accepted], strict=True))
+    cols = list(zip(*[(*r.key, r.status, r.worker_id, _text(ledger_error(r))) for r in accepted], strict=True))
     cur.execute(
         """UPDATE rollout_tasks t SET status = v.status, worker_id = v.worker_id, error = v.error,
                finished_at = now()
@@ -175,6 +180,14 @@ def _finish_ledger(cur, accepted: list[EpisodeResult]) -> None:
            WHERE (t.run_id, t.task_id, t.sample_idx, t.attempt) = (v.run_id, v.task_id, v.sample_idx, v.attempt)""",
         [list(c) for c in cols],
     )
+
+
+def ledger_error(r: EpisodeResult) -> str | None:
+    """The ledger keeps an error's first line for a user-code error (its reason, summed up per run), the whole
+    error for an infrastructure failure (its reason is the traceback's last line)."""
+    if r.status == "error" and r.error:
+        return r.error.split("\n", 1)[0]
+    return r.error
 
 
 def _record_late(cur, late: list[tuple[EpisodeResult, str | None]]) -> None:
@@ -234,7 +247,7 @@ def build_rows(results: Sequence[EpisodeResult]) -> dict[str, list[tuple]]:
     for r in results:
         ep_id = episode_id(r.key)
         rows["episodes"].append(_episode_row(ep_id, r))
-        if r.status != "completed":
+        if r.status == "failed":
             continue
         for traj_idx, traj in enumerate(r.trajectories):
             tid = trajectory_id(ep_id, traj_idx)

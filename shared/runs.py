@@ -1,18 +1,21 @@
-"""What `POST /v1/runs` checks before it stores a run, so a run that cannot work is refused with the reason
-instead of failing every attempt on the workers:
+"""The one place a run is created, with one set of checks: `POST /v1/runs` and the eval job both call
+`create_run`, so a run that cannot work is refused with the reason (`RunRefused`: 404 or 400, every problem
+listed) instead of failing every attempt on the workers. The checks:
 
-- the dataset (name, split) exists (404);
+- the dataset (name, split, version) exists (404); the run reads that one version for its whole life;
 - `model` / `tokenizer`: a path (absolute, `./`, `../`, `~`, or naming an existing file) must be a folder that
   exists; anything else must be a valid hub id, and is refused when it looks like a local path whose folder is
   missing (its first part exists here) or the hub is offline and the id is not cached (400);
 - `max_prompt_tokens + max_response_tokens` (and `max_trajectory_tokens`) fit the model's context, read from its
-  config.json when the API can see it (400);
+  config.json when this process can see it (400);
 - some live rollout worker offers `engine.type` (workers list theirs in their heartbeat; not checked while no
   worker is up, so a run may be created before the workers start) (400);
-- every dataset row has the fields the env needs (built-in envs declare `required_fields`) (400).
+- every dataset row has the fields the env needs (built-in envs declare `required_fields`) (400);
+- `algorithm.lora.target_modules` name modules the model has (read from its safetensors headers) (400).
 
-Relative paths resolve against the API's working directory: the repo root under `make up`. What the API cannot
-see it does not check: set CHECK_MODEL_PATHS=false when the API does not share the workers' file system."""
+Relative paths resolve against the caller's working directory: the repo root under `make up`. What the caller
+cannot see it does not check: `check_paths=False` (the API's CHECK_MODEL_PATHS=false when it does not share the
+workers' file system; an eval of a checkpoint, whose model is the weight server's)."""
 
 from __future__ import annotations
 
@@ -21,41 +24,79 @@ import os
 from pathlib import Path
 from typing import Any
 
-import redis
+from pydantic import BaseModel
 from sqlalchemy import Engine, select
 from sqlalchemy.dialects.postgresql import array
+from sqlalchemy.orm import Session
 
-from services.api.errors import ApiError
-from services.api.schemas import ErrorItem
-from shared.datasets import count_rows
-from shared.db.models import Dataset, DatasetRow
+from shared.bus import RedisError, SyncRedis
+from shared.datasets import DatasetNotFound, count_rows, pin_version
+from shared.db.models import Dataset, DatasetRow, Run, RunEvent
 from shared.registry import REGISTRIES, resolve
 from shared.run_config import RunConfig
-from shared.streams import heartbeat_key
+from shared.workers import live_workers
 
 CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
 TINY_MODEL_HINT = ("to make the tiny test model the examples name, run "
                    "`.venv/bin/python -m harness.tiny_model .data/models/tiny-qwen2` in the repo root")
 
 
-def check_run(engine: Engine, redis_client: redis.Redis, cfg: RunConfig, check_paths: bool = True) -> int:
-    """The dataset's row count; ApiError (404 or 400, every problem found listed) when the run cannot work."""
+DATASET_HINT = "upload it with POST /v1/datasets or `flywheel datasets import`; list them with `flywheel datasets list`"
+
+
+class Problem(BaseModel):
+    """One reason a run cannot work (the API answers each as an error item)."""
+    field: str | None = None
+    message: str
+    hint: str | None = None
+
+
+class RunRefused(Exception):
+    """The run cannot work as given: `status` 404 (its dataset does not exist) or 400, every problem found."""
+
+    def __init__(self, status: int, problems: list[Problem]):
+        self.status, self.problems = status, problems
+        super().__init__("; ".join(f"{p.field}: {p.message}" if p.field else p.message for p in problems))
+
+
+def create_run(session: Session, redis_client: SyncRedis, cfg: RunConfig, *, check_paths: bool = True,
+               created_by: str | None = None) -> tuple[Run, int]:
+    """Pin the dataset version (the latest unless `cfg` names one), check the run, and add it `pending` with its
+    `created` event to `session` (flushed, not committed: the caller commits it with whatever else belongs to
+    the same transaction). (run, the dataset's row count); RunRefused when the run cannot work."""
+    try:
+        cfg.dataset_version, _ = pin_version(session.connection(), cfg.dataset, cfg.dataset_split, cfg.dataset_version)
+    except DatasetNotFound as e:
+        raise RunRefused(404, [Problem(field="dataset_version" if cfg.dataset_version else "dataset", message=str(e),
+                                       hint=DATASET_HINT)]) from e
+    num_rows = check_run(session.get_bind(), redis_client, cfg, check_paths)
+    run = Run(name=cfg.name, kind=cfg.kind, status="pending", config=cfg.model_dump(mode="json"),
+              policy_version=0, summary={})
+    session.add(run)
+    session.flush()
+    by = f" by {created_by}" if created_by else ""
+    session.add(RunEvent(run_id=run.id, kind="created", message=f"{cfg.kind} run created{by}", data={"rows": num_rows}))
+    session.flush()
+    return run, num_rows
+
+
+def check_run(engine: Engine, redis_client: SyncRedis, cfg: RunConfig, check_paths: bool = True) -> int:
+    """The dataset's row count; RunRefused (404 or 400, every problem found listed) when the run cannot work."""
     num_rows = count_rows(engine, cfg.dataset, cfg.dataset_split, cfg.dataset_version)
     if num_rows is None:
-        raise ApiError(404, f"dataset {cfg.dataset!r} split {cfg.dataset_split!r} does not exist", field="dataset",
-                       hint="upload it with POST /v1/datasets or `flywheel datasets import`; list them with "
-                            "`flywheel datasets list`")
+        raise RunRefused(404, [Problem(field="dataset", hint=DATASET_HINT,
+                                       message=f"dataset {cfg.dataset!r} split {cfg.dataset_split!r} does not exist")])
     problems = [*(_model_problems(cfg) if check_paths else []), *_engine_problems(redis_client, cfg),
                 *_row_problems(engine, cfg)]
     if problems:
-        raise ApiError(400, items=problems)
+        raise RunRefused(400, problems)
     return num_rows
 
 
 # ---- model and tokenizer ----------------------------------------------------------------------------------
 
 
-def _model_problems(cfg: RunConfig) -> list[ErrorItem]:
+def _model_problems(cfg: RunConfig) -> list[Problem]:
     fields = [("tokenizer", cfg.tokenizer)] if cfg.tokenizer else []
     if cfg.engine.type != "openai":  # for the openai engine `model` is the server's model name
         fields.insert(0, ("model", cfg.model))
@@ -65,7 +106,7 @@ def _model_problems(cfg: RunConfig) -> list[ErrorItem]:
         problems += [problem] if problem else []
         folders += [folder] if folder else []
     if not problems and folders:
-        problems += _context_problems(cfg, folders[0])
+        problems += _context_problems(cfg, folders[0]) + _lora_problems(cfg, folders[0])
     return problems
 
 
@@ -73,36 +114,36 @@ def _looks_like_path(value: str) -> bool:
     return value.startswith(("/", "./", "../", "~")) or os.path.exists(value)
 
 
-def _locate(field: str, value: str) -> tuple[ErrorItem | None, Path | None]:
+def _locate(field: str, value: str) -> tuple[Problem | None, Path | None]:
     """(problem, folder holding config.json or None)."""
     where = "relative paths resolve against the API's working directory (the repo root under `make up`)"
     if _looks_like_path(value):
         path = Path(value).expanduser().resolve()
         if not path.exists():
-            return ErrorItem(field=field, message=f"model folder {value!r} does not exist (looked at {path})",
+            return Problem(field=field, message=f"model folder {value!r} does not exist (looked at {path})",
                              hint=f"{where}; give an absolute path, or {TINY_MODEL_HINT}"), None
         if not path.is_dir():
-            return ErrorItem(field=field, message=f"{value!r} is a file; a model is an HF folder (config.json, "
+            return Problem(field=field, message=f"{value!r} is a file; a model is an HF folder (config.json, "
                                                   "weights, tokenizer files)", hint="give the folder"), None
         return None, path
     return _hub_problem(field, value, where), _cached_config_folder(value)
 
 
-def _hub_problem(field: str, value: str, where: str) -> ErrorItem | None:
+def _hub_problem(field: str, value: str, where: str) -> Problem | None:
     from huggingface_hub.errors import HFValidationError
     from huggingface_hub.utils import validate_repo_id
 
     try:
         validate_repo_id(value)
     except HFValidationError:
-        return ErrorItem(field=field, message=f"{value!r} is neither a folder that exists nor a hub id (org/name)",
+        return Problem(field=field, message=f"{value!r} is neither a folder that exists nor a hub id (org/name)",
                          hint=f"{where}; {TINY_MODEL_HINT}")
     first = value.split("/", 1)[0]
     if "/" in value and Path(first).is_dir():
-        return ErrorItem(field=field, message=f"{value!r} looks like a local path, but that folder does not exist "
+        return Problem(field=field, message=f"{value!r} looks like a local path, but that folder does not exist "
                                               f"(./{first} does)", hint=f"{where}; check the path")
     if _hub_offline() and _cached_config_folder(value) is None:
-        return ErrorItem(field=field, message=f"hub id {value!r} is not in the local cache and the hub is offline "
+        return Problem(field=field, message=f"hub id {value!r} is not in the local cache and the hub is offline "
                                               "(HF_HUB_OFFLINE)", hint="download it first, or give a local folder")
     return None
 
@@ -121,20 +162,20 @@ def _cached_config_folder(repo_id: str) -> Path | None:
     return Path(found).parent if isinstance(found, str) else None
 
 
-def _context_problems(cfg: RunConfig, folder: Path) -> list[ErrorItem]:
+def _context_problems(cfg: RunConfig, folder: Path) -> list[Problem]:
     context = model_context(folder)
     if context is None:
         return []
     asked = cfg.max_prompt_tokens + cfg.max_response_tokens
     problems = []
     if asked > context:
-        problems.append(ErrorItem(
+        problems.append(Problem(
             field="max_response_tokens",
             message=f"max_prompt_tokens + max_response_tokens = {cfg.max_prompt_tokens} + {cfg.max_response_tokens} "
                     f"= {asked} exceeds the model's context of {context} tokens",
             hint=f"lower them so they add up to at most {context}"))
     if cfg.max_trajectory_tokens is not None and cfg.max_trajectory_tokens > context:
-        problems.append(ErrorItem(field="max_trajectory_tokens",
+        problems.append(Problem(field="max_trajectory_tokens",
                                   message=f"{cfg.max_trajectory_tokens} exceeds the model's context of {context} tokens",
                                   hint=f"set it to at most {context}"))
     return problems
@@ -153,33 +194,56 @@ def model_context(folder: Path) -> int | None:
     return None
 
 
+def _lora_problems(cfg: RunConfig, folder: Path) -> list[Problem]:
+    """Each LoRA target module must end the path of a module of the model with a 2-d weight (a linear layer or
+    an embedding: what LoRA adapts), matched as PEFT matches names."""
+    lora = cfg.algorithm.lora
+    if lora is None or lora.target_modules == "all-linear":
+        return []
+    modules = weight_modules(folder)
+    if not modules:
+        return []  # no safetensors header to read: the trainer reports it
+    missing = [t for t in lora.target_modules if not any(m == t or m.endswith("." + t) for m in modules)]
+    if not missing:
+        return []
+    names = sorted({m.rsplit(".", 1)[-1] for m in modules})
+    return [Problem(field="algorithm.lora.target_modules",
+                      message=f"the model has no module named {', '.join(map(repr, missing))}",
+                      hint=f"choose among its adaptable modules: {', '.join(names)}; or use \"all-linear\"")]
+
+
+def weight_modules(folder: Path) -> set[str]:
+    """Paths of the modules with a 2-d `weight` in the model's safetensors files (read from the headers only)."""
+    modules = set()
+    for path in folder.glob("*.safetensors"):
+        try:
+            with open(path, "rb") as f:
+                header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        except (OSError, ValueError):
+            continue
+        modules |= {name.removesuffix(".weight") for name, info in header.items()
+                    if name.endswith(".weight") and isinstance(info, dict) and len(info.get("shape", ())) == 2}
+    return modules
+
+
 # ---- engines ----------------------------------------------------------------------------------------------
 
 
-def live_engines(redis_client: redis.Redis) -> list[set[str]] | None:
+def live_engines(redis_client: SyncRedis) -> list[set[str]] | None:
     """The engine sets live rollout workers advertise (None when Redis cannot be asked)."""
     try:
-        keys = list(redis_client.scan_iter(match=heartbeat_key("rollout-worker", "*"), count=500))
-        values = redis_client.mget(keys) if keys else []
-    except redis.RedisError:
+        workers = live_workers(redis_client, "rollout-worker")
+    except RedisError:
         return None
-    offered = []
-    for raw in values:
-        try:
-            engines = json.loads(raw or b"{}").get("engines")
-        except (ValueError, AttributeError):
-            continue
-        if isinstance(engines, list):
-            offered.append({str(e) for e in engines})
-    return offered
+    return [set(w.engines) for w in workers if w.engines is not None]
 
 
-def _engine_problems(redis_client: redis.Redis, cfg: RunConfig) -> list[ErrorItem]:
+def _engine_problems(redis_client: SyncRedis, cfg: RunConfig) -> list[Problem]:
     offered = live_engines(redis_client)
     if not offered or any(cfg.engine.type in engines for engines in offered):
         return []
     available = sorted(set().union(*offered))
-    return [ErrorItem(field="engine.type",
+    return [Problem(field="engine.type",
                       message=f"no live rollout worker offers engine {cfg.engine.type!r} "
                               f"({len(offered)} worker(s) offer: {', '.join(available) or 'none'})",
                       hint=f"choose one of {', '.join(available)}, or start a rollout worker that has "
@@ -197,7 +261,7 @@ def required_fields(cfg: RunConfig) -> list[tuple[str, ...]]:
     return [tuple(alts) for alts in needed if not set(alts) & set(cfg.env.args)]
 
 
-def _row_problems(engine: Engine, cfg: RunConfig) -> list[ErrorItem]:
+def _row_problems(engine: Engine, cfg: RunConfig) -> list[Problem]:
     problems = []
     for alternatives in required_fields(cfg):
         with engine.connect() as conn:
@@ -208,7 +272,7 @@ def _row_problems(engine: Engine, cfg: RunConfig) -> list[ErrorItem]:
                 .order_by(DatasetRow.idx).limit(3)).scalars().all()
         if rows:
             names = " or ".join(repr(a) for a in alternatives)
-            problems.append(ErrorItem(
+            problems.append(Problem(
                 field="dataset",
                 message=f"env {cfg.env.name!r} needs a {names} field in every row; rows without it include task_id "
                         f"{', '.join(map(repr, rows))}",

@@ -1,0 +1,252 @@
+"""`make bench-lora` -> bench/results/lora.json: what a LoRA run costs a rollout worker next to a full-weight run,
+on a base whose weights dominate a process's memory (bench/train.py's 114M-parameter tiny Qwen2, bf16 engine).
+
+1. sync: a real weight server (local stack); the rollout worker's reload path (RunRegistry + HF engine) in this
+   process. A LoRA run's versions (rank 8 adapter on every linear layer, PEFT layout) and a full-weight run's
+   versions (full snapshots) of the same model, each timed from the publisher's call until the worker serves it:
+   `adapter_sync_s` vs `weight_sync_full_s`, `adapter_bytes` vs `full_bytes`.
+2. memory and throughput, each configuration in a fresh process: the HF engine(s) a worker holds for one LoRA run,
+   for N LoRA runs (one base, N adapters) and for N full-weight runs (N models): resident MB after loading and
+   after generating. Generation throughput (one-token answers, 4 x 32 requests per round, as the demo's batches)
+   with every request from one run vs spread over N runs' adapters in the same batches.
+
+Not measured here: N runs learning at once (the trainer holds one engine per run, base included) and the
+trainer's memory per LoRA run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+RESULTS = Path("bench/results/lora.json")
+HIDDEN, LAYERS, RANK, N_RUNS, VERSIONS = 1024, 12, 8, 4, 5
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def make_adapter(model: Path, folder: Path, seed: int, peft_model=None):
+    """A PEFT adapter on every linear layer with random B (what a trained adapter looks like to the worker)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    if peft_model is None:
+        peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(model),
+                                    LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules="all-linear"))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.01 * torch.randn(p.shape, generator=gen))
+    peft_model.save_pretrained(folder)
+    return peft_model
+
+
+def insert_run(database_url: str, model: Path, lora: bool) -> str:
+    from sqlalchemy import create_engine, text
+
+    from bench.demo import LORA, demo_config
+
+    config = demo_config(model, steps=3, tasks=1, n=2, lr=5e-6, max_staleness=0, lora=LORA if lora else None)
+    config["engine"] |= {"dtype": "bfloat16", "weights_dtype": "bfloat16"}
+    run_id = str(uuid.uuid4())
+    with create_engine(database_url).begin() as c:
+        c.execute(text("INSERT INTO runs (id, name, kind, status, config, policy_version, summary) "
+                       "VALUES (:id, 'bench-lora', 'train', 'running', CAST(:cfg AS jsonb), 0, '{}')"),
+                  {"id": run_id, "cfg": json.dumps(config | {"schema_version": 1})})
+    return run_id
+
+
+async def sync(work: Path, model: Path, redis_url: str, database_url: str) -> dict:
+    import redis
+    from safetensors.torch import load_file, save_file
+    from sqlalchemy import create_engine
+
+    from harness.stack import LocalStack
+    from services.rollout_worker.runs import RunRegistry
+    from services.trainer.publisher import WeightPublisher
+    from shared.messages import decode
+    from shared.streams import WEIGHTS
+    from shared.weights import BaseModelRef, base_model_digest
+
+    lora_run, full_run = insert_run(database_url, model, True), insert_run(database_url, model, False)
+    env = {"REDIS_URL": redis_url, "DATABASE_URL": database_url, "LOG_LEVEL": "WARNING", "SNAPSHOT_EVERY": "1"}
+    out: dict = {"adapter_s": [], "full_s": [], "adapter_bytes": 0, "full_bytes": 0, "adapter_stages": []}
+    with LocalStack(data_dir=work / "stack", env=env) as stack:
+        stack.start(services=["weight-server"])
+        stack.wait_healthy(120)
+        db = create_engine(database_url)
+        worker = RunRegistry(db, work / "cache", 1.0)
+        stream = redis.Redis.from_url(redis_url)
+        last = [stream.xinfo_stream(WEIGHTS)["last-generated-id"].decode() if stream.exists(WEIGHTS) else "0-0"]
+
+        async def deliver() -> None:
+            entries = stream.xrange(WEIGHTS, f"({last[0]}", "+")
+            last[0] = entries[-1][0].decode()
+            for _, fields in entries:
+                await worker.on_weights(decode(fields))
+
+        try:
+            ctx = {run: await worker.get(run) for run in (lora_run, full_run)}
+            publisher = WeightPublisher(stack.weight_server_url, stack.data_dir / "weights")  # co-located
+            base = BaseModelRef(name=str(model), sha256=base_model_digest(str(model)))
+            state = load_file(str(model / "model.safetensors"))
+            peft_model = None
+            for v in range(1, VERSIONS + 1):
+                folder = work / f"adapter-v{v}"
+                peft_model = make_adapter(model, folder, v, peft_model)
+                out["adapter_bytes"] = sum(p.stat().st_size for p in folder.iterdir())
+                shutil.copytree(folder, work / f"keep-v{v}")  # publishing consumes the folder; part 2 reads these
+                started = time.perf_counter()
+                publisher.publish(lora_run, v, folder, {}, base_model=base)
+                published = time.perf_counter()
+                await deliver()
+                out["adapter_s"].append(time.perf_counter() - started)
+                out["adapter_stages"].append(publisher.last_timings | {"worker_s": time.perf_counter() - published})
+                assert ctx[lora_run].engine.version == v
+
+                folder = work / f"full-v{v}"
+                folder.mkdir()
+                for p in model.iterdir():
+                    if p.is_file() and p.suffix != ".safetensors":
+                        (folder / p.name).write_bytes(p.read_bytes())
+                state = {k: t.clone() for k, t in state.items()}
+                next(iter(state.values())).view(-1)[v] += 1.0  # another version of the weights
+                save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+                out["full_bytes"] = (folder / "model.safetensors").stat().st_size
+                started = time.perf_counter()
+                publisher.publish(full_run, v, folder, {})
+                await deliver()
+                out["full_s"].append(time.perf_counter() - started)
+                assert ctx[full_run].engine.version == v and publisher.last_kind == "full"
+                log(f"v{v}: adapter {out['adapter_s'][-1]:.3f}s, full {out['full_s'][-1]:.3f}s")
+        finally:
+            await worker.close()
+            db.dispose()
+    return {"adapter_bytes": out["adapter_bytes"], "full_bytes": out["full_bytes"],
+            "adapter_sync_s": round(statistics.median(out["adapter_s"]), 4),
+            "adapter_sync_first_s": round(out["adapter_s"][0], 4),
+            # medians: the publisher's stages (plan request, hashing, writing, the weight server's publish request)
+            # and the worker's (reading the announcement, fetching, checking the base, loading the adapter)
+            "adapter_sync_stages_s": {k: round(statistics.median(st[k] for st in out["adapter_stages"]), 4)
+                                      for k in out["adapter_stages"][0]},
+            "weight_sync_full_s": round(statistics.median(out["full_s"]), 4),
+            "adapter_sync_samples_s": [round(x, 4) for x in out["adapter_s"]],
+            "weight_sync_full_samples_s": [round(x, 4) for x in out["full_s"]]}
+
+
+async def engines(model: Path, adapters: list[Path], mode: str, runs: int) -> dict:
+    """One configuration in this (fresh) process: RSS after loading, generation throughput, RSS after."""
+    import asyncio
+
+    import psutil
+    from transformers import AutoTokenizer
+
+    from services.rollout_worker.engines import AdapterView, SamplingParams, build_engine
+    from shared.run_config import EngineConfig
+    from shared.weights import BaseModelRef, base_model_digest
+
+    rss = lambda: psutil.Process().memory_info().rss / 2**20  # noqa: E731
+    before = rss()
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    cfg = EngineConfig(dtype="bfloat16", max_batch_size=128)
+    base_ref = BaseModelRef(name=str(model), sha256=base_model_digest(str(model)))
+    if mode == "full":
+        served = [build_engine("hf", str(model), cfg, tokenizer) for _ in range(runs)]
+    else:
+        base = build_engine("hf", str(model), cfg, tokenizer)
+        served = [AdapterView(base, f"run{i}") for i in range(runs)]
+        for i, view in enumerate(served):
+            await view.load_adapter(adapters[i], 1, base_ref)
+    loaded = rss()
+    prompt = tokenizer("What is 12 + 30?").input_ids
+    sampling = SamplingParams(temperature=1.0)
+
+    async def round_of(engines_used: list) -> None:
+        await asyncio.gather(*(engines_used[i % len(engines_used)].generate(prompt, sampling, 1) for i in range(128)))
+
+    out = {"rss_mb_loaded": round(loaded - before, 1)}
+    if mode == "lora":
+        await round_of(served)  # warm-up
+        times: dict[str, list[float]] = {"one_run": [], "n_runs": []}
+        for _ in range(6):  # alternated, so drift on a shared machine hits both alike
+            for name, used in (("one_run", served[:1]), ("n_runs", served)):
+                started = time.perf_counter()
+                await round_of(used)
+                times[name].append(time.perf_counter() - started)
+        out |= {f"gen_per_s_{name}": round(128 / statistics.median(t), 1) for name, t in times.items()}
+    else:
+        await round_of(served[:1])
+    out["rss_mb_after_generating"] = round(rss() - before, 1)
+    for e in {id(getattr(s, "base", s)): getattr(s, "base", s) for s in served}.values():
+        await e.close()
+    return out
+
+
+def child(work: Path, model: Path, mode: str, runs: int) -> dict:
+    adapters = [work / f"keep-v{i + 1}" for i in range(N_RUNS)]
+    proc = subprocess.run([sys.executable, "-m", "bench.lora", "--engines", mode, str(runs), str(model),
+                           *map(str, adapters)], capture_output=True, text=True, timeout=900)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("@@")]
+    if proc.returncode or not lines:
+        raise RuntimeError(f"{mode} x{runs} failed: {proc.stderr[-2000:]}")
+    return json.loads(lines[-1][2:])
+
+
+def main() -> None:
+    import asyncio
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--engines", nargs="+", help=argparse.SUPPRESS)  # the child process of part 2
+    parser.add_argument("--small", action="store_true", help="a smoke-sized model (hidden 256, 2 layers)")
+    args = parser.parse_args()
+    if args.engines:
+        mode, runs, model, *adapters = args.engines
+        print("@@" + json.dumps(asyncio.run(engines(Path(model), list(map(Path, adapters)), mode, int(runs)))))
+        return
+
+    from bench.train import build_model, private_backends
+
+    hidden, layers = (256, 2) if args.small else (HIDDEN, LAYERS)
+    work = Path(tempfile.mkdtemp(prefix="flywheel-bench-lora-"))
+    model = build_model(work / "model", hidden=hidden, layers=layers)
+    redis_url, database_url, cleanup = private_backends()
+    try:
+        result: dict = {"model": {"hidden": hidden, "layers": layers, "lora_rank": RANK, "n_runs": N_RUNS},
+                        "cores": os.cpu_count()}
+        result["sync"] = asyncio.run(sync(work, model, redis_url, database_url))
+        s = result["sync"]
+        s["adapter_sync_vs_full"] = round(s["adapter_sync_s"] / s["weight_sync_full_s"], 4)
+        one, n_lora, n_full = child(work, model, "lora", 1), child(work, model, "lora", N_RUNS), \
+            child(work, model, "full", N_RUNS)
+        result["worker"] = {
+            "worker_rss_mb_one_run": one["rss_mb_after_generating"],
+            "worker_rss_mb_n_runs": n_lora["rss_mb_after_generating"],
+            "worker_rss_mb_n_full_runs": n_full["rss_mb_after_generating"],
+            "n_runs_vs_one_run_memory": round(n_lora["rss_mb_after_generating"] / one["rss_mb_after_generating"], 3),
+            "worker_rss_mb_loaded_one_run": one["rss_mb_loaded"], "worker_rss_mb_loaded_n_runs": n_lora["rss_mb_loaded"],
+            "worker_rss_mb_loaded_n_full_runs": n_full["rss_mb_loaded"],
+            "gen_per_s_one_run": n_lora["gen_per_s_one_run"], "gen_per_s_n_runs": n_lora["gen_per_s_n_runs"],
+            "n_runs_vs_one_run_throughput": round(n_lora["gen_per_s_n_runs"] / n_lora["gen_per_s_one_run"], 3),
+            "detail": {"lora_one_run": one, "lora_n_runs": n_lora, "full_n_runs": n_full}}
+    finally:
+        cleanup()
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(result, indent=1))
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+"""The progress loop: group "controller" on `trainer.progress` -> runs.policy_version and `consumed_groups`,
+acknowledged after the commit. All the controller knows of the trainer comes this way."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from sqlalchemy import Engine
+
+from services.controller import ledger
+from services.controller.config import ControllerConfig
+from services.controller.run import RunDriver
+from shared.bus import Delivery, StreamBus, StreamConsumer
+from shared.db.session import DB_DOWN
+from shared.messages import TrainerProgress
+from shared.streams import GROUP_CONTROLLER, TRAINER_PROGRESS
+
+
+class ProgressLoop:
+    def __init__(self, cfg: ControllerConfig, worker_id: str, db: Engine, bus: StreamBus,
+                 drivers: dict[str, RunDriver], wake: asyncio.Event):
+        self.db, self.drivers, self.wake = db, drivers, wake
+        self.consumer = StreamConsumer(bus, TRAINER_PROGRESS, GROUP_CONTROLLER, worker_id, expect=TrainerProgress,
+                                       claim_idle_ms=cfg.store_claim_idle_ms, transient=DB_DOWN)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        await self.consumer.run(self.record, stop)
+
+    async def record(self, deliveries: list[Delivery]) -> None:
+        msgs = [d.message for d in deliveries]
+        await asyncio.to_thread(ledger.record_progress, self.db, msgs)
+        for m in msgs:  # runs we drive see it at once; others at their controller's next poll
+            driver = self.drivers.get(m.run_id)
+            if driver is not None:
+                if m.version > driver.policy_version:
+                    driver.last_progress = time.monotonic()
+                driver.policy_version = max(driver.policy_version, m.version)
+                driver.recount_dropped = driver.recount_dropped or bool(m.groups)
+        self.wake.set()

@@ -1,0 +1,74 @@
+"""Who writes each table, who reads it, and what changes it: one owner per table. A service learns what another
+did from a message (shared/streams.py), never by reading that service's table; a reader here reads rows for
+what they hold for users or for the reader's own work (a run's config, a checkpoint's path).
+
+tests/unit/test_table_owners.py reads the code and fails when a service writes a table it does not own, a
+listed exception is no longer in the code, or a service reads a table it is not listed for. The README's "Who
+owns what" table shows this map.
+
+`also_written_by`: the writes that break the rule today, each with why; the list only shrinks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SERVICES = frozenset({"api", "controller", "env_worker", "jobs", "rollout_worker", "trainer", "weight_server"})
+
+
+@dataclass(frozen=True)
+class TableOwner:
+    owner: str
+    readers: tuple[str, ...]
+    changed_by: str  # the messages or requests that change the table, as the README lists them
+    also_written_by: dict[str, str] = field(default_factory=dict)
+
+
+OWNERS: dict[str, TableOwner] = {
+    "runs": TableOwner(
+        "controller", ("api", "jobs", "rollout_worker", "trainer"),
+        "POST /v1/runs (created pending); `run.control` (pause, resume, stop); `trajectories` and "
+        "`trainer.progress` (status, progress, summary, stall reason)",
+        also_written_by={
+            "api": "creates the row (POST /v1/runs, shared/runs.py) and records a control request with a "
+                   "compare-and-set on status before publishing it on `run.control`, so the REST answer is final",
+            "jobs": "an eval job creates its run through shared/runs.py, with the API's checks",
+        }),
+    "run_leases": TableOwner(
+        "controller", ("trainer",), "held and renewed by whoever drives the run (shared/leases.py)",
+        also_written_by={"trainer": "holds its own `trainer` lease of a run through shared/leases.py, the one "
+                                    "lease mechanism"}),
+    "consumed_groups": TableOwner(
+        "controller", (), "`trainer.progress` (the groups a policy version consumed or dropped)"),
+    "run_events": TableOwner(
+        "controller", ("api", "jobs"), "every message that changes a run (the run's history)",
+        also_written_by={
+            "api": "records `created` and each control request in the transaction that makes it",
+            "jobs": "records an eval run's `created` in the transaction that creates it",
+            "trainer": "records `trainer_error` when it cannot train a run it leased (a model or checkpoint that "
+                       "will not load), before it lets the lease go",
+        }),
+    "rollout_tasks": TableOwner("controller", (), "the controller's dispatch; `trajectories` (each attempt's end)"),
+    "episodes": TableOwner("controller", ("api", "jobs"), "`trajectories` (the store, exactly once)"),
+    "trajectories": TableOwner("controller", ("api", "jobs"), "`trajectories` (the store, exactly once)"),
+    "steps": TableOwner("controller", ("api", "jobs"), "`trajectories` (the store, exactly once)"),
+    "token_arrays": TableOwner("controller", ("api", "jobs"), "`trajectories` (the store, exactly once)"),
+    "metrics": TableOwner(
+        "trainer", ("api", "controller", "jobs"), "each policy version's step (loss, grad norm, rewards)",
+        also_written_by={"controller": "writes an eval run's pass@k figures (`eval/*`, step 0) with its summary"}),
+    "train_samples": TableOwner("trainer", (), "each policy version's step (which samples it trained on)"),
+    "checkpoints": TableOwner(
+        "weight_server", ("api", "jobs", "rollout_worker", "trainer"), "the trainer's uploads (PUT, then commit)"),
+    "datasets": TableOwner(
+        "jobs", ("api", "controller"), "an import job (`POST /v1/datasets/import`, `flywheel datasets import`)",
+        also_written_by={"api": "POST /v1/datasets (a small upload, stored at once) and DELETE, which checks "
+                                "that no live run reads the version in the transaction that deletes it"}),
+    "dataset_rows": TableOwner(
+        "jobs", ("api", "controller"), "an import job, with its `datasets` row",
+        also_written_by={"api": "POST /v1/datasets and DELETE, with the `datasets` row"}),
+    "jobs": TableOwner(
+        "jobs", ("api",), "`POST /v1/jobs/...` (queued), then the jobs worker (running, done, failed)",
+        also_written_by={"api": "inserts the queued row before sending its id as the Celery message, and marks "
+                                "it failed when the broker is unreachable"}),
+    "api_tokens": TableOwner("api", (), "`flywheel tokens` / `POST /v1/tokens`"),
+}

@@ -1,0 +1,173 @@
+"""Every table has one writing owner (shared/db/owners.py), read off the code: a service that writes a table it
+does not own (SQLAlchemy insert/update/delete/`session.add` of its model, or INSERT/UPDATE/DELETE/COPY in SQL
+text), itself or through a `shared/` function it imports, fails here unless the map lists that write as a known
+exception with its reason; an exception no longer in the code fails too, so the list only shrinks. Readers are
+checked the same way, and the README's "Who owns what" table shows the map.
+
+    pytest -q tests/unit/test_table_owners.py
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections import defaultdict
+from pathlib import Path
+
+from shared.db import models
+from shared.db.owners import OWNERS, SERVICES
+
+REPO = Path(__file__).resolve().parents[2]
+TABLES = {c.__tablename__: c.__name__ for c in vars(models).values()
+          if isinstance(c, type) and "__tablename__" in vars(c)}
+MODEL_TABLE = {cls: table for table, cls in TABLES.items()}
+WRITE_SQL = re.compile(r"\b(?:INSERT\s+INTO|UPDATE|DELETE\s+FROM|COPY)\s+([a-z_]+)\b", re.I)
+READ_SQL = re.compile(r"\b(?:FROM|JOIN)\s+([a-z_]+)\b", re.I)
+WRITE_CALLS = {"insert", "update", "delete", "pg_insert"}
+
+
+def _text(node: ast.AST) -> str | None:
+    """A string literal, or an f-string with its holes as `{}`."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.JoinedStr):
+        return "".join(v.value if isinstance(v, ast.Constant) else "{}" for v in node.values)
+    return None
+
+
+def _name(node: ast.AST) -> str | None:
+    return node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
+
+
+def scan_file(path: Path) -> dict[str, tuple[set[str], set[str]]]:
+    """{top-level function or class name ('' for module level): (tables written, tables read)}. A write whose
+    table is a placeholder (`INSERT INTO {table}`) counts every table its file names as a model or literal."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found: dict[str, tuple[set[str], set[str]]] = defaultdict(lambda: (set(), set()))
+    named: set[str] = set()
+    dynamic: list[str] = []
+    for top in tree.body:
+        owner = top.name if isinstance(top, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) else ""
+        writes, reads = found[owner]
+        for node in ast.walk(top):
+            if isinstance(node, ast.Call):
+                fn = _name(node.func)
+                if fn in WRITE_CALLS and node.args and _name(node.args[0]) in MODEL_TABLE:
+                    writes.add(MODEL_TABLE[_name(node.args[0])])
+                if fn in MODEL_TABLE:  # a model instance is made to be added to a session
+                    writes.add(MODEL_TABLE[fn])
+            if (name := _name(node)) in MODEL_TABLE:
+                reads.add(MODEL_TABLE[name])
+                named.add(MODEL_TABLE[name])
+            if (text := _text(node)) is not None:
+                if text in TABLES:
+                    named.add(text)
+                for m in WRITE_SQL.finditer(text):
+                    if m.group(1) in TABLES:
+                        writes.add(m.group(1))
+                if re.search(r"\b(?:INSERT\s+INTO|COPY)\s+\{\}", text, re.I):
+                    dynamic.append(owner)
+                reads |= {m.group(1) for m in READ_SQL.finditer(text) if m.group(1) in TABLES}
+    for owner in dynamic:
+        found[owner][0].update(named)
+    return found
+
+
+def _imported(tree: ast.Module) -> set[tuple[str, str]]:
+    """(shared module, name) pairs a file uses: `from shared.m import f` gives (m, f); `from shared import m`
+    or `import shared.m` then `m.f(...)` gives (m, f)."""
+    used, modules = set(), {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("shared"):
+            for a in node.names:
+                if node.module == "shared":
+                    modules[a.asname or a.name] = a.name
+                else:
+                    used.add((node.module.removeprefix("shared.").replace(".", "/"), a.name))
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("shared."):
+                    modules[a.asname or a.name] = a.name.removeprefix("shared.").replace(".", "/")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules:
+            used.add((modules[node.value.id], node.attr))
+    return used
+
+
+def table_access(root: Path) -> tuple[dict[str, dict[str, set[str]]], dict[str, dict[str, set[str]]]]:
+    """({table: {service: files}} written, the same read), each service folder under `root`/services counted
+    with the `shared/` functions and classes it imports."""
+    shared = {str(p.relative_to(root / "shared").with_suffix("")): scan_file(p)
+              for p in (root / "shared").rglob("*.py")}
+    written: dict[str, dict[str, set[str]]] = defaultdict(lambda: defaultdict(set))
+    read: dict[str, dict[str, set[str]]] = defaultdict(lambda: defaultdict(set))
+    for path in sorted((root / "services").rglob("*.py")):
+        service = path.relative_to(root / "services").parts[0]
+        where = str(path.relative_to(root))
+        parts = [(where, found) for found in scan_file(path).values()]
+        parts += [(f"{where} (via shared/{module}.py {name})", shared[module][name])
+                  for module, name in _imported(ast.parse(path.read_text())) if name in shared.get(module, {})]
+        for at, (writes, reads) in parts:
+            for t in writes:
+                written[t][service].add(at)
+            for t in reads:
+                read[t][service].add(at)
+    return written, read
+
+
+def test_every_table_has_an_entry():
+    assert set(OWNERS) == set(TABLES), f"tables without an owner: {sorted(set(TABLES) - set(OWNERS))}; " \
+        f"entries for no table: {sorted(set(OWNERS) - set(TABLES))}"
+    for table, o in OWNERS.items():
+        assert {o.owner, *o.readers, *o.also_written_by} <= SERVICES, table
+
+
+def test_only_the_owner_writes_a_table():
+    written, _ = table_access(REPO)
+    stray = {(t, s): sorted(files) for t, by in written.items() for s, files in by.items()
+             if s != OWNERS[t].owner and s not in OWNERS[t].also_written_by}
+    assert stray == {}, "services writing tables they do not own (shared/db/owners.py): send the owner a " \
+        f"message instead, or record the exception with its reason: {stray}"
+    gone = {(t, s) for t, o in OWNERS.items() for s in o.also_written_by if s not in written.get(t, {})}
+    assert gone == set(), f"{sorted(gone)} no longer write: delete these exceptions from shared/db/owners.py"
+
+
+def test_readers_are_declared():
+    _, read = table_access(REPO)
+    undeclared = {(t, s): sorted(files)[:3] for t, by in read.items() for s, files in by.items()
+                  if s not in {OWNERS[t].owner, *OWNERS[t].readers, *OWNERS[t].also_written_by}}
+    assert undeclared == {}, f"services reading tables the map does not list them for: {undeclared}"
+    stale = {(t, s) for t, o in OWNERS.items() for s in o.readers if s not in read.get(t, {})}
+    assert stale == set(), f"{sorted(stale)} no longer read these tables: delete them from the map's readers"
+
+
+def test_the_readme_table_shows_the_map():
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("### Who owns what", 1)[1].split("\n#", 1)[0]
+    rows = {cells[0].strip("` "): cells for line in section.splitlines() if line.startswith("| `")
+            for cells in [[c.strip() for c in line.strip("|").split("|")]]}
+    assert set(rows) == set(OWNERS)
+    for table, o in OWNERS.items():
+        assert rows[table][1:5] == [o.owner, ", ".join(o.also_written_by) or "-", ", ".join(o.readers) or "-",
+                                    o.changed_by], table
+
+
+def test_the_scan_sees_every_spelling(tmp_path):
+    (tmp_path / "services/a").mkdir(parents=True)
+    (tmp_path / "services/b").mkdir(parents=True)
+    (tmp_path / "shared").mkdir()
+    (tmp_path / "shared/lib.py").write_text(
+        "def touch(c):\n    c.execute('UPDATE runs SET status = 1')\n\n"
+        "def look(c):\n    return c.execute('SELECT 1 FROM checkpoints')\n")
+    (tmp_path / "services/a/x.py").write_text(
+        "from sqlalchemy import insert\nfrom shared.db.models import Run, Metric\n\n"
+        "def f(s, c):\n    c.execute(insert(Run).values())\n    m = Metric(name='x')\n    s.add(m)\n")
+    (tmp_path / "services/a/y.py").write_text(
+        "def g(cur, table):\n    cur.execute(f'INSERT INTO {table} SELECT 1')\n\nROWS = {'episodes': []}\n")
+    (tmp_path / "services/b/z.py").write_text(
+        "from shared import lib\nfrom shared.lib import look\n\ndef h(c):\n    lib.touch(c)\n    look(c)\n"
+        "    c.execute('DELETE FROM jobs WHERE 1')\n")
+    written, read = table_access(tmp_path)
+    assert {t: set(by) for t, by in written.items()} == {
+        "runs": {"a", "b"}, "metrics": {"a"}, "episodes": {"a"}, "jobs": {"b"}}
+    assert set(read["checkpoints"]) == {"b"}
