@@ -56,7 +56,7 @@ def cli(stack, monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1200)  # 80 policy versions of 256 samples on a CPU: ~2 min idle, 12 on a loaded 2-core box
+@pytest.mark.timeout(1200)  # 100 policy versions of 256 samples on a CPU: ~2.5 min idle, 15 on a loaded 2-core box
 def test_readme_path_from_make_up_to_a_finished_eval_and_a_training_run_that_learns(cli):
     assert "math-tiny/test: 8 rows" in cli("datasets", "import", "arithmetic", "--generator", "--name", "math-tiny",
                                            "--split", "test", "--n", "8")
@@ -68,10 +68,10 @@ def test_readme_path_from_make_up_to_a_finished_eval_and_a_training_run_that_lea
     assert "recall/train: 200 rows" in cli("datasets", "import", "recall", "--generator", "--name", "recall",
                                            "--n", "200")
     out = cli("runs", "start", "-f", str(REPO / "examples/train_recall_grpo.yaml"), "--watch")
-    assert "ended: completed" in out and "80/80 steps" in out, out
+    assert "ended: completed" in out and "100/100 steps" in out, out
     rewards = {int(v): float(r) for v, r in re.findall(r"policy v(\d+): mean reward ([\d.]+)", out)}
     first, last = [rewards[v] for v in sorted(rewards)[:3]], [rewards[v] for v in sorted(rewards)[-3:]]
-    assert len(rewards) >= 70 and sum(first) / 3 <= 0.2, rewards  # at chance: the model is random
+    assert len(rewards) >= 90 and sum(first) / 3 <= 0.2, rewards  # at chance: the model is random
     assert sum(last) / 3 >= 0.6, rewards  # and it learned: the reward climbed
     shown = cli("runs", "show", "recall-grpo")  # by name, as the README shows
     assert "recall-grpo (train)" in shown and "completed" in shown, shown

@@ -174,7 +174,7 @@ def _batches() -> float:
 def test_a_lora_run_learns_the_demo_task(tmp_path, isolated_urls):
     redis_url, database_url = isolated_urls
     started = time.monotonic()
-    result = run_stack(tmp_path, steps=70, lr=LORA_LR, lora=LORA, timeout_s=840,
+    result = run_stack(tmp_path, lr=LORA_LR, lora=LORA, timeout_s=840,
                        env={"REDIS_URL": redis_url, "DATABASE_URL": database_url}, log=lambda *_: None)
     failures = judge(result | {"wall_s": 0})
     assert not failures, (failures, result["reward_by_version"], time.monotonic() - started)
