@@ -3,7 +3,8 @@
 Errors are values, not exceptions: every call returns an `EnvReply`, ok or with an `error_kind`:
 `user` (the env raised; traceback attached), `timeout` (the call overran; the session is dropped because
 its thread may still be inside the env), `session_lost` (unknown session: expired, or another worker's),
-`bad_request` (the env name does not resolve), `infra` (the env's sandbox failed: a container died or hung).
+`bad_request` (the env name does not resolve), `infra` (the env's sandbox failed: a container died or hung, or
+the sandbox the env asks for cannot run on this worker, e.g. its image is not on the engine).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from shared.builtin.sandbox_ns import SandboxInfraError
+from shared.builtin.sandbox_ns import SandboxInfraError, SandboxUnavailable
 from shared.logs import get_logger
 from shared.messages import EnvReply, EnvRequest
 from shared.registry import resolve
@@ -63,6 +64,9 @@ class SessionHost:
         except SandboxInfraError as e:  # the env's container died or hung: not the env's nor the policy's doing
             self.drop(req.session_id)
             reply = self.error(req, "infra", f"sandbox failure: {e}")
+        except SandboxUnavailable as e:  # the worker lacks what the env's sandbox needs: the fleet's fault, never scored
+            self.drop(req.session_id)
+            reply = self.error(req, "infra", f"sandbox unavailable on {self.worker_id}: {e}")
         except Exception:
             self.drop(req.session_id)
             reply = self.error(req, "user", traceback.format_exc(limit=20)[-8000:])

@@ -30,3 +30,30 @@ def test_a_worker_without_bubblewrap_exits_at_start_saying_so(tmp_path):
                           text=True, timeout=60)
     assert proc.returncode != 0
     assert "apt-get install bubblewrap" in proc.stderr + proc.stdout
+
+
+async def test_a_sandbox_the_worker_cannot_give_is_an_infra_failure_not_a_user_error(tmp_path, monkeypatch):
+    """A code env asking for a container sandbox on a worker with no engine (or without the image) at session
+    time: the reply is error_kind `infra` with the reason, so the unit is never scored nor blamed on the user."""
+    import time
+    import uuid
+
+    from services.env_worker.sessions import SessionHost
+    from shared.messages import EnvRequest
+
+    monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path}/no-engine.sock")
+    host, sid = SessionHost("w-test", threads=1, max_sessions=4), uuid.uuid4().hex
+
+    def req(op, **kw):
+        return EnvRequest(request_id=uuid.uuid4().hex, op=op, session_id=sid, run_id="r", env="code",
+                          env_args={"sandbox": "container", "image": "localhost/no-such-image:1"}, reply_to="x",
+                          timeout_s=60, sent_at=time.time(), **kw)
+
+    try:
+        assert (await host.handle(req("reset", task={"tests": "assert f() == 1"}))).ok
+        reply = await host.handle(req("step", action="```python\ndef f():\n    return 1\n```"))
+        assert not reply.ok and reply.error_kind == "infra", reply
+        assert "sandbox unavailable on w-test" in reply.error and "Docker-compatible engine" in reply.error
+        assert sid not in host.sessions
+    finally:
+        host.shutdown()
