@@ -37,8 +37,12 @@ from dataclasses import dataclass
 
 from shared.builtin.sandbox_ns import SandboxInfraError, SandboxUnavailable
 from shared.builtin.sandbox_seccomp import bpf_program
+from shared.logs import get_logger
 
-LABEL = "flywheel.sandbox"
+log = get_logger(__name__)
+
+LABEL = "flywheel.sandbox"  # "<hostname>:<pid>" of the process that made the container
+PIDNS_LABEL = "flywheel.sandbox.pidns"  # that process's pid namespace: pids are compared only within one
 WORK = "/work"
 MAX_FILES_BYTES = 96 << 10  # files travel in the exec's argv (one argument is at most 128 KiB on Linux)
 
@@ -153,7 +157,41 @@ def _create(c, spec: ContainerSpec):
         tmpfs={WORK: size, "/tmp": size}, mem_limit=spec.memory_bytes, memswap_limit=spec.memory_bytes,
         nano_cpus=int(spec.cpus * 1e9), pids_limit=spec.max_procs, user="0:0", cap_drop=["ALL"],
         cap_add=["SETUID", "SETGID", "KILL"], security_opt=["no-new-privileges"], working_dir=WORK,
-        labels={LABEL: f"{socket.gethostname()}:{os.getpid()}"}, init=False)
+        labels={LABEL: f"{socket.gethostname()}:{os.getpid()}", PIDNS_LABEL: _pid_namespace()}, init=False)
+
+
+def _pid_namespace() -> str:
+    return str(os.stat("/proc/self/ns/pid").st_ino)
+
+
+def sweep_leftovers(engine) -> list[str]:
+    """Removes the containers a dead env worker left (a SIGKILL or an OOM kill skips atexit): those labelled with
+    this host and pid namespace whose pid no longer runs, or is this process's own (a worker restarted in a
+    container is pid 1 again). Called once per process before its first pool makes any container, so none of
+    its own is swept. Returns the names removed."""
+    host, pidns, removed = socket.gethostname(), _pid_namespace(), []
+    for c in engine.containers.list(all=True, filters={"label": LABEL}):
+        owner, _, pid = c.labels.get(LABEL, "").rpartition(":")
+        if owner != host or c.labels.get(PIDNS_LABEL) != pidns or not pid.isdigit():
+            continue  # another machine's or another namespace's: its pid means nothing here
+        if int(pid) != os.getpid() and _running(int(pid)):
+            continue
+        try:
+            c.remove(force=True)
+            removed.append(c.name)
+        except Exception:  # removed meanwhile by its owner or another sweep
+            continue
+    return removed
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 class ContainerSession:
@@ -199,7 +237,7 @@ class ContainerSession:
         try:
             self.container.remove(force=True)
         except Exception:
-            pass  # already gone. No sweep yet: a killed worker's containers keep their host:pid label (see below)
+            pass  # already gone; a worker killed before this ran leaves it to the next worker's sweep_leftovers
         if self._on_close:
             self._on_close()
 
@@ -268,10 +306,14 @@ _POOLS_LOCK = threading.Lock()
 
 
 def pool_for(spec: ContainerSpec, size: int | None = None) -> ContainerPool:
-    """The process-wide warm pool of `spec` (SANDBOX_POOL_SIZE containers, default 2)."""
+    """The process-wide warm pool of `spec` (SANDBOX_POOL_SIZE containers, default 2). The first one of the
+    process sweeps the leftovers of dead workers first."""
     with _POOLS_LOCK:
         if spec not in _POOLS:
             check_image(spec.image)
+            if not _POOLS:
+                for name in sweep_leftovers(client()):
+                    log.info("removed container %s, left by a worker that is gone", name)
             _POOLS[spec] = ContainerPool(spec, size if size is not None else int(os.environ.get("SANDBOX_POOL_SIZE",
                                                                                                    "2")))
         return _POOLS[spec]
@@ -279,6 +321,6 @@ def pool_for(spec: ContainerSpec, size: int | None = None) -> ContainerPool:
 
 @atexit.register
 def _close_pools() -> None:
-    """The warm containers go with the process (a killed worker leaves them labelled flywheel.sandbox=host:pid)."""
+    """The warm containers go with the process (a killed worker's are removed by the next one's sweep_leftovers)."""
     for pool in list(_POOLS.values()):
         pool.close()

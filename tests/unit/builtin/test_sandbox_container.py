@@ -145,3 +145,32 @@ def test_a_hung_container_is_an_infra_failure():
     finally:
         freezer.join()
         session.close()
+
+
+def test_a_killed_workers_containers_are_swept_and_a_live_ones_kept():
+    """sweep_leftovers (run by a worker's first pool) removes the containers of a SIGKILLed worker (no atexit ran),
+    and keeps those of a worker still running on this host."""
+    import signal
+    import subprocess
+    import sys
+
+    make = ("import sys, time\nfrom shared.builtin import sandbox_container as sc\n"
+            f"c = sc._create(sc.client(), sc.ContainerSpec({IMAGE!r}))\nprint(c.name, flush=True)\ntime.sleep(600)\n")
+    workers = [subprocess.Popen([sys.executable, "-c", make], stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    dead, names = workers[0], []
+    try:
+        names = [w.stdout.readline().strip() for w in workers]
+        assert all(names), names
+        dead.send_signal(signal.SIGKILL)
+        dead.wait(10)
+        removed = sc.sweep_leftovers(sc.client())
+        assert names[0] in removed and names[1] not in removed, (names, removed)
+        left = {c.name for c in ours()}
+        assert names[0] not in left and names[1] in left
+    finally:
+        for w in workers:
+            w.kill()
+            w.wait(10)
+        for c in ours():
+            if c.name in names:
+                c.remove(force=True)
