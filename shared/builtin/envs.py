@@ -175,9 +175,17 @@ class ToolEnv(BaseEnv):
 
 
 class CodeEnv(BaseEnv):
-    """Runs the response's last ```python block followed by the task's `tests` (assert statements) in the
-    sandbox (`sandbox`: namespaces by default; see shared/builtin/sandbox.py). Reward 1 when everything passes;
-    with `max_turns` > 1 a failure is shown as feedback."""
+    """Grades the response's last ```python block in the sandbox (`sandbox`: namespaces by default; see
+    shared/builtin/sandbox.py). Reward 1 when every test passes; with `max_turns` > 1 a failure is shown as
+    feedback. The task's `tests` take one of two forms:
+
+    - assert statements (a string, or a list of strings): run after the solution in one program. Solution and
+      tests share an interpreter, so a solution written to subvert them can (see `step`);
+    - input/output cases, `[{"input": "...", "output": "..."}, ...]`: the solution alone runs once per case with
+      the input on stdin, and its stdout (trailing whitespace ignored) is compared with the expected output here,
+      in the env worker. The expected outputs never enter the sandbox: a solution can only pass by printing them.
+
+    The observation (`reset`) is the task without its `tests`."""
 
     runs_model_code = True  # the run config gives it an explicit `sandbox` arg (see shared/run_config.py)
 
@@ -187,7 +195,9 @@ class CodeEnv(BaseEnv):
     def __init__(self, task: dict, max_turns: int = 1, limits: SandboxLimits | None = None,
                  sandbox: str = DEFAULT_MODE, image: str | None = None):
         if not task.get("tests"):
-            raise ValueError("code task needs 'tests': Python code with assert statements")
+            raise ValueError("code task needs 'tests': Python code with assert statements, or a list of "
+                             '{"input": ..., "output": ...} cases')
+        self.cases = io_cases(task["tests"])
         self.task, self.max_turns, self.sandbox, self.image = task, max_turns, sandbox_mode(sandbox), image
         if self.sandbox == "container" and not image:
             raise ValueError("code env with sandbox 'container' needs `image` (env.args.image), e.g. "
@@ -198,7 +208,7 @@ class CodeEnv(BaseEnv):
 
     def reset(self) -> tuple[dict, dict]:
         self.turns = 0
-        return dict(self.task), {}
+        return {k: v for k, v in self.task.items() if k != "tests"}, {}
 
     def extract_code(self, response: str) -> str:
         text = rewards.final_answer_text(response) or ""
@@ -207,29 +217,46 @@ class CodeEnv(BaseEnv):
 
     def step(self, action: Any) -> tuple[dict, float, bool, dict]:
         self.turns += 1
+        code = self.extract_code(_response_text(action))
+        passed, result, failure = self.judge_cases(code) if self.cases else self.judge_asserts(code)
+        info = {"is_correct": passed, "error": failure.splitlines()[0] if failure else None,
+                "duration_s": result.duration_s, "sandbox": result.mode}
+        if passed or self.turns >= self.max_turns:
+            return {}, float(passed), True, info
+        return {"feedback": f"Your code failed the tests: {failure}"}, 0.0, False, info
+
+    def run(self, program: str, stdin: str = ""):
+        if self.sandbox == "container":
+            if self.container is None:
+                self.container = container_session(self.image, self.limits)
+            return self.container.run_python(program, stdin=stdin, limits=self.limits)  # SandboxInfraError: not a score
+        return run_python(program, stdin=stdin, limits=self.limits, mode=self.sandbox)
+
+    def judge_cases(self, code: str):
+        """(passed, last result, failure): the first case that fails ends the judging."""
+        for k, case in enumerate(self.cases, 1):
+            result = self.run(code, case["input"])
+            if not result.ok:
+                return False, result, f"case {k}: {result.error}\n{result.stderr[-1500:]}"
+            if _lines(result.stdout) != _lines(case["output"]):
+                return False, result, (f"case {k}: wrong output for input {case['input'][:300]!r}: "
+                                       f"got {result.stdout[:300]!r}")
+        return True, result, ""
+
+    def judge_asserts(self, code: str):
         tests = self.task["tests"]
         # The tests must run to their end: a solution that exits (sys.exit(0), os._exit(0)) before the asserts
         # exits 0 too. A per-step token written (to stderr, which a passing run leaves nearly empty, so the
         # output cap does not cut it) after the last assert tells a finished run from that shortcut
         # (a solution written to find the token in its own source could still forge it: see README, Security).
         token = f"fw-tests-passed-{uuid.uuid4().hex}"
-        program = self.extract_code(_response_text(action)) + "\n\n" + (
+        program = code + "\n\n" + (
             "\n".join(tests) if isinstance(tests, list) else tests) + f"\nimport sys\nsys.stderr.write({token!r})\n"
-        if self.sandbox == "container":
-            if self.container is None:
-                self.container = container_session(self.image, self.limits)
-            result = self.container.run_python(program, limits=self.limits)  # SandboxInfraError: not a score
-        else:
-            result = run_python(program, limits=self.limits, mode=self.sandbox)
+        result = self.run(program)
         passed = result.ok and token in result.stderr
         if result.ok and not passed:
             result.exit_code, result.stderr = 1, result.stderr + "\nthe tests did not run to their end (the program exited early)"
-        info = {"is_correct": passed, "error": result.error, "duration_s": result.duration_s,
-                "sandbox": result.mode}
-        if passed or self.turns >= self.max_turns:
-            return {}, float(passed), True, info
-        feedback = f"Your code failed the tests: {result.error}\n{result.stderr[-1500:]}"
-        return {"feedback": feedback}, 0.0, False, info
+        return passed, result, "" if passed else f"{result.error}\n{result.stderr[-1500:]}"
 
     def close(self) -> None:
         if self.container is not None:
@@ -240,6 +267,22 @@ class CodeEnv(BaseEnv):
     def from_dict(info: dict) -> CodeEnv:
         return CodeEnv(dict(info), max_turns=int(info.get("max_turns", 1)), sandbox=info.get("sandbox"),
                        image=info.get("image"))
+
+
+def io_cases(tests: Any) -> list[dict] | None:
+    """`tests` as input/output cases ({"input": str, "output": str}; input defaults to ""), or None when they are
+    assert statements. ValueError, saying what is wrong, for anything else."""
+    if isinstance(tests, str) or (isinstance(tests, list) and all(isinstance(t, str) for t in tests)):
+        return None
+    if not isinstance(tests, list) or not all(isinstance(t, dict) and isinstance(t.get("output"), str)
+                                              and isinstance(t.get("input", ""), str) for t in tests):
+        raise ValueError("code task 'tests' must be assert statements (a string or a list of strings) or a list of "
+                         '{"input": "<stdin>", "output": "<expected stdout>"} cases with string values')
+    return [{"input": t.get("input", ""), "output": t["output"]} for t in tests]
+
+
+def _lines(text: str) -> list[str]:
+    return [line.rstrip() for line in text.rstrip().splitlines()]
 
 
 class SearchEnv(ToolEnv):

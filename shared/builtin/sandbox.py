@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -41,6 +42,8 @@ from shared.builtin.sandbox_ns import SandboxUnavailable
 BOOT = Path(__file__).with_name("sandbox_boot.py")
 MODES = ("namespaces", "container", "none")
 DEFAULT_MODE = "namespaces"
+TRUNCATED = "\n[output truncated]"  # appended to an output cut at `output_bytes`
+EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b")
 __all__ = ["MODES", "DEFAULT_MODE", "SandboxLimits", "SandboxResult", "SandboxUnavailable", "check_mode",
            "run_python", "sandbox_mode"]
 
@@ -79,8 +82,12 @@ class SandboxResult:
             return None
         if self.exit_code is not None and self.exit_code < 0:
             return f"killed by signal {signal.Signals(-self.exit_code).name}"
-        tail = self.stderr.strip().splitlines()
-        return tail[-1] if tail else f"exit code {self.exit_code}"
+        tail = self.stderr.rstrip().splitlines()
+        # The last line is the reason unless it was cut off (the output cap) or is a traceback's frame line (the
+        # streams of processes killed mid-write interleave): then the last exception line kept is.
+        if tail and (tail[-1] == TRUNCATED.strip() or tail[-1][:1].isspace()):
+            tail = [line for line in tail if EXCEPTION_LINE.match(line)] or tail
+        return tail[-1].strip() if tail else f"exit code {self.exit_code}"
 
 
 def sandbox_mode(mode: object) -> str:
@@ -163,7 +170,7 @@ def _read_fd_capped(fd: int, cap: int) -> tuple[str, bool]:
 
 def _capped(data: bytes, cap: int) -> tuple[str, bool]:
     truncated = len(data) > cap
-    return data[:cap].decode(errors="replace") + ("\n[output truncated]" if truncated else ""), truncated
+    return data[:cap].decode(errors="replace") + (TRUNCATED if truncated else ""), truncated
 
 
 def _run(workdir: Path, stdin: str, limits: SandboxLimits) -> SandboxResult:

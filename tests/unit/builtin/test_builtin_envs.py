@@ -1,6 +1,7 @@
 """Every built-in env driven through the registry, the way an env worker builds it: from_dict(task | args)."""
 
 import json
+import uuid
 
 import pytest
 
@@ -134,6 +135,48 @@ def test_code_env_does_not_reward_exiting_before_the_tests(exit_call):
     env.reset()
     _, reward, done, info = env.step(f"```python\ndef add(a, b):\n    return 0\n{exit_call}\n```")
     assert (reward, done, info["is_correct"]) == (0.0, True, False) and "did not run to their end" in info["error"]
+
+
+def test_code_env_judges_input_output_cases_outside_the_sandbox():
+    cases = [{"input": "1 2\n", "output": "3"}, {"input": "-1 1\n", "output": "0\n"}]
+    env = build("code", {"question": "Print the sum of two integers read from stdin.", "tests": cases}, max_turns=2)
+    obs, _ = env.reset()
+    assert "tests" not in obs and obs["question"].startswith("Print the sum")  # the cases stay hidden
+    obs, reward, done, info = env.step("```python\na, b = map(int, input().split())\nprint(a - b)\n```")
+    assert (reward, done, info["is_correct"]) == (0.0, False, False)
+    assert "case 1: wrong output for input '1 2\\n': got '-1\\n'" in obs["feedback"]
+    assert env.step("```python\na, b = map(int, input().split())\nprint(a + b)   \n```")[1:3] == (1.0, True)
+
+
+def test_an_input_output_solution_cannot_find_the_expected_output():
+    """The expected outputs never enter the sandbox: a solution that searches everything it can read (its files,
+    its source, stdin, argv, environment, /tmp, /proc) for the secret answer does not find it, and fails."""
+    secret = f"answer-{uuid.uuid4().hex}"
+    search = ("import os, sys\nseen = [sys.stdin.read(), ' '.join(sys.argv), str(dict(os.environ))]\n"
+              "for root in ('.', '/tmp', '/proc/self', '/proc/1'):\n"
+              "    for d, _, files in os.walk(root):\n"
+              "        for f in files:\n"
+              "            try:\n"
+              "                seen.append(open(os.path.join(d, f), errors='ignore').read(1 << 20))\n"
+              "            except Exception:\n"
+              "                pass\n"
+              "found = 'FOUND' if any(('ans' + 'wer-') in s for s in seen) else 'NOT FOUND'\n"
+              "print(found)\nprint(found, file=sys.stderr)\n")
+    env = build("code", {"tests": [{"input": "q", "output": secret}]}, max_turns=2)
+    env.reset()
+    obs, reward, _, _ = env.step(f"```python\n{search}```")
+    assert reward == 0.0 and "got 'NOT FOUND\\n'" in obs["feedback"], obs
+    # The same search does find an answer that travels with the program, as assert tests do.
+    env = build("code", {"tests": f"assert {secret!r} == input()"}, max_turns=2)
+    env.reset()
+    obs, reward, _, _ = env.step(f"```python\n{search}```")
+    assert reward == 0.0 and "\nFOUND" in obs["feedback"], obs
+
+
+@pytest.mark.parametrize("tests", [[{"input": "1"}], [{"input": 1, "output": "1"}], {"input": "", "output": "1"}])
+def test_code_env_says_what_is_wrong_with_malformed_cases(tests):
+    with pytest.raises(ValueError, match="must be assert statements .* or a list of"):
+        build("code", {"tests": tests})
 
 
 def test_code_and_tool_envs_take_the_sandbox_mode_from_their_args():

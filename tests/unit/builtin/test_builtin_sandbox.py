@@ -9,7 +9,14 @@ import uuid
 import pytest
 
 from shared.builtin import sandbox_ns
-from shared.builtin.sandbox import SandboxLimits, SandboxUnavailable, check_mode, run_python
+from shared.builtin.sandbox import (
+    TRUNCATED,
+    SandboxLimits,
+    SandboxResult,
+    SandboxUnavailable,
+    check_mode,
+    run_python,
+)
 
 LIMITS = SandboxLimits(wall_s=5, cpu_s=2, memory_bytes=512 << 20, output_bytes=4096)
 
@@ -198,3 +205,17 @@ def test_memory_of_the_whole_process_tree_is_capped_where_a_memory_cgroup_is_the
             "print('survived', sum(os.waitpid(k, 0)[1] == 0 for k in kids))")
     result = run_python(code, limits=SandboxLimits(memory_bytes=256 << 20, disk_bytes=32 << 20, wall_s=30))
     assert result.ok and result.stdout.strip() in ("survived 0", "survived 1"), result
+
+
+@pytest.mark.parametrize("stderr, truncated, reason", [
+    ("Traceback (most recent call last):\n  File \"main.py\", line 1\nValueError: bad\n", False, "ValueError: bad"),
+    ("the tests did not run to their end", False, "the tests did not run to their end"),
+    # a fork bomb's children, killed mid-write: the last line is a frame of another child's traceback
+    ("BlockingIOError: [Errno 11] Resource temporarily unavailable\nTraceback (most recent call last):\n"
+     "    exec(compile(source, 'main.py', 'exec'))\n", False, "BlockingIOError: [Errno 11] Resource temporarily unavailable"),
+    ("OSError: x\nTraceback (most recent call last):\n  File" + TRUNCATED, True, "OSError: x"),
+    ("spam\nspam" + TRUNCATED, True, "[output truncated]"),
+    ("", False, "exit code 1"),
+])
+def test_the_one_line_reason_is_the_exception_even_when_the_output_was_cut_or_interleaved(stderr, truncated, reason):
+    assert SandboxResult("", stderr, 1, False, truncated, 0.1).error == reason
