@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 
-.PHONY: sandbox-deps bench-sandbox browser-deps install vllm-venv up demo demo-lora demo-agent demo-multiturn test test-unit test-integration lint bench-rollout bench-train bench-lora bench-load bench-vllm chaos gpu-smoke clean
+.PHONY: sandbox-deps bench-sandbox browser-deps install vllm-venv up demo demo-lora demo-agent demo-multiturn test test-unit test-integration lint bench-rollout bench-train bench-lora bench-lora-runs bench-load bench-vllm chaos gpu-smoke clean
 
 install: $(VENV)/.installed sandbox-deps
 
@@ -94,6 +94,10 @@ bench-train: install
 # LoRA runs on a rollout worker: adapter vs full-weight sync, memory and throughput of N runs on one base
 bench-lora: install
 	$(PY) -m bench.lora
+
+# N LoRA runs learning at once on one stack, run k answering (digit + k) mod 10 -> "runs" in bench/results/lora.json.
+bench-lora-runs: install
+	$(PY) -m bench.lora --part runs
 
 # Sandbox mode `container`: rootful podman's Docker API (infra/compose/podman-host.sh, root needed), a Debian base
 # made by debootstrap (no registry), the sandbox image on top. Cold ~6 min (debootstrap ~5 min), then seconds.

@@ -10,8 +10,12 @@ on a base whose weights dominate a process's memory (bench/train.py's 114M-param
    after generating. Generation throughput (one-token answers, 4 x 32 requests per round, as the demo's batches)
    with every request from one run vs spread over N runs' adapters in the same batches.
 
-Not measured here: N runs learning at once (the trainer holds one engine per run, base included) and the
-trainer's memory per LoRA run.
+3. runs (`--part runs`, merged into the file's other results): N LoRA runs learning at once on the demo's stack
+   (bench/demo.py: one rollout worker serving every run's adapter on one base, one trainer, the controller
+   sharing rollout capacity), run k answering (digit + k) mod 10 (RecallEnv's `offset`), so an adapter served to
+   the wrong run scores near 0: `final_reward` per run, trajectories per second over all runs, wall time.
+
+Not measured here: the trainer's memory per LoRA run (it holds one verl engine per run, base included).
 """
 
 from __future__ import annotations
@@ -205,17 +209,82 @@ def child(work: Path, model: Path, mode: str, runs: int) -> dict:
     return json.loads(lines[-1][2:])
 
 
+def learning_runs(n: int, steps: int, timeout_s: float) -> dict:
+    """Part 3: n LoRA runs of the demo's task at once, run k rewarded for (digit + k) mod 10."""
+    from bench.demo import (
+        LORA,
+        LORA_INIT_STD,
+        LORA_LR,
+        SAMPLES,
+        SERVICES,
+        TASKS,
+        answers_by_version,
+        demo_config,
+        recall_stack,
+        summarize,
+    )
+
+    work = Path(tempfile.mkdtemp(prefix="flywheel-bench-lora-runs-"))
+    started = time.monotonic()
+    try:
+        with recall_stack(work, SERVICES, log=log, init_std=LORA_INIT_STD) as (_, api, model_dir):
+            runs = {}
+            for k in range(n):
+                cfg = demo_config(model_dir, steps, TASKS, SAMPLES, LORA_LR, 1, lora=LORA)
+                cfg |= {"name": f"lora-offset-{k}", "env": {**cfg["env"], "args": {"offset": k}}}
+                resp = api.post("/v1/runs", json=cfg)
+                resp.raise_for_status()
+                runs[k] = resp.json()["id"]
+            log(f"{n} LoRA runs of {steps} versions, run k answering (digit + k) mod 10")
+            learn_started, done = time.monotonic(), set()
+            while len(done) < n and time.monotonic() - started < timeout_s:
+                for k, run_id in runs.items():
+                    run = api.get(f"/v1/runs/{run_id}").json()
+                    if k not in done and (run["policy_version"] >= steps or run["status"] in ("failed", "stopped")):
+                        done.add(k)
+                        log(f"run {k}: {run['status']} at version {run['policy_version']} after "
+                            f"{time.monotonic() - learn_started:.0f}s {run.get('error') or ''}")
+                time.sleep(2)
+            wall_s = time.monotonic() - learn_started
+            out = {}
+            for k, run_id in runs.items():
+                api.post(f"/v1/runs/{run_id}/stop")
+                s = summarize(answers_by_version(api, run_id))
+                out[f"offset_{k}"] = {"final_reward": round(s["final_reward"] or 0, 3),
+                                      "initial_reward": round(s["initial_reward"] or 0, 3),
+                                      "min_question_accuracy": min(s["question_accuracy"].values(), default=0),
+                                      "versions_served": s["versions_served"]}
+            count = api.post("/v1/sql", json={"query": "SELECT count(*) FROM trajectories WHERE run_id IN (" +
+                                              ", ".join(f"'{r}'" for r in runs.values()) + ")"}).json()["rows"][0][0]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    finals = [r["final_reward"] for r in out.values()]
+    return {"n_runs": n, "versions": steps, "per_run": out, "every_run_final_reward_min": min(finals),
+            "trajectories": count, "traj_per_s_n_runs": round(count / wall_s, 1), "wall_s": round(wall_s, 1),
+            "passed": min(finals) >= 0.8, "cores": os.cpu_count()}
+
+
 def main() -> None:
     import asyncio
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--engines", nargs="+", help=argparse.SUPPRESS)  # the child process of part 2
     parser.add_argument("--small", action="store_true", help="a smoke-sized model (hidden 256, 2 layers)")
+    parser.add_argument("--part", choices=("all", "runs"), default="all",
+                        help="runs: only part 3 (N LoRA runs learning at once), merged into the results file")
+    parser.add_argument("--runs", type=int, default=N_RUNS)
+    parser.add_argument("--steps", type=int, default=80)
     args = parser.parse_args()
     if args.engines:
         mode, runs, model, *adapters = args.engines
         print("@@" + json.dumps(asyncio.run(engines(Path(model), list(map(Path, adapters)), mode, int(runs)))))
         return
+    if args.part == "runs":
+        result = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+        result["runs"] = learning_runs(args.runs, args.steps, timeout_s=3600)
+        RESULTS.write_text(json.dumps(result, indent=1))
+        print(json.dumps(result["runs"], indent=1))
+        sys.exit(0 if result["runs"]["passed"] else 1)
 
     from bench.train import build_model, private_backends
 

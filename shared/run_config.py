@@ -231,9 +231,6 @@ class RunConfig(_Strict):
                 f"samples_per_task: {est} compares samples of the same task, so it needs samples_per_task >= 2 "
                 f"(got {self.samples_per_task})"
             )
-        if self.algorithm.lora is not None and self.engine.type == "openai":
-            raise ValueError("engine.type: LoRA runs are served by the hf and vllm engines (an OpenAI-compatible "
-                             "server's adapter routes are not supported yet); set engine.type to hf or vllm")
         if self.algorithm.lora is not None and self.engine.type == "vllm" and (
                 self.algorithm.lora.rank > self.engine.max_lora_rank):
             raise ValueError(f"engine.max_lora_rank ({self.engine.max_lora_rank}) is below algorithm.lora.rank "

@@ -37,15 +37,19 @@ def recall_reward(answer: str, response: str) -> float:
 
 
 class RecallEnv(BaseEnv):
-    """One step: shows the question, rewards the response with `recall_reward`, done."""
+    """One step: shows the question, rewards the response with `recall_reward`, done. The env arg `offset` k makes
+    a variant of the task on the same data: the right answer is (digit + k) mod 10, so runs that each learn their
+    own k on one base tell their adapters apart (another run's adapter scores near 0)."""
 
     required_fields = (("question",), ("answer",))
 
-    def __init__(self, task: dict):
+    def __init__(self, task: dict, offset: int = 0):
         for key in ("question", "answer"):
             if key not in task:
                 raise ValueError(f"recall task needs {key!r} (got keys {sorted(task)}); generate rows with "
                                  f"`flywheel datasets import recall --generator --name recall`")
+        if offset:
+            task = {**task, "answer": str((int(task["answer"]) + offset) % len(WORDS))}
         self.task = task
 
     def reset(self) -> tuple[Any, dict]:
@@ -57,7 +61,7 @@ class RecallEnv(BaseEnv):
 
     @staticmethod
     def from_dict(info: dict) -> RecallEnv:
-        return RecallEnv(dict(info))
+        return RecallEnv(dict(info), offset=int(info.get("offset", 0)))
 
 
 class RecallAgent(BaseAgent):

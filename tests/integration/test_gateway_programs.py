@@ -87,6 +87,19 @@ async def test_program_through_gateway_is_a_stored_episode(worker, redis, model_
         engine.dispose()
 
 
+async def test_lora_runs_programs_go_through_the_gateway(worker, redis, model_path):
+    """Agent programs of LoRA runs go through the gateway: two runs at once, no adapter published yet (version
+    0), every token tagged and logprobbed as for a full-weight run."""
+    lora = {"lora": {"rank": 4, "target_modules": ["q_proj", "v_proj"]}}
+    (_, first), (_, second) = await asyncio.gather(
+        run_program(worker, redis, model_path, "answer", n=2, algorithm=lora),
+        run_program(worker, redis, model_path, "answer", n=2, algorithm=lora))
+    for r in first + second:
+        assert r.status == "completed" and r.termination_reason == TR.ENV_DONE, r.error
+        [traj] = r.trajectories
+        check_tokens(traj)
+
+
 async def test_unmodified_sdk_program_with_tools_and_streaming(worker, redis, model_path):
     _, [r] = await run_program(worker, redis, model_path, "unmodified")
     assert r.status == "completed" and r.termination_reason == TR.ENV_DONE, r.error

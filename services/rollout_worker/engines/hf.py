@@ -25,7 +25,12 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import Histogram
 
-from services.rollout_worker.engines.base import Generation, InferenceEngine, SamplingParams
+from services.rollout_worker.engines.base import (
+    Generation,
+    InferenceEngine,
+    SamplingParams,
+    check_adapter_base,
+)
 from shared.logs import get_logger
 from shared.weights import ADAPTER_CONFIG, ADAPTER_WEIGHTS, read_safetensors
 
@@ -206,13 +211,7 @@ class HFEngine(InferenceEngine):
         runs' adapters are untouched. ChecksumError (nothing changes) when it was trained on another base."""
         from safetensors.torch import load_file
 
-        from shared.weights import ChecksumError, base_model_digest
-
-        loaded = await asyncio.to_thread(base_model_digest, self.model_path)
-        if base_model.sha256 != loaded:
-            raise ChecksumError(f"adapter v{version} of run {run_id} belongs to base model {base_model.name} "
-                                f"(sha256 {base_model.sha256[:12]}), but this engine serves {self.model_path} "
-                                f"(sha256 {loaded[:12]}): an adapter is applied to its own base only")
+        await check_adapter_base(self.model_path, run_id, version, base_model)
         old = self._adapters.get(run_id)
         config = (Path(folder) / ADAPTER_CONFIG).read_text()
         if old is not None and self._adapter_configs.get(run_id) == config:  # same shapes: copy the tensors in

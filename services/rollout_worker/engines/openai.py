@@ -19,13 +19,22 @@ flywheel_load_tensors, in the same pause/resume; that file is written to `scratc
 checkpoint cache, which the server reads full checkpoints from too; /dev/shm when none is given) and deleted.
 vLLM's completions carry no weight version, so a server is reloaded by the one worker that uses it: requests of
 another client could span a reload unseen.
+
+LoRA runs (the base is the server's `--model`): each adapter version is loaded under its own name (`<run>-v<n>`)
+through the server's `/v1/load_lora_adapter` and a run's requests name it as their `model`, so a result's version
+is exact without pausing anything; a run's old name is unloaded once no request of ours uses it. Runs without an
+adapter yet get a zero adapter, as with the vllm engine (engines/base.py `zero_adapter`). The server needs
+`--enable-lora --max-lora-rank R` (R >= every run's rank; `--max-loras` adapters per batch) and
+`VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`, and must see the adapter folders at the same paths.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
+from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +47,8 @@ from services.rollout_worker.engines.base import (
     ReloadGate,
     SamplingParams,
     behaviour_logprobs,
+    check_adapter_base,
+    zero_adapter,
 )
 from services.rollout_worker.engines.deltas import ServedTensors
 from services.rollout_worker.engines.vllm_worker import reload_failure
@@ -45,7 +56,7 @@ from shared.logs import get_logger
 from shared.retry import RetryPolicy
 
 if TYPE_CHECKING:
-    from shared.weights import WeightUpdate
+    from shared.weights import BaseModelRef, WeightUpdate
 
 log = get_logger(__name__)
 RETRYABLE_STATUS = {408, 429, 500, 502, 503, 504}
@@ -78,6 +89,10 @@ class OpenAIEngine(InferenceEngine):
         self._version = initial_version
         self._gate = ReloadGate()
         self._served = ServedTensors(model_path, scratch_dir)  # model_path: the server's --model folder
+        self._adapters: dict[str, tuple[str, int]] = {}  # LoRA run -> (the adapter's name on the server, version)
+        self._zero: str | None = None  # the name runs without an adapter are served under, once any is loaded
+        self._using: Counter[str] = Counter()  # adapter name -> our requests in flight with it
+        self._retired: set[str] = set()  # names to unload once unused
 
     @property
     def version(self) -> int:
@@ -92,24 +107,42 @@ class OpenAIEngine(InferenceEngine):
                                                   connector=aiohttp.TCPConnector(limit=1024))
         return self._session
 
-    async def generate(self, prompt_ids: list[int], sampling: SamplingParams, max_tokens: int) -> Generation:
-        body = {"model": self.model, "prompt": list(prompt_ids), "max_tokens": max_tokens,
+    def adapter_version(self, run_id: str) -> int:
+        """The adapter version run `run_id`'s requests start on (0: none loaded yet, the base serves it)."""
+        return self._adapters.get(run_id, ("", 0))[1]
+
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams, max_tokens: int,
+                       adapter: str | None = None) -> Generation:
+        name = None
+        if adapter is not None:  # a LoRA run: the name pins the adapter version, whatever loads meanwhile
+            name, version = self._adapters.get(adapter, (self._zero, 0))
+        body = {"model": name or self.model, "prompt": list(prompt_ids), "max_tokens": max_tokens,
                 "temperature": sampling.temperature, "top_p": sampling.top_p, "logprobs": 1,
                 "return_token_ids": True}
         if sampling.top_k > 0:
             body["top_k"] = sampling.top_k
         if sampling.stop:
             body["stop"] = list(sampling.stop)
-        async with self._gate.request():
-            version = self._version  # no reload starts while this request runs
-            data = await self._post_with_retries(f"{self.base_url}/completions", body)
+        if name is not None:
+            self._using[name] += 1
+        try:
+            async with self._gate.request():
+                if adapter is None:
+                    version = self._version  # no reload starts while this request runs
+                data = await self._post_with_retries(f"{self.base_url}/completions", body)
+        finally:
+            if name is not None:
+                self._using[name] -= 1
+                await self._unload_retired()
         choice = data["choices"][0]
         ids = list(choice.get("token_ids") or [])
         if not ids and choice.get("text"):  # a server without token ids: the only place we re-tokenize
             ids = self.tokenizer(choice["text"], add_special_tokens=False)["input_ids"]
         logprobs = behaviour_logprobs(ids, (choice.get("logprobs") or {}).get("token_logprobs"), self.base_url)
         finish = "length" if choice.get("finish_reason") == "length" else "stop"
-        return Generation(ids, logprobs, choice.get("text", ""), finish, int(data.get("weight_version", version)))
+        if adapter is None:
+            version = int(data.get("weight_version", version))
+        return Generation(ids, logprobs, choice.get("text", ""), finish, version)
 
     async def _post_with_retries(self, url: str, body: dict) -> dict:
         async def post() -> dict:
@@ -146,6 +179,49 @@ class OpenAIEngine(InferenceEngine):
         loaded = await self._served.apply(update, packed, load)
         log.info("server %s now serves version %d (%d tensors changed, %d loaded)", self.server_root,
                  update.version, len(update.names), loaded, extra={"policy_version": update.version})
+
+    async def load_adapter(self, run_id: str, folder: Path, version: int, base_model: BaseModelRef) -> None:
+        """Serve the PEFT adapter in `folder` to run `run_id` as `version` from its next request on; the other
+        runs' adapters are untouched. ChecksumError (nothing changes) when it was trained on another base."""
+        await check_adapter_base(self.model, run_id, version, base_model)
+        name = f"{run_id}-v{version}"
+        await self._load_lora(name, folder)
+        if self._zero is None:
+            parent = self._served.scratch_dir  # where the server reads our files from
+            await self._load_lora("zero", await asyncio.to_thread(zero_adapter, Path(folder), parent))
+            self._zero = "zero"
+        old = self._adapters.get(run_id)
+        self._adapters[run_id] = (name, version)
+        if old is not None:
+            self._retired.add(old[0])
+            await self._unload_retired()
+        log.info("server %s serves run %s its adapter v%d", self.server_root, run_id, version,
+                 extra={"run_id": run_id, "policy_version": version})
+
+    async def remove_adapter(self, run_id: str) -> None:
+        old = self._adapters.pop(run_id, None)
+        if old is not None:
+            self._retired.add(old[0])
+            await self._unload_retired()
+
+    async def _load_lora(self, name: str, folder: Path) -> None:
+        try:  # in place: a restarted worker loads the names it loaded before (same name, same files)
+            await self._call("POST", f"{self.base_url}/load_lora_adapter",
+                             json={"lora_name": name, "lora_path": str(folder), "load_inplace": True})
+        except (InferenceError, *TRANSIENT) as e:
+            raise InferenceError(
+                f"{self.server_root} did not load LoRA adapter {name} from {folder}: {e}. LoRA runs need the server "
+                "started with --enable-lora and --max-lora-rank >= the run's rank, VLLM_ALLOW_RUNTIME_LORA_UPDATING=True "
+                "in its environment, and the adapter folder at the same path") from e
+
+    async def _unload_retired(self) -> None:
+        for name in [n for n in self._retired if not self._using[n]]:
+            self._retired.discard(name)
+            self._using.pop(name, None)
+            try:
+                await self._call("POST", f"{self.base_url}/unload_lora_adapter", json={"lora_name": name})
+            except (InferenceError, *TRANSIENT) as e:  # it only holds a slot of the server's adapter cache
+                log.warning("server %s did not unload LoRA adapter %s: %s", self.server_root, name, e)
 
     async def _swap(self, method: str, kwargs: dict, version: int) -> None:
         """Run the worker extension's `method` on the server with generation paused, then serve `version`."""

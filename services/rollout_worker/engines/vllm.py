@@ -35,6 +35,8 @@ from services.rollout_worker.engines.base import (
     ReloadGate,
     SamplingParams,
     behaviour_logprobs,
+    check_adapter_base,
+    zero_adapter,
 )
 from services.rollout_worker.engines.deltas import ServedTensors
 from services.rollout_worker.engines.vllm_worker import reload_failure
@@ -130,16 +132,10 @@ class VLLMEngine(InferenceEngine):
         as `version`. ChecksumError (nothing changes) when it was trained on another base."""
         import asyncio
 
-        from shared.weights import ChecksumError, base_model_digest
-
-        loaded = await asyncio.to_thread(base_model_digest, self.model_path)
-        if base_model.sha256 != loaded:
-            raise ChecksumError(f"adapter v{version} of run {run_id} belongs to base model {base_model.name} "
-                                f"(sha256 {base_model.sha256[:12]}), but this engine serves {self.model_path} "
-                                f"(sha256 {loaded[:12]}): an adapter is applied to its own base only")
+        await check_adapter_base(self.model_path, run_id, version, base_model)
         request = await self._add_lora(f"{run_id}-v{version}", folder)
         if self._zero_adapter is None:
-            self._zero_adapter = await self._add_lora("zero", await asyncio.to_thread(_zero_adapter, folder))
+            self._zero_adapter = await self._add_lora("zero", await asyncio.to_thread(zero_adapter, folder))
         old = self._adapters.get(run_id)
         self._adapters[run_id] = (request, version)
         if old is not None:  # requests that still use it reload it from its folder if it is gone
@@ -176,20 +172,3 @@ class VLLMEngine(InferenceEngine):
 
     async def close(self) -> None:
         self.engine.shutdown()
-
-
-
-def _zero_adapter(like: Path) -> Path:
-    """A copy of the PEFT adapter in `like` with every B zero: it adds exactly nothing to the base."""
-    import shutil
-    import tempfile
-
-    from safetensors.torch import load_file, save_file
-
-    from shared.weights import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-
-    folder = Path(tempfile.mkdtemp(prefix="flywheel-zero-adapter-"))
-    shutil.copyfile(like / ADAPTER_CONFIG, folder / ADAPTER_CONFIG)
-    tensors = load_file(str(like / ADAPTER_WEIGHTS))
-    save_file({k: t.zero_() if "lora_B" in k else t for k, t in tensors.items()}, str(folder / ADAPTER_WEIGHTS))
-    return folder

@@ -26,6 +26,15 @@ def test_env_rewards_exactly_the_digit_and_refuses_a_row_without_an_answer():
         RecallEnv({"question": "seven"})
 
 
+def test_an_offset_variant_wants_digit_plus_offset_and_the_plain_answer_scores_nothing():
+    task = {"question": "seven", "answer": "7"}
+    env = RecallEnv.from_dict(task | {"offset": 3})
+    env.reset()
+    assert env.step("0")[1] == 1.0  # (7 + 3) mod 10
+    assert RecallEnv.from_dict(task | {"offset": 3}).step("7")[1] == 0.0
+    assert task["answer"] == "7"  # the row itself is left as it is
+
+
 def rows_of(policy, versions, num=16):
     """SQL-shaped rows (question, answer, version, num, reward) of a policy: question -> answer."""
     return [{"question": q, "answer": policy(q, v), "version": v, "num": num,
