@@ -13,7 +13,8 @@ on a base whose weights dominate a process's memory (bench/train.py's 114M-param
 3. runs (`--part runs`, merged into the file's other results): N LoRA runs learning at once on the demo's stack
    (bench/demo.py: one rollout worker serving every run's adapter on one base, one trainer, the controller
    sharing rollout capacity), run k answering (digit + k) mod 10 (RecallEnv's `offset`), so an adapter served to
-   the wrong run scores near 0: `final_reward` per run, trajectories per second over all runs, wall time.
+   the wrong run scores near 0: `final_reward` per run, trajectories per second over all runs, wall time, and
+   the same for one run alone just before (`traj_per_s_one_run`).
 
 Not measured here: the trainer's memory per LoRA run (it holds one verl engine per run, base included).
 """
@@ -281,10 +282,14 @@ def main() -> None:
         return
     if args.part == "runs":
         result = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
-        result["runs"] = learning_runs(args.runs, args.steps, timeout_s=3600)
+        one = learning_runs(1, args.steps, timeout_s=3600)  # the same stack and task with one run, just before
+        runs = learning_runs(args.runs, args.steps, timeout_s=3600)
+        runs |= {"traj_per_s_one_run": one["traj_per_s_n_runs"], "one_run": one,
+                 "n_runs_vs_one_run_throughput": round(runs["traj_per_s_n_runs"] / one["traj_per_s_n_runs"], 3)}
+        result["runs"] = runs
         RESULTS.write_text(json.dumps(result, indent=1))
         print(json.dumps(result["runs"], indent=1))
-        sys.exit(0 if result["runs"]["passed"] else 1)
+        sys.exit(0 if runs["passed"] and one["passed"] else 1)
 
     from bench.train import build_model, private_backends
 

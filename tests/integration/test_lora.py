@@ -28,7 +28,7 @@ from safetensors.torch import load_file
 from sqlalchemy import create_engine
 from trainer_testlib import WeightServer
 
-from bench.demo import LORA, LORA_INIT_STD, LORA_LR, judge, prompt_ids, run_stack
+from bench.demo import LORA, LORA_BAR, LORA_INIT_STD, LORA_LR, judge, prompt_ids, run_stack
 from harness.tiny_model import build_number_model
 from services.rollout_worker.engines import AdapterView, SamplingParams
 from services.rollout_worker.runs import RunRegistry
@@ -176,7 +176,7 @@ def test_a_lora_run_learns_the_demo_task(tmp_path, isolated_urls):
     started = time.monotonic()
     result = run_stack(tmp_path, lr=LORA_LR, lora=LORA, timeout_s=840,
                        env={"REDIS_URL": redis_url, "DATABASE_URL": database_url}, log=lambda *_: None)
-    failures = judge(result | {"wall_s": 0})
+    failures = judge(result | {"wall_s": 0}, LORA_BAR)
     assert not failures, (failures, result["reward_by_version"], time.monotonic() - started)
     published = sorted((tmp_path / "weights").rglob(MANIFEST))
     assert published, "no version published"
