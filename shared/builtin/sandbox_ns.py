@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import select
 import shutil
 import site
 import stat
@@ -165,14 +166,18 @@ class _Cgroups:
 
     def remove(self) -> None:
         for path in self.paths:
-            for _ in range(50):  # the kernel reaps the namespace's processes just after its PID 1 exits
+            delay, deadline = 0.0002, time.monotonic() + 1.0
+            while True:  # the kernel reaps the namespace's processes just after its PID 1 exits (~1-10 ms)
                 try:
                     path.rmdir()
                     break
                 except FileNotFoundError:
                     break
                 except OSError:
-                    time.sleep(0.01)
+                    if time.monotonic() > deadline:
+                        break
+                    time.sleep(delay)
+                    delay = min(2 * delay, 0.01)
 
 
 def bwrap_argv(lay: Layout, cfg: dict, files: list[str], disk_bytes: int) -> list[str]:
@@ -225,6 +230,23 @@ class Raw:
     duration_s: float
 
 
+def _exited_within(proc: subprocess.Popen, timeout_s: float) -> bool:
+    """Whether `proc` exits within `timeout_s`, told the moment it does: a pidfd becomes readable then.
+    (`Popen.wait(timeout)` polls with sleeps that grow to 50 ms: ~30 ms added to a short program's time.)"""
+    try:
+        fd = os.pidfd_open(proc.pid)
+    except OSError:  # already reaped, or a kernel without pidfds (< 5.3): the polling wait
+        try:
+            proc.wait(timeout=timeout_s)
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+    try:
+        return bool(select.select([fd], [], [], timeout_s)[0])
+    finally:
+        os.close(fd)
+
+
 def run(lay: Layout, files: dict[str, str], stdin: str, cfg: dict, wall_s: float, disk_bytes: int) -> Raw:
     """Run `main.py` (in `files`) in a fresh sandbox. The caller reads and closes the returned output fds."""
     names = list(files)
@@ -253,10 +275,7 @@ def run(lay: Layout, files: dict[str, str], stdin: str, cfg: dict, wall_s: float
         for fd in (*fds.values(), stdin_fd):
             os.close(fd)
     try:
-        proc.wait(timeout=wall_s)
-        timed_out = False
-    except subprocess.TimeoutExpired:
-        timed_out = True
+        timed_out = not _exited_within(proc, wall_s)
     finally:
         # bwrap leads its own process group; its sandboxed child dies with it (--die-with-parent), and with
         # that child, as PID 1 of the sandbox's namespace, every process the program left behind.
