@@ -31,8 +31,10 @@ from sqlalchemy import text
 
 from bench.rollout import steady_rate
 from harness.live import REPO, register_dataset, stored_count, wait_run_ended
+from harness.procs import start_service, stop, wait_heartbeat
 from harness.servers import leased_redis_db, scratch_database
 from harness.tiny_model import build_vllm_tiny_model
+from shared.streams import heartbeat_key
 
 RESULTS = REPO / "bench" / "results" / "vllm.json"
 VLLM_PYTHON = REPO / os.environ.get("VLLM_VENV", ".venv-vllm") / "bin" / "python"
@@ -51,32 +53,14 @@ def start_worker(python: str, stack, logs: Path, concurrency: int) -> subprocess
     env = {**stack._base_env(), "WORKER_ID": WORKER_ID, "HEALTH_PORT": "0", "MAX_CONCURRENCY": str(concurrency),
            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
            "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)}
-    env.pop("VIRTUAL_ENV", None)
-    log = open(logs / f"rollout-{Path(python).parts[-3]}.log", "w")
-    return subprocess.Popen([python, "-m", "services.rollout_worker.main"], cwd=REPO, env=env, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def stop_worker(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    return start_service("services.rollout_worker.main", python=python, VIRTUAL_ENV=None,
+                         log=logs / f"rollout-{Path(python).parts[-3]}.log", **env)
 
 
 def metrics_url(redis_url: str, proc: subprocess.Popen, timeout_s: float = 120) -> str:
-    client, deadline = redis.Redis.from_url(redis_url), time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        raw = client.get(f"heartbeat:rollout-worker:{WORKER_ID}")
-        if raw and json.loads(raw).get("port"):
-            client.delete(f"heartbeat:rollout-worker:{WORKER_ID}")  # the next worker's is looked up afresh
-            return f"http://127.0.0.1:{json.loads(raw)['port']}/metrics"
-        if proc.poll() is not None:
-            raise RuntimeError(f"the rollout worker exited with {proc.returncode}")
-        time.sleep(0.1)
-    raise TimeoutError("the rollout worker sent no heartbeat")
+    health = wait_heartbeat(redis_url, "rollout-worker", WORKER_ID, proc, timeout_s)
+    redis.Redis.from_url(redis_url).delete(heartbeat_key("rollout-worker", WORKER_ID))  # the next one's afresh
+    return f"http://127.0.0.1:{health['port']}/metrics"
 
 
 def served_version(http: httpx.Client, url: str, run_id: str) -> int:
@@ -145,7 +129,7 @@ def run_bench(args, tmp: Path, redis_url: str, database_url: str) -> dict:
             hf, _ = measure_run(db, metrics_url(stack.redis_url, worker), model,
                                 {"type": "hf", "max_batch_size": args.concurrency}, args)
         finally:
-            stop_worker(worker)
+            stop(worker, 60)
         print(f"hf:   {hf}", flush=True)
         worker = start_worker(str(VLLM_PYTHON), stack, logs, args.concurrency)
         try:
@@ -156,7 +140,7 @@ def run_bench(args, tmp: Path, redis_url: str, database_url: str) -> dict:
             folders = [build_vllm_tiny_model(tmp / f"v{v}", seed=v) for v in range(1, args.reloads + 1)]
             reloads = measure_reloads(stack.redis_url, url, run_id, folders)
         finally:
-            stop_worker(worker)
+            stop(worker, 60)
     db.dispose()
     return {
         "vllm_traj_per_s": vllm["traj_per_s"], "hf_traj_per_s": hf["traj_per_s"],

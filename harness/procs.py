@@ -38,10 +38,11 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def start_service(target: str, *, log: IO | Path | int | None = None, launcher: Iterable[str] = (),
-                  args: Iterable[str] = (), **env: str | None) -> subprocess.Popen:
+                  args: Iterable[str] = (), python: str | Path = sys.executable, **env: str | None) -> subprocess.Popen:
     """`python [launcher...] -m target [args...]` (a module) or `python [launcher...] target [args...]` (a .py
     script) from the repository root; output to `log`, else a text pipe `stop` reads (keep a long-lived, chatty
-    process on a log file: nobody drains the pipe until `stop`)."""
+    process on a log file: nobody drains the pipe until `stop`). `python`: another environment's interpreter
+    (the vLLM one: pass VIRTUAL_ENV=None too). `env`: on top of ours; a None value removes the variable."""
     full_env = {**os.environ, "HEALTH_PORT": "0", "LOG_FORMAT": "text", "PYTHONUNBUFFERED": "1",
                 **{k.upper(): str(v) for k, v in env.items() if v is not None}}
     for key in (k.upper() for k, v in env.items() if v is None):
@@ -49,7 +50,7 @@ def start_service(target: str, *, log: IO | Path | int | None = None, launcher: 
     entry = [target] if target.endswith(".py") else ["-m", target]
     if isinstance(log, Path):
         log = open(log, "w")  # noqa: SIM115 - the child holds it open for its whole life
-    return subprocess.Popen([sys.executable, *launcher, *entry, *args], cwd=REPO, env=full_env,
+    return subprocess.Popen([str(python), *launcher, *entry, *args], cwd=REPO, env=full_env,
                             stdin=subprocess.DEVNULL, stdout=log if log is not None else subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=log is None)
 
@@ -127,35 +128,32 @@ async def wait_until_async(pred: Callable[[], Any], timeout_s: float, what: str,
 
 def wait_http(url: str, proc: subprocess.Popen | None = None, timeout_s: float = 30.0) -> None:
     """Return once `url` answers 200; raise if `proc` exits first or the time runs out."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"{proc.args} exited with {proc.returncode}")
+    def up() -> bool:
         try:
-            if httpx.get(url, timeout=1).status_code == 200:
-                return
+            return httpx.get(url, timeout=1).status_code == 200
         except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise TimeoutError(f"{url} not up after {timeout_s}s")
+            return False
+
+    wait_until(up, timeout_s, f"{url} to answer 200", procs=[proc] if proc else [])
 
 
 def wait_heartbeat(redis_url: str, service: str, worker_id: str, proc: subprocess.Popen | None = None,
                    timeout_s: float = 60.0) -> dict:
     """The heartbeat a service writes to Redis (`heartbeat:<service>:<worker_id>`) once it holds its port."""
     client = redis.Redis.from_url(redis_url)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+
+    def beat() -> dict | None:
         raw = client.get(heartbeat_key(service, worker_id))
-        if raw:
-            health = json.loads(raw)
-            if health.get("port"):
-                return health
-        if proc is not None and proc.poll() is not None:
-            output = proc.stdout.read() if proc.stdout else ""
-            raise RuntimeError(f"{service} exited with {proc.returncode}:\n{output}")
-        time.sleep(0.1)
-    raise TimeoutError(f"{service} {worker_id} sent no heartbeat within {timeout_s}s")
+        health = json.loads(raw) if raw else {}
+        return health if health.get("port") else None
+
+    try:
+        return wait_until(beat, timeout_s, f"{service} {worker_id}'s heartbeat", procs=[proc] if proc else [])
+    except RuntimeError as e:  # it exited: its output (when piped) says why
+        output = proc.stdout.read() if proc is not None and proc.stdout else ""
+        raise RuntimeError(f"{e}:\n{output[-5000:]}") from None
+    finally:
+        client.close()
 
 
 def stop(proc: subprocess.Popen, timeout_s: float = 20.0) -> str:

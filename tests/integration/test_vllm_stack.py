@@ -18,12 +18,12 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
-from fixtures.vllm_env import REPO, hf_generate, reference_logprobs, vllm_env, vllm_python
+from fixtures.vllm_env import hf_generate, reference_logprobs, vllm_env, vllm_python
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from harness.live import register_dataset, wait_run_ended
-from harness.procs import wait_heartbeat
+from harness.procs import start_service, stop, wait_heartbeat
 from harness.stack import LocalStack
 from harness.tiny_model import build_vllm_tiny_model
 from shared.db.models import Checkpoint, Run
@@ -47,19 +47,14 @@ def stack(isolated_urls, tmp_path_factory):
         services.start(services=["weight-server", "env-worker", "trainer", "controller"])
         services.wait_healthy(180)
         env = vllm_env(services._base_env(), WORKER_ID="vllm-rollout", HEALTH_PORT="0", MAX_CONCURRENCY="16")
-        log = open(data / "logs" / "rollout-worker-vllm.log", "w")
-        worker = subprocess.Popen([python, "-m", "services.rollout_worker.main"], cwd=REPO, env=env, stdout=log,
-                                  stderr=subprocess.STDOUT, start_new_session=True)
+        log = data / "logs" / "rollout-worker-vllm.log"
+        worker = start_service("services.rollout_worker.main", python=python, log=log, VIRTUAL_ENV=None,
+                               PYTHONHOME=None, **env)
         try:
-            health = heartbeat(redis_url, worker, data / "logs" / "rollout-worker-vllm.log")
+            health = heartbeat(redis_url, worker, log)
             yield SimpleNamespace(db=db, data=data, metrics=f"http://127.0.0.1:{health['port']}/metrics")
         finally:
-            worker.terminate()
-            try:
-                worker.wait(60)
-            except subprocess.TimeoutExpired:
-                worker.kill()
-            log.close()
+            stop(worker, 60)
             db.dispose()
 
 
