@@ -5,6 +5,7 @@ results the store accepted: a zombie result (its attempt's lease expired) is nev
 
 from __future__ import annotations
 
+import json
 import random
 import subprocess
 import threading
@@ -42,6 +43,7 @@ from shared.streams import (
     WEIGHTS,
 )
 from shared.types import TerminationReason
+from shared.weights import ADAPTER_CONFIG, ADAPTER_WEIGHTS, MANIFEST
 
 TASKS, N = 2, 4  # groups per batch, samples per group
 
@@ -236,9 +238,12 @@ def test_trainer_trains_whole_groups_reports_and_publishes(stack, redis_url, dat
         proc.wait(60)
 
 
+@pytest.mark.parametrize("lora", [None, {"rank": 4, "target_modules": ["q_proj", "v_proj"]}], ids=["full", "lora"])
 def test_trainer_killed_mid_step_resumes_with_nothing_lost_or_doubled(stack, redis_url, database_url, model_dir,
-                                                                     tmp_path):
-    run_id = _insert_run(database_url, model_dir, max_staleness=5)
+                                                                     tmp_path, lora):
+    """Full weights, and a LoRA run (whose checkpoints hold the adapter and its optimizer state)."""
+    algorithm = {"adv_estimator": "grpo", "lr": 1e-3} | ({"lora": lora} if lora else {})
+    run_id = _insert_run(database_url, model_dir, max_staleness=5, algorithm=algorithm)
     keys = set()
     for batch in range(4):
         keys |= _publish_batch(redis_url, run_id, batch, 0)
@@ -261,6 +266,8 @@ def test_trainer_killed_mid_step_resumes_with_nothing_lost_or_doubled(stack, red
         # step 3's report was lost in the crash; the restarted trainer re-sent its whole record
         reported = {(g.task_id, g.batch_idx) for m in _reports(redis_url, run_id) for g in m.groups}
         assert reported == {(f"b{b}-t{t}", b) for b in range(4) for t in range(TASKS)}
+        manifest = json.loads((Path(stack.env["WEIGHTS_DIR"]) / run_id / "v4" / MANIFEST).read_text())
+        assert (set(manifest["files"]) == {ADAPTER_CONFIG, ADAPTER_WEIGHTS}) == bool(lora)  # a LoRA run: adapters
     finally:
         proc.terminate()
         proc.wait(60)
