@@ -216,6 +216,8 @@ class OpenAIEngine(InferenceEngine):
 
     async def _unload_retired(self) -> None:
         for name in [n for n in self._retired if not self._using[n]]:
+            if name not in self._retired:  # another call unloads it
+                continue
             self._retired.discard(name)
             self._using.pop(name, None)
             try:
