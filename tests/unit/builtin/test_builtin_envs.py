@@ -149,10 +149,12 @@ def test_code_env_judges_input_output_cases_outside_the_sandbox():
 
 
 def test_an_input_output_solution_cannot_find_the_expected_output():
-    """The expected outputs never enter the sandbox: a solution that searches everything it can read (its files,
-    its source, stdin, argv, environment, /tmp, /proc) for the secret answer does not find it, and fails."""
+    """The expected outputs never enter the sandbox: a probe that searches everything it can read (its files,
+    its source, stdin, argv, environment, /tmp, /proc) for the exact answer does not find it. The probe is told
+    the answer in two halves, so its own source does not hold it whole."""
     secret = f"answer-{uuid.uuid4().hex}"
-    search = ("import os, sys\nseen = [sys.stdin.read(), ' '.join(sys.argv), str(dict(os.environ))]\n"
+    search = (f"import os, sys\nneedle = {secret[:16]!r} + {secret[16:]!r}\n"
+              "seen = [sys.stdin.read(), ' '.join(sys.argv), str(dict(os.environ))]\n"
               "for root in ('.', '/tmp', '/proc/self', '/proc/1'):\n"
               "    for d, _, files in os.walk(root):\n"
               "        for f in files:\n"
@@ -160,7 +162,7 @@ def test_an_input_output_solution_cannot_find_the_expected_output():
               "                seen.append(open(os.path.join(d, f), errors='ignore').read(1 << 20))\n"
               "            except Exception:\n"
               "                pass\n"
-              "found = 'FOUND' if any(('ans' + 'wer-') in s for s in seen) else 'NOT FOUND'\n"
+              "found = 'FOUND' if any(needle in s for s in seen) else 'NOT FOUND'\n"
               "print(found)\nprint(found, file=sys.stderr)\n")
     env = build("code", {"tests": [{"input": "q", "output": secret}]}, max_turns=2)
     env.reset()
