@@ -308,16 +308,21 @@ def _bits(t: torch.Tensor) -> np.ndarray:
 
 
 def delta_parts(base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor],
-                digests: dict[str, TensorEntry] | None = None) -> dict[str, np.ndarray]:
+                digests: dict[str, TensorEntry] | None = None, on_device: bool | None = None) -> dict[str, np.ndarray]:
     """What changed from `base` to `new` (same layout): per changed tensor either `idx/<name>` (gaps between
     changed flat indices, the first from 0: uint8 when every gap fits, else uint16/int32/int64) + `val/<name>`
     (their new bits), or `dense/<name>` (the whole tensor's bits) when that is no larger; unchanged tensors are
     absent. With `digests`, each changed tensor's `tensor_entry` is added to it, computed right after its diff
-    while its bits are still in cache. Tensors are compared on a few threads (the kernels release the GIL)."""
+    while its bits are still in cache. Tensors are compared on a few threads (the kernels release the GIL).
+
+    `on_device`: compare with torch where the tensors live (`changes_on_device`: a CUDA trainer's last and new
+    versions are compared on its GPU and only the changes are copied to the host) instead of numpy on the host;
+    the same parts either way. Default: on the device when the tensors are not on the CPU."""
     from concurrent.futures import ThreadPoolExecutor
 
     def diff(name: str) -> dict[str, np.ndarray]:
-        parts = _diff_one(name, base[name], new[name])
+        device = on_device if on_device is not None else new[name].device.type != "cpu"
+        parts = _diff_one(name, base[name], new[name], device)
         if parts and digests is not None:
             digests[name] = tensor_entry(new[name])
         return parts
@@ -326,16 +331,15 @@ def delta_parts(base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor
         return {key: arr for parts in pool.map(diff, new) for key, arr in parts.items()}
 
 
-def _diff_one(name: str, base: torch.Tensor, new: torch.Tensor) -> dict[str, np.ndarray]:
-    from shared.delta_kernels import changes
+def _diff_one(name: str, base: torch.Tensor, new: torch.Tensor, on_device: bool) -> dict[str, np.ndarray]:
+    from shared.delta_kernels import changes, changes_on_device
 
-    cur = _bits(new)
-    found = changes(_bits(base), cur)
+    found = changes_on_device(base, new) if on_device else changes(_bits(base), _bits(new))
     if found is None:
         return {}
     gaps, vals = found
-    if gaps.nbytes + vals.nbytes >= cur.nbytes:
-        return {f"dense/{name}": cur}
+    if gaps.nbytes + vals.nbytes >= new.numel() * new.element_size():
+        return {f"dense/{name}": _bits(new)}
     return {f"idx/{name}": gaps, f"val/{name}": vals}
 
 

@@ -247,11 +247,12 @@ class PolicyEngine:
         if self.critic is not None:
             self.critic.load_checkpoint(str(folder / "critic"))
 
-    def export_hf(self, folder: Path, dtype: str = "auto", *, weights: bool = True) -> dict | None:
+    def export_hf(self, folder: Path, dtype: str = "auto", *, weights: bool = True, device: str = "cpu") -> dict | None:
         """HF folder (model.safetensors + config + tokenizer) with the current weights in `dtype` (a torch dtype
         name; auto: the model config's dtype, else the training dtype); flat file names. Returns the exported
-        tensors on rank 0 (None elsewhere); `weights=False` leaves out model.safetensors (the publisher writes it
-        only when it sends a full snapshot, not for a delta)."""
+        tensors on rank 0 (None elsewhere), on `device` (the publisher diffs them where they are);
+        `weights=False` leaves out model.safetensors (the publisher writes it only when it sends a full snapshot,
+        not for a delta)."""
         from safetensors.torch import save_file
 
         folder.mkdir(parents=True, exist_ok=True)
@@ -261,12 +262,13 @@ class PolicyEngine:
         if dtype == "auto":
             dtype = getattr(hf_config, "dtype", None) or self.engine_config.model_dtype
         dtype = getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}.get(str(dtype), str(dtype)).removeprefix("torch."))
-        state = {name: p.detach().to("cpu", dtype, copy=True).contiguous() for name, p in gen
+        state = {name: p.detach().to(device, dtype, copy=True).contiguous() for name, p in gen
                  if not (tied and name == "lm_head.weight")}
         if dist.get_rank() != 0:
             return None
         if weights:
-            save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+            save_file({n: t.cpu() for n, t in state.items()}, str(folder / "model.safetensors"),
+                      metadata={"format": "pt"})
         hf_config.save_pretrained(folder)
         self.model_config.tokenizer.save_pretrained(folder)
         if self.model_config.generation_config is not None:

@@ -414,7 +414,8 @@ class Trainer:
             self.publisher.publish(run_id, version, folder, metrics, self.settings.best_metric, tensors=tensors,
                                    base_model=base)
             return
-        tensors = engine.export_hf(folder, config.engine.weights_dtype, weights=False)
+        device = self.settings.device if self.settings.delta_on_device else "cpu"
+        tensors = engine.export_hf(folder, config.engine.weights_dtype, weights=False, device=device)
         self.publisher.publish(run_id, version, folder, metrics, self.settings.best_metric, tensors=tensors)
 
     async def _in_torch(self, fn, *args):

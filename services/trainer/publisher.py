@@ -2,7 +2,8 @@
 
 Each version is sent as a delta on the version before it when the weight server's plan asks for one and this
 publisher still holds that version's exported tensors (it keeps the last one per run in memory, and diffs the
-new export against it in memory: no file is read back); otherwise as the full folder (the first version after a
+new export against it in memory: no file is read back; where the tensors live, so a CUDA trainer that exports
+onto its GPU diffs there and copies only the changes and the hashed tensors to the host); otherwise as the full folder (the first version after a
 start, and every SNAPSHOT_EVERY versions). Either way the manifest states every tensor's digest, which is what
 rollout workers check the weights they serve against: for a delta, the tensors it changes are hashed and the
 others keep the previous version's digest (their bits are the same, compared one by one).
@@ -110,7 +111,8 @@ class WeightPublisher:
             if not written:
                 from safetensors.torch import save_file
 
-                save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+                save_file({n: t.cpu() for n, t in tensors.items()}, str(folder / "model.safetensors"),
+                          metadata={"format": "pt"})
         body["tensors"] = {n: e.model_dump() for n, e in entries.items()}
         files = sorted(p.name for p in folder.iterdir() if p.is_file())
         if self.weights_dir:

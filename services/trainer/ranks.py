@@ -74,8 +74,8 @@ class ShardedEngine:
     def load(self, folder) -> None:
         self._call("load", folder)
 
-    def export_hf(self, folder, dtype: str = "auto", *, weights: bool = True) -> dict | None:
-        return self._call("export_hf", folder, dtype, weights=weights)
+    def export_hf(self, folder, dtype: str = "auto", *, weights: bool = True, device: str = "cpu") -> dict | None:
+        return self._call("export_hf", folder, dtype, weights=weights, device=device)
 
     def export_adapter(self, folder, dtype: str = "auto") -> dict | None:
         return self._call("export_adapter", folder, dtype)

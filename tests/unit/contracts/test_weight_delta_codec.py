@@ -136,3 +136,20 @@ def test_any_flipped_byte_of_a_delta_file_is_refused_when_it_is_read(tmp_path):
         # read without complaint: only a bit the format ignores (the frame header's unused bit) may have flipped
         assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in want), pos
     assert refused >= 75
+
+
+def test_a_diff_on_the_weights_device_gives_the_same_parts_and_digests_as_the_host():
+    """A CUDA trainer's publisher compares its last and new versions on the GPU (`on_device`, the default for
+    tensors off the CPU); the parts and the changed tensors' digests are those of the host path, so a worker
+    cannot tell where the diff ran. Forced here on CPU tensors, the same torch code a GPU runs."""
+    base, new = _versions()
+    wide_base = {"far": torch.zeros(200_000, dtype=torch.float32)}
+    wide_new = {"far": wide_base["far"].clone()}
+    wide_new["far"][[7, 150_000]] = 1.0
+    for b, n in ((base, new), (wide_base, wide_new)):
+        host_digests, device_digests = {}, {}
+        host = delta_parts(b, n, digests=host_digests, on_device=False)
+        device = delta_parts(b, n, digests=device_digests, on_device=True)
+        assert host.keys() == device.keys() and host_digests == device_digests
+        for key in host:
+            assert host[key].dtype == device[key].dtype and np.array_equal(host[key], device[key]), key
