@@ -254,11 +254,19 @@ def dropped_groups(conn: Connection, run_id: str, final_failed: list[tuple[str, 
 
 
 def record_progress(db: Engine, msgs: list[TrainerProgress]) -> None:
-    """Apply `trainer.progress`: the run's policy version (never backwards) and the groups it consumed (the
-    first report of a group wins). Idempotent: the trainer re-sends freely. Runs that no longer exist are
-    skipped."""
+    """Apply `trainer.progress`: the run's policy version (never backwards), the groups it consumed (the
+    first report of a group wins), and a trainer's error as one `trainer_error` event per distinct error.
+    Idempotent: the trainer re-sends freely. Runs that no longer exist are skipped."""
     with db.begin() as conn:
         for m in msgs:
+            if m.error is not None:
+                conn.execute(text(
+                    """INSERT INTO run_events (run_id, kind, message, data)
+                       SELECT CAST(:r AS uuid), 'trainer_error', :m, '{}'
+                       WHERE EXISTS (SELECT 1 FROM runs WHERE id = CAST(:r AS uuid))
+                         AND NOT EXISTS (SELECT 1 FROM run_events WHERE run_id = CAST(:r AS uuid)
+                                         AND kind = 'trainer_error' AND message = :m)"""
+                ), {"r": m.run_id, "m": m.error})
             conn.execute(update(Run).where(Run.id == m.run_id)
                          .values(policy_version=func.greatest(Run.policy_version, m.version)))
             if m.groups:

@@ -1,5 +1,5 @@
-"""The progress loop: group "controller" on `trainer.progress` -> runs.policy_version and `consumed_groups`,
-acknowledged after the commit. All the controller knows of the trainer comes this way."""
+"""The progress loop: group "controller" on `trainer.progress` -> runs.policy_version, `consumed_groups` and a
+trainer's `trainer_error` events, acknowledged after the commit. All the controller knows of the trainer comes this way."""
 
 from __future__ import annotations
 
@@ -37,4 +37,8 @@ class ProgressLoop:
                     driver.last_progress = time.monotonic()
                 driver.policy_version = max(driver.policy_version, m.version)
                 driver.recount_dropped = driver.recount_dropped or bool(m.groups)
+                if m.error is not None:
+                    driver.trainer_error = m.error
+                elif m.version > 0:  # a trainer trains it now
+                    driver.trainer_error = None
         self.wake.set()

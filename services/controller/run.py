@@ -46,6 +46,7 @@ class RunDriver:
         self.stored_here: list[tuple] = []  # (task, sample, attempt, status, error) our store loop ended, unapplied
         self.next_ledger_scan = 0.0  # monotonic time of the next read of ended ledger rows
         self.recount_dropped = False  # the trainer reported dropped groups since the last count
+        self.trainer_error: str | None = None  # a trainer reported it cannot train this run (trainer.progress)
         self.notices: list = []  # AcceptedResult notices of final failures, published after their commit
         self.errored: set[SlotKey] = set()  # slots whose user code failed (final, not scored)
         self.failure_streak: dict[str, int] = {}  # reason -> failed/errored attempts since the last completed one

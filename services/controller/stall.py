@@ -8,7 +8,8 @@ Checked in this order, the first that holds is the reason:
 - work is waiting (tasks in flight, attempts to retry, slots in the dispatch window):
   no live rollout worker; none offers the run's engine type; no env worker alive (runs with an env); every
   rollout slot of the live workers busy (their heartbeats' inflight and max_concurrency);
-- nothing is waiting (every slot the window allows has ended): a training run that no trainer holds; one whose
+- nothing is waiting (every slot the window allows has ended): a training run that a trainer reported it cannot
+  train (`trainer.progress` with an error); one that no trainer holds; one whose
   staleness window is full, waiting for the trainer to step (groups that can never complete, a unit errored or
   out of attempts, widen the window: they are replaced, so they never hold it shut).
 Paused runs say so at once; Redis or Postgres unreachable is the controller's own error, reported as such.
@@ -72,6 +73,10 @@ def stall_reason(d: RunDriver, facts: Facts, stall_after_s: float) -> str:
                 "busy): the trajectories are running; see the rollout workers' logs")
     if d.plan.is_eval:
         return f"{idle} and nothing left to dispatch"
+    if facts.trainer is None and d.trainer_error is not None:
+        return (f"the trainer cannot train this run ({d.trainer_error[:300]}): {d.num_completed} results stored, "
+                "none trained on since; fix the model or checkpoint, then restart the trainer (it does not try a "
+                "run that failed to load again until it restarts)")
     if facts.trainer is None:
         return (f"no trainer holds this run (no live trainer lease): {d.num_completed} results stored, none "
                 "trained on since; start the trainer (docker compose up -d trainer)")

@@ -167,7 +167,10 @@ class Trainer:
         except Exception as e:  # one bad run (missing checkpoint, bad model path) must not stop the others
             log.exception("cannot train run %s", row.id, extra={"run_id": row.id})
             self.broken[row.id] = repr(e)
-            await asyncio.to_thread(db.record_event, self.db, row.id, "trainer_error", repr(e))
+            try:  # the controller records it in the run's history and its stall reason
+                await self.bus.publish(TRAINER_PROGRESS, TrainerProgress(run_id=row.id, version=0, error=repr(e)))
+            except (RedisError, OSError) as pe:
+                log.warning("could not report that run %s cannot be trained: %r", row.id, pe)
             await asyncio.to_thread(db.release_leases, self.db, self.worker_id, [row.id])
             return
         self.runs[row.id] = run

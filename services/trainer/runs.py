@@ -12,7 +12,7 @@ from sqlalchemy.dialects.postgresql import insert
 
 from services.trainer.state import SampleRecord, StepRecord
 from shared import leases
-from shared.db.models import Checkpoint, Metric, Run, RunEvent, TrainSample
+from shared.db.models import Checkpoint, Metric, Run, TrainSample
 from shared.messages import ConsumedGroup
 
 ACTIVE = ("running", "paused")  # a paused run keeps training on what already arrived
@@ -122,8 +122,3 @@ def is_published(db: Engine, run_id: str, version: int) -> bool:
     with db.connect() as c:
         return c.execute(select(Checkpoint.version).where(
             Checkpoint.run_id == uuid.UUID(run_id), Checkpoint.version == version)).first() is not None
-
-
-def record_event(db: Engine, run_id: str, kind: str, message: str) -> None:
-    with db.begin() as c:
-        c.execute(insert(RunEvent).values(run_id=uuid.UUID(run_id), kind=kind, message=message, data={}))

@@ -41,12 +41,11 @@ OWNERS: dict[str, TableOwner] = {
     "consumed_groups": TableOwner(
         "controller", (), "`trainer.progress` (the groups a policy version consumed or dropped)"),
     "run_events": TableOwner(
-        "controller", ("api", "jobs"), "every message that changes a run (the run's history)",
+        "controller", ("api", "jobs"), "every message that changes a run (the run's history); "
+        "`trainer.progress` errors as `trainer_error`",
         also_written_by={
             "api": "records `created` and each control request in the transaction that makes it",
             "jobs": "records an eval run's `created` in the transaction that creates it",
-            "trainer": "records `trainer_error` when it cannot train a run it leased (a model or checkpoint that "
-                       "will not load), before it lets the lease go",
         }),
     "rollout_tasks": TableOwner("controller", (), "the controller's dispatch; `trajectories` (each attempt's end)"),
     "episodes": TableOwner("controller", ("api", "jobs"), "`trajectories` (the store, exactly once)"),

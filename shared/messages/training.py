@@ -7,9 +7,10 @@ trainer knows that slot's group can never complete. At-least-once: a result may 
 re-delivered `trajectories` entry of a stored attempt); the trainer takes one result per (run, task, sample).
 
 `trainer.progress` (trainer -> controller): what the controller needs from the trainer, instead of reading its
-tables: the policy version it reached and the groups it consumed (used by a step, or dropped with a reason).
-Idempotent and cumulative on the controller's side (greatest version, one row per group), so the trainer
-re-sends it freely, e.g. everything it recorded when it opens a run.
+tables: the policy version it reached and the groups it consumed (used by a step, or dropped with a reason), or
+why it cannot train a run at all (`error`: the controller records it in the run's history and its stall reason).
+Idempotent and cumulative on the controller's side (greatest version, one row per group, one event per error),
+so the trainer re-sends it freely, e.g. everything it recorded when it opens a run.
 """
 
 from __future__ import annotations
@@ -53,5 +54,9 @@ class TrainerProgress(Message):
     SCHEMA_VERSION = 1
 
     run_id: str
-    version: int = Field(ge=0, description="the trainer's policy version (steps committed) for this run")
+    version: int = Field(ge=0, description="the trainer's policy version (steps committed) for this run; 0 with "
+                         "`error`")
     groups: list[ConsumedGroup] = Field(default_factory=list)
+    error: str | None = Field(
+        None, description="the trainer cannot train this run (its model or checkpoint will not load): why; it "
+        "lets the run's lease go and does not try it again until it restarts")

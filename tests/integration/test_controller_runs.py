@@ -576,6 +576,15 @@ async def test_a_training_run_says_no_trainer_holds_it_then_that_the_window_wait
     async with FakeRolloutWorker(redis_client, run, lambda t: "correct") as worker:
         await wait_until_async(lambda: len(worker.received) == 4, 30, "the first batch")
         await wait_stall(engine, run, "no trainer holds this run (no live trainer lease): 4 results stored")
+        # A trainer that cannot load the run says so on trainer.progress (re-sent: one event all the same).
+        cannot = TrainerProgress(run_id=run, version=0, error="OSError('no file named model.safetensors')")
+        for _ in range(2):
+            await redis_client.xadd(TRAINER_PROGRESS, encode(cannot))
+        await wait_stall(engine, run, "the trainer cannot train this run (OSError('no file named model.safetensors'))")
+        with engine.connect() as c:
+            recorded = c.execute(select(RunEvent.message).where(RunEvent.run_id == uuid.UUID(run),
+                                                                RunEvent.kind == "trainer_error")).scalars().all()
+        assert recorded == [cannot.error]
         with engine.begin() as c:  # a trainer holds the run but has not stepped yet
             c.execute(text("INSERT INTO run_leases (run_id, role, owner, expires_at) VALUES "
                            "(:r, 'trainer', 'trainer-7', now() + interval '1 minute')"), {"r": run})

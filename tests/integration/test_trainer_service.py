@@ -192,10 +192,18 @@ def test_trainer_trains_whole_groups_reports_and_publishes(stack, redis_url, dat
     for s in range(N - 1):
         _accept(client, _result(run_id, "b2-partial", s, batch=2))
 
+    # A run whose model cannot be loaded is reported on trainer.progress, written nowhere, and stops no other run.
+    unloadable = _insert_run(database_url, model_dir.parent / "no-such-model")
+
     proc = _start_trainer(redis_url, database_url, stack, tmp_path)
     try:
         _wait_version(database_url, run_id, 2, proc)
         time.sleep(1.0)
+        errors = [m.error for m in _reports(redis_url, unloadable)]
+        assert len(errors) == 1 and "no-such-model" in errors[0], errors
+        with create_engine(database_url).connect() as c:
+            assert c.execute(text("SELECT count(*) FROM run_events WHERE run_id = :id"),
+                             {"id": unloadable}).scalar() == 0  # the controller records it, not the trainer
         rows = _trained(database_url, run_id)
         assert {(r.task_id, r.sample_idx) for r in rows} == keys
         assert all(r.status == "used" for r in rows)
