@@ -195,17 +195,41 @@ def run_stack(data_dir: Path, *, steps: int = STEPS, tasks: int = TASKS, n: int 
     started = time.monotonic()
     init_std = LORA_INIT_STD if lora else 0.02
     with recall_stack(data_dir, SERVICES, env, log, init_std=init_std) as (_, api, model_dir):
-        run = api.post("/v1/runs", json=demo_config(model_dir, steps, tasks, n, lr, max_staleness, stale_policy,
-                                                    lora))
-        run.raise_for_status()
-        run_id = run.json()["id"]
-        log(f"run {run_id}: {steps} versions of {tasks} questions x {n} samples, max_staleness {max_staleness}")
-        watch(api, run_id, steps, started + timeout_s, log)
+        log(f"{steps} versions of {tasks} questions x {n} samples, max_staleness {max_staleness}")
+        [run_id], _ = train_runs(api, [demo_config(model_dir, steps, tasks, n, lr, max_staleness, stale_policy, lora)],
+                                 steps, started + timeout_s, log)
         wall_s = time.monotonic() - started
-        api.post(f"/v1/runs/{run_id}/stop")
         answers = answers_by_version(api, run_id)
         published = len(api.get(f"/v1/runs/{run_id}/checkpoints").json()["data"])
     return summarize(answers) | {"versions_published": published, "wall_s": round(wall_s, 1), "run_id": run_id}
+
+
+def train_runs(api, configs: list[dict], steps: int, deadline: float, log) -> tuple[list[str], float]:
+    """Create a run per config through the REST API, wait until each has trained `steps` versions or ended (one
+    run: its reward printed per version, `watch`), then stop them all. The run ids, and the seconds from the
+    first run's creation until the last was done."""
+    run_ids = []
+    for config in configs:
+        resp = api.post("/v1/runs", json=config)
+        resp.raise_for_status()
+        run_ids.append(resp.json()["id"])
+        log(f"run {run_ids[-1]} ({config['name']})")
+    started = time.monotonic()
+    if len(run_ids) == 1:
+        watch(api, run_ids[0], steps, deadline, log)
+    done: set[str] = set()
+    while len(run_ids) > 1 and len(done) < len(run_ids) and time.monotonic() < deadline:
+        for run_id in set(run_ids) - done:
+            run = api.get(f"/v1/runs/{run_id}").json()
+            if run["policy_version"] >= steps or run["status"] in ("completed", "failed", "stopped"):
+                done.add(run_id)
+                log(f"run {run['name']}: {run['status']} at version {run['policy_version']} after "
+                    f"{time.monotonic() - started:.0f}s {run.get('error') or ''}")
+        time.sleep(2)
+    seconds = time.monotonic() - started
+    for run_id in run_ids:
+        api.post(f"/v1/runs/{run_id}/stop")
+    return run_ids, seconds
 
 
 def watch(api, run_id: str, steps: int, deadline: float, log) -> None:
@@ -236,16 +260,21 @@ GROUP BY 1, 2, 3
 """
 
 
-def answers_by_version(api, run_id: str) -> list[dict]:
-    """Every stored sample of the run counted by (question, answer, version), read with the API's SQL."""
+def sql_rows(api, query: str, run_id: str) -> list[dict]:
+    """The rows of `query` (its `{run_id}` filled in) through the API's SQL, as dicts."""
     import uuid
 
-    query = ANSWERS_SQL.format(run_id=uuid.UUID(run_id))  # a UUID: nothing but hex digits and dashes
+    query = query.format(run_id=uuid.UUID(run_id))  # a UUID: nothing but hex digits and dashes
     resp = api.post("/v1/sql", json={"query": query, "max_rows": 100_000})
     resp.raise_for_status()
     body = resp.json()
-    assert not body["truncated"], "more (question, answer, version) rows than /v1/sql returns"
+    assert not body["truncated"], "more rows than /v1/sql returns"
     return [dict(zip(body["columns"], row, strict=True)) for row in body["rows"]]
+
+
+def answers_by_version(api, run_id: str) -> list[dict]:
+    """Every stored sample of the run counted by (question, answer, version), read with the API's SQL."""
+    return sql_rows(api, ANSWERS_SQL, run_id)
 
 
 def summarize(rows: list[dict]) -> dict:

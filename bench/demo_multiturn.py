@@ -22,7 +22,7 @@ import json
 import time
 from pathlib import Path
 
-from bench.demo import ALGORITHM, judge_learning, recall_stack, watch, write_result
+from bench.demo import ALGORITHM, judge_learning, recall_stack, sql_rows, train_runs, write_result
 from harness.tiny_model import build_number_model
 from shared.builtin.datasets import generate
 
@@ -157,16 +157,6 @@ WHERE run_id = '{run_id}' AND name IN ('logprob_diff_mean', 'logprob_diff_max', 
 """
 
 
-def sql_rows(api, query: str, run_id: str) -> list[dict]:
-    import uuid
-
-    resp = api.post("/v1/sql", json={"query": query.format(run_id=uuid.UUID(run_id)), "max_rows": 100_000})
-    resp.raise_for_status()
-    body = resp.json()
-    assert not body["truncated"], "more rows than /v1/sql returns"
-    return [dict(zip(body["columns"], row, strict=True)) for row in body["rows"]]
-
-
 def run_stack(data_dir: Path, *, steps: int = STEPS, tasks: int = TASKS, n: int = SAMPLES, lr: float = LR,
               timeout_s: float = 900.0, env: dict | None = None, log=print) -> dict:
     """Start every service, create the training run through the REST API, print reward per version until
@@ -176,13 +166,9 @@ def run_stack(data_dir: Path, *, steps: int = STEPS, tasks: int = TASKS, n: int 
     started = time.monotonic()
     with recall_stack(data_dir, SERVICES, STACK_ENV | (env or {}), log, dataset=("digits", dataset_rows(2 * tasks * steps))) \
             as (_, api, model_dir):
-        run = api.post("/v1/runs", json=run_config(model_dir, steps, tasks, n, lr))
-        run.raise_for_status()
-        run_id = run.json()["id"]
-        log(f"run {run_id}: {steps} versions of {tasks} tasks x {n} episodes of {TURNS} turns")
-        watch(api, run_id, steps, started + timeout_s, log)
+        log(f"{steps} versions of {tasks} tasks x {n} episodes of {TURNS} turns")
+        [run_id], _ = train_runs(api, [run_config(model_dir, steps, tasks, n, lr)], steps, started + timeout_s, log)
         wall_s = time.monotonic() - started
-        api.post(f"/v1/runs/{run_id}/stop")
         turns, rewards = sql_rows(api, TURNS_SQL, run_id), sql_rows(api, REWARD_SQL, run_id)
         mismatch = sql_rows(api, MISMATCH_SQL, run_id)
     return summarize(turns, rewards, mismatch) | {"wall_s": round(wall_s, 1), "run_id": run_id}

@@ -223,33 +223,22 @@ def learning_runs(n: int, steps: int, timeout_s: float) -> dict:
         demo_config,
         recall_stack,
         summarize,
+        train_runs,
     )
 
     work = Path(tempfile.mkdtemp(prefix="flywheel-bench-lora-runs-"))
     started = time.monotonic()
     try:
         with recall_stack(work, SERVICES, log=log, init_std=LORA_INIT_STD) as (_, api, model_dir):
-            runs = {}
+            configs = []
             for k in range(n):
                 cfg = demo_config(model_dir, steps, TASKS, SAMPLES, LORA_LR, 1, lora=LORA)
-                cfg |= {"name": f"lora-offset-{k}", "env": {**cfg["env"], "args": {"offset": k}}}
-                resp = api.post("/v1/runs", json=cfg)
-                resp.raise_for_status()
-                runs[k] = resp.json()["id"]
+                configs.append(cfg | {"name": f"lora-offset-{k}", "env": {**cfg["env"], "args": {"offset": k}}})
             log(f"{n} LoRA runs of {steps} versions, run k answering (digit + k) mod 10")
-            learn_started, done = time.monotonic(), set()
-            while len(done) < n and time.monotonic() - started < timeout_s:
-                for k, run_id in runs.items():
-                    run = api.get(f"/v1/runs/{run_id}").json()
-                    if k not in done and (run["policy_version"] >= steps or run["status"] in ("failed", "stopped")):
-                        done.add(k)
-                        log(f"run {k}: {run['status']} at version {run['policy_version']} after "
-                            f"{time.monotonic() - learn_started:.0f}s {run.get('error') or ''}")
-                time.sleep(2)
-            wall_s = time.monotonic() - learn_started
+            run_ids, wall_s = train_runs(api, configs, steps, started + timeout_s, log)
+            runs = dict(enumerate(run_ids))
             out = {}
             for k, run_id in runs.items():
-                api.post(f"/v1/runs/{run_id}/stop")
                 s = summarize(answers_by_version(api, run_id))
                 out[f"offset_{k}"] = {"final_reward": round(s["final_reward"] or 0, 3),
                                       "initial_reward": round(s["initial_reward"] or 0, 3),

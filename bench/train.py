@@ -106,9 +106,7 @@ def bench_weight_sync(work: Path, redis_url: str, database_url: str, workers: in
     from harness.stack import LocalStack
     from services.trainer.engine import PolicyEngine
     from services.trainer.publisher import WeightPublisher
-    from shared.messages import RolloutTask, encode
     from shared.run_config import AlgorithmConfig
-    from shared.streams import ROLLOUT_TASKS
 
     model_dir = build_model(work / "model", hidden=hidden, layers=layers)
     run_id = _insert_bench_run(database_url, model_dir)
@@ -122,16 +120,7 @@ def bench_weight_sync(work: Path, redis_url: str, database_url: str, workers: in
         stack.start(services=["weight-server", "env-worker", "rollout-worker"], counts={"rollout-worker": workers})
         stack.wait_healthy(120)
         urls = [f"http://127.0.0.1:{stack.instance('rollout-worker', i).port}/metrics" for i in range(workers)]
-        client = redis.Redis.from_url(redis_url)
-        deadline = time.monotonic() + 300
-        i = 0
-        while any(_served_version(u, run_id) is None for u in urls):  # each worker builds the run's context
-            assert time.monotonic() < deadline, "rollout workers never picked up the run"
-            task = RolloutTask(run_id=run_id, task_id=f"warm{i}", sample_idx=0, dispatched_at=time.time(),
-                               task={"task_id": f"warm{i}", "question": "one", "answer": "1"})
-            client.xadd(ROLLOUT_TASKS, encode(task))
-            i += 1
-            time.sleep(0.5)
+        _warm_up(redis.Redis.from_url(redis_url), run_id, urls, None)
         publisher = WeightPublisher(stack.weight_server_url, stack.data_dir / "weights")
         http = httpx.Client(timeout=5)
         server_metrics = f"{stack.weight_server_url}/metrics"
