@@ -384,9 +384,13 @@ def test_trainer_taking_over_a_dead_trainers_run_gets_its_pending_entries(stack,
 
 
 @pytest.mark.slow
-def test_trainer_service_under_torchrun_two_ranks(stack, redis_url, database_url, model_dir, tmp_path):
+@pytest.mark.parametrize("lora", [None, {"rank": 4, "target_modules": ["q_proj", "v_proj"]}], ids=["full", "lora"])
+def test_trainer_service_under_torchrun_two_ranks(stack, redis_url, database_url, model_dir, tmp_path, lora):
+    """Two ranks of FSDP2, full weights and a LoRA run: a LoRA version is the whole adapter (every tensor at
+    its full shape, not rank 0's shard), with the base frozen."""
     port = free_port()
-    run_id = _insert_run(database_url, model_dir)
+    algorithm = {"adv_estimator": "grpo", "lr": 1e-3} | ({"lora": lora} if lora else {})
+    run_id = _insert_run(database_url, model_dir, algorithm=algorithm)
     keys = _publish_batch(redis_url, run_id, 0, 0) | _publish_batch(redis_url, run_id, 1, 0)
     proc = _start_trainer(redis_url, database_url, stack, tmp_path, launcher=(
         "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}"))
@@ -396,6 +400,14 @@ def test_trainer_service_under_torchrun_two_ranks(stack, redis_url, database_url
         assert {(r.task_id, r.sample_idx) for r in rows} == keys
         # a step is recorded before it is published: wait for the announcement
         wait_until(lambda: _published_versions(redis_url, run_id) == [1, 2], 60, "v2 announced", procs=[proc])
+        if lora:
+            from safetensors.torch import load_file
+
+            hidden = json.loads((model_dir / "config.json").read_text())["hidden_size"]
+            adapter = load_file(Path(stack.env["WEIGHTS_DIR"]) / run_id / "v2" / ADAPTER_WEIGHTS)
+            a = {n: t.shape for n, t in adapter.items() if "lora_A" in n}
+            assert a and all(shape == (lora["rank"], hidden) for shape in a.values()), a
+            assert len(adapter) == 2 * len(a) and all("base_layer" not in n for n in adapter)
     finally:
         proc.terminate()  # torchrun passes SIGTERM on; rank 0 stops the follower, every process exits
         proc.wait(90)
