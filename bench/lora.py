@@ -15,8 +15,10 @@ on a base whose weights dominate a process's memory (bench/train.py's 114M-param
    sharing rollout capacity), run k answering (digit + k) mod 10 (RecallEnv's `offset`), so an adapter served to
    the wrong run scores near 0: `final_reward` per run, trajectories per second over all runs, wall time, and
    the same for one run alone just before (`traj_per_s_one_run`).
-
-Not measured here: the trainer's memory per LoRA run (it holds one verl engine per run, base included).
+4. trainer (`--part trainer`, also in the full bench), each configuration in a fresh process: the verl engines a
+   trainer holds (services/trainer/shared_base.py) for one LoRA run, for N LoRA runs of one kind (one base,
+   N adapters + optimizers) and for N full-weight runs, each run taking two real PPO updates: private resident
+   MB (`trainer_private_mb_*`: resident less file-backed pages), engines held, and the median update time.
 """
 
 from __future__ import annotations
@@ -200,9 +202,55 @@ async def engines(model: Path, adapters: list[Path], mode: str, runs: int) -> di
     return out
 
 
-def child(work: Path, model: Path, mode: str, runs: int) -> dict:
+def trainer_engines(model: Path, mode: str, runs: int) -> dict:
+    """Part 4 in this (fresh) process: `runs` trainer runs (LoRA or full) opened as the trainer opens them, two
+    PPO updates each, round robin: private resident MB, engines held, update seconds."""
+    import ctypes
+
+    import psutil
+    import verl.workers.engine_workers  # noqa: F401  (its import, ~300 MB, is not an engine's)
+
+    from bench.train import _ppo_step
+    from services.trainer.shared_base import engines_held, open_engine
+    from shared.run_config import AlgorithmConfig
+
+    def rss() -> float:
+        """Private resident MB: less the file pages of the mmapped checkpoint, after handing freed heap back to
+        the OS (without both, loading the same engine varied by ~300 MB from run to run)."""
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        info = psutil.Process().memory_info()
+        return (info.rss - info.shared) / 2**20
+
+    before = rss()
+    lora = {"rank": RANK, "alpha": 2 * RANK, "target_modules": "all-linear"} if mode == "lora" else None
+    algo = AlgorithmConfig(adv_estimator="grpo", lr=1e-4, lora=lora)
+    steps = [_ppo_step(open_engine(f"run{i}", str(model), algo, group_size=4, micro_batch_size=8))
+             for i in range(runs)]
+    loaded, times = rss(), []
+    for _ in range(2):
+        for step in steps:
+            started = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - started)
+    return {"private_mb_loaded": round(loaded - before, 1), "private_mb_after_updates": round(rss() - before, 1),
+            "engines_held": engines_held(), "update_s": round(statistics.median(times), 3),
+            "update_samples_s": [round(t, 3) for t in times]}
+
+
+def trainer_figures(model: Path) -> dict:
+    one, n_lora, n_full = (child(model.parent, model, mode, runs, trainer=True)
+                           for mode, runs in (("lora", 1), ("lora", N_RUNS), ("full", N_RUNS)))
+    return {"trainer_private_mb_one_run": one["private_mb_after_updates"],
+            "trainer_private_mb_n_runs": n_lora["private_mb_after_updates"],
+            "trainer_private_mb_n_full_runs": n_full["private_mb_after_updates"],
+            "n_runs_vs_one_run_memory": round(n_lora["private_mb_after_updates"] / one["private_mb_after_updates"], 3),
+            "detail": {"lora_one_run": one, "lora_n_runs": n_lora, "full_n_runs": n_full}}
+
+
+def child(work: Path, model: Path, mode: str, runs: int, trainer: bool = False) -> dict:
     adapters = [work / f"keep-v{i + 1}" for i in range(N_RUNS)]
-    proc = subprocess.run([sys.executable, "-m", "bench.lora", "--engines", mode, str(runs), str(model),
+    flag = "--trainer-engines" if trainer else "--engines"
+    proc = subprocess.run([sys.executable, "-m", "bench.lora", flag, mode, str(runs), str(model),
                            *map(str, adapters)], capture_output=True, text=True, timeout=900)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("@@")]
     if proc.returncode or not lines:
@@ -260,14 +308,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--engines", nargs="+", help=argparse.SUPPRESS)  # the child process of part 2
     parser.add_argument("--small", action="store_true", help="a smoke-sized model (hidden 256, 2 layers)")
-    parser.add_argument("--part", choices=("all", "runs"), default="all",
-                        help="runs: only part 3 (N LoRA runs learning at once), merged into the results file")
+    parser.add_argument("--trainer-engines", nargs="+", help=argparse.SUPPRESS)  # the child process of part 4
+    parser.add_argument("--part", choices=("all", "runs", "trainer"), default="all",
+                        help="runs: only part 3 (N LoRA runs learning at once); trainer: only part 4 (the "
+                        "trainer's memory); either merged into the results file")
     parser.add_argument("--runs", type=int, default=N_RUNS)
     parser.add_argument("--steps", type=int, default=80)
     args = parser.parse_args()
     if args.engines:
         mode, runs, model, *adapters = args.engines
         print("@@" + json.dumps(asyncio.run(engines(Path(model), list(map(Path, adapters)), mode, int(runs)))))
+        return
+    if args.trainer_engines:
+        mode, runs, model, *_ = args.trainer_engines
+        print("@@" + json.dumps(trainer_engines(Path(model), mode, int(runs))))
         return
     if args.part == "runs":
         result = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
@@ -285,6 +339,15 @@ def main() -> None:
     hidden, layers = (256, 2) if args.small else (HIDDEN, LAYERS)
     work = Path(tempfile.mkdtemp(prefix="flywheel-bench-lora-"))
     model = build_model(work / "model", hidden=hidden, layers=layers)
+    if args.part == "trainer":
+        result = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+        try:
+            result["trainer"] = trainer_figures(model) | {"model": {"hidden": hidden, "layers": layers}}
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        RESULTS.write_text(json.dumps(result, indent=1))
+        print(json.dumps(result["trainer"], indent=1))
+        return
     redis_url, database_url, cleanup = private_backends()
     try:
         result: dict = {"model": {"hidden": hidden, "layers": layers, "lora_rank": RANK, "n_runs": N_RUNS},
@@ -304,6 +367,7 @@ def main() -> None:
             "gen_per_s_one_run": n_lora["gen_per_s_one_run"], "gen_per_s_n_runs": n_lora["gen_per_s_n_runs"],
             "n_runs_vs_one_run_throughput": round(n_lora["gen_per_s_n_runs"] / n_lora["gen_per_s_one_run"], 3),
             "detail": {"lora_one_run": one, "lora_n_runs": n_lora, "full_n_runs": n_full}}
+        result["trainer"] = trainer_figures(model)
     finally:
         cleanup()
     RESULTS.parent.mkdir(parents=True, exist_ok=True)

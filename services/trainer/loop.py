@@ -147,7 +147,10 @@ class Trainer:
         self.foreign = set(active) - held
         for run_id in held - set(self.runs):
             await self.open_run(active[run_id])
-        self.status.update(runs={r.run_id: r.version for r in self.runs.values()}, broken=self.broken)
+        from services.trainer.shared_base import engines_held
+
+        self.status.update(runs={r.run_id: r.version for r in self.runs.values()}, broken=self.broken,
+                           engines=engines_held())  # copies of a model held: LoRA runs of one kind share one
 
     async def apply_control(self, deliveries: list[Delivery]) -> None:
         """A stopped run of ours is closed now, acknowledging what it held (as `refresh_runs` does for a run no
@@ -181,18 +184,22 @@ class Trainer:
 
     def _build_run(self, row: db.RunRow) -> RunState:
         """Load the model (from the latest complete checkpoint, if any) and finish an interrupted step."""
-        from services.trainer.engine import PolicyEngine
         from services.trainer.learner import Learner
         from services.trainer.ranks import ShardedEngine, world_size
+        from services.trainer.shared_base import close_engine, open_engine
 
         config = RunConfig.model_validate(row.config)
         s = self.settings
-        make = partial(ShardedEngine, row.id) if world_size() > 1 else PolicyEngine
-        engine = make(config.model, config.algorithm, device=s.device, dtype=s.dtype,
+        make = ShardedEngine if world_size() > 1 else open_engine  # LoRA runs over one base share its engine
+        engine = make(row.id, config.model, config.algorithm, device=s.device, dtype=s.dtype,
                       group_size=config.samples_per_task, temperature=config.sampling.temperature,
                       **s.engine_options())
         ckpts = CheckpointDir(s.state_dir, row.id, s.keep_checkpoints)
-        version = self._recover(row, engine, ckpts)
+        try:
+            version = self._recover(row, engine, ckpts)
+        except Exception:
+            engine.close() if isinstance(engine, ShardedEngine) else close_engine(row.id)
+            raise
         tokenizer = engine.model_config.tokenizer
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
         run = RunState(row.id, config, version, Learner(engine, config.algorithm, pad_id), engine, ckpts,
@@ -224,8 +231,10 @@ class Trainer:
         against trimming); otherwise they stay pending for whichever trainer takes the run next."""
         run = self.runs.pop(run_id, None)
         if run is not None:
-            if hasattr(run.engine, "close"):  # data parallel: the other ranks drop their copy too
-                await self._in_torch(run.engine.close)
+            from services.trainer.shared_base import close_engine
+
+            # data parallel: the other ranks drop their copy too; a shared LoRA base is freed with its last run
+            await self._in_torch(getattr(run.engine, "close", partial(close_engine, run_id)))
             if ack_held:
                 await self.consumer.ack(list({d.id: d for d in run.held.values()}.values()))
             log.info("released run %s at version %d", run_id, run.version, extra={"run_id": run_id})

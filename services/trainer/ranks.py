@@ -15,10 +15,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from services.trainer.engine import PolicyEngine
+from services.trainer.shared_base import close_engine, open_engine
 
 ROW_METHODS = ("log_probs", "values")  # results with one row per sample: gathered across ranks
-_ENGINES: dict[str, PolicyEngine] = {}
+_ENGINES: dict[str, object] = {}  # run -> its engine on this rank (open_engine: maybe a view of a shared one)
 
 
 def world_size() -> int:
@@ -47,7 +47,7 @@ class ShardedEngine:
     def __init__(self, key: str, *args, **kwargs):
         self.key = key
         _broadcast(("new", key, args, kwargs))
-        self.local = _ENGINES[key] = PolicyEngine(*args, **kwargs)
+        self.local = _ENGINES[key] = open_engine(key, *args, **kwargs)
 
     def __getattr__(self, name: str):
         return getattr(self.local, name)
@@ -83,6 +83,7 @@ class ShardedEngine:
     def close(self) -> None:
         _broadcast(("drop", self.key))
         _ENGINES.pop(self.key, None)
+        close_engine(self.key)
 
 
 def _execute(key: str, method: str, args: tuple, kwargs: dict):
@@ -122,9 +123,10 @@ def follow() -> None:
             return
         if op == "new":
             key, args, kwargs = rest
-            _ENGINES[key] = PolicyEngine(*args, **kwargs)
+            _ENGINES[key] = open_engine(key, *args, **kwargs)
         elif op == "drop":
             _ENGINES.pop(rest[0], None)
+            close_engine(rest[0])
         else:
             _execute(*rest)
 

@@ -390,3 +390,67 @@ async def test_a_vllm_server_serves_each_runs_adapter_through_the_openai_engine(
             proc.wait(30)
         except Exception:
             proc.kill()
+
+
+def test_lora_runs_over_one_base_share_one_trainer_engine_and_train_as_if_alone(tmp_path):
+    """Two LoRA runs of one kind on one trainer engine (services/trainer/shared_base.py): one copy of the base,
+    and the steps of each, interleaved, give bit for bit the adapter that run gets on an engine of its own: its
+    adapter, Adam moments and schedule never leak into the other's. A checkpoint written while the other run was
+    swapped in restores that run's state into a new engine."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from bench.demo import ALGORITHM, sample_results
+    from services.trainer.batch import GroupBuffer, samples_from_result
+    from services.trainer.engine import PolicyEngine
+    from services.trainer.learner import Learner
+    from services.trainer.shared_base import close_engine, engines_held, open_engine
+
+    model = build_number_model(tmp_path / "model", init_std=LORA_INIT_STD)
+    algo = AlgorithmConfig.model_validate(ALGORITHM | {"lr": 1e-2, "lora": {"rank": 4, "alpha": 8,
+                                                                           "target_modules": ["q_proj", "v_proj"]}})
+    tokenizer, base = AutoTokenizer.from_pretrained(model), AutoModelForCausalLM.from_pretrained(model).eval()
+    torch.manual_seed(0)
+    batches = {run: [sample_results(base, tokenizer, run, 0, step, 4, 8) for step in range(3)] for run in "ab"}
+
+    def step(engine, run: str, k: int) -> None:
+        buffer = GroupBuffer(8, need_greedy=False)
+        for result in batches[run][k]:
+            for s in samples_from_result(result):
+                buffer.add(s)
+        Learner(engine, algo, tokenizer.pad_token_id).step(buffer.complete_groups(), k)
+
+    def build(run: str | None = None):
+        torch.manual_seed(1)  # the same fresh adapter (verl draws LoRA A at random) for every engine
+        options = {"group_size": 8, "micro_batch_size": 32, "lr_warmup_steps": 3}  # a schedule per run
+        return open_engine(run, str(model), algo, **options) if run else PolicyEngine(str(model), algo, **options)
+
+    alone = {}
+    for run in "ab":
+        engine = build()
+        for k in range(3):
+            step(engine, run, k)
+        alone[run] = engine.export_adapter(tmp_path / f"alone-{run}")
+        del engine
+
+    a, b = build("a"), build("b")
+    assert a.shared is b.shared and engines_held() == 1  # one copy of the base for both runs
+    for k in range(2):
+        step(a, "a", k)
+        step(b, "b", k)
+    a.save(tmp_path / "ckpt-a", 2)  # b was swapped in last: this writes a's state
+    step(b, "b", 2)
+    step(a, "a", 2)
+    assert bit_equal(a.export_adapter(tmp_path / "shared-a"), alone["a"])
+    assert bit_equal(b.export_adapter(tmp_path / "shared-b"), alone["b"])
+    assert not bit_equal(alone["a"], alone["b"])
+
+    close_engine("a")
+    close_engine("b")
+    assert engines_held() == 0
+    resumed, other = build("a"), build("c")
+    step(other, "b", 0)  # another run swapped in before the load
+    resumed.load(tmp_path / "ckpt-a")
+    step(resumed, "a", 2)
+    assert bit_equal(resumed.export_adapter(tmp_path / "resumed-a"), alone["a"])
+    close_engine("a")
+    close_engine("c")

@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 import redis
+import torch
 from fixtures.fake_rollouts import serve_rollout_tasks
+from safetensors.torch import load_file
 from sqlalchemy import create_engine, text
 from trainer_testlib import REPO, WeightServer
 
@@ -41,6 +43,7 @@ from shared.streams import (
     TRAINER_PROGRESS,
     TRAJECTORIES,
     WEIGHTS,
+    heartbeat_key,
 )
 from shared.types import TerminationReason
 from shared.weights import ADAPTER_CONFIG, ADAPTER_WEIGHTS, MANIFEST
@@ -241,6 +244,33 @@ def test_trainer_trains_whole_groups_reports_and_publishes(stack, redis_url, dat
         while _pending(redis_url) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert _pending(redis_url) == 0
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+def test_lora_runs_of_one_kind_share_one_engine_in_the_trainer(stack, redis_url, database_url, model_dir, tmp_path):
+    """Two LoRA runs over one base and a full-weight run in one trainer process: two engines (the LoRA runs share
+    theirs, services/trainer/shared_base.py), and each run trains and publishes its own versions."""
+    algorithm = {"adv_estimator": "grpo", "lr": 1e-3, "lora": {"rank": 4, "target_modules": ["q_proj", "v_proj"]}}
+    runs = [_insert_run(database_url, model_dir, algorithm=algorithm) for _ in range(2)]
+    runs.append(_insert_run(database_url, model_dir))
+    for run_id in runs:
+        for batch in range(2):
+            _publish_batch(redis_url, run_id, batch, 0)
+    proc = _start_trainer(redis_url, database_url, stack, tmp_path)
+    try:
+        for run_id in runs:
+            _wait_version(database_url, run_id, 2, proc)
+            wait_until(lambda r=run_id: _published_versions(redis_url, r) == [1, 2], 60, "v2 announced",
+                       procs=[proc])
+        client = redis.Redis.from_url(redis_url)
+        beat = lambda: json.loads(client.get(heartbeat_key("trainer", "trainer-t")) or "{}")  # noqa: E731
+        wait_until(lambda: set(beat().get("runs", ())) == set(runs), 30, "a heartbeat naming the three runs")
+        assert beat()["engines"] == 2, beat()
+        adapters = [load_file(Path(stack.env["WEIGHTS_DIR"]) / r / "v2" / ADAPTER_WEIGHTS) for r in runs[:2]]
+        assert adapters[0].keys() == adapters[1].keys()
+        assert any(not torch.equal(adapters[0][k], adapters[1][k]) for k in adapters[0])  # each its own adapter
     finally:
         proc.terminate()
         proc.wait(60)
