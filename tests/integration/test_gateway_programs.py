@@ -7,14 +7,18 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import shutil
 import urllib.request
 import uuid
+from pathlib import Path
 
 import pytest
+import torch
 from fixtures.rollout_stack import collect_results, insert_run, make_task, publish_tasks, run_config
 from sqlalchemy import insert, text
+from trainer_testlib import WeightServer
 
-from harness.procs import start_service, stop, wait_heartbeat
+from harness.procs import start_service, stop, wait_heartbeat, wait_until
 from harness.runners import Runners
 from harness.tiny_model import build_tiny_model
 from services.controller.store import TrajectoryStore
@@ -98,6 +102,65 @@ async def test_lora_runs_programs_go_through_the_gateway(worker, redis, model_pa
         assert r.status == "completed" and r.termination_reason == TR.ENV_DONE, r.error
         [traj] = r.trajectories
         check_tokens(traj)
+
+
+async def test_a_lora_runs_program_is_served_its_published_adapter(worker, redis, model_path, redis_url, database_url,
+                                                                   tmp_path):
+    """A LoRA run's program before and after its first adapter version is published through a real weight
+    server: after, every token is tagged version 1 and its logprob is the adapter's (PEFT, teacher-forced),
+    not the base's."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from bench.lora import RANK, make_adapter
+    from services.trainer.publisher import WeightPublisher
+    from shared.weights import BaseModelRef, base_model_digest
+
+    server = WeightServer(redis_url, database_url, tmp_path / "weights", ANNOUNCE_PATH="false").start()
+    try:
+        config = run_config(model_path, agent_program={"name": "fw_agent_programs:answer"}, max_response_tokens=8,
+                            algorithm={"lora": {"rank": RANK, "alpha": 2 * RANK, "target_modules": "all-linear"}})
+        run_id = insert_run(worker["database_url"], config)
+
+        async def answers(round_: int) -> list:
+            tasks = [make_task(run_id, {"id": f"r{round_}-{i}", "question": "What is 2 + 2?"}) for i in range(2)]
+            await publish_tasks(redis, tasks)
+            got = await collect_results(redis, run_id, expected=2 * (round_ + 1), timeout_s=180)
+            return [r for r in got if r.task_id.startswith(f"r{round_}-")]
+
+        before = await answers(0)
+        assert all(s.weight_version == 0 for r in before for s in r.trajectories[0].steps)
+        make_adapter(Path(model_path), tmp_path / "adapter", seed=3)
+        shutil.copytree(tmp_path / "adapter", tmp_path / "staging")  # the publisher consumes the folder it sends
+        WeightPublisher(server.url, None, timeout_s=60).publish(
+            run_id, 1, tmp_path / "staging", {}, base_model=BaseModelRef(name=model_path, sha256=base_model_digest(model_path)))
+        metrics = f"http://127.0.0.1:{worker['health']['port']}/metrics"
+        wait_until(lambda: f'rollout_weight_version{{run_id="{run_id}"}} 1.0' in urllib.request.urlopen(metrics).read().decode(),
+                   60, "the worker to serve adapter v1", procs=[worker["proc"]])
+        after = await answers(1)
+        base = AutoModelForCausalLM.from_pretrained(model_path).eval()
+        configured = base.generation_config.eos_token_id
+        eos = sorted({*(configured if isinstance(configured, list) else [configured]),
+                      AutoTokenizer.from_pretrained(model_path).eos_token_id} - {None})
+        adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_path), str(tmp_path / "adapter")).eval()
+        for r in after:
+            assert r.status == "completed", r.error
+            [traj] = r.trajectories
+            [step] = traj.steps
+            assert step.weight_version == 1 and set(traj.versions) == {1}
+            ids = torch.tensor([step.prompt_ids + step.response_ids])
+            n = len(step.response_ids)
+            lp = {}
+            for name, m in (("base", base), ("adapter", adapted)):
+                with torch.no_grad():
+                    logits = m(ids).logits[0, -n - 1:-1].float()
+                logits[0, eos] = -torch.inf  # the engine samples at least one token: no EOS first (min_new_tokens)
+                lp[name] = torch.log_softmax(logits, -1).gather(1, ids[0, -n:, None])[:, 0]
+            served = torch.tensor(step.logprobs)
+            assert torch.allclose(served, lp["adapter"], atol=1e-4), (served, lp)
+            assert not torch.allclose(served, lp["base"], atol=1e-3)
+    finally:
+        server.stop()
 
 
 async def test_unmodified_sdk_program_with_tools_and_streaming(worker, redis, model_path):
