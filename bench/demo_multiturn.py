@@ -48,7 +48,7 @@ def dataset_rows(n: int) -> list[dict]:
 # -- in-process loop (no services) ---------------------------------------------------------------------------
 def sample_episodes(model, chat, rows: list[dict], n: int, version: int, batch_idx: int, run_id: str = "inprocess"):
     """n episodes per row of the digits env, every turn one token sampled from the HF model as the HF engine
-    samples it (temperature 1, EOS barred as its first token), the prompts made by the rollout worker's
+    samples it (temperature 1), the prompts made by the rollout worker's
     PromptBuilder and the trajectory by its `assemble`: EpisodeResults as a rollout worker publishes them."""
     import torch
 
@@ -67,7 +67,6 @@ def sample_episodes(model, chat, rows: list[dict], n: int, version: int, batch_i
         prompts = [b.prompt_ids(agent.chat_completions) for _, _, agent, b in episodes]
         with torch.no_grad():  # every prompt has the same length: one token per word and per answer
             logits = model(torch.tensor(prompts)).logits[:, -1].float()
-        logits[:, chat.tokenizer.eos_token_id] = -float("inf")  # the HF engine's min_new_tokens=1
         logp = torch.log_softmax(logits, -1)
         tokens = torch.multinomial(logp.exp(), 1)[:, 0].tolist()
         for i, (_, env, agent, builder) in enumerate(episodes):

@@ -93,7 +93,7 @@ def trainer_mismatch(engine, completions: list[dict], cap: float = 2.0) -> dict:
     mask = t["response_mask"].bool()
     diff = (old - t["behaviour_log_probs"]).abs()[mask]
     first = torch.zeros_like(mask)
-    first[:, 0] = True  # a completion's first token: the HF engine bars EOS there (min_new_tokens=1), verl not
+    first[:, 0] = True  # a completion's first token (the HF engine once barred EOS there, and verl did not)
     return mismatch_metrics(same_version_diffs(t, old, version=0)) | {
         "logprob_diff_mean_first_token": float((old - t["behaviour_log_probs"]).abs()[mask & first].mean()),
         "logprob_diff_mean_later_tokens": float((old - t["behaviour_log_probs"]).abs()[mask & ~first].mean()),

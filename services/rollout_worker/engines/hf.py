@@ -3,6 +3,9 @@
 Requests are collected for `batch_wait_ms` and generated together (left-padded; same sampling settings per
 batch). Logprobs are of the distribution each token was sampled from: log_softmax of generate's processed
 scores (after temperature, top-k, top-p), the meaning every engine shares (vLLM's "processed_logprobs").
+Nothing else changes that distribution: an end-of-sequence token may come first (a one-token response, graded
+like any other), since forcing a first token would sample from a distribution the trainer does not model and
+leave EOS's probability, never sampled, with nothing to push it down.
 A weight reload waits for the batch in flight, swaps the state dict in place and bumps the version: every result
 carries the version its batch started on. A delta (`apply_update`) is written into the parameters and checked
 between two batches (undone if it does not verify); on GPU, or when the engine's dtype is wider than the
@@ -145,7 +148,7 @@ class HFEngine(InferenceEngine):
         with torch.no_grad():
             out = self.model.generate(**per_row,
                 input_ids=input_ids.to(self.device), attention_mask=attention.to(self.device),
-                max_new_tokens=max_new, min_new_tokens=1, **self._sampling_kwargs(sampling),
+                max_new_tokens=max_new, **self._sampling_kwargs(sampling),
                 eos_token_id=self.eos_ids, pad_token_id=self.pad_id, output_scores=True,
                 return_dict_in_generate=True, stop_strings=list(sampling.stop) or None,
                 tokenizer=self.tokenizer if sampling.stop else None,
