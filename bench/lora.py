@@ -43,24 +43,6 @@ def log(msg: str) -> None:
     print(msg, flush=True)
 
 
-def make_adapter(model: Path, folder: Path, seed: int, peft_model=None):
-    """A PEFT adapter on every linear layer with random B (what a trained adapter looks like to the worker)."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    if peft_model is None:
-        peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(model),
-                                    LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules="all-linear"))
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(0.01 * torch.randn(p.shape, generator=gen))
-    peft_model.save_pretrained(folder)
-    return peft_model
-
-
 def insert_run(database_url: str, model: Path, lora: bool) -> str:
     from sqlalchemy import create_engine, text
 
@@ -82,6 +64,7 @@ async def sync(work: Path, model: Path, redis_url: str, database_url: str) -> di
     from sqlalchemy import create_engine
 
     from harness.stack import LocalStack
+    from harness.tiny_model import random_lora_adapter
     from services.rollout_worker.runs import RunRegistry
     from services.trainer.publisher import WeightPublisher
     from shared.messages import decode
@@ -113,7 +96,7 @@ async def sync(work: Path, model: Path, redis_url: str, database_url: str) -> di
             peft_model = None
             for v in range(1, VERSIONS + 1):
                 folder = work / f"adapter-v{v}"
-                peft_model = make_adapter(model, folder, v, peft_model)
+                peft_model = random_lora_adapter(model, folder, v, rank=RANK, peft_model=peft_model)
                 out["adapter_bytes"] = sum(p.stat().st_size for p in folder.iterdir())
                 shutil.copytree(folder, work / f"keep-v{v}")  # publishing consumes the folder; part 2 reads these
                 started = time.perf_counter()

@@ -149,6 +149,26 @@ def build_number_model(folder: str | Path, *, hidden: int = 64, layers: int = 2,
     return folder
 
 
+def random_lora_adapter(model: str | Path, folder: str | Path, seed: int, *, rank: int = 8, peft_model=None):
+    """A PEFT adapter (`rank`, every linear layer) on `model` with random B, saved to `folder` in PEFT's layout:
+    what a trained adapter looks like to a rollout worker. Returns the PEFT model; pass it back as `peft_model`
+    for the next version without loading the base again."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    if peft_model is None:
+        peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(model),
+                                    LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear"))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.01 * torch.randn(p.shape, generator=gen))
+    peft_model.save_pretrained(folder)
+    return peft_model
+
+
 def main() -> None:
     import argparse
 

@@ -10,7 +10,6 @@ import math
 import shutil
 import urllib.request
 import uuid
-from pathlib import Path
 
 import pytest
 import torch
@@ -112,14 +111,14 @@ async def test_a_lora_runs_program_is_served_its_published_adapter(worker, redis
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from bench.lora import RANK, make_adapter
+    from harness.tiny_model import random_lora_adapter
     from services.trainer.publisher import WeightPublisher
     from shared.weights import BaseModelRef, base_model_digest
 
     server = WeightServer(redis_url, database_url, tmp_path / "weights", ANNOUNCE_PATH="false").start()
     try:
         config = run_config(model_path, agent_program={"name": "fw_agent_programs:answer"}, max_response_tokens=8,
-                            algorithm={"lora": {"rank": RANK, "alpha": 2 * RANK, "target_modules": "all-linear"}})
+                            algorithm={"lora": {"rank": 8, "alpha": 16, "target_modules": "all-linear"}})
         run_id = insert_run(worker["database_url"], config)
 
         async def answers(round_: int) -> list:
@@ -130,7 +129,7 @@ async def test_a_lora_runs_program_is_served_its_published_adapter(worker, redis
 
         before = await answers(0)
         assert all(s.weight_version == 0 for r in before for s in r.trajectories[0].steps)
-        make_adapter(Path(model_path), tmp_path / "adapter", seed=3)
+        random_lora_adapter(model_path, tmp_path / "adapter", seed=3, rank=8)
         shutil.copytree(tmp_path / "adapter", tmp_path / "staging")  # the publisher consumes the folder it sends
         WeightPublisher(server.url, None, timeout_s=60).publish(
             run_id, 1, tmp_path / "staging", {}, base_model=BaseModelRef(name=model_path, sha256=base_model_digest(model_path)))
