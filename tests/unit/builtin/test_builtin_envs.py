@@ -151,12 +151,18 @@ def test_code_env_judges_input_output_cases_outside_the_sandbox():
 def test_an_input_output_solution_cannot_find_the_expected_output():
     """The expected outputs never enter the sandbox: a probe that searches everything it can read (its files,
     its source, stdin, argv, environment, /tmp, /proc) for the exact answer does not find it. The probe is told
-    the answer in two halves, so its own source does not hold it whole."""
+    the answer in two halves, so its own source does not hold it whole. It skips the Python installation and
+    site-packages: public read-only code that cannot hold this test's fresh secret, and, bound at its real path,
+    a checkout's venv lies under /tmp for a checkout there, too large to read within the sandbox's time limit."""
     secret = f"answer-{uuid.uuid4().hex}"
     search = (f"import os, sys\nneedle = {secret[:16]!r} + {secret[16:]!r}\n"
               "seen = [sys.stdin.read(), ' '.join(sys.argv), str(dict(os.environ))]\n"
+              "python = tuple(os.path.realpath(p) for p in {sys.prefix, sys.base_prefix, sys.exec_prefix})\n"
               "for root in ('.', '/tmp', '/proc/self', '/proc/1'):\n"
-              "    for d, _, files in os.walk(root):\n"
+              "    for d, dirs, files in os.walk(root):\n"
+              "        if os.path.realpath(d).startswith(python) or '/site-packages' in d:\n"
+              "            dirs[:] = []\n"
+              "            continue\n"
               "        for f in files:\n"
               "            try:\n"
               "                seen.append(open(os.path.join(d, f), errors='ignore').read(1 << 20))\n"
