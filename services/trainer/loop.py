@@ -185,20 +185,18 @@ class Trainer:
     def _build_run(self, row: db.RunRow) -> RunState:
         """Load the model (from the latest complete checkpoint, if any) and finish an interrupted step."""
         from services.trainer.learner import Learner
-        from services.trainer.ranks import ShardedEngine, world_size
-        from services.trainer.shared_base import close_engine, open_engine
+        from services.trainer.ranks import close_run_engine, open_run_engine
 
         config = RunConfig.model_validate(row.config)
         s = self.settings
-        make = ShardedEngine if world_size() > 1 else open_engine  # LoRA runs over one base share its engine
-        engine = make(row.id, config.model, config.algorithm, device=s.device, dtype=s.dtype,
+        engine = open_run_engine(row.id, config.model, config.algorithm, device=s.device, dtype=s.dtype,
                       group_size=config.samples_per_task, temperature=config.sampling.temperature,
                       **s.engine_options())
         ckpts = CheckpointDir(s.state_dir, row.id, s.keep_checkpoints)
         try:
             version = self._recover(row, engine, ckpts)
         except Exception:
-            engine.close() if isinstance(engine, ShardedEngine) else close_engine(row.id)
+            close_run_engine(row.id)
             raise
         tokenizer = engine.model_config.tokenizer
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
@@ -231,10 +229,9 @@ class Trainer:
         against trimming); otherwise they stay pending for whichever trainer takes the run next."""
         run = self.runs.pop(run_id, None)
         if run is not None:
-            from services.trainer.shared_base import close_engine
+            from services.trainer.ranks import close_run_engine
 
-            # data parallel: the other ranks drop their copy too; a shared LoRA base is freed with its last run
-            await self._in_torch(getattr(run.engine, "close", partial(close_engine, run_id)))
+            await self._in_torch(close_run_engine, run_id)
             if ack_held:
                 await self.consumer.ack(list({d.id: d for d in run.held.values()}.values()))
             log.info("released run %s at version %d", run_id, run.version, extra={"run_id": run_id})

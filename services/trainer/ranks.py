@@ -15,10 +15,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from services.trainer.shared_base import close_engine, open_engine
+from services.trainer.shared_base import close_engine, engine_of, open_engine
 
 ROW_METHODS = ("log_probs", "values")  # results with one row per sample: gathered across ranks
-_ENGINES: dict[str, object] = {}  # run -> its engine on this rank (open_engine: maybe a view of a shared one)
 
 
 def world_size() -> int:
@@ -47,7 +46,7 @@ class ShardedEngine:
     def __init__(self, key: str, *args, **kwargs):
         self.key = key
         _broadcast(("new", key, args, kwargs))
-        self.local = _ENGINES[key] = open_engine(key, *args, **kwargs)
+        self.local = open_engine(key, *args, **kwargs)
 
     def __getattr__(self, name: str):
         return getattr(self.local, name)
@@ -80,15 +79,24 @@ class ShardedEngine:
     def export_adapter(self, folder, dtype: str = "auto") -> dict | None:
         return self._call("export_adapter", folder, dtype)
 
-    def close(self) -> None:
-        _broadcast(("drop", self.key))
-        _ENGINES.pop(self.key, None)
-        close_engine(self.key)
+
+def open_run_engine(run_id: str, *args, **kwargs):
+    """Run `run_id`'s engine: on every rank under torchrun, else in this process (either way LoRA runs of one
+    kind share one engine, services/trainer/shared_base.py)."""
+    if world_size() > 1:
+        return ShardedEngine(run_id, *args, **kwargs)
+    return open_engine(run_id, *args, **kwargs)
+
+
+def close_run_engine(run_id: str) -> None:
+    """Free run `run_id`'s engine on every rank (a shared LoRA base goes with its last run)."""
+    _broadcast(("drop", run_id))
+    close_engine(run_id)
 
 
 def _execute(key: str, method: str, args: tuple, kwargs: dict):
     rank, size = dist.get_rank(), dist.get_world_size()
-    out = getattr(_ENGINES[key], method)(*shard(args, rank, size), **shard(kwargs, rank, size))
+    out = getattr(engine_of(key), method)(*shard(args, rank, size), **shard(kwargs, rank, size))
     if method in ROW_METHODS:
         out = _gather_rows(out, size)
     dist.barrier()  # e.g. every rank's checkpoint shard is written before rank 0 marks the step complete
@@ -123,9 +131,8 @@ def follow() -> None:
             return
         if op == "new":
             key, args, kwargs = rest
-            _ENGINES[key] = open_engine(key, *args, **kwargs)
+            open_engine(key, *args, **kwargs)
         elif op == "drop":
-            _ENGINES.pop(rest[0], None)
             close_engine(rest[0])
         else:
             _execute(*rest)

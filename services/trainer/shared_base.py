@@ -17,7 +17,7 @@ calls in the same order, so every rank shares the same way."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -33,7 +33,7 @@ class _Slot:
     """One run's share of the engine while another run is swapped in."""
 
     params: list[torch.Tensor]  # the adapter, one tensor per trainable parameter (same placement)
-    moments: list[dict] = field(default_factory=list)  # the optimizer's state per parameter ({}: none yet)
+    moments: list[dict]  # the optimizer's state per parameter ({}: none yet)
     schedule: dict | None = None  # the lr scheduler's state_dict (None: the engine's initial one)
     lrs: list[float] | None = None  # each param group's current lr
 
@@ -125,6 +125,11 @@ def open_engine(run_id: str, model_path: str, algo, **options):
     view = _SHARED[key].run(run_id)
     _RUNS[run_id] = (key, view)
     return view
+
+
+def engine_of(run_id: str):
+    """The engine (or shared-engine view) `open_engine` gave run `run_id` in this process."""
+    return _RUNS[run_id][1]
 
 
 def close_engine(run_id: str) -> None:
