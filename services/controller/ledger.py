@@ -28,7 +28,6 @@ from sqlalchemy import (
     Text,
     and_,
     cast,
-    delete,
     exists,
     func,
     insert,
@@ -378,12 +377,9 @@ def eval_samples(conn: Connection, run_id: str, name: str, split: str,
         .outerjoin(rows, rows.c.task_id == e.task_id).where(e.run_id == run_id, e.status == "completed")).all()]
 
 
-def write_summary(conn: Connection, run_id: str, summary: dict, metrics: dict[str, float]) -> None:
+def write_summary(conn: Connection, run_id: str, summary: dict) -> None:
     conn.execute(update(Run).where(Run.id == run_id)
                  .values(summary=Run.summary.op("||")(literal(summary, JSONB))))
-    conn.execute(delete(Metric).where(Metric.run_id == run_id, Metric.step == 0, Metric.name.like("eval/%")))
-    if metrics:
-        conn.execute(insert(Metric), [dict(run_id=run_id, name=n, step=0, value=v) for n, v in metrics.items()])
 
 
 def ledger_summary(conn: Connection, run_id: str) -> dict[str, int]:

@@ -93,15 +93,10 @@ def complete(conn: Connection, d: RunDriver) -> None:
     reasons = ledger.top_reasons(conn, d.run_id)
     summary = {"ledger": ledger.ledger_summary(conn, d.run_id), "final_failures": len(d.final_failed),
                "scored": d.num_completed, "errored": d.num_errored, "top_reasons": reasons}
-    metrics: dict[str, float] = {}
     if d.plan.is_eval:
-        table = pass_at_k_table(ledger.eval_samples(conn, d.run_id, d.cfg.dataset, d.cfg.dataset_split,
-                                                    d.cfg.dataset_version))
-        summary.update(table)
-        metrics = {f"eval/pass@{k}": v for k, v in table["pass@k"].items()}
-        for src, t in table["by_source"].items():
-            metrics.update({f"eval/pass@{k}/{src}": v for k, v in t["pass@k"].items()})
-    ledger.write_summary(conn, d.run_id, summary, metrics)
+        summary.update(pass_at_k_table(ledger.eval_samples(conn, d.run_id, d.cfg.dataset, d.cfg.dataset_split,
+                                                           d.cfg.dataset_version)))
+    ledger.write_summary(conn, d.run_id, summary)
     if d.num_completed == 0:
         d.fail_reason = nothing_scored_reason(d, reasons)
         fail(conn, d)

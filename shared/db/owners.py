@@ -53,8 +53,7 @@ OWNERS: dict[str, TableOwner] = {
     "steps": TableOwner("controller", ("api", "jobs"), "`trajectories` (the store, exactly once)"),
     "token_arrays": TableOwner("controller", ("api", "jobs"), "`trajectories` (the store, exactly once)"),
     "metrics": TableOwner(
-        "trainer", ("api", "controller", "jobs"), "each policy version's step (loss, grad norm, rewards)",
-        also_written_by={"controller": "writes an eval run's pass@k figures (`eval/*`, step 0) with its summary"}),
+        "trainer", ("api", "controller", "jobs"), "each policy version's step (loss, grad norm, rewards)"),
     "train_samples": TableOwner("trainer", (), "each policy version's step (which samples it trained on)"),
     "checkpoints": TableOwner(
         "weight_server", ("api", "jobs", "rollout_worker", "trainer"), "the trainer's uploads (PUT, then commit)"),
