@@ -44,6 +44,14 @@ def log(msg: str) -> None:
     print(msg, flush=True)
 
 
+def save(parts: dict) -> None:
+    """Write `parts` into the results file, keeping the parts this call did not measure (`runs` and `trainer`
+    have targets of their own)."""
+    result = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(result | parts, indent=1))
+
+
 def insert_run(database_url: str, model: Path, lora: bool) -> str:
     from sqlalchemy import create_engine, text
 
@@ -308,14 +316,12 @@ def main() -> None:
         print("@@" + json.dumps(trainer_engines(Path(model), mode, int(runs))))
         return
     if args.part == "runs":
-        result = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
         one = learning_runs(1, args.steps, timeout_s=3600)  # the same stack and task with one run, just before
         runs = learning_runs(args.runs, args.steps, timeout_s=3600)
         runs |= {"traj_per_s_one_run": one["traj_per_s_n_runs"], "one_run": one,
                  "n_runs_vs_one_run_throughput": round(runs["traj_per_s_n_runs"] / one["traj_per_s_n_runs"], 3)}
-        result["runs"] = runs
-        RESULTS.write_text(json.dumps(result, indent=1))
-        print(json.dumps(result["runs"], indent=1))
+        save({"runs": runs})
+        print(json.dumps(runs, indent=1))
         sys.exit(0 if runs["passed"] and one["passed"] else 1)
 
     from bench.train import build_model, private_backends
@@ -324,13 +330,12 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="flywheel-bench-lora-"))
     model = build_model(work / "model", hidden=hidden, layers=layers)
     if args.part == "trainer":
-        result = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
         try:
-            result["trainer"] = trainer_figures(model) | {"model": {"hidden": hidden, "layers": layers}}
+            trainer = trainer_figures(model) | {"model": {"hidden": hidden, "layers": layers}}
         finally:
             shutil.rmtree(work, ignore_errors=True)
-        RESULTS.write_text(json.dumps(result, indent=1))
-        print(json.dumps(result["trainer"], indent=1))
+        save({"trainer": trainer})
+        print(json.dumps(trainer, indent=1))
         return
     redis_url, database_url, cleanup = private_backends()
     try:
@@ -359,10 +364,7 @@ def main() -> None:
         result["trainer"] = trainer_figures(model)
     finally:
         cleanup()
-    if RESULTS.exists() and "runs" in (kept := json.loads(RESULTS.read_text())):
-        result["runs"] = kept["runs"]  # part 3 is its own target (`make bench-lora-runs`)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=1))
+    save(result)  # part 3 (`make bench-lora-runs`) stays as it was
     print(json.dumps(result, indent=1))
 
 
