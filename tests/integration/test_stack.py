@@ -330,6 +330,10 @@ def test_make_up_console_shows_what_a_user_acts_on_and_one_signal_to_the_group_s
                 break
         procs = psutil.Process(make.pid).children(recursive=True)
         stack_pid = next(p.pid for p in procs if "harness.stack" in " ".join(p.cmdline()))
+        # the jobs service answers /healthz beside Celery's start-up, so Celery's root warning can come after
+        # "healthy": wait for it to reach the log file before stopping (then check it never reached the console)
+        jobs_log = server_dir / "logs" / "jobs-0.log"
+        wait_until(lambda: "superuser privileges" in jobs_log.read_text(), 30, "Celery's root warning in jobs-0.log")
         os.killpg(make.pid, signal.SIGTERM)  # what a supervisor's stop does to the group
         os.kill(stack_pid, signal.SIGTERM)  # and the same request passed on to the stack by its parent
         rest, _ = make.communicate(timeout=90)
@@ -342,7 +346,7 @@ def test_make_up_console_shows_what_a_user_acts_on_and_one_signal_to_the_group_s
         assert noise not in console, (noise, console[-4000:])
     assert len(console.splitlines()) <= 20, console  # started x N, healthy, stopping, stopped
     assert "initdb" in (server_dir / "logs" / "stack.log").read_text()  # kept, in the log file
-    assert "superuser privileges" in (server_dir / "logs" / "jobs-0.log").read_text()
+    assert "superuser privileges" in jobs_log.read_text()
     assert_all_gone(procs)
 
 
