@@ -1,6 +1,8 @@
-"""The one place a run is created, with one set of checks: `POST /v1/runs` and the eval job both call
-`create_run`, so a run that cannot work is refused with the reason (`RunRefused`: 404 or 400, every problem
-listed) instead of failing every attempt on the workers. The checks:
+"""The one place a run is created, with one set of checks, and the one way to change a run: `POST /v1/runs`
+and the eval job both call `create_run`, which checks the run and sends a `create` command to the controller
+(the one writer of `runs`); pause, resume and stop go the same way (`run_command`). A run that cannot work is
+refused with the reason (`RunRefused`: 404 or 400, every problem listed) instead of failing every attempt on
+the workers. The checks:
 
 - the dataset (name, split, version) exists (404); the run reads that one version for its whole life;
 - `model` / `tokenizer`: a path (absolute, `./`, `../`, `~`, or naming an existing file) must be a folder that
@@ -21,6 +23,8 @@ from __future__ import annotations
 
 import json
 import os
+import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -29,17 +33,23 @@ from sqlalchemy import Engine, select
 from sqlalchemy.dialects.postgresql import array
 from sqlalchemy.orm import Session
 
-from shared.bus import RedisError, SyncRedis
+from shared.bus import RedisError, SyncRedis, announce
 from shared.datasets import DatasetNotFound, count_rows, pin_version
 from shared.db.models import Dataset, DatasetRow, Run, RunEvent
+from shared.messages import RunCommand, RunCommandReply, decode
+from shared.messages.control import CommandAction
 from shared.registry import REGISTRIES, resolve
 from shared.run_config import RunConfig
+from shared.streams import RUN_COMMANDS, command_reply
 from shared.workers import live_workers
 
 CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
 TINY_MODEL_HINT = ("to make the tiny test model the examples name, run "
                    "`.venv/bin/python -m harness.tiny_model .data/models/tiny-qwen2` in the repo root")
 
+
+COMMAND_WAIT_S = 10.0  # how long a sender waits for the controller to apply a run command, seconds
+REPLY_GRACE_S = 2.0  # and how much longer for the answer of a controller that read it just in time
 
 DATASET_HINT = "upload it with POST /v1/datasets or `flywheel datasets import`; list them with `flywheel datasets list`"
 
@@ -60,24 +70,77 @@ class RunRefused(Exception):
 
 
 def create_run(session: Session, redis_client: SyncRedis, cfg: RunConfig, *, check_paths: bool = True,
-               created_by: str | None = None) -> tuple[Run, int]:
-    """Pin the dataset version (the latest unless `cfg` names one), check the run, and add it `pending` with its
-    `created` event to `session` (flushed, not committed: the caller commits it with whatever else belongs to
-    the same transaction). (run, the dataset's row count); RunRefused when the run cannot work."""
+               created_by: str | None = None, run_id: uuid.UUID | None = None,
+               wait_s: float = COMMAND_WAIT_S) -> tuple[uuid.UUID, int]:
+    """Pin the dataset version (the latest unless `cfg` names one), check the run, and have the controller
+    create it `pending` (a `create` command; the controller writes the row and its `created` event).
+    (run id, the dataset's row count); RunRefused when the run cannot work; ControllerUnavailable when no
+    controller created it in time (then it does not exist, and never will from this request). `run_id`: the id
+    to give it (a caller that may repeat the request passes the same one, and the controller creates one run);
+    a new one otherwise."""
     try:
         cfg.dataset_version, _ = pin_version(session.connection(), cfg.dataset, cfg.dataset_split, cfg.dataset_version)
     except DatasetNotFound as e:
         raise RunRefused(404, [Problem(field="dataset_version" if cfg.dataset_version else "dataset", message=str(e),
                                        hint=DATASET_HINT)]) from e
     num_rows = check_run(session.get_bind(), redis_client, cfg, check_paths)
-    run = Run(name=cfg.name, kind=cfg.kind, status="pending", config=cfg.model_dump(mode="json"),
-              policy_version=0, summary={})
-    session.add(run)
-    session.flush()
-    by = f" by {created_by}" if created_by else ""
-    session.add(RunEvent(run_id=run.id, kind="created", message=f"{cfg.kind} run created{by}", data={"rows": num_rows}))
-    session.flush()
-    return run, num_rows
+    run_id = run_id or uuid.uuid4()
+    run_command(session, redis_client, run_id, "create", wait_s=wait_s, config=cfg.model_dump(mode="json"),
+                rows=num_rows, created_by=created_by)
+    return run_id, num_rows
+
+
+# ---- run commands -----------------------------------------------------------------------------------------
+
+
+class ControllerUnavailable(Exception):
+    """No controller applied a run command before it expired: nothing was changed (the controller refuses a
+    command it reads after `expires_at`)."""
+
+
+def run_command(session: Session, redis_client: SyncRedis, run_id: uuid.UUID | str, action: CommandAction, *,
+                wait_s: float = COMMAND_WAIT_S, **create: Any) -> RunCommandReply:
+    """Send one `RunCommand` on `run.commands` and wait for the controller's reply (shared/messages/control.py).
+
+    The command expires `wait_s` after it is sent; this waits a little longer (REPLY_GRACE_S), so an answer
+    from a controller that read it in time still arrives. Without one, the database says whether the command
+    was applied anyway (its run, or its `status_changed` event, exists): the answer never reports a change
+    that did not happen, nor hides one that did. ControllerUnavailable when it was not applied; RedisError
+    when the command could not be sent."""
+    now = time.time()
+    cmd = RunCommand(command_id=uuid.uuid4().hex, run_id=str(run_id), action=action, sent_at=now,
+                     expires_at=now + wait_s, **create)
+    announce(redis_client, RUN_COMMANDS, cmd)
+    reply = _await_reply(redis_client, cmd.command_id, time.monotonic() + wait_s + REPLY_GRACE_S)
+    if reply is None or reply.outcome == "expired":
+        status = _applied_status(session, cmd)
+        if status is None:
+            raise ControllerUnavailable(
+                f"no controller applied the {action} within {wait_s:g} s, so nothing was changed; start one "
+                "(`make up` and `docker compose up` do) or check its log, then retry")
+        reply = RunCommandReply(command_id=cmd.command_id, outcome="applied", status=status)
+    return reply
+
+
+def _await_reply(redis_client: SyncRedis, command_id: str, deadline: float) -> RunCommandReply | None:
+    key = command_reply(command_id)
+    while (left := deadline - time.monotonic()) > 0:
+        # short blocks: the API's client has a socket timeout, and a longer block would trip it
+        resp = redis_client.xread({key: "0-0"}, count=1, block=max(1, int(min(left, 1.0) * 1000)))
+        for _, entries in resp or []:
+            for _, fields in entries:
+                return decode(fields, RunCommandReply)
+    return None
+
+
+def _applied_status(session: Session, cmd: RunCommand) -> str | None:
+    """The run's status if `cmd` was applied, else None (read from what the controller writes with it)."""
+    status = session.execute(select(Run.status).where(Run.id == uuid.UUID(cmd.run_id))).scalar()
+    if cmd.action == "create" or status is None:
+        return status
+    event = session.execute(select(RunEvent.id).where(
+        RunEvent.run_id == uuid.UUID(cmd.run_id), RunEvent.data.contains({"command": cmd.command_id})).limit(1))
+    return status if event.first() is not None else None
 
 
 def check_run(engine: Engine, redis_client: SyncRedis, cfg: RunConfig, check_paths: bool = True) -> int:

@@ -15,7 +15,9 @@ controller on `trainer.progress`; nothing crosses services through another servi
 | `trainer.progress` | trainer, after each step is recorded and published / each drop is recorded (and again when it opens a run); once when it cannot load a run it leased (`error`) | controller (`controller`) | `TrainerProgress` | `runs.policy_version` and `consumed_groups` are updated; an error becomes a `trainer_error` event and the run's stall reason |
 | `weights` | weight server, after a checkpoint is durable | rollout workers (no group, own cursor) | `WeightsPublished` | never (read by cursor; trimmed by MAXLEN) |
 | `<stream>.dlq` | `StreamConsumer` of `<stream>` | controller (`controller`) for `rollout.tasks.dlq`; people otherwise | the original entry + `dlq_*` fields | the failure is recorded in the ledger (`rollout.tasks.dlq`) |
-| `run.control` | API, after a pause / resume / stop changed `runs.status` | controller (`controller`), trainer (`train`) | `RunControl` | applied to the run it drives / trains; one that does not hold the run acknowledges it untouched (the holder reads the status at its next poll of the runs it leases) |
+| `run.commands` | API (`POST /v1/runs`, pause / resume / stop), jobs worker (an eval job's run) | controller (`controller`) | `RunCommand` | applied (the run created or its status changed, in one transaction with its event) or refused, and the `RunCommandReply` is on the command's reply stream |
+| `run.commands.reply.<command id>` | controller | the command's sender (no group, waits with XREAD; expires after a minute) | `RunCommandReply` | never (the key expires) |
+| `run.control` | controller, after a pause / resume / stop changed `runs.status` | controller (`controller`), trainer (`train`) | `RunControl` | applied to the run it drives / trains; one that does not hold the run acknowledges it untouched (the holder reads the status at its next poll of the runs it leases) |
 
 Plain keys (no stream):
 
@@ -35,6 +37,7 @@ TRAJECTORIES = "trajectories"
 ACCEPTED_RESULTS = "results.accepted"
 TRAINER_PROGRESS = "trainer.progress"
 WEIGHTS = "weights"
+RUN_COMMANDS = "run.commands"
 RUN_CONTROL = "run.control"
 
 GROUP_ROLLOUT = "rollout"
@@ -52,6 +55,11 @@ def env_inbox(env_worker_id: str) -> str:
 def env_replies(rollout_worker_id: str) -> str:
     """rollout worker's own stream: answers to its env requests."""
     return f"env.replies.{rollout_worker_id}"
+
+
+def command_reply(command_id: str) -> str:
+    """Where the controller answers one `RunCommand` (a stream of one entry that expires; its sender waits on it)."""
+    return f"run.commands.reply.{command_id}"
 
 
 def dead_letter(stream: str) -> str:

@@ -24,6 +24,9 @@ class ApiConfig(ServiceSettings):
     check_model_paths: bool = Field(
         True, description="CHECK_MODEL_PATHS: refuse runs whose local model folder does not exist here (relative "
         "paths resolve against the API's working directory); false when the API does not see the workers' files")
+    run_command_wait_s: float = Field(
+        10.0, gt=0, le=120, description="how long POST /v1/runs and a pause, resume or stop wait for the "
+        "controller to apply them before answering 503 (nothing changed), seconds")
     page_limit_max: int = Field(1000, ge=1, description="largest `limit` a list route accepts")
     gateway_token: str | None = Field(
         None, description="GATEWAY_TOKEN: the rollout workers' token for claiming agent sessions, sent when "

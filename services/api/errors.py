@@ -72,7 +72,7 @@ DESCRIPTIONS = {
     404: "the resource, or one the request names, does not exist", 405: "method not allowed",
     409: "conflicts with the resource's current state", 413: "the upload is too large",
     422: "the request does not match the schema", 502: "a service the request was forwarded to refused it",
-    503: "a dependency (Redis, the job queue) is unreachable",
+    503: "a dependency (Redis, the job queue, the controller) is unreachable or did not answer",
 }
 
 

@@ -24,7 +24,8 @@ class ControllerConfig(ServiceSettings):
     store_batch_size: int = Field(256, ge=1, description="trajectory messages written per transaction")
     store_claim_idle_ms: int = Field(30_000, ge=1, description="idle time before a dead store consumer's "
                                      "entries are reclaimed, milliseconds")
-    max_runs: int = Field(64, ge=1, description="runs one controller drives at once")
+    max_runs: int = Field(64, ge=0, description="runs one controller drives at once (0: none; it still applies "
+                          "run commands and stores results)")
     rollout_capacity: int | None = Field(
         None, ge=1, description="rollout tasks in flight across all running runs this controller drives, shared "
         "between them by their `priority` (set it to the rollout workers' total MAX_CONCURRENCY, so one slow run "

@@ -1,12 +1,12 @@
 """The control loop: group "controller" on `run.control` -> a user's pause, resume or stop applied to the run's
-driver at once (the API already changed `runs.status`; shared/messages/control.py), then the dispatch loop is
+driver at once (commands.py already changed `runs.status`; shared/messages/control.py), then the dispatch loop is
 woken to act on it: a paused run dispatches nothing more, a stopping one takes back its queued tasks. Without
 it the dispatch loop would learn of the change at its next poll of the runs table, which remains the fallback
 (a command lost with Redis's data, one for a run another controller drives).
 
 A command is applied only when it is newer than the driver's last read of the runs table (`status_read_at`,
-against the API's `sent_at`) and the driver's status is one it starts from: one read late, after that read or a
-later command, would otherwise undo a newer status until the next poll.
+against the `sent_at` of the controller that applied it) and the driver's status is one it starts from: one
+read late, after that read or a later command, would otherwise undo a newer status until the next poll.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """The controller: one process drives many runs; each run is driven by whichever controller holds its
-controller lease (shared/leases.py). Six loops, one module each:
+controller lease (shared/leases.py). It is the one writer of `runs` and `run_events`. Seven loops, one module
+each:
 
 - dispatch (dispatch.py): run leases, the run drivers (run.py), status changes (lifecycle.py), dispatch into
   the staleness window, lease expiry, why a run stalls (stall.py). The only loop that changes the drivers'
@@ -9,6 +10,8 @@ controller lease (shared/leases.py). Six loops, one module each:
 - progress (progress.py): `trainer.progress` -> the runs' policy version and the groups the trainer consumed.
 - reconcile (reconcile.py): dead-lettered rollout tasks -> failed attempts; after Redis lost its data, a
   replay of `results.accepted` from Postgres.
+- commands (commands.py): `run.commands` -> a run created, paused, resumed or stopped, answered to the sender
+  (the API, an eval job), and each change announced on `run.control`.
 - control (control.py): `run.control` -> a user's pause, resume or stop applied to the run's driver at once.
 - trim (trim.py): acknowledged entries of the streams the controller reads or writes.
 
@@ -23,6 +26,7 @@ import asyncio
 from sqlalchemy import Engine
 
 from services.controller import ledger
+from services.controller.commands import CommandLoop
 from services.controller.config import ControllerConfig
 from services.controller.control import ControlLoop
 from services.controller.dispatch import DispatchLoop
@@ -44,11 +48,12 @@ class Controller:
         self.ingest = IngestLoop(cfg, worker_id, db, bus, self.drivers, self.wake)
         self.progress = ProgressLoop(cfg, worker_id, db, bus, self.drivers, self.wake)
         self.reconcile = ReconcileLoop(cfg, worker_id, db, bus)
+        self.commands = CommandLoop(cfg, worker_id, db, bus, self.wake)
         self.control = ControlLoop(cfg, worker_id, bus, self.drivers, self.wake)
 
     def loops(self, stop: asyncio.Event) -> list:
         return [self.dispatch.run(stop), self.ingest.run(stop), self.progress.run(stop), self.reconcile.run(stop),
-                self.control.run(stop), trim_loop(self.bus, self.cfg.trim_interval_s, stop)]
+                self.commands.run(stop), self.control.run(stop), trim_loop(self.bus, self.cfg.trim_interval_s, stop)]
 
     async def close(self) -> None:
         """Release the run leases: another controller takes the runs over at once instead of at expiry."""

@@ -1,4 +1,5 @@
-"""The controller's Postgres side (the trajectory rows themselves are store.py's): `runs` (and its leases),
+"""The controller's Postgres side (the trajectory rows themselves are store.py's): `runs` (created and changed
+by run commands, and its leases),
 `dataset_rows`, the ledger (`rollout_tasks`, one row per dispatched attempt) and what the trainer reported
 consuming (`consumed_groups`, from `trainer.progress`). Sync SQLAlchemy; callers run these in a thread.
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import ValidationError
 from sqlalchemy import (
     Connection,
     Engine,
@@ -51,7 +53,9 @@ from shared.db.models import (
     RunEvent,
     RunLease,
 )
-from shared.messages import TrainerProgress
+from shared.messages import RunCommand, RunCommandReply, TrainerProgress
+from shared.messages.control import TRANSITIONS
+from shared.run_config import RunConfig
 
 ACTIVE_STATUSES = ("pending", "running", "paused", "stopping")
 LEDGER_ROW_STATUSES = ("dispatched", "completed", "error", "failed", "lost", "cancelled")
@@ -101,8 +105,10 @@ def fail_run(db: Engine, run_id: str, old: str, error: str) -> bool:
         return set_status(conn, run_id, old, "failed", error=error)
 
 
-def set_status(conn: Connection, run_id: str, old: str, new: str, *, error: str | None = None) -> bool:
-    """Compare-and-set runs.status; stamps started_at / finished_at. False when someone changed it first."""
+def set_status(conn: Connection, run_id: str, old: str, new: str, *, error: str | None = None,
+               because: dict[str, Any] | None = None) -> bool:
+    """Compare-and-set runs.status; stamps started_at / finished_at. False when someone changed it first.
+    `because`: added to the `status_changed` event's data (the command that asked for it)."""
     ended = {"finished_at": func.now(), "stall_reason": None, "stalled_since": None}
     stamps = {"running": {"started_at": func.coalesce(Run.started_at, func.now())},
               **dict.fromkeys(("stopped", "completed", "failed"), ended)}
@@ -110,8 +116,53 @@ def set_status(conn: Connection, run_id: str, old: str, new: str, *, error: str 
         status=new, error=func.coalesce(error, Run.error), **stamps.get(new, {}))).rowcount == 1
     if done:
         add_event(conn, run_id, "status_changed", f"{old} -> {new}" + (f": {error}" if error else ""),
-                  {"from": old, "to": new})
+                  {"from": old, "to": new, **(because or {})})
     return done
+
+
+def apply_command(db: Engine, cmd: RunCommand, expired: bool) -> RunCommandReply:
+    """One run command in one transaction, under the run's row lock (shared/messages/control.py). Idempotent by
+    command id: one applied before (a redelivery) is answered `applied` again and changes nothing; one not yet
+    applied and `expired` is not applied."""
+    def answer(outcome: str, status: str | None, message: str = "") -> RunCommandReply:
+        return RunCommandReply(command_id=cmd.command_id, outcome=outcome, status=status, message=message)
+
+    with db.begin() as conn:
+        status = conn.execute(select(Run.status).where(Run.id == cmd.run_id).with_for_update()).scalar()
+        if cmd.action == "create":
+            if status is not None:
+                return answer("applied", status)
+            if expired:
+                return answer("expired", None, "read after its sender stopped waiting; not applied")
+            return create_run(conn, cmd, answer)
+        if status is None:
+            return answer("not_found", None, f"run {cmd.run_id} does not exist")
+        if conn.execute(select(exists().where(RunEvent.run_id == cmd.run_id,
+                                              RunEvent.data.contains({"command": cmd.command_id})))).scalar():
+            return answer("applied", status)
+        if expired:
+            return answer("expired", status, "read after its sender stopped waiting; not applied")
+        allowed, new = TRANSITIONS[cmd.action]
+        if status not in allowed:
+            return answer("refused", status, f"cannot {cmd.action} a run that is {status}; {cmd.action} needs "
+                                             f"status {' or '.join(allowed)}")
+        set_status(conn, cmd.run_id, status, new, because={"command": cmd.command_id, "action": cmd.action})
+        return answer("applied", new)
+
+
+def create_run(conn: Connection, cmd: RunCommand, answer) -> RunCommandReply:
+    """The run of a `create` command, `pending`, with its `created` event; refused when its config is not a
+    valid run config (the sender checked it; this guards against a producer that did not)."""
+    try:
+        cfg = RunConfig.model_validate(cmd.config or {})
+    except ValidationError as e:
+        return answer("refused", None, f"not a valid run config: {e}")
+    conn.execute(insert(Run).values(id=cmd.run_id, name=cfg.name, kind=cfg.kind, status="pending",
+                                    config=cfg.model_dump(mode="json"), policy_version=0, summary={}))
+    by = f" by {cmd.created_by}" if cmd.created_by else ""
+    add_event(conn, cmd.run_id, "created", f"{cfg.kind} run created{by}",
+              {"rows": cmd.rows, "command": cmd.command_id})
+    return answer("applied", "pending")
 
 
 def set_stall(db: Engine, run_id: str, reason: str | None) -> bool:

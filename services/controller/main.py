@@ -2,7 +2,8 @@
 
     REDIS_URL=... DATABASE_URL=... python -m services.controller.main
 
-Drives every active run it can lease (controller.py: its five loops); several controllers may run side by side."""
+Applies run commands and drives every active run it can lease (controller.py: its loops); several controllers
+may run side by side."""
 
 from __future__ import annotations
 

@@ -8,10 +8,17 @@ import asyncio
 from shared.bus import RedisError, StreamBus
 from shared.logs import get_logger
 from shared.service import sleep_or_stop
-from shared.streams import ACCEPTED_RESULTS, ROLLOUT_TASKS, RUN_CONTROL, TRAINER_PROGRESS, TRAJECTORIES
+from shared.streams import (
+    ACCEPTED_RESULTS,
+    ROLLOUT_TASKS,
+    RUN_COMMANDS,
+    RUN_CONTROL,
+    TRAINER_PROGRESS,
+    TRAJECTORIES,
+)
 
 log = get_logger(__name__)
-STREAMS = (ROLLOUT_TASKS, TRAJECTORIES, ACCEPTED_RESULTS, TRAINER_PROGRESS, RUN_CONTROL)
+STREAMS = (ROLLOUT_TASKS, TRAJECTORIES, ACCEPTED_RESULTS, TRAINER_PROGRESS, RUN_COMMANDS, RUN_CONTROL)
 
 
 async def trim_loop(bus: StreamBus, interval_s: float, stop: asyncio.Event) -> None:

@@ -34,7 +34,8 @@ from shared.run_config import RunConfig
 from shared.runs import RunRefused, create_run
 
 log = get_logger(__name__)
-TRIMMED_STREAMS = (streams.ROLLOUT_TASKS, streams.ENV_REQUESTS, streams.TRAJECTORIES, streams.RUN_CONTROL)
+TRIMMED_STREAMS = (streams.ROLLOUT_TASKS, streams.ENV_REQUESTS, streams.TRAJECTORIES, streams.RUN_COMMANDS,
+                   streams.RUN_CONTROL)
 
 
 class JobInputError(ValueError):
@@ -85,8 +86,8 @@ def _generated_rows(name: str, n: int, seed: int) -> tuple[list[dict], str]:
 
 
 def evaluate(ctx: JobContext, job: Job) -> dict[str, Any]:
-    """Create an eval run (the controller drives it). The run id is stored on the job in the same
-    transaction, so a redelivered job finds it instead of creating a second run."""
+    """Create an eval run (the controller creates and drives it). Its id is derived from the job's, and the
+    controller creates a run id once, so a redelivered job finds its run instead of creating a second one."""
     if job.run_id is not None:
         return {"run_id": str(job.run_id)}
     config = dict(job.params["config"], kind="eval")
@@ -102,15 +103,16 @@ def evaluate(ctx: JobContext, job: Job) -> dict[str, Any]:
         # The API's checks; a checkpoint's model is the weight server's path or URI, not this worker's to see.
         redis_client = connect_sync(ctx.config.redis_url, timeout_s=5)
         try:
-            run, _ = create_run(s, redis_client, cfg, check_paths=ctx.config.check_model_paths
-                                and not job.params.get("checkpoint_run_id"), created_by=f"job {job.id}")
+            run_id, _ = create_run(s, redis_client, cfg, check_paths=ctx.config.check_model_paths
+                                   and not job.params.get("checkpoint_run_id"), created_by=f"job {job.id}",
+                                   run_id=uuid.uuid5(job.id, "eval run"))
         except RunRefused as e:
             raise JobInputError(str(e)) from e
         finally:
             redis_client.close()
-        s.execute(update(Job).where(Job.id == job.id).values(run_id=run.id))
+        s.execute(update(Job).where(Job.id == job.id).values(run_id=run_id))
         s.commit()
-        return {"run_id": str(run.id), "model": cfg.model}
+        return {"run_id": str(run_id), "model": cfg.model}
 
 
 def _checkpoint(s: Session, run_id: str, version: int | None) -> Checkpoint:

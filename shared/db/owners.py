@@ -27,13 +27,8 @@ class TableOwner:
 OWNERS: dict[str, TableOwner] = {
     "runs": TableOwner(
         "controller", ("api", "jobs", "rollout_worker", "trainer"),
-        "POST /v1/runs (created pending); `run.control` (pause, resume, stop); `trajectories` and "
-        "`trainer.progress` (status, progress, summary, stall reason)",
-        also_written_by={
-            "api": "creates the row (POST /v1/runs, shared/runs.py) and records a control request with a "
-                   "compare-and-set on status before publishing it on `run.control`, so the REST answer is final",
-            "jobs": "an eval job creates its run through shared/runs.py, with the API's checks",
-        }),
+        "`run.commands` (create, pause, resume, stop: from POST /v1/runs and its control routes, and eval jobs); "
+        "`trajectories` and `trainer.progress` (status, progress, summary, stall reason)"),
     "run_leases": TableOwner(
         "controller", ("trainer",), "held and renewed by whoever drives the run (shared/leases.py)",
         also_written_by={"trainer": "holds its own `trainer` lease of a run through shared/leases.py, the one "
@@ -41,12 +36,8 @@ OWNERS: dict[str, TableOwner] = {
     "consumed_groups": TableOwner(
         "controller", (), "`trainer.progress` (the groups a policy version consumed or dropped)"),
     "run_events": TableOwner(
-        "controller", ("api", "jobs"), "every message that changes a run (the run's history); "
-        "`trainer.progress` errors as `trainer_error`",
-        also_written_by={
-            "api": "records `created` and each control request in the transaction that makes it",
-            "jobs": "records an eval run's `created` in the transaction that creates it",
-        }),
+        "controller", ("api",), "every message that changes a run (the run's history): `run.commands` "
+        "(`created`, `status_changed` with the command's id); `trainer.progress` errors as `trainer_error`"),
     "rollout_tasks": TableOwner("controller", (), "the controller's dispatch; `trajectories` (each attempt's end)"),
     "episodes": TableOwner("controller", ("api", "jobs"), "`trajectories` (the store, exactly once)"),
     "trajectories": TableOwner("controller", ("api", "jobs"), "`trajectories` (the store, exactly once)"),

@@ -6,7 +6,7 @@
 """
 
 from shared.messages.codec import MESSAGE_TYPES, Message, MessageDecodeError, decode, encode
-from shared.messages.control import RunControl
+from shared.messages.control import RunCommand, RunCommandReply, RunControl
 from shared.messages.env import EnvReply, EnvRequest
 from shared.messages.rollout import RolloutTask
 from shared.messages.training import AcceptedResult, ConsumedGroup, TrainerProgress
@@ -15,6 +15,6 @@ from shared.messages.weights import WeightsPublished
 
 __all__ = [
     "MESSAGE_TYPES", "AcceptedResult", "ConsumedGroup", "EnvReply", "EnvRequest", "EpisodeResult", "Message",
-    "MessageDecodeError", "RolloutTask", "RunControl", "TrajectoryStep", "TrainerProgress", "TrajectoryRecord", "WeightsPublished",
+    "MessageDecodeError", "RolloutTask", "RunCommand", "RunCommandReply", "RunControl", "TrajectoryStep", "TrainerProgress", "TrajectoryRecord", "WeightsPublished",
     "decode", "encode",
 ]

@@ -16,7 +16,7 @@ from sqlalchemy import create_engine
 from sqlalchemy.orm import Session
 
 from harness.ports import free_port
-from harness.procs import start_service, stop, wait_http
+from harness.procs import start_service, stop, wait_heartbeat, wait_http
 from shared.db.models import (
     Checkpoint,
     EpisodeRow,
@@ -44,33 +44,50 @@ class LiveApi:
     url: str
     token: str
     proc: subprocess.Popen
+    controller: subprocess.Popen | None = None
 
     def client(self, token: str | None = "default") -> httpx.Client:
         token = self.token if token == "default" else token
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         return httpx.Client(base_url=self.url, headers=headers, timeout=30)
 
+    def stop(self) -> None:
+        if self.controller is not None:
+            stop(self.controller)
+        stop(self.proc)
 
-def start_api(database_url: str, redis_url: str, data_dir: Path, **extra: str) -> LiveApi:
-    """The API as a process on a free port; its output in `data_dir`/api.log."""
+
+def start_api(database_url: str, redis_url: str, data_dir: Path, *, controller: bool = True,
+              **extra: str) -> LiveApi:
+    """The API as a process on a free port; its output in `data_dir`/api.log. `controller`: with a controller
+    beside it (`data_dir`/controller.log) that applies run commands (create, pause, resume, stop: the API asks
+    it) and drives no run (MAX_RUNS=0), so the runs a test stores keep the status it gave them; False where the
+    test starts the controllers that drive its runs."""
     port = free_port()
     Path(data_dir).mkdir(parents=True, exist_ok=True)
+    ctl = None
+    if controller:
+        ctl = start_service("services.controller.main", log=Path(data_dir) / "controller.log",
+                            **service_env(database_url, redis_url, data_dir, MAX_RUNS="0", WORKER_ID=f"ctl-api-{port}"))
     proc = start_service("services.api.main", log=Path(data_dir) / "api.log",
                          **service_env(database_url, redis_url, data_dir, API_PORT=str(port), API_TOKEN=ADMIN_TOKEN,
                                        API_HOST="127.0.0.1", **extra))
     url = f"http://127.0.0.1:{port}"
     wait_http(url + "/healthz", proc)
-    return LiveApi(url, ADMIN_TOKEN, proc)
+    if ctl is not None:
+        wait_heartbeat(redis_url, "controller", f"ctl-api-{port}", ctl)
+    return LiveApi(url, ADMIN_TOKEN, proc, ctl)
 
 
 @contextlib.contextmanager
-def running_api(database_url: str, redis_url: str, data_dir: Path, **extra: str) -> Iterator[LiveApi]:
+def running_api(database_url: str, redis_url: str, data_dir: Path, *, controller: bool = True,
+                **extra: str) -> Iterator[LiveApi]:
     """`start_api` for the length of a `with` block (a module fixture), stopped afterwards."""
-    live = start_api(database_url, redis_url, data_dir, **extra)
+    live = start_api(database_url, redis_url, data_dir, controller=controller, **extra)
     try:
         yield live
     finally:
-        stop(live.proc)
+        live.stop()
 
 
 def start_jobs(database_url: str, redis_url: str, data_dir: Path, **extra: str) -> subprocess.Popen:

@@ -15,7 +15,6 @@ import pytest
 import redis
 from api_testlib import run_config, seed_run, start_api, trainer_metrics
 
-from harness.procs import stop
 from shared.messages import RunControl, decode
 from shared.streams import RUN_CONTROL
 
@@ -24,7 +23,7 @@ from shared.streams import RUN_CONTROL
 def api(database_url, redis_url, tmp_path_factory):
     live = start_api(database_url, redis_url, tmp_path_factory.mktemp("api"))
     yield live
-    stop(live.proc)
+    live.stop()
     assert live.proc.returncode in (0, -15)  # uvicorn re-raises SIGTERM after a clean shutdown
 
 

@@ -8,8 +8,6 @@ import json
 import pytest
 from api_testlib import run_config, start_api
 
-from harness.procs import stop
-
 
 @pytest.fixture(scope="module")
 def client(database_url, redis_url, tmp_path_factory):
@@ -20,7 +18,7 @@ def client(database_url, redis_url, tmp_path_factory):
                    files={"file": ("code.jsonl", "\n".join(json.dumps(r) for r in rows).encode())})
         assert r.status_code == 201, r.text
         yield c
-    stop(live.proc)
+    live.stop()
 
 
 def test_sandbox_mode_and_warning_in_run_status(client):

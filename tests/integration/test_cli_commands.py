@@ -33,7 +33,7 @@ def api(database_url, redis_url, tmp_path_factory):
     worker = start_jobs(database_url, redis_url, data)
     yield live
     stop(worker)
-    stop(live.proc)
+    live.stop()
 
 
 @pytest.fixture

@@ -388,7 +388,7 @@ async def test_pause_resume_stop_through_the_api_reach_the_controller_as_command
     """The API's pause, resume and stop reach the controller on `run.control` and take effect at once: here it
     reads the runs table only every 20 s, so a change applied within seconds came as a command."""
     run = add_run(engine, add_dataset(engine, 40), kind="eval", samples_per_task=1, max_in_flight=2)
-    with running_api(database_url, redis_url, tmp_path / "api") as api, api.client() as client:
+    with running_api(database_url, redis_url, tmp_path / "api", controller=False) as api, api.client() as client:
         start_controller(POLL_INTERVAL_S="20", RUN_LEASE_S="60")
         async with FakeRolloutWorker(redis_client, run, lambda t: "correct", hold_s=0.05) as worker:
             await wait_until_async(lambda: len(worker.received) >= 4, 30, "first dispatches")

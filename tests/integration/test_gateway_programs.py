@@ -282,13 +282,12 @@ async def test_runners_claim_sessions_through_the_api(worker, redis, redis_url, 
     (found through their heartbeats); the runners then talk to the worker directly."""
     import httpx
     from api_testlib import start_api
-    from api_testlib import stop as stop_api
 
     db = worker["database_url"]
     run_id = insert_run(db, run_config(model_path, agent_program={"name": "external"}, max_response_tokens=1,
                                        trajectory_timeout_s=30))
     managed = insert_run(db, run_config(model_path, agent_program={"name": "fw_agent_programs:answer"}))
-    api = start_api(db, redis_url, tmp_path)
+    api = start_api(db, redis_url, tmp_path, controller=False)
     try:
         with api.client() as c:
             url = f"/v1/runs/{run_id}/sessions"
@@ -311,6 +310,6 @@ async def test_runners_claim_sessions_through_the_api(worker, redis, redis_url, 
             runners.stop.set()
             thread.join(10)
     finally:
-        stop_api(api.proc)
+        api.stop()
     assert [r.termination_reason for r in results] == [TR.ENV_DONE] * n, {r.error for r in results}
     assert runners.episodes == n and runners.failures == 0

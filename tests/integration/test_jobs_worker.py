@@ -30,7 +30,7 @@ def data_dir(tmp_path_factory):
 def api(database_url, redis_url, data_dir):
     live = start_api(database_url, redis_url, data_dir)
     yield live
-    stop(live.proc)
+    live.stop()
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,6 @@ from harness.live import (
     wait_run_ended,
 )
 from harness.ports import free_port
-from harness.procs import stop
 from harness.stack import LocalStack
 from harness.tiny_model import build_tiny_model
 from services.api.cli import app as cli_app
@@ -88,12 +87,12 @@ def live(isolated_urls, tmp_path_factory):
             register_dataset(engine, f"faults-{name}", TASKS, seed=seed)
         register_dataset(engine, "faults-smoke40", 40, seed=99)  # a 40-unit smoke run's dataset
         pids = {name: stack.instance(name).proc.pid for name in ("env-worker", "rollout-worker")}
-        api = start_api(database_url, redis_url, tmp / "api")
+        api = start_api(database_url, redis_url, tmp / "api", controller=False)
         yield {"stack": stack, "engine": engine, "model": model, "llm": f"http://127.0.0.1:{port}/v1", "pids": pids,
                "api": api, "tmp": tmp}
     finally:
         if "api" in locals():
-            stop(api.proc)
+            api.stop()
         stack.stop()
         mock.terminate()
         mock.wait(10)

@@ -3,12 +3,13 @@ metrics, checkpoints, events, reward by policy version, export."""
 
 from __future__ import annotations
 
-import time
+import contextlib
 import uuid
+from collections.abc import Iterator
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query, Request
-from sqlalchemy import func, select, update
+from sqlalchemy import func, select
 
 from services.api.deps import DB, Config
 from services.api.errors import ApiError, errors, refused
@@ -27,7 +28,7 @@ from services.api.schemas import (
     TrajectoryPublic,
     VersionReward,
 )
-from shared.bus import RedisError, announce
+from shared.bus import RedisError
 from shared.datasets import count_rows
 from shared.db.models import (
     RUN_STATUSES,
@@ -39,11 +40,10 @@ from shared.db.models import (
     TrajectoryRow,
 )
 from shared.logs import get_logger
-from shared.messages.control import TRANSITIONS, Action, RunControl
+from shared.messages.control import Action
 from shared.run_config import RunConfig
-from shared.runs import RunRefused
+from shared.runs import ControllerUnavailable, RunRefused, run_command
 from shared.runs import create_run as add_run
-from shared.streams import RUN_CONTROL
 from shared.types import TerminationReason
 
 log = get_logger(__name__)
@@ -65,21 +65,34 @@ def get_run(session, run_id: uuid.UUID) -> Run:
     return run
 
 
-@router.post("", status_code=201, response_model=RunPublic, responses=errors(400, 404, 409, 422))
+@router.post("", status_code=201, response_model=RunPublic, responses=errors(400, 404, 409, 422, 503))
 def create_run(cfg: RunConfig, request: Request, session: DB, config: Config) -> dict:
-    """Start a training or evaluation run (`kind`). The controller picks it up while it is `pending`. The run
+    """Start a training or evaluation run (`kind`). The controller creates it `pending` and drives it. The run
     reads one dataset version for its whole life: `dataset_version`, or the latest at creation (recorded).
 
     Refused before anything is stored: 404 when the dataset (version) does not exist; 400 when the model cannot
     work as given (a local path that does not exist, a relative path that is no folder and no hub id, token
     budgets beyond the model's context, an engine no live rollout worker offers, dataset rows without a field
-    the env needs)."""
+    the env needs); 503, with nothing created, when no controller answers in time."""
     try:
-        run, _ = add_run(session, request.app.state.redis, cfg, check_paths=config.check_model_paths)
+        with commanding():
+            run_id, _ = add_run(session, request.app.state.redis, cfg, check_paths=config.check_model_paths,
+                                wait_s=config.run_command_wait_s)
     except RunRefused as e:
         raise refused(e) from e
-    session.commit()
-    return run_out(run)
+    return run_out(get_run(session, run_id))
+
+
+@contextlib.contextmanager
+def commanding() -> Iterator[None]:
+    """A run command that could not reach a controller: 503, saying that nothing changed."""
+    try:
+        yield
+    except ControllerUnavailable as e:
+        raise ApiError(503, str(e)) from e
+    except RedisError as e:
+        raise ApiError(503, f"Redis is unreachable, so the controller cannot be asked; nothing was changed ({e})",
+                       hint="retry once Redis is back") from e
 
 
 @router.get("", response_model=Page[RunPublic], responses=errors(422))
@@ -115,46 +128,38 @@ def show_run(run_id: RunId, request: Request, session: DB) -> dict:
     return out
 
 
-def _control(request: Request, session, run_id: uuid.UUID, action: Action) -> dict:
-    """Change the status by compare-and-set (the answer, at once), commit, then tell the controller and the
-    trainer on `run.control` (shared/messages/control.py). Redis refusing the message fails nothing: they read
-    the status at their next poll of the runs they lease."""
-    allowed, new = TRANSITIONS[action]
-    changed = session.execute(
-        update(Run).where(Run.id == run_id, Run.status.in_(allowed)).values(status=new).returning(Run.id)
-    ).first()
-    if changed is None:
-        run = get_run(session, run_id)
-        raise ApiError(409, f"cannot {action} a run that is {run.status}; {action} needs status "
-                            f"{' or '.join(allowed)}")
-    session.add(RunEvent(run_id=run_id, kind="status_changed", message=f"{action} requested", data={"to": new}))
-    session.commit()
-    try:
-        announce(request.app.state.redis, RUN_CONTROL, RunControl(run_id=str(run_id), action=action,
-                                                                  sent_at=time.time()))
-    except RedisError as e:
-        log.warning("run.control not published (applied at the next poll instead): %r", e,
-                    extra={"run_id": str(run_id)})
+def _control(request: Request, session, run_id: uuid.UUID, action: Action, config) -> dict:
+    """Ask the controller (a `RunCommand` on `run.commands`) and answer with what it did: the new status, 409
+    when the run is in no status the action starts from (shared/messages/control.py TRANSITIONS), 503 when no
+    controller answered (nothing changed). The controller then tells the trainer on `run.control`."""
+    get_run(session, run_id)
+    with commanding():
+        reply = run_command(session, request.app.state.redis, run_id, action, wait_s=config.run_command_wait_s)
+    if reply.outcome == "not_found":
+        raise ApiError(404, f"run {run_id} does not exist", field="run_id", hint="list runs with GET /v1/runs")
+    if reply.outcome == "refused":
+        raise ApiError(409, reply.message)
+    session.expire_all()  # the controller changed the row: read it again
     return run_out(get_run(session, run_id))
 
 
-CONTROL = errors(404, 409, 422)
+CONTROL = errors(404, 409, 422, 503)
 
 
 @router.post("/{run_id}/pause", response_model=RunPublic, responses=CONTROL)
-def pause_run(run_id: RunId, request: Request, session: DB) -> dict:
-    return _control(request, session, run_id, "pause")
+def pause_run(run_id: RunId, request: Request, session: DB, config: Config) -> dict:
+    return _control(request, session, run_id, "pause", config)
 
 
 @router.post("/{run_id}/resume", response_model=RunPublic, responses=CONTROL)
-def resume_run(run_id: RunId, request: Request, session: DB) -> dict:
-    return _control(request, session, run_id, "resume")
+def resume_run(run_id: RunId, request: Request, session: DB, config: Config) -> dict:
+    return _control(request, session, run_id, "resume", config)
 
 
 @router.post("/{run_id}/stop", response_model=RunPublic, responses=CONTROL)
-def stop_run(run_id: RunId, request: Request, session: DB) -> dict:
+def stop_run(run_id: RunId, request: Request, session: DB, config: Config) -> dict:
     """Graceful stop: the run goes to `stopping`; the controller finishes or cancels in-flight work."""
-    return _control(request, session, run_id, "stop")
+    return _control(request, session, run_id, "stop", config)
 
 
 @router.get("/{run_id}/trajectories", response_model=Page[TrajectoryPublic], responses=ON_RUN)

@@ -16,6 +16,8 @@ from shared.messages import (
     EpisodeResult,
     MessageDecodeError,
     RolloutTask,
+    RunCommand,
+    RunCommandReply,
     RunControl,
     TrainerProgress,
     TrajectoryRecord,
@@ -53,6 +55,10 @@ SAMPLES = {
 
 SAMPLES["accepted_result"] = AcceptedResult.stored(SAMPLES["episode_result"])
 SAMPLES["run_control"] = RunControl(run_id="r", action="stop", sent_at=NOW)
+SAMPLES["run_command"] = RunCommand(command_id="c1", run_id="r", action="create", config={"name": "x"}, rows=5,
+                                    created_by="job j", sent_at=NOW, expires_at=NOW + 10)
+SAMPLES["run_command_reply"] = RunCommandReply(command_id="c1", outcome="refused", status="pending",
+                                               message="cannot pause a run that is pending")
 
 
 def test_every_message_type_has_a_sample():
