@@ -13,8 +13,9 @@ errors propagate (`shared.bus.RedisError`): each caller decides what "cannot tel
 from __future__ import annotations
 
 import json
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from shared.bus import Redis, SyncRedis
 from shared.streams import heartbeat_pattern
@@ -39,6 +40,9 @@ class Heartbeat(BaseModel):
     max_concurrency: int = 0  # rollout slots
     inflight: int = 0  # slots busy now
     gateway_url: str | None = None  # where external agent programs claim sessions
+    # trainers: run id -> the policy version it trains from (the runs whose trainer lease it holds and opened);
+    # controllers: run id -> its dispatch state
+    runs: dict[str, Any] = Field(default_factory=dict)
 
 
 def parse_heartbeats(values: list[bytes | str | None]) -> list[Heartbeat]:

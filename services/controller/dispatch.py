@@ -313,8 +313,6 @@ class DispatchLoop:
                 reason = "paused: resume it (POST /v1/runs/{id}/resume, or `flywheel runs resume`)"
             elif d.status == "running" and now - d.last_progress >= self.cfg.stall_after_s:
                 facts = facts or await gather_facts(self.bus.redis)
-                facts.trainer = None if d.plan.is_eval else await asyncio.to_thread(
-                    ledger.trainer_holder, self.db, d.run_id)
                 reason = stall_reason(d, facts, self.cfg.stall_after_s)
             if reason != d.stall_reason:
                 await asyncio.to_thread(ledger.set_stall, self.db, d.run_id, reason)

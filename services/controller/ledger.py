@@ -51,7 +51,6 @@ from shared.db.models import (
     RolloutTaskRow,
     Run,
     RunEvent,
-    RunLease,
 )
 from shared.messages import RunCommand, RunCommandReply, TrainerProgress
 from shared.messages.control import TRANSITIONS
@@ -202,13 +201,6 @@ def update_signal_warning(db: Engine, run_id: str, versions: int) -> str | None:
         if changed and warning:
             add_event(conn, run_id, "warning", warning, {})
     return warning if changed else None
-
-
-def trainer_holder(db: Engine, run_id: str) -> str | None:
-    """The trainer holding the run's trainer lease (shared/leases.py), None when none does or it expired."""
-    with db.connect() as conn:
-        return conn.execute(select(RunLease.owner).where(
-            RunLease.run_id == run_id, RunLease.role == leases.TRAINER, RunLease.expires_at > func.now())).scalar()
 
 
 def add_event(conn: Connection, run_id: str, kind: str, message: str, data: dict[str, Any],

@@ -1,5 +1,5 @@
 """Why a running run makes no progress, from what the controller can see (never a guess): the live workers'
-heartbeats in Redis, the trainer's lease in Postgres and the run's own dispatch state.
+heartbeats in Redis (the trainers' list the runs each trains) and the run's own dispatch state.
 
     facts = await gather_facts(redis)                        # in DispatchLoop.check_stalls (dispatch.py)
     reason = stall_reason(driver, facts, stall_after_s)      # a sentence for runs.stall_reason
@@ -9,7 +9,7 @@ Checked in this order, the first that holds is the reason:
   no live rollout worker; none offers the run's engine type; no env worker alive (runs with an env); every
   rollout slot of the live workers busy (their heartbeats' inflight and max_concurrency);
 - nothing is waiting (every slot the window allows has ended): a training run that a trainer reported it cannot
-  train (`trainer.progress` with an error); one that no trainer holds; one whose
+  train (`trainer.progress` with an error); one that no live trainer trains; one whose
   staleness window is full, waiting for the trainer to step (groups that can never complete, a unit errored or
   out of attempts, widen the window: they are replaced, so they never hold it shut).
 Paused runs say so at once; Redis or Postgres unreachable is the controller's own error, reported as such.
@@ -28,16 +28,17 @@ from shared.workers import Heartbeat, live_workers_async
 class Facts:
     rollout_workers: list[Heartbeat] = field(default_factory=list)  # each live rollout worker's heartbeat
     env_workers: int = 0  # live env workers
-    trainer: str | None = None  # the trainer holding the run (training runs), None when none does
+    trainers: list[Heartbeat] = field(default_factory=list)  # each live trainer's heartbeat
     redis_error: str | None = None  # Redis could not be read
 
 
 async def gather_facts(redis: Redis) -> Facts:
-    """The workers' side of the facts (the trainer holding a run is looked up per run)."""
+    """The live workers' heartbeats."""
     facts = Facts()
     try:
         facts.rollout_workers = [b for b in await live_workers_async(redis, "rollout-worker") if not b.stopping]
         facts.env_workers = sum(not b.stopping for b in await live_workers_async(redis, "env-worker"))
+        facts.trainers = await live_workers_async(redis, "trainer")
     except RedisError as e:
         facts.redis_error = repr(e)
     return facts
@@ -73,12 +74,13 @@ def stall_reason(d: RunDriver, facts: Facts, stall_after_s: float) -> str:
                 "busy): the trajectories are running; see the rollout workers' logs")
     if d.plan.is_eval:
         return f"{idle} and nothing left to dispatch"
-    if facts.trainer is None and d.trainer_error is not None:
+    trainer = next((t.worker_id for t in facts.trainers if d.run_id in t.runs), None)
+    if trainer is None and d.trainer_error is not None:
         return (f"the trainer cannot train this run ({d.trainer_error[:300]}): {d.num_completed} results stored, "
                 "none trained on since; fix the model or checkpoint, then restart the trainer (it does not try a "
                 "run that failed to load again until it restarts)")
-    if facts.trainer is None:
-        return (f"no trainer holds this run (no live trainer lease): {d.num_completed} results stored, none "
-                "trained on since; start the trainer (docker compose up -d trainer)")
+    if trainer is None:
+        return (f"no trainer trains this run (no live trainer lists it in its heartbeat): {d.num_completed} "
+                "results stored, none trained on since; start the trainer (docker compose up -d trainer)")
     return (f"staleness window full: groups up to policy version {d.policy_version} + max_staleness "
-            f"{d.cfg.max_staleness} are dispatched and ended; waiting for the trainer ({facts.trainer}) to step")
+            f"{d.cfg.max_staleness} are dispatched and ended; waiting for the trainer ({trainer}) to step")

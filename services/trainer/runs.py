@@ -1,7 +1,8 @@
-"""Postgres side of the trainer: which runs to train (`runs`), its lease on them (shared/leases.py), and its
-own durable record (`train_samples`, metrics). Of the controller's tables it reads only `runs` (config, status)
-and its lease rows: what it trains on arrives on `results.accepted`, and what the controller needs from it leaves on `trainer.progress`. A user's stop arrives
-on `run.control` (loop.py); the runs' status read here is how every other change, and a lost command, arrives."""
+"""Postgres side of the trainer: which runs to train (`runs`), its lease on them (`trainer_leases`,
+shared/leases.py), and its own durable record (`train_samples`, metrics). Of the controller's tables it reads only
+`runs` (config, status): what it trains on arrives on `results.accepted`, and what the controller needs from it
+leaves on `trainer.progress` (and which runs it trains, in its heartbeat). A user's stop arrives on `run.control`
+(loop.py); the runs' status read here is how every other change, and a lost command, arrives."""
 
 from __future__ import annotations
 

@@ -68,16 +68,25 @@ class Run(Base):
     )
 
 
-class RunLease(Base):
-    """Who owns a run, per role ("controller", "trainer"): see shared/leases.py. Expiry is judged by the
-    database's clock, so hosts with skewed clocks never both believe they hold a lease."""
-
-    __tablename__ = "run_leases"
+class _Lease:
+    """A service's lease on a run: see shared/leases.py. Expiry is judged by the database's clock, so hosts with
+    skewed clocks never both believe they hold a lease."""
 
     run_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
-    role: Mapped[str] = mapped_column(String(32), primary_key=True)
     owner: Mapped[str] = mapped_column(String(200), nullable=False)
     expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
+
+
+class ControllerLease(_Lease, Base):
+    """Which controller drives a run (written by controllers only)."""
+
+    __tablename__ = "controller_leases"
+
+
+class TrainerLease(_Lease, Base):
+    """Which trainer trains a run (written by trainers only)."""
+
+    __tablename__ = "trainer_leases"
 
 
 class ConsumedGroupRow(Base):

@@ -29,10 +29,11 @@ OWNERS: dict[str, TableOwner] = {
         "controller", ("api", "jobs", "rollout_worker", "trainer"),
         "`run.commands` (create, pause, resume, stop: from POST /v1/runs and its control routes, and eval jobs); "
         "`trajectories` and `trainer.progress` (status, progress, summary, stall reason)"),
-    "run_leases": TableOwner(
-        "controller", ("trainer",), "held and renewed by whoever drives the run (shared/leases.py)",
-        also_written_by={"trainer": "holds its own `trainer` lease of a run through shared/leases.py, the one "
-                                    "lease mechanism"}),
+    "controller_leases": TableOwner(
+        "controller", (), "taken and renewed by the controller driving each run (shared/leases.py)"),
+    "trainer_leases": TableOwner(
+        "trainer", (), "taken and renewed by the trainer training each run (shared/leases.py); the controller "
+        "learns which trainer trains a run from the trainers' heartbeats"),
     "consumed_groups": TableOwner(
         "controller", (), "`trainer.progress` (the groups a policy version consumed or dropped)"),
     "run_events": TableOwner(

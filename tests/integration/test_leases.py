@@ -1,4 +1,4 @@
-"""shared/leases.py over a real Postgres: one owner per (run, role), expiry, takeover, release."""
+"""shared/leases.py over a real Postgres: one owner per run in each lease table, expiry, takeover, release."""
 
 from __future__ import annotations
 

@@ -403,7 +403,7 @@ def test_trainer_taking_over_a_dead_trainers_run_gets_its_pending_entries(stack,
             return [c["name"] for c in consumers] == [b"trainer-next"]
         wait_until(claimed_at_start, 90, "the second trainer's start-up claim", procs=(proc,))
         with engine.begin() as c:  # the dead trainer's lease expires
-            c.execute(text("UPDATE run_leases SET expires_at = now() WHERE owner = 'trainer-dead'"))
+            c.execute(text("UPDATE trainer_leases SET expires_at = now() WHERE owner = 'trainer-dead'"))
         _wait_version(database_url, run_id, 1, proc, timeout_s=60)
         rows = _trained(database_url, run_id)
         assert {(r.task_id, r.sample_idx) for r in rows} == keys and {r.version for r in rows} == {1}

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import re
 from collections import defaultdict
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from shared.db import models
@@ -23,6 +24,8 @@ TABLES = {c.__tablename__: c.__name__ for c in vars(models).values()
 MODEL_TABLE = {cls: table for table, cls in TABLES.items()}
 WRITE_SQL = re.compile(r"\b(?:INSERT\s+INTO|UPDATE|DELETE\s+FROM|COPY)\s+([a-z_]+)\b", re.I)
 READ_SQL = re.compile(r"\b(?:FROM|JOIN)\s+([a-z_]+)\b", re.I)
+DYNAMIC_WRITE_SQL = re.compile(r"\b(?:INSERT\s+INTO|UPDATE|DELETE\s+FROM|COPY)\s+\{\}", re.I)
+DYNAMIC_READ_SQL = re.compile(r"\b(?:FROM|JOIN)\s+\{\}", re.I)
 WRITE_CALLS = {"insert", "update", "delete", "pg_insert"}
 
 
@@ -39,38 +42,51 @@ def _name(node: ast.AST) -> str | None:
     return node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
 
 
-def scan_file(path: Path) -> dict[str, tuple[set[str], set[str]]]:
-    """{top-level function or class name ('' for module level): (tables written, tables read)}. A write whose
-    table is a placeholder (`INSERT INTO {table}`) counts every table its file names as a model or literal."""
+@dataclass
+class Access:
+    """What one top-level function, class or constant of a file does with tables. `dynamic`: it writes (or
+    reads) a table whose name is a placeholder in SQL text (`INSERT INTO {}`); which one is resolved by
+    `resolve`."""
+    writes: set[str] = field(default_factory=set)
+    reads: set[str] = field(default_factory=set)
+    named: set[str] = field(default_factory=set)  # table names spelled out as string literals
+    dynamic_writes: bool = False
+    dynamic_reads: bool = False
+
+
+def scan_file(path: Path) -> dict[str, Access]:
+    """{top-level function, class or assigned name ('' for the rest of the module level): its Access}."""
     tree = ast.parse(path.read_text(), filename=str(path))
-    found: dict[str, tuple[set[str], set[str]]] = defaultdict(lambda: (set(), set()))
-    named: set[str] = set()
-    dynamic: list[str] = []
+    found: dict[str, Access] = defaultdict(Access)
     for top in tree.body:
-        owner = top.name if isinstance(top, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) else ""
-        writes, reads = found[owner]
+        owner = top.name if isinstance(top, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) else \
+            top.targets[0].id if isinstance(top, ast.Assign) and isinstance(top.targets[0], ast.Name) else ""
+        acc = found[owner]
         for node in ast.walk(top):
             if isinstance(node, ast.Call):
                 fn = _name(node.func)
                 if fn in WRITE_CALLS and node.args and _name(node.args[0]) in MODEL_TABLE:
-                    writes.add(MODEL_TABLE[_name(node.args[0])])
+                    acc.writes.add(MODEL_TABLE[_name(node.args[0])])
                 if fn in MODEL_TABLE:  # a model instance is made to be added to a session
-                    writes.add(MODEL_TABLE[fn])
+                    acc.writes.add(MODEL_TABLE[fn])
             if (name := _name(node)) in MODEL_TABLE:
-                reads.add(MODEL_TABLE[name])
-                named.add(MODEL_TABLE[name])
+                acc.reads.add(MODEL_TABLE[name])
+                acc.named.add(MODEL_TABLE[name])
             if (text := _text(node)) is not None:
                 if text in TABLES:
-                    named.add(text)
+                    acc.named.add(text)
                 for m in WRITE_SQL.finditer(text):
                     if m.group(1) in TABLES:
-                        writes.add(m.group(1))
-                if re.search(r"\b(?:INSERT\s+INTO|COPY)\s+\{\}", text, re.I):
-                    dynamic.append(owner)
-                reads |= {m.group(1) for m in READ_SQL.finditer(text) if m.group(1) in TABLES}
-    for owner in dynamic:
-        found[owner][0].update(named)
+                        acc.writes.add(m.group(1))
+                acc.dynamic_writes |= bool(DYNAMIC_WRITE_SQL.search(text))
+                acc.dynamic_reads |= bool(DYNAMIC_READ_SQL.search(text))
+                acc.reads |= {m.group(1) for m in READ_SQL.finditer(text) if m.group(1) in TABLES}
     return found
+
+
+def resolve(acc: Access, tables: set[str]) -> tuple[set[str], set[str]]:
+    """(writes, reads) of `acc`, its placeholder tables taken to be `tables`."""
+    return acc.writes | (tables if acc.dynamic_writes else set()), acc.reads | (tables if acc.dynamic_reads else set())
 
 
 def _imported(tree: ast.Module) -> set[tuple[str, str]]:
@@ -104,9 +120,18 @@ def table_access(root: Path) -> tuple[dict[str, dict[str, set[str]]], dict[str, 
     for path in sorted((root / "services").rglob("*.py")):
         service = path.relative_to(root / "services").parts[0]
         where = str(path.relative_to(root))
-        parts = [(where, found) for found in scan_file(path).values()]
-        parts += [(f"{where} (via shared/{module}.py {name})", shared[module][name])
-                  for module, name in _imported(ast.parse(path.read_text())) if name in shared.get(module, {})]
+        own = scan_file(path)
+        file_named = set().union(*(a.named for a in own.values()))
+        parts = [(where, resolve(acc, file_named)) for acc in own.values()]
+        used = [(module, name) for module, name in _imported(ast.parse(path.read_text()))
+                if name in shared.get(module, {})]
+        for module, name in used:
+            # A shared function writing a placeholder table writes the tables named by the constants of its
+            # module that this file uses with it (leases.acquire with leases.TRAINER), else every table its
+            # module names.
+            chosen = set().union(*(shared[module][n].named for m, n in used if m == module and n != name))
+            tables = chosen or set().union(*(a.named for a in shared[module].values()))
+            parts.append((f"{where} (via shared/{module}.py {name})", resolve(shared[module][name], tables)))
         for at, (writes, reads) in parts:
             for t in writes:
                 written[t][service].add(at)
@@ -159,6 +184,11 @@ def test_the_scan_sees_every_spelling(tmp_path):
     (tmp_path / "shared/lib.py").write_text(
         "def touch(c):\n    c.execute('UPDATE runs SET status = 1')\n\n"
         "def look(c):\n    return c.execute('SELECT 1 FROM checkpoints')\n")
+    (tmp_path / "shared/slots.py").write_text(  # one function, the table chosen by a constant of its module
+        "A = 'metrics'\nB = 'train_samples'\n\ndef put(c, table):\n    c.execute(f'DELETE FROM {table} WHERE 1')\n")
+    (tmp_path / "services/c").mkdir()
+    (tmp_path / "services/c/w.py").write_text("from shared import slots\n\ndef k(c):\n    slots.put(c, slots.B)\n")
+    (tmp_path / "services/c/v.py").write_text("from shared.slots import put\n\ndef j(c, t):\n    put(c, t)\n")
     (tmp_path / "services/a/x.py").write_text(
         "from sqlalchemy import insert\nfrom shared.db.models import Run, Metric\n\n"
         "def f(s, c):\n    c.execute(insert(Run).values())\n    m = Metric(name='x')\n    s.add(m)\n")
@@ -169,5 +199,6 @@ def test_the_scan_sees_every_spelling(tmp_path):
         "    c.execute('DELETE FROM jobs WHERE 1')\n")
     written, read = table_access(tmp_path)
     assert {t: set(by) for t, by in written.items()} == {
-        "runs": {"a", "b"}, "metrics": {"a"}, "episodes": {"a"}, "jobs": {"b"}}
+        "runs": {"a", "b"}, "metrics": {"a", "c"}, "episodes": {"a"}, "jobs": {"b"}, "train_samples": {"c"}}
+    assert written["metrics"]["c"] == {"services/c/v.py (via shared/slots.py put)"}  # no constant: every table
     assert set(read["checkpoints"]) == {"b"}
