@@ -38,11 +38,14 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def start_service(target: str, *, log: IO | Path | int | None = None, launcher: Iterable[str] = (),
-                  args: Iterable[str] = (), python: str | Path = sys.executable, **env: str | None) -> subprocess.Popen:
+                  args: Iterable[str] = (), python: str | Path = sys.executable, within: Iterable[str] = (),
+                  **env: str | None) -> subprocess.Popen:
     """`python [launcher...] -m target [args...]` (a module) or `python [launcher...] target [args...]` (a .py
     script) from the repository root; output to `log`, else a text pipe `stop` reads (keep a long-lived, chatty
     process on a log file: nobody drains the pipe until `stop`). `python`: another environment's interpreter
-    (the vLLM one: pass VIRTUAL_ENV=None too). `env`: on top of ours; a None value removes the variable."""
+    (the vLLM one: pass VIRTUAL_ENV=None too). `within`: a command the process runs under (`ShapedNetwork.
+    exec_prefix(host)`: inside that host's network namespace). `env`: on top of ours; a None value removes the
+    variable."""
     full_env = {**os.environ, "HEALTH_PORT": "0", "LOG_FORMAT": "text", "PYTHONUNBUFFERED": "1",
                 **{k.upper(): str(v) for k, v in env.items() if v is not None}}
     for key in (k.upper() for k, v in env.items() if v is None):
@@ -50,7 +53,7 @@ def start_service(target: str, *, log: IO | Path | int | None = None, launcher: 
     entry = [target] if target.endswith(".py") else ["-m", target]
     if isinstance(log, Path):
         log = open(log, "w")  # noqa: SIM115 - the child holds it open for its whole life
-    return subprocess.Popen([str(python), *launcher, *entry, *args], cwd=REPO, env=full_env,
+    return subprocess.Popen([*within, str(python), *launcher, *entry, *args], cwd=REPO, env=full_env,
                             stdin=subprocess.DEVNULL, stdout=log if log is not None else subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=log is None)
 

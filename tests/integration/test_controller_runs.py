@@ -96,7 +96,7 @@ def set_run(engine, run_id: str, **values) -> None:
 def events(engine, run_id: str, kind: str) -> list[dict]:
     with engine.connect() as c:
         return list(c.execute(select(RunEvent.data).where(RunEvent.run_id == uuid.UUID(run_id),
-                                                          RunEvent.kind == kind)).scalars())
+                                                          RunEvent.kind == kind).order_by(RunEvent.id)).scalars())
 
 
 class FakeRolloutWorker:
@@ -576,7 +576,7 @@ async def test_a_training_run_says_no_trainer_holds_it_then_that_the_window_wait
     start_controller(STALL_AFTER_S="1")
     async with FakeRolloutWorker(redis_client, run, lambda t: "correct") as worker:
         await wait_until_async(lambda: len(worker.received) == 4, 30, "the first batch")
-        await wait_stall(engine, run, "no trainer holds this run (no live trainer lease): 4 results stored")
+        await wait_stall(engine, run, "no trainer trains this run (no live trainer lists it in its heartbeat): 4 results stored")
         # A trainer that cannot load the run says so on trainer.progress (re-sent: one event all the same).
         cannot = TrainerProgress(run_id=run, version=0, error="OSError('no file named model.safetensors')")
         for _ in range(2):
@@ -586,9 +586,9 @@ async def test_a_training_run_says_no_trainer_holds_it_then_that_the_window_wait
             recorded = c.execute(select(RunEvent.message).where(RunEvent.run_id == uuid.UUID(run),
                                                                 RunEvent.kind == "trainer_error")).scalars().all()
         assert recorded == [cannot.error]
-        with engine.begin() as c:  # a trainer holds the run but has not stepped yet
-            c.execute(text("INSERT INTO run_leases (run_id, role, owner, expires_at) VALUES "
-                           "(:r, 'trainer', 'trainer-7', now() + interval '1 minute')"), {"r": run})
+        # a trainer trains the run (its heartbeat lists it) but has not stepped yet
+        await redis_client.set(heartbeat_key("trainer", "trainer-7"), json.dumps({"worker_id": "trainer-7",
+                                                                                 "runs": {run: 0}}), px=60_000)
         await wait_stall(engine, run, "staleness window full: groups up to policy version 0 + max_staleness 0")
         assert "trainer-7" in run_row(engine, run).stall_reason
         set_run(engine, run, policy_version=1)  # the trainer stepped: progress, and the window moves on

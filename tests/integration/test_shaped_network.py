@@ -12,6 +12,7 @@ import time
 import pytest
 
 from harness.netns import PREFIX, ShapedNetwork, ip, namespaces, remove_leftovers
+from harness.procs import start_service
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces and tc need root")
 
@@ -21,8 +22,8 @@ def _links() -> set[str]:
 
 
 def _serve(net: ShapedNetwork, host: str, folder, port: int = 8000) -> subprocess.Popen:
-    proc = subprocess.Popen([*net.exec_prefix(host), sys.executable, "-m", "http.server", str(port), "-d",
-                             str(folder)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = start_service("http.server", within=net.exec_prefix(host), args=[str(port), "-d", str(folder)],
+                         log=subprocess.DEVNULL)
     url = f"http://{net.address(host)}:{port}/"
     for _ in range(100):
         if net.exec("w0", ["curl", "-sf", "-o", "/dev/null", url]).returncode == 0:

@@ -10,8 +10,6 @@ import hashlib
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -27,6 +25,7 @@ from sqlalchemy import create_engine
 from trainer_testlib import WeightServer
 
 from harness.netns import ShapedNetwork
+from harness.procs import start_service
 from harness.servers import PostgresServer, RedisServer
 from shared.db.models import Run
 from shared.messages import WeightsPublished
@@ -87,11 +86,10 @@ class Peer:
     def __init__(self, net, host: str, msg: WeightsPublished, go: Path | None = None):
         self.host, self.url = host, f"http://{net.address(host)}:9000"
         self.cache = net.folder / f"cache-{host}-{uuid.uuid4().hex[:6]}"
-        env = {**os.environ, "HOST": net.address(host), "PORT": "9000", "CACHE_DIR": str(self.cache),
-               "ANNOUNCEMENT": msg.model_dump_json(), "PYTHONPATH": str(REPO), "STALL_S": "3",
-               **({"GO_FILE": str(go)} if go else {})}
-        self.proc = subprocess.Popen([*net.exec_prefix(host), sys.executable, str(REPO / "tests/fixtures/relay_peer.py")],
-                                     cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.proc = start_service("tests/fixtures/relay_peer.py", within=net.exec_prefix(host),
+                                  host=net.address(host), port="9000", cache_dir=str(self.cache),
+                                  announcement=msg.model_dump_json(), pythonpath=str(REPO), stall_s="3",
+                                  go_file=str(go) if go else None)
         self.lines: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
 
