@@ -85,8 +85,11 @@ def create_run(session: Session, redis_client: SyncRedis, cfg: RunConfig, *, che
                                        hint=DATASET_HINT)]) from e
     num_rows = check_run(session.get_bind(), redis_client, cfg, check_paths)
     run_id = run_id or uuid.uuid4()
-    run_command(session, redis_client, run_id, "create", wait_s=wait_s, config=cfg.model_dump(mode="json"),
-                rows=num_rows, created_by=created_by)
+    reply = run_command(session, redis_client, run_id, "create", wait_s=wait_s, config=cfg.model_dump(mode="json"),
+                        rows=num_rows, created_by=created_by)
+    if reply.outcome != "applied":  # the checks above passed, so the controller sees the config differently
+        raise RunRefused(400, [Problem(message=f"the controller refused the run: {reply.message}",
+                                       hint="the API and the controller may run different versions; update both")])
     return run_id, num_rows
 
 

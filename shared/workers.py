@@ -13,7 +13,6 @@ errors propagate (`shared.bus.RedisError`): each caller decides what "cannot tel
 from __future__ import annotations
 
 import json
-from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -40,9 +39,8 @@ class Heartbeat(BaseModel):
     max_concurrency: int = 0  # rollout slots
     inflight: int = 0  # slots busy now
     gateway_url: str | None = None  # where external agent programs claim sessions
-    # trainers: run id -> the policy version it trains from (the runs whose trainer lease it holds and opened);
-    # controllers: run id -> its dispatch state
-    runs: dict[str, Any] = Field(default_factory=dict)
+    # trainers
+    trains: list[str] = Field(default_factory=list)  # the runs it trains (holds the trainer lease of, opened)
 
 
 def parse_heartbeats(values: list[bytes | str | None]) -> list[Heartbeat]:

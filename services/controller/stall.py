@@ -74,7 +74,7 @@ def stall_reason(d: RunDriver, facts: Facts, stall_after_s: float) -> str:
                 "busy): the trajectories are running; see the rollout workers' logs")
     if d.plan.is_eval:
         return f"{idle} and nothing left to dispatch"
-    trainer = next((t.worker_id for t in facts.trainers if d.run_id in t.runs), None)
+    trainer = next((t.worker_id for t in facts.trainers if d.run_id in t.trains), None)
     if trainer is None and d.trainer_error is not None:
         return (f"the trainer cannot train this run ({d.trainer_error[:300]}): {d.num_completed} results stored, "
                 "none trained on since; fix the model or checkpoint, then restart the trainer (it does not try a "

@@ -149,8 +149,9 @@ class Trainer:
             await self.open_run(active[run_id])
         from services.trainer.shared_base import engines_held
 
-        self.status.update(runs={r.run_id: r.version for r in self.runs.values()}, broken=self.broken,
-                           engines=engines_held())  # copies of a model held: LoRA runs of one kind share one
+        # model_copies: copies of a model held (LoRA runs of one kind share one)
+        self.status.update(runs={r.run_id: r.version for r in self.runs.values()}, trains=sorted(self.runs),
+                           broken=self.broken, model_copies=engines_held())
 
     async def apply_control(self, deliveries: list[Delivery]) -> None:
         """A stopped run of ours is closed now, acknowledging what it held (as `refresh_runs` does for a run no

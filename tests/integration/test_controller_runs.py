@@ -588,7 +588,7 @@ async def test_a_training_run_says_no_trainer_holds_it_then_that_the_window_wait
         assert recorded == [cannot.error]
         # a trainer trains the run (its heartbeat lists it) but has not stepped yet
         await redis_client.set(heartbeat_key("trainer", "trainer-7"), json.dumps({"worker_id": "trainer-7",
-                                                                                 "runs": {run: 0}}), px=60_000)
+                                                                                 "trains": [run]}), px=60_000)
         await wait_stall(engine, run, "staleness window full: groups up to policy version 0 + max_staleness 0")
         assert "trainer-7" in run_row(engine, run).stall_reason
         set_run(engine, run, policy_version=1)  # the trainer stepped: progress, and the window moves on

@@ -267,7 +267,7 @@ def test_lora_runs_of_one_kind_share_one_engine_in_the_trainer(stack, redis_url,
         client = redis.Redis.from_url(redis_url)
         beat = lambda: json.loads(client.get(heartbeat_key("trainer", "trainer-t")) or "{}")  # noqa: E731
         wait_until(lambda: set(beat().get("runs", ())) == set(runs), 30, "a heartbeat naming the three runs")
-        assert beat()["engines"] == 2, beat()
+        assert beat()["model_copies"] == 2 and sorted(beat()["trains"]) == sorted(runs), beat()
         adapters = [load_file(Path(stack.env["WEIGHTS_DIR"]) / r / "v2" / ADAPTER_WEIGHTS) for r in runs[:2]]
         assert adapters[0].keys() == adapters[1].keys()
         assert any(not torch.equal(adapters[0][k], adapters[1][k]) for k in adapters[0])  # each its own adapter

@@ -39,14 +39,12 @@ from shared.db.models import (
     RunEvent,
     TrajectoryRow,
 )
-from shared.logs import get_logger
 from shared.messages.control import Action
 from shared.run_config import RunConfig
 from shared.runs import ControllerUnavailable, RunRefused, run_command
 from shared.runs import create_run as add_run
 from shared.types import TerminationReason
 
-log = get_logger(__name__)
 # 400 on every route: a run reference (name, id prefix) that matches several runs (services/api/run_refs.py).
 router = APIRouter(prefix="/runs", tags=["runs"], responses=errors(400))
 INT32 = 2**31 - 1

@@ -44,9 +44,9 @@ def test_nothing_to_dispatch_names_the_trainer():
     facts = Facts(rollout_workers=[HF], env_workers=1)
     assert not d.has_undispatched()
     assert stall_reason(d, facts, 90).startswith("no trainer trains this run")
-    facts.trainers = [Heartbeat(worker_id="trainer-2", runs={"another run": 3})]
+    facts.trainers = [Heartbeat(worker_id="trainer-2", trains=["another run"])]
     assert stall_reason(d, facts, 90).startswith("no trainer trains this run")  # its heartbeat lists other runs
-    facts.trainers.append(Heartbeat(worker_id="trainer-1", runs={d.run_id: 0}))
+    facts.trainers.append(Heartbeat(worker_id="trainer-1", trains=[d.run_id]))
     assert stall_reason(d, facts, 90).startswith("staleness window full") and "(trainer-1)" in stall_reason(d, facts, 90)
     d.policy_version = 1  # the trainer stepped: the window moves on
     assert d.has_undispatched()
