@@ -108,8 +108,8 @@ def run_command(session: Session, redis_client: SyncRedis, run_id: uuid.UUID | s
     The command expires `wait_s` after it is sent; this waits a little longer (REPLY_GRACE_S), so an answer
     from a controller that read it in time still arrives. Without one, the database says whether the command
     was applied anyway (its run, or its `status_changed` event, exists): the answer never reports a change
-    that did not happen, nor hides one that did. ControllerUnavailable when it was not applied; RedisError
-    when the command could not be sent."""
+    that did not happen, nor hides one that did. ControllerUnavailable when it was not applied; RedisError when
+    the command could not be sent."""
     now = time.time()
     cmd = RunCommand(command_id=uuid.uuid4().hex, run_id=str(run_id), action=action, sent_at=now,
                      expires_at=now + wait_s, **create)
@@ -128,8 +128,11 @@ def run_command(session: Session, redis_client: SyncRedis, run_id: uuid.UUID | s
 def _await_reply(redis_client: SyncRedis, command_id: str, deadline: float) -> RunCommandReply | None:
     key = command_reply(command_id)
     while (left := deadline - time.monotonic()) > 0:
-        # short blocks: the API's client has a socket timeout, and a longer block would trip it
-        resp = redis_client.xread({key: "0-0"}, count=1, block=max(1, int(min(left, 1.0) * 1000)))
+        try:  # short blocks: the API's client has a socket timeout, and a longer block would trip it
+            resp = redis_client.xread({key: "0-0"}, count=1, block=max(1, int(min(left, 1.0) * 1000)))
+        except RedisError:  # the command is out: wait out the deadline, then the database tells what happened
+            time.sleep(min(0.2, left))
+            continue
         for _, entries in resp or []:
             for _, fields in entries:
                 return decode(fields, RunCommandReply)

@@ -89,7 +89,7 @@ def commanding() -> Iterator[None]:
     except ControllerUnavailable as e:
         raise ApiError(503, str(e)) from e
     except RedisError as e:
-        raise ApiError(503, f"Redis is unreachable, so the controller cannot be asked; nothing was changed ({e})",
+        raise ApiError(503, f"Redis is unreachable, so the command could not be sent to the controller ({e})",
                        hint="retry once Redis is back") from e
 
 
