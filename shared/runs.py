@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel
-from sqlalchemy import Engine, select
+from sqlalchemy import Connection, Engine, exists, select
 from sqlalchemy.dialects.postgresql import array
 from sqlalchemy.orm import Session
 
@@ -114,7 +114,7 @@ def run_command(session: Session, redis_client: SyncRedis, run_id: uuid.UUID | s
     cmd = RunCommand(command_id=uuid.uuid4().hex, run_id=str(run_id), action=action, sent_at=now,
                      expires_at=now + wait_s, **create)
     announce(redis_client, RUN_COMMANDS, cmd)
-    reply = _await_reply(redis_client, cmd.command_id, time.monotonic() + wait_s + REPLY_GRACE_S)
+    reply = await_reply(redis_client, cmd.command_id, time.monotonic() + wait_s + REPLY_GRACE_S)
     if reply is None or reply.outcome == "expired":
         status = _applied_status(session, cmd)
         if status is None:
@@ -125,7 +125,8 @@ def run_command(session: Session, redis_client: SyncRedis, run_id: uuid.UUID | s
     return reply
 
 
-def _await_reply(redis_client: SyncRedis, command_id: str, deadline: float) -> RunCommandReply | None:
+def await_reply(redis_client: SyncRedis, command_id: str, deadline: float) -> RunCommandReply | None:
+    """The controller's reply to command `command_id`, or None at `deadline` (time.monotonic())."""
     key = command_reply(command_id)
     while (left := deadline - time.monotonic()) > 0:
         try:  # short blocks: the API's client has a socket timeout, and a longer block would trip it
@@ -140,13 +141,20 @@ def _await_reply(redis_client: SyncRedis, command_id: str, deadline: float) -> R
 
 
 def _applied_status(session: Session, cmd: RunCommand) -> str | None:
-    """The run's status if `cmd` was applied, else None (read from what the controller writes with it)."""
+    """The run's status if `cmd` was applied, else None."""
     status = session.execute(select(Run.status).where(Run.id == uuid.UUID(cmd.run_id))).scalar()
-    if cmd.action == "create" or status is None:
-        return status
-    event = session.execute(select(RunEvent.id).where(
-        RunEvent.run_id == uuid.UUID(cmd.run_id), RunEvent.data.contains({"command": cmd.command_id})).limit(1))
-    return status if event.first() is not None else None
+    return status if status is not None and command_applied(session.connection(), cmd) else None
+
+
+def command_applied(conn: Connection, cmd: RunCommand) -> bool:
+    """Whether `cmd` was applied, read from what the controller writes with it: a create's run, or a `status_changed`
+    event carrying the command's id. The controller applies a command only when this is false (idempotent by
+    command id); a sender that got no answer reads it."""
+    run_id = uuid.UUID(cmd.run_id)
+    if cmd.action == "create":
+        return bool(conn.execute(select(exists().where(Run.id == run_id))).scalar())
+    return bool(conn.execute(select(exists().where(
+        RunEvent.run_id == run_id, RunEvent.data.contains({"command": cmd.command_id})))).scalar())
 
 
 def check_run(engine: Engine, redis_client: SyncRedis, cfg: RunConfig, check_paths: bool = True) -> int:

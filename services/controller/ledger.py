@@ -55,6 +55,7 @@ from shared.db.models import (
 from shared.messages import RunCommand, RunCommandReply, TrainerProgress
 from shared.messages.control import TRANSITIONS
 from shared.run_config import RunConfig
+from shared.runs import command_applied
 
 ACTIVE_STATUSES = ("pending", "running", "paused", "stopping")
 LEDGER_ROW_STATUSES = ("dispatched", "completed", "error", "failed", "lost", "cancelled")
@@ -121,47 +122,43 @@ def set_status(conn: Connection, run_id: str, old: str, new: str, *, error: str 
 
 def apply_command(db: Engine, cmd: RunCommand, expired: bool) -> RunCommandReply:
     """One run command in one transaction, under the run's row lock (shared/messages/control.py). Idempotent by
-    command id: one applied before (a redelivery) is answered `applied` again and changes nothing; one not yet
-    applied and `expired` is not applied."""
-    def answer(outcome: str, status: str | None, message: str = "") -> RunCommandReply:
-        return RunCommandReply(command_id=cmd.command_id, outcome=outcome, status=status, message=message)
-
+    command id (shared/runs.py command_applied): one applied before (a redelivery) is answered `applied` again
+    and changes nothing; one not yet applied and `expired` is not applied."""
     with db.begin() as conn:
         status = conn.execute(select(Run.status).where(Run.id == cmd.run_id).with_for_update()).scalar()
-        if cmd.action == "create":
-            if status is not None:
-                return answer("applied", status)
-            if expired:
-                return answer("expired", None, "read after its sender stopped waiting; not applied")
-            return create_run(conn, cmd, answer)
-        if status is None:
-            return answer("not_found", None, f"run {cmd.run_id} does not exist")
-        if conn.execute(select(exists().where(RunEvent.run_id == cmd.run_id,
-                                              RunEvent.data.contains({"command": cmd.command_id})))).scalar():
-            return answer("applied", status)
+        if status is not None and command_applied(conn, cmd):
+            return _reply(cmd, "applied", status)
+        if status is None and cmd.action != "create":
+            return _reply(cmd, "not_found", None, f"run {cmd.run_id} does not exist")
         if expired:
-            return answer("expired", status, "read after its sender stopped waiting; not applied")
+            return _reply(cmd, "expired", status, "read after its sender stopped waiting; not applied")
+        if cmd.action == "create":
+            return create_run(conn, cmd)
         allowed, new = TRANSITIONS[cmd.action]
         if status not in allowed:
-            return answer("refused", status, f"cannot {cmd.action} a run that is {status}; {cmd.action} needs "
-                                             f"status {' or '.join(allowed)}")
+            return _reply(cmd, "refused", status, f"cannot {cmd.action} a run that is {status}; {cmd.action} "
+                                                  f"needs status {' or '.join(allowed)}")
         set_status(conn, cmd.run_id, status, new, because={"command": cmd.command_id, "action": cmd.action})
-        return answer("applied", new)
+        return _reply(cmd, "applied", new)
 
 
-def create_run(conn: Connection, cmd: RunCommand, answer) -> RunCommandReply:
+def create_run(conn: Connection, cmd: RunCommand) -> RunCommandReply:
     """The run of a `create` command, `pending`, with its `created` event; refused when its config is not a
     valid run config (the sender checked it; this guards against a producer that did not)."""
     try:
         cfg = RunConfig.model_validate(cmd.config or {})
     except ValidationError as e:
-        return answer("refused", None, f"not a valid run config: {e}")
+        return _reply(cmd, "refused", None, f"not a valid run config: {e}")
     conn.execute(insert(Run).values(id=cmd.run_id, name=cfg.name, kind=cfg.kind, status="pending",
                                     config=cfg.model_dump(mode="json"), policy_version=0, summary={}))
     by = f" by {cmd.created_by}" if cmd.created_by else ""
     add_event(conn, cmd.run_id, "created", f"{cfg.kind} run created{by}",
               {"rows": cmd.rows, "command": cmd.command_id})
-    return answer("applied", "pending")
+    return _reply(cmd, "applied", "pending")
+
+
+def _reply(cmd: RunCommand, outcome: str, status: str | None, message: str = "") -> RunCommandReply:
+    return RunCommandReply(command_id=cmd.command_id, outcome=outcome, status=status, message=message)
 
 
 def set_stall(db: Engine, run_id: str, reason: str | None) -> bool:

@@ -25,8 +25,8 @@ from shared.db.models import Dataset, DatasetRow, Run, RunEvent
 from shared.db.session import make_engine
 from shared.messages import RunCommand, RunCommandReply, RunControl, decode
 from shared.run_config import RunConfig
-from shared.runs import ControllerUnavailable, create_run, run_command
-from shared.streams import RUN_COMMANDS, RUN_CONTROL, command_reply
+from shared.runs import ControllerUnavailable, await_reply, create_run, run_command
+from shared.streams import RUN_COMMANDS, RUN_CONTROL
 
 
 @pytest.fixture(scope="module")
@@ -68,9 +68,9 @@ def config(name: str) -> RunConfig:
 
 def send(sync_redis, cmd: RunCommand, wait_s: float = 10.0) -> RunCommandReply:
     announce(sync_redis, RUN_COMMANDS, cmd)
-    resp = sync_redis.xread({command_reply(cmd.command_id): "0-0"}, count=1, block=int(wait_s * 1000))
-    assert resp, f"no reply to {cmd.action} within {wait_s} s"
-    return decode(resp[0][1][0][1], RunCommandReply)
+    reply = await_reply(sync_redis, cmd.command_id, time.monotonic() + wait_s)
+    assert reply is not None, f"no reply to {cmd.action} within {wait_s} s"
+    return reply
 
 
 def command(run_id: str, action: str, **over) -> RunCommand:

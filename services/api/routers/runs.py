@@ -133,11 +133,9 @@ def _control(request: Request, session, run_id: uuid.UUID, action: Action, confi
     get_run(session, run_id)
     with commanding():
         reply = run_command(session, request.app.state.redis, run_id, action, wait_s=config.run_command_wait_s)
-    if reply.outcome == "not_found":
-        raise ApiError(404, f"run {run_id} does not exist", field="run_id", hint="list runs with GET /v1/runs")
     if reply.outcome == "refused":
         raise ApiError(409, reply.message)
-    session.expire_all()  # the controller changed the row: read it again
+    session.expire_all()  # the controller changed the row (or found none, `not_found`: get_run's 404): read it again
     return run_out(get_run(session, run_id))
 
 
