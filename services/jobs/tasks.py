@@ -6,13 +6,12 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
 import uuid
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, select, update
+import httpx
+from sqlalchemy import Engine, func, select, update
 from sqlalchemy.orm import Session
 
 from services.jobs.config import JobsConfig
@@ -200,36 +199,24 @@ def gc(ctx: JobContext, job: Job) -> dict[str, Any]:
 
 
 def _gc_checkpoints(ctx: JobContext, keep: int) -> dict[str, Any]:
-    """Of each finished run keep the newest `keep` checkpoints; delete older files inside WEIGHTS_DIR."""
-    root = ctx.config.resolved_weights_dir()
-    deleted, kept_files = [], []
-    with Session(ctx.engine, expire_on_commit=False) as s:
+    """Of each finished run keep the newest `keep` checkpoints. The weight server owns them (their files and
+    rows), so it deletes the rest, keeping any snapshot or delta a kept version is built on."""
+    with Session(ctx.engine) as s:
         finished = select(Run.id).where(Run.status.in_(TERMINAL_RUN_STATUSES))
-        rows = s.execute(select(Checkpoint).where(Checkpoint.run_id.in_(finished), Checkpoint.status == "available")
-                         .order_by(Checkpoint.run_id, Checkpoint.version.desc())).scalars().all()
-        seen: dict[uuid.UUID, int] = {}
-        for c in rows:
-            seen[c.run_id] = seen.get(c.run_id, 0) + 1
-            if seen[c.run_id] <= keep:
-                continue
-            (deleted if _remove_inside(root, c.path) else kept_files).append(f"{c.run_id}/v{c.version}")
-            c.status = "deleted"
-        s.commit()
-    return {"deleted_checkpoints": deleted, "files_left_outside_weights_dir": kept_files}
-
-
-def _remove_inside(root: Path, path: str | None) -> bool:
-    """Delete `path` only when it lies inside `root` (never a user's folder elsewhere)."""
-    if not path:
-        return False
-    target = Path(path).resolve()
-    if not target.is_relative_to(root) or target == root:
-        return False
-    if target.is_dir():
-        shutil.rmtree(target, ignore_errors=True)
-    elif target.exists():
-        target.unlink()
-    return True
+        runs = s.execute(select(Checkpoint.run_id).where(Checkpoint.run_id.in_(finished),
+                                                         Checkpoint.status == "available")
+                         .group_by(Checkpoint.run_id).having(func.count() > keep)).scalars().all()
+    deleted = []
+    with httpx.Client(base_url=ctx.config.weight_server_url, timeout=60) as http:
+        for run_id in runs:
+            try:
+                r = http.post(f"/v1/runs/{run_id}/versions/retain", json={"keep_last": keep})
+                r.raise_for_status()
+            except httpx.HTTPError as e:
+                raise RuntimeError(f"the weight server at {ctx.config.weight_server_url} did not delete run "
+                                   f"{run_id}'s older checkpoints: {e} (WEIGHT_SERVER_URL names it)") from e
+            deleted += [f"{run_id}/v{v}" for v in r.json()["deleted"]]
+    return {"deleted_checkpoints": deleted}
 
 
 async def _trim_streams(redis_url: str) -> dict[str, int]:

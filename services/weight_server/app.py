@@ -4,6 +4,8 @@
     GET  /v1/runs/{run}/versions/{v}/plan                          send v as a delta (on which base) or full?
     POST /v1/runs/{run}/versions/{v}/publish                       make the version durable and announce it
     GET  /v1/runs/{run}/versions                                   available versions
+    POST /v1/runs/{run}/versions/retain  {"keep_last": n}          delete all but the newest n (and what they
+                                                                   are built on): the jobs worker's GC
     GET  /v1/runs/{run}/versions/{v}/{name}                        streamed download (MANIFEST.json first;
                                                                    Range: bytes=<start>- resumes)
     GET  /v1/runs/{run}/versions/{v}/sources/{name}?peer=&failed=  where a relaying worker fetches the file from
@@ -11,6 +13,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from typing import Literal
 
@@ -54,6 +57,15 @@ def _run(run_id: str) -> str:
         return str(uuid.UUID(run_id))
     except ValueError:
         raise HTTPException(422, f"run id {run_id!r} is not a UUID") from None
+
+
+class RetainRequest(BaseModel):
+    keep_last: int = Field(ge=1, le=1_000_000, description="newest versions kept, each with the snapshot and "
+                           "deltas it is built on")
+
+
+class RetainResult(BaseModel):
+    deleted: list[int] = Field(description="versions deleted (files and their `checkpoints` rows marked deleted)")
 
 
 class RelaySource(BaseModel):
@@ -110,6 +122,10 @@ def build_router(store: CheckpointStore, chains: RelayChains | None = None) -> A
     @router.get("")
     async def versions(run_id: str) -> list[dict]:
         return await run_in_threadpool(store.list_versions, _run(run_id))
+
+    @router.post("/retain", response_model=RetainResult)
+    async def retain(run_id: str, body: RetainRequest) -> RetainResult:
+        return RetainResult(deleted=await asyncio.wrap_future(store.retain(_run(run_id), body.keep_last)))
 
     @router.get("/{version}/sources/{name}", response_model=RelaySource)
     def source(run_id: str, version: int, name: str, peer: str, failed: str | None = None) -> RelaySource:

@@ -258,14 +258,19 @@ class CheckpointStore:
                 return []
         return self._retention.submit(run)
 
-    def apply_retention(self, run_id: str, best_metric: str | None) -> list[int]:
-        """Keep the last `keep_last` versions and the best by `best_metric` (higher is better), each with the
-        snapshot and deltas it is built on."""
+    def retain(self, run_id: str, keep_last: int) -> Future:
+        """`apply_retention` with `keep_last` on the retention thread, after the passes already asked for; its
+        future gives the versions deleted (a garbage collection of a finished run's older versions)."""
+        return self._retention.submit(self.apply_retention, run_id, None, keep_last)
+
+    def apply_retention(self, run_id: str, best_metric: str | None, keep_last: int | None = None) -> list[int]:
+        """Keep the last `keep_last` versions (default: this server's KEEP_LAST) and the best by `best_metric`
+        (higher is better), each with the snapshot and deltas it is built on."""
         with self.engine.connect() as c:
             rows = c.execute(select(Checkpoint.version, Checkpoint.metrics).where(
                 Checkpoint.run_id == uuid.UUID(run_id), Checkpoint.status == "available")
                 .order_by(Checkpoint.version)).all()
-        keep = {v for v, _ in rows[-self.keep_last:]}
+        keep = {v for v, _ in rows[-(keep_last or self.keep_last):]}
         scored = [(m[best_metric], v) for v, m in rows if best_metric and best_metric in (m or {})]
         if scored:
             keep.add(max(scored)[1])

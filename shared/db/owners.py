@@ -48,7 +48,9 @@ OWNERS: dict[str, TableOwner] = {
         "trainer", ("api", "controller", "jobs"), "each policy version's step (loss, grad norm, rewards)"),
     "train_samples": TableOwner("trainer", (), "each policy version's step (which samples it trained on)"),
     "checkpoints": TableOwner(
-        "weight_server", ("api", "jobs", "rollout_worker", "trainer"), "the trainer's uploads (PUT, then commit)"),
+        "weight_server", ("api", "jobs", "rollout_worker", "trainer"),
+        "the trainer's uploads (PUT, then commit); retention after each publish and the jobs worker's GC "
+        "(POST .../versions/retain), which keep what kept versions are built on"),
     "datasets": TableOwner(
         "jobs", ("api", "controller"), "an import job (`POST /v1/datasets/import`, `flywheel datasets import`)",
         also_written_by={"api": "POST /v1/datasets (a small upload, stored at once) and DELETE, which checks "

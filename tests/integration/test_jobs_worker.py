@@ -1,24 +1,26 @@
 """Background jobs through a real Celery worker process (`python -m services.jobs.main`, Redis broker) and the
 live API: dataset import (jsonl, csv, HF folder, built-in generator, bad file), evaluation of a checkpoint
-(creates an eval run), parquet export loadable with HF `datasets`, checkpoint + stream retention.
+(creates an eval run), parquet export loadable with HF `datasets`, checkpoint GC (through a real weight server) + stream retention.
 
     pytest -q tests/integration/test_jobs_worker.py
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import uuid
+from pathlib import Path
 
 import httpx
 import pytest
 import redis
 from api_testlib import run_config, seed_run, start_api, start_jobs
-from sqlalchemy import create_engine, select, update
-from sqlalchemy.orm import Session
+from sqlalchemy import create_engine
+from trainer_testlib import WeightServer
 
+from harness.ports import free_port
 from harness.procs import stop, wait_until
-from shared.db.models import Checkpoint, Run
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +36,15 @@ def api(database_url, redis_url, data_dir):
 
 
 @pytest.fixture(scope="module")
-def worker(database_url, redis_url, data_dir):
-    proc = start_jobs(database_url, redis_url, data_dir, WORKER_ID="jobs-test")
+def weight_server(database_url, redis_url, data_dir):
+    server = WeightServer(redis_url, database_url, data_dir / "weights", keep_last=100).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def worker(database_url, redis_url, data_dir, weight_server):
+    proc = start_jobs(database_url, redis_url, data_dir, WORKER_ID="jobs-test", WEIGHT_SERVER_URL=weight_server.url)
     yield proc
     stop(proc)
     assert proc.returncode == 0
@@ -148,17 +157,26 @@ def test_export_to_parquet_loads_with_hf_datasets(client, database_url):
     assert client.post(f"/v1/runs/{uuid.uuid4()}/export").status_code == 404
 
 
-def test_gc_keeps_newest_checkpoints_and_trims_streams(client, database_url, redis_url, data_dir, request):
-    run_id = seed_run(database_url, name="gc", status="completed", versions=4)
-    weights = data_dir / "weights" / str(run_id)
-    engine = create_engine(database_url)
-    with Session(engine) as s:
-        for v in range(4):
-            (weights / f"v{v}").mkdir(parents=True)
-            (weights / f"v{v}" / "model.safetensors").write_bytes(b"x")
-            s.execute(update(Checkpoint).where(Checkpoint.run_id == run_id, Checkpoint.version == v)
-                      .values(path=str(weights / f"v{v}")))
-        s.commit()
+def _publish(url: str, run_id: uuid.UUID, version: int, base: int | None = None) -> None:
+    """Version `version` of `run_id` on the weight server: a full snapshot, or a delta on `base`."""
+    data = f"weights v{version}".encode()
+    assert httpx.put(f"{url}/v1/runs/{run_id}/versions/{version}/files/model.safetensors", content=data,
+                     params={"sha256": hashlib.sha256(data).hexdigest()}).status_code == 200
+    layout = {"kind": "delta", "base_version": base,
+              "tensors": {"w": {"xxh3_128": "0" * 32, "dtype": "float32", "shape": [1]}}} if base else {}
+    r = httpx.post(f"{url}/v1/runs/{run_id}/versions/{version}/publish",
+                   json={"files": {"model.safetensors": hashlib.sha256(data).hexdigest()}, **layout})
+    assert r.status_code == 200, r.text
+
+
+def test_gc_keeps_newest_checkpoints_with_what_they_are_built_on_and_trims_streams(
+        client, database_url, redis_url, weight_server, request):
+    """The weight server deletes (it owns checkpoints): of a finished run's v1 (full), v2 (full), v3 (delta on
+    v2), v4 (delta on v3), keeping the newest one keeps v2 and v3 too, since v4 is built on them."""
+    run_id = seed_run(database_url, name="gc", status="completed", versions=1)  # v0: a row without files
+    for version, base in ((1, None), (2, None), (3, 2), (4, 3)):
+        _publish(weight_server.url, run_id, version, base)
+    live = seed_run(database_url, name="gc-live", status="running", versions=3)
     r = redis.Redis.from_url(redis_url)
     r.delete("trajectories")  # earlier tests in the session (a controller) may have left entries and groups
     request.addfinalizer(lambda: r.delete("trajectories"))  # its {"i": n} entries are no EpisodeResults: never leave them
@@ -168,15 +186,34 @@ def test_gc_keeps_newest_checkpoints_and_trims_streams(client, database_url, red
     r.xreadgroup("store", "c1", {"trajectories": ">"}, count=5)
     r.xack("trajectories", "store", *[e[0] for e in r.xrange("trajectories")][:3])
 
-    done = finished_job(client, client.post("/v1/jobs/gc", json={"keep_checkpoints": 2}).json())
+    done = finished_job(client, client.post("/v1/jobs/gc", json={"keep_checkpoints": 1}).json())
     assert done["status"] == "succeeded", done["error"]
-    assert sorted(done["result"]["deleted_checkpoints"]) == [f"{run_id}/v0", f"{run_id}/v1"]
-    assert not (weights / "v0").exists() and (weights / "v3").exists()
+    deleted = done["result"]["deleted_checkpoints"]  # earlier tests' finished runs lose their older rows too
+    assert sorted(d for d in deleted if d.startswith(str(run_id))) == [f"{run_id}/v0", f"{run_id}/v1"]
+    assert not any(d.startswith(str(live)) for d in deleted)
+    weights = weight_server.env["WEIGHTS_DIR"]
+    assert [(Path(weights) / str(run_id) / f"v{v}").is_dir() for v in range(1, 5)] == [False, True, True, True]
     statuses = {c["version"]: c["status"] for c in client.get(f"/v1/runs/{run_id}/checkpoints").json()["data"]}
-    assert statuses == {0: "deleted", 1: "deleted", 2: "available", 3: "available"}
+    assert statuses == {0: "deleted", 1: "deleted", 2: "available", 3: "available", 4: "available"}
+    for version in (2, 3, 4):  # what is kept still downloads
+        assert httpx.get(f"{weight_server.url}/v1/runs/{run_id}/versions/{version}/MANIFEST.json").status_code == 200
+    kept = {c["status"] for c in client.get(f"/v1/runs/{live}/checkpoints").json()["data"]}
+    assert kept == {"available"}  # a running run keeps everything
     assert done["result"]["trimmed"]["trajectories"] == 3 and r.xlen("trajectories") == 2
-    with Session(engine) as s:  # a running run keeps everything
-        assert s.execute(select(Run.status).where(Run.id == run_id)).scalar_one() == "completed"
+
+
+def test_gc_without_the_weight_server_fails_the_job_and_says_where_it_looked(database_url, redis_url, data_dir):
+    """GC of a finished run's checkpoints needs their owner: unreachable, the job fails with WEIGHT_SERVER_URL in
+    its error, and the worker lives on."""
+    from services.jobs.config import JobsConfig
+    from services.jobs.tasks import JobContext, _gc_checkpoints
+
+    seed_run(database_url, name="gc-nobody", status="stopped", versions=3)
+    engine = create_engine(database_url)
+    config = JobsConfig(database_url=database_url, redis_url=redis_url, data_dir=data_dir,
+                        weight_server_url=f"http://127.0.0.1:{free_port()}")
+    with pytest.raises(RuntimeError, match="WEIGHT_SERVER_URL"):
+        _gc_checkpoints(JobContext(config, engine), keep=1)
     engine.dispose()
 
 

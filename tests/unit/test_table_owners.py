@@ -1,6 +1,6 @@
 """Every table has one writing owner (shared/db/owners.py), read off the code: a service that writes a table it
-does not own (SQLAlchemy insert/update/delete/`session.add` of its model, or INSERT/UPDATE/DELETE/COPY in SQL
-text), itself or through a `shared/` function it imports, fails here unless the map lists that write as a known
+does not own (SQLAlchemy insert/update/delete/`session.add` of its model, an attribute set on a row it loaded,
+or INSERT/UPDATE/DELETE/COPY in SQL text), itself or through a `shared/` function it imports, fails here unless the map lists that write as a known
 exception with its reason; an exception no longer in the code fails too, so the list only shrinks. Readers are
 checked the same way, and the README's "Who owns what" table shows the map.
 
@@ -54,6 +54,35 @@ class Access:
     dynamic_reads: bool = False
 
 
+def _loaded_rows(top: ast.AST) -> dict[str, str]:
+    """{variable: table} for the variables bound to rows of one model (`c = s.get(Checkpoint, k)`, `for c in
+    s.execute(select(Checkpoint)...).scalars()`, and the names bound from those): setting an attribute of one (`c.status = "deleted"`), which the
+    session then flushes, writes that table."""
+    bound: dict[str, str] = {}
+    for node in ast.walk(top):
+        if isinstance(node, ast.Assign | ast.AnnAssign):
+            targets, value = (node.targets if isinstance(node, ast.Assign) else [node.target]), node.value
+        elif isinstance(node, ast.For | ast.AsyncFor | ast.comprehension):
+            targets, value = [node.target], node.iter
+        else:
+            continue
+        table = _rows_of(value, bound) if value is not None else None
+        if table:
+            bound.update({t.id: table for t in targets if isinstance(t, ast.Name)})
+    return bound
+
+
+def _rows_of(value: ast.AST, bound: dict[str, str]) -> str | None:
+    """The table whose rows `value` gives: `select(M)` or `get(M, ...)` inside it, or a variable bound so."""
+    if isinstance(value, ast.Name):
+        return bound.get(value.id)
+    for sub in ast.walk(value):
+        if isinstance(sub, ast.Call) and _name(sub.func) in {"select", "get", "query"} and sub.args \
+                and _name(sub.args[0]) in MODEL_TABLE and isinstance(sub.args[0], ast.Name):
+            return MODEL_TABLE[sub.args[0].id]
+    return None
+
+
 def scan_file(path: Path) -> dict[str, Access]:
     """{top-level function, class or assigned name ('' for the rest of the module level): its Access}."""
     tree = ast.parse(path.read_text(), filename=str(path))
@@ -62,7 +91,14 @@ def scan_file(path: Path) -> dict[str, Access]:
         owner = top.name if isinstance(top, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) else \
             top.targets[0].id if isinstance(top, ast.Assign) and isinstance(top.targets[0], ast.Name) else ""
         acc = found[owner]
+        rows = _loaded_rows(top)
         for node in ast.walk(top):
+            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store | ast.Del) \
+                    and isinstance(node.value, ast.Name) and node.value.id in rows:
+                acc.writes.add(rows[node.value.id])
+            if isinstance(node, ast.Call) and _name(node.func) in {"delete", "merge"} and node.args \
+                    and isinstance(node.args[0], ast.Name) and node.args[0].id in rows:
+                acc.writes.add(rows[node.args[0].id])
             if isinstance(node, ast.Call):
                 fn = _name(node.func)
                 if fn in WRITE_CALLS and node.args and _name(node.args[0]) in MODEL_TABLE:
@@ -194,11 +230,19 @@ def test_the_scan_sees_every_spelling(tmp_path):
         "def f(s, c):\n    c.execute(insert(Run).values())\n    m = Metric(name='x')\n    s.add(m)\n")
     (tmp_path / "services/a/y.py").write_text(
         "def g(cur, table):\n    cur.execute(f'INSERT INTO {table} SELECT 1')\n\nROWS = {'episodes': []}\n")
+    (tmp_path / "services/b/rows.py").write_text(  # rows loaded, then changed or deleted through the session
+        "from sqlalchemy import select\nfrom shared.db.models import Checkpoint, Job, Run\n\n"
+        "def gc(s, done):\n    old = s.execute(select(Checkpoint).where(Checkpoint.run_id.in_(done))).scalars()\n"
+        "    for c in old:\n        c.status = 'deleted'\n    s.delete(s.get(Job, 1))\n    j = s.get(Job, 2)\n"
+        "    s.delete(j)\n    r = s.get(Run, 3)\n    print(r.status)\n")
     (tmp_path / "services/b/z.py").write_text(
         "from shared import lib\nfrom shared.lib import look\n\ndef h(c):\n    lib.touch(c)\n    look(c)\n"
         "    c.execute('DELETE FROM jobs WHERE 1')\n")
     written, read = table_access(tmp_path)
     assert {t: set(by) for t, by in written.items()} == {
-        "runs": {"a", "b"}, "metrics": {"a", "c"}, "episodes": {"a"}, "jobs": {"b"}, "train_samples": {"c"}}
+        "runs": {"a", "b"}, "metrics": {"a", "c"}, "episodes": {"a"}, "jobs": {"b"}, "train_samples": {"c"},
+        "checkpoints": {"b"}}
+    assert written["jobs"]["b"] == {"services/b/z.py", "services/b/rows.py"}  # `s.delete(j)` of a loaded row
+    assert "services/b/rows.py" not in written["runs"]["b"]  # a row only read is no write
     assert written["metrics"]["c"] == {"services/c/v.py (via shared/slots.py put)"}  # no constant: every table
     assert set(read["checkpoints"]) == {"b"}
