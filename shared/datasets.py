@@ -210,38 +210,11 @@ def load_rows(path: str | Path, fmt: str | None = None) -> list[Any]:
 # ---- the registry -------------------------------------------------------------------------------------------
 
 
-class DatasetRegistry:
-    """Datasets in Postgres. Synchronous (SQLAlchemy Engine); the API calls it from a worker thread."""
+class DatasetCatalog:
+    """Reading datasets in Postgres. Synchronous (SQLAlchemy Engine); the API calls it from a worker thread."""
 
     def __init__(self, engine: Engine):
         self.engine = engine
-
-    def register(
-        self, name: str, rows: list[Any], split: str = "train", *, source: str = "", info: dict | None = None
-    ) -> dict[str, Any]:
-        """Validate and store rows as the next version of (name, split), in one transaction."""
-        validate_name(name)
-        validate_name(split, "split")
-        clean = validate_rows(list(rows))
-        with self.engine.begin() as conn:
-            # Concurrent imports of one (name, split) take turns, so each gets its own version number.
-            conn.execute(select(func.pg_advisory_xact_lock(func.hashtext(f"dataset:{name}/{split}"))))
-            latest = conn.execute(select(func.max(Dataset.version)).where(
-                Dataset.name == name, Dataset.split == split)).scalar()
-            ds_id = conn.execute(
-                insert(Dataset)
-                .values(name=name, split=split, version=(latest or 0) + 1, source=source, num_rows=len(clean),
-                        info=info or {})
-                .returning(Dataset.id)
-            ).scalar_one()
-            records = [
-                {"dataset_id": ds_id, "idx": i, "task_id": task_id_of(r, i), "data": r,
-                 "data_source": str(r.get("data_source", ""))[:200]}
-                for i, r in enumerate(clean)
-            ]
-            for start in range(0, len(records), _INSERT_CHUNK):
-                conn.execute(insert(DatasetRow), records[start:start + _INSERT_CHUNK])
-        return self.describe(name, split, (latest or 0) + 1)
 
     def describe(self, name: str, split: str = "train", version: int | None = None) -> dict[str, Any]:
         with self.engine.connect() as conn:
@@ -283,6 +256,37 @@ class DatasetRegistry:
             numbers = latest.get((d.name, d.split), {}).get("versions", [])
             latest[(d.name, d.split)] = _describe(d) | {"versions": [*numbers, d.version]}
         return list(latest.values())
+
+class DatasetRegistry(DatasetCatalog):
+    """Reading, adding and deleting versions. The jobs worker is the one service that writes datasets (the API's
+    uploads and deletes are jobs); the API reads through `DatasetCatalog`."""
+
+    def register(
+        self, name: str, rows: list[Any], split: str = "train", *, source: str = "", info: dict | None = None
+    ) -> dict[str, Any]:
+        """Validate and store rows as the next version of (name, split), in one transaction."""
+        validate_name(name)
+        validate_name(split, "split")
+        clean = validate_rows(list(rows))
+        with self.engine.begin() as conn:
+            # Concurrent imports of one (name, split) take turns, so each gets its own version number.
+            conn.execute(select(func.pg_advisory_xact_lock(func.hashtext(f"dataset:{name}/{split}"))))
+            latest = conn.execute(select(func.max(Dataset.version)).where(
+                Dataset.name == name, Dataset.split == split)).scalar()
+            ds_id = conn.execute(
+                insert(Dataset)
+                .values(name=name, split=split, version=(latest or 0) + 1, source=source, num_rows=len(clean),
+                        info=info or {})
+                .returning(Dataset.id)
+            ).scalar_one()
+            records = [
+                {"dataset_id": ds_id, "idx": i, "task_id": task_id_of(r, i), "data": r,
+                 "data_source": str(r.get("data_source", ""))[:200]}
+                for i, r in enumerate(clean)
+            ]
+            for start in range(0, len(records), _INSERT_CHUNK):
+                conn.execute(insert(DatasetRow), records[start:start + _INSERT_CHUNK])
+        return self.describe(name, split, (latest or 0) + 1)
 
     def delete(self, name: str, split: str | None = None, version: int | None = None) -> int:
         """Delete one version, one split (every version) or the whole dataset; returns how many versions went.

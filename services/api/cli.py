@@ -358,6 +358,8 @@ def datasets_import(
     if not generator and path.is_file() and path.suffix.lower() in UPLOADABLE:
         with path.open("rb") as f:
             ds = call("POST", "/v1/datasets", data={"name": name, "split": split}, files={"file": (path.name, f)})
+        if "kind" in ds:  # 202: the jobs worker, which stores it, has not finished yet
+            ds = _wait_job(ds["id"])["result"]
     else:
         body = {"name": name, "split": split} | (
             {"generator": source, "n": n, "seed": seed} if generator else {"path": str(path.resolve())})

@@ -1,14 +1,15 @@
 """Submitting background jobs: a `jobs` row first (so the job is visible even before a worker takes it),
-then the Celery task by name (services/jobs runs it; the API never imports that package)."""
+then the Celery task by name (services/jobs runs it; the API never imports that package); waiting for one."""
 
 from __future__ import annotations
 
+import time
 import uuid
 from typing import Any
 
 from celery import Celery
 from kombu.exceptions import OperationalError
-from sqlalchemy import update
+from sqlalchemy import Engine, update
 from sqlalchemy.orm import Session
 
 from services.api.errors import ApiError
@@ -41,3 +42,20 @@ def job_out(job: Job) -> dict[str, Any]:
         "created_at": job.created_at.isoformat() if job.created_at else None,
         "finished_at": job.finished_at.isoformat() if job.finished_at else None,
     }
+
+
+def wait_for_job(engine: Engine, job_id: str, timeout_s: float) -> Job | None:
+    """The job once it has succeeded or failed; None when it has not within `timeout_s` (it is still queued
+    or running: the caller answers 202 with it)."""
+    deadline = time.monotonic() + timeout_s
+    delay = 0.02
+    with Session(engine, expire_on_commit=False) as s:
+        while True:
+            job = s.get(Job, uuid.UUID(job_id), populate_existing=True)
+            if job is not None and job.status in ("succeeded", "failed"):
+                return job
+            if time.monotonic() >= deadline:
+                return None
+            s.rollback()  # a fresh snapshot for the next look
+            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+            delay = min(delay * 2, 0.25)

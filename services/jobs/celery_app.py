@@ -48,7 +48,7 @@ def _job_task(ctx: JobContext, kind: str, fn: Callable) -> Callable[[str], None]
         try:
             result = fn(ctx, job)
         except JobInputError as e:
-            _finish(ctx, job.id, "failed", error=str(e))
+            _finish(ctx, job.id, "failed", result={"refused": e.reason}, error=str(e))
         except Exception as e:  # a failing job is recorded, never kills the worker
             log.error("job %s (%s) failed", job_id, kind, exc_info=True)
             _finish(ctx, job.id, "failed", error=f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=5)}")

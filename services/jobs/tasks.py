@@ -8,6 +8,7 @@ import json
 import os
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -17,7 +18,7 @@ from sqlalchemy.orm import Session
 from services.jobs.config import JobsConfig
 from shared import streams
 from shared.bus import connect_sync
-from shared.datasets import DatasetError, DatasetRegistry, load_rows
+from shared.datasets import DatasetError, DatasetInUse, DatasetNotFound, DatasetRegistry, load_rows
 from shared.db.models import (
     TERMINAL_RUN_STATUSES,
     Checkpoint,
@@ -38,7 +39,12 @@ TRIMMED_STREAMS = (streams.ROLLOUT_TASKS, streams.ENV_REQUESTS, streams.TRAJECTO
 
 
 class JobInputError(ValueError):
-    """The job's params are wrong: recorded as the job's error, never retried."""
+    """The job's params are wrong: recorded as the job's error, with `reason` (shared.jobs.JOB_REFUSALS) as
+    `result.refused`, never retried."""
+
+    def __init__(self, message: str, reason: str = "invalid"):
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass
@@ -52,7 +58,7 @@ class JobContext:
 
 def import_dataset(ctx: JobContext, job: Job) -> dict[str, Any]:
     """Store the rows as the next version of (name, split). A redelivered job finds the version it already
-    made (tagged with its id) instead of adding another."""
+    made (tagged with its id) instead of adding another. An upload's file is removed once stored or refused."""
     p = job.params
     registry = DatasetRegistry(ctx.engine)
     made = next((v for v in registry.versions(p["name"], p.get("split", "train"))
@@ -64,10 +70,28 @@ def import_dataset(ctx: JobContext, job: Job) -> dict[str, Any]:
             rows, source = _generated_rows(p["generator"], int(p.get("n", 100)), int(p.get("seed", 0)))
         else:
             rows, source = load_rows(p["path"], p.get("format")), f"file:{p['path']}"
-        return registry.register(p["name"], rows, p.get("split", "train"), source=source,
-                                 info={"job_id": str(job.id)})
+        info = {"job_id": str(job.id)}
+        if p.get("upload") is not None:
+            source, info["format"] = f"upload:{p['upload']}", p.get("format")
+        made = registry.register(p["name"], rows, p.get("split", "train"), source=source, info=info)
     except DatasetError as e:
         raise JobInputError(str(e)) from e
+    finally:
+        if p.get("upload") is not None:
+            Path(p["path"]).unlink(missing_ok=True)
+    return made
+
+
+def delete_dataset(ctx: JobContext, job: Job) -> dict[str, Any]:
+    """Delete one version, one split or every version of a dataset; refused while a run that has not ended
+    reads any of them (in the transaction that deletes)."""
+    p = job.params
+    try:
+        return {"deleted": DatasetRegistry(ctx.engine).delete(p["name"], p.get("split"), p.get("version"))}
+    except DatasetNotFound as e:
+        raise JobInputError(str(e), "not_found") from e
+    except DatasetInUse as e:
+        raise JobInputError(str(e), "in_use") from e
 
 
 def _generated_rows(name: str, n: int, seed: int) -> tuple[list[dict], str]:
@@ -230,4 +254,4 @@ async def _trim_streams(redis_url: str) -> dict[str, int]:
         await redis.aclose()
 
 
-JOBS = {"import_dataset": import_dataset, "evaluate": evaluate, "export": export_trajectories, "gc": gc}
+JOBS = {"import_dataset": import_dataset, "delete_dataset": delete_dataset, "evaluate": evaluate, "export": export_trajectories, "gc": gc}

@@ -52,12 +52,9 @@ OWNERS: dict[str, TableOwner] = {
         "the trainer's uploads (PUT, then commit); retention after each publish and the jobs worker's GC "
         "(POST .../versions/retain), which keep what kept versions are built on"),
     "datasets": TableOwner(
-        "jobs", ("api", "controller"), "an import job (`POST /v1/datasets/import`, `flywheel datasets import`)",
-        also_written_by={"api": "POST /v1/datasets (a small upload, stored at once) and DELETE, which checks "
-                                "that no live run reads the version in the transaction that deletes it"}),
-    "dataset_rows": TableOwner(
-        "jobs", ("api", "controller"), "an import job, with its `datasets` row",
-        also_written_by={"api": "POST /v1/datasets and DELETE, with the `datasets` row"}),
+        "jobs", ("api", "controller"), "jobs: an import (`POST /v1/datasets/import`, `flywheel datasets import`), "
+        "an upload (`POST /v1/datasets`, imported from the file the API wrote), a delete (`DELETE /v1/datasets/...`)"),
+    "dataset_rows": TableOwner("jobs", ("api", "controller"), "the same jobs, with the `datasets` row"),
     "jobs": TableOwner(
         "jobs", ("api",), "`POST /v1/jobs/...` (queued), then the jobs worker (running, done, failed)",
         also_written_by={"api": "inserts the queued row before sending its id as the Celery message, and marks "

@@ -45,6 +45,7 @@ class LiveApi:
     token: str
     proc: subprocess.Popen
     controller: subprocess.Popen | None = None
+    jobs: subprocess.Popen | None = None
 
     def client(self, token: str | None = "default") -> httpx.Client:
         token = self.token if token == "default" else token
@@ -52,19 +53,22 @@ class LiveApi:
         return httpx.Client(base_url=self.url, headers=headers, timeout=30)
 
     def stop(self) -> None:
-        if self.controller is not None:
-            stop(self.controller)
+        for proc in (self.jobs, self.controller):
+            if proc is not None:
+                stop(proc)
         stop(self.proc)
 
 
-def start_api(database_url: str, redis_url: str, data_dir: Path, *, controller: bool = True,
+def start_api(database_url: str, redis_url: str, data_dir: Path, *, controller: bool = True, jobs: bool = False,
               **extra: str) -> LiveApi:
     """The API as a process on a free port; its output in `data_dir`/api.log. `controller`: with a controller
     beside it (`data_dir`/controller.log) that applies run commands (create, pause, resume, stop: the API asks
     it) and drives no run (MAX_RUNS=0), so the runs a test stores keep the status it gave them; False where the
-    test starts the controllers that drive its runs."""
+    test starts the controllers that drive its runs. `jobs`: with a jobs worker beside it (`data_dir`/jobs.log),
+    which stores the datasets a test uploads or deletes through the API."""
     port = free_port()
     Path(data_dir).mkdir(parents=True, exist_ok=True)
+    worker = start_jobs(database_url, redis_url, data_dir, WORKER_ID=f"jobs-api-{port}") if jobs else None
     ctl = None
     if controller:
         ctl = start_service("services.controller.main", log=Path(data_dir) / "controller.log",
@@ -76,14 +80,16 @@ def start_api(database_url: str, redis_url: str, data_dir: Path, *, controller: 
     wait_http(url + "/healthz", proc)
     if ctl is not None:
         wait_heartbeat(redis_url, "controller", f"ctl-api-{port}", ctl)
-    return LiveApi(url, ADMIN_TOKEN, proc, ctl)
+    if worker is not None:
+        wait_heartbeat(redis_url, "jobs", f"jobs-api-{port}", worker)
+    return LiveApi(url, ADMIN_TOKEN, proc, ctl, worker)
 
 
 @contextlib.contextmanager
-def running_api(database_url: str, redis_url: str, data_dir: Path, *, controller: bool = True,
+def running_api(database_url: str, redis_url: str, data_dir: Path, *, controller: bool = True, jobs: bool = False,
                 **extra: str) -> Iterator[LiveApi]:
     """`start_api` for the length of a `with` block (a module fixture), stopped afterwards."""
-    live = start_api(database_url, redis_url, data_dir, controller=controller, **extra)
+    live = start_api(database_url, redis_url, data_dir, controller=controller, jobs=jobs, **extra)
     try:
         yield live
     finally:

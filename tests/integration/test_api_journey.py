@@ -28,12 +28,12 @@ from shared.messages.trajectory import EpisodeResult, TrajectoryRecord, Trajecto
 def stack(isolated_urls, tmp_path_factory):
     redis_url, database_url = isolated_urls  # its controller would otherwise resume earlier modules' runs
     data = tmp_path_factory.mktemp("journey")
-    api = start_api(database_url, redis_url, data, controller=False, SQL_TIMEOUT_S="0.5")
+    api = start_api(database_url, redis_url, data, controller=False, jobs=True, SQL_TIMEOUT_S="0.5")
     controller = start_service("services.controller.main", log=data / "controller.log",
                                **service_env(database_url, redis_url, data, STOP_TIMEOUT_S="1", POLL_INTERVAL_S="0.2"))
     yield api
     stop(controller)
-    stop(api.proc)
+    api.stop()
 
 
 def answer(task: RolloutTask) -> EpisodeResult:

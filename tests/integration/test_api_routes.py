@@ -21,7 +21,7 @@ from shared.streams import RUN_CONTROL
 
 @pytest.fixture(scope="module")
 def api(database_url, redis_url, tmp_path_factory):
-    live = start_api(database_url, redis_url, tmp_path_factory.mktemp("api"))
+    live = start_api(database_url, redis_url, tmp_path_factory.mktemp("api"), jobs=True)
     yield live
     live.stop()
     assert live.proc.returncode in (0, -15)  # uvicorn re-raises SIGTERM after a clean shutdown

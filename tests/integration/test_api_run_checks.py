@@ -19,7 +19,7 @@ ROWS = [{"id": f"q{i}", "question": f"{i}+{i}?", "answer": str(2 * i)} for i in 
 
 @pytest.fixture(scope="module")
 def api(database_url, redis_url, tmp_path_factory):
-    with running_api(database_url, redis_url, tmp_path_factory.mktemp("run-checks")) as live:
+    with running_api(database_url, redis_url, tmp_path_factory.mktemp("run-checks"), jobs=True) as live:
         with live.client() as c:
             for name, rows in (("checks", ROWS), ("no-answers", [{"id": "a", "question": "1+1?"}, *ROWS])):
                 body = "\n".join(json.dumps(r) for r in rows).encode()

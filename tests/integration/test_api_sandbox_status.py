@@ -11,7 +11,7 @@ from api_testlib import run_config, start_api
 
 @pytest.fixture(scope="module")
 def client(database_url, redis_url, tmp_path_factory):
-    live = start_api(database_url, redis_url, tmp_path_factory.mktemp("api"))
+    live = start_api(database_url, redis_url, tmp_path_factory.mktemp("api"), jobs=True)
     with live.client() as c:
         rows = [{"id": f"c{i}", "question": "write f", "tests": "assert f() == 1"} for i in range(2)]
         r = c.post("/v1/datasets", data={"name": "code-tasks", "split": "train"},

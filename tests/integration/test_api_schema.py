@@ -25,7 +25,7 @@ SCHEMATHESIS = Path(sys.executable).with_name("schemathesis")
 
 @pytest.fixture(scope="module")
 def live_api(database_url, redis_url, tmp_path_factory):
-    with running_api(database_url, redis_url, tmp_path_factory.mktemp("api-fuzz")) as live:
+    with running_api(database_url, redis_url, tmp_path_factory.mktemp("api-fuzz"), jobs=True) as live:
         yield live
 
 

@@ -13,12 +13,11 @@ import uuid
 import httpx
 import pytest
 import yaml
-from api_testlib import run_config, seed_run, start_api, start_jobs
+from api_testlib import run_config, seed_run, start_api
 from sqlalchemy import create_engine, update
 from sqlalchemy.orm import Session
 from typer.testing import CliRunner
 
-from harness.procs import stop
 from services.api.cli import app
 from shared.db.models import Run
 
@@ -29,10 +28,8 @@ MATH_ROWS = '{"id": 1, "question": "1+1?", "answer": "2"}\n{"id": 2, "question":
 @pytest.fixture(scope="module")
 def api(database_url, redis_url, tmp_path_factory):
     data = tmp_path_factory.mktemp("cli")
-    live = start_api(database_url, redis_url, data)
-    worker = start_jobs(database_url, redis_url, data)
+    live = start_api(database_url, redis_url, data, jobs=True)
     yield live
-    stop(worker)
     live.stop()
 
 

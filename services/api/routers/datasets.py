@@ -1,48 +1,60 @@
-"""Datasets: upload (jsonl, csv, parquet), import (server-side file/folder or built-in generator, as a job),
-list, show, preview rows, delete. Each upload or import of a (name, split) adds an immutable version; runs pin one."""
+"""Datasets: upload (jsonl, csv, parquet), import (server-side file/folder or built-in generator), list, show,
+preview rows, delete. Each upload or import of a (name, split) adds an immutable version; runs pin one.
+
+The jobs worker is the one writer of datasets: an upload is checked here (a bad file is answered 400 at once),
+written under DATA_DIR/uploads (the volume the API and the jobs worker share) and imported by a job; a delete is
+a job too. Both routes wait for their job (DATASET_JOB_WAIT_S) and answer with its outcome, or 202 with the job
+when no jobs worker finished it in time: it is queued, not lost."""
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import uuid
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, File, Form, Query, Request, Response, UploadFile
+from fastapi.encoders import jsonable_encoder
+from fastapi.responses import JSONResponse
 from pydantic import ConfigDict, Field, model_validator
+from sqlalchemy.orm import Session
 
 from services.api.deps import DB, Config
 from services.api.errors import ApiError, Int, StrictBody, errors
-from services.api.job_queue import submit_job
+from services.api.job_queue import job_out, submit_job, wait_for_job
 from services.api.schemas import DatasetDetail, DatasetPublic, DatasetRowsPage, JobPublic, Page
 from shared.datasets import (
+    DatasetCatalog,
     DatasetError,
-    DatasetInUse,
     DatasetNotFound,
-    DatasetRegistry,
     detect_format,
     rows_from_bytes,
+    validate_name,
+    validate_rows,
 )
+from shared.db.models import Job
 
 router = APIRouter(prefix="/datasets", tags=["datasets"])
 Name = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,199}$")]
 
 
-def registry(request: Request) -> DatasetRegistry:
-    return DatasetRegistry(request.app.state.engine)
+def catalog(request: Request) -> DatasetCatalog:
+    return DatasetCatalog(request.app.state.engine)
 
 
 @router.get("", response_model=Page[DatasetPublic])
 def list_datasets(request: Request) -> dict:
-    items = registry(request).list()
+    items = catalog(request).list()
     return {"data": items, "count": len(items)}
 
 
-@router.post("", status_code=201, response_model=DatasetPublic, responses=errors(400, 409, 413, 422))
+@router.post("", status_code=201, response_model=DatasetPublic, responses=errors(400, 409, 413, 422) | {
+    202: {"model": JobPublic, "description": "stored by a job that has not finished yet: follow GET /v1/jobs/{id}"}})
 def upload_dataset(
-    request: Request, config: Config, file: Annotated[UploadFile, File(description="jsonl, csv or parquet")],
+    request: Request, config: Config, session: DB, file: Annotated[UploadFile, File(description="jsonl, csv or parquet")],
     name: Annotated[str, Form(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,199}$")],
     split: Annotated[str, Form(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")] = "train",
     # not nullable in the schema: a multipart form has no null (leave the field out to detect the format)
     format: Annotated[Literal["jsonl", "csv", "parquet"], Form(description="default: from the file name")] = None,  # type: ignore[assignment]
-) -> dict:
+) -> Any:
     """Upload a file; rows are validated (objects, unique task ids) and stored as the next version of
     (name, split). Earlier versions stay as they were for the runs that read them. 400 when the file's content
     is not a valid dataset (the message says which row and why)."""
@@ -52,11 +64,42 @@ def upload_dataset(
                        hint="import it from a path on the API's machine: POST /v1/datasets/import")
     try:
         fmt = format or detect_format(file.filename or "")
-        rows = rows_from_bytes(data, fmt)
-        return registry(request).register(name, rows, split, source=f"upload:{file.filename}", info={"format": fmt})
+        validate_name(name)
+        validate_rows(rows_from_bytes(data, fmt))
     except DatasetError as e:
         raise ApiError(400, f"dataset {name!r}: {e}", field="file",
                        hint="jsonl/csv/parquet of JSON objects, one task per row; name the format with `format`") from e
+    uploads = config.data_dir / "uploads"
+    uploads.mkdir(parents=True, exist_ok=True)
+    path = uploads / f"{uuid.uuid4().hex}.{fmt}"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(data)
+    tmp.rename(path)  # the job never reads half a file
+    try:
+        job = submit_job(session, request.app.state.celery, "import_dataset", {
+            "name": name, "split": split, "path": str(path), "format": fmt, "upload": file.filename or ""})
+    except ApiError:
+        path.unlink(missing_ok=True)  # the job could not be sent (503): nobody will import the file
+        raise
+    return _outcome(request, config, job, lambda done: done.result)
+
+
+def _outcome(request: Request, config: Config, job: dict, answer) -> Any:
+    """The finished job's answer; its refusal as 400, 404 or 409; or 202 with the job still to finish."""
+    done = wait_for_job(request.app.state.engine, job["id"], config.dataset_job_wait_s)
+    if done is None:
+        return JSONResponse(status_code=202, content=jsonable_encoder(job_out_now(request, job["id"])))
+    if done.status == "failed":
+        refused = (done.result or {}).get("refused")
+        status = {"not_found": 404, "in_use": 409, "invalid": 400}.get(refused, 500)
+        raise ApiError(status, f"job {done.id}: {(done.error or '').splitlines()[0] if done.error else 'failed'}",
+                       hint="stop the runs that read it first, or delete another version" if status == 409 else None)
+    return answer(done)
+
+
+def job_out_now(request: Request, job_id: str) -> dict:
+    with Session(request.app.state.engine) as s:
+        return job_out(s.get(Job, uuid.UUID(job_id)))
 
 
 class ImportRequest(StrictBody):
@@ -91,7 +134,7 @@ def import_dataset(body: ImportRequest, request: Request, session: DB) -> dict:
 
 @router.get("/{name}", response_model=DatasetDetail, responses=errors(404, 422))
 def show_dataset(name: str, request: Request) -> dict:
-    reg = registry(request)
+    reg = catalog(request)
     splits = reg.splits(name)
     if not splits:
         raise ApiError(404, f"dataset {name!r} does not exist", field="name", hint="list them with GET /v1/datasets")
@@ -105,25 +148,25 @@ def preview_rows(name: str, request: Request, split: Annotated[str, Query(max_le
                  version: Annotated[int | None, Query(ge=1, le=2**31 - 1, description="default: the latest")] = None,
                  ) -> dict:
     try:
-        ds = registry(request).load(name, split, version, offset=offset, limit=limit)
+        ds = catalog(request).load(name, split, version, offset=offset, limit=limit)
     except DatasetNotFound as e:
         raise ApiError(404, str(e), field="name") from e
     return {"name": name, "split": split, "version": ds.version, "offset": offset,
-            "count": registry(request).describe(name, split, ds.version)["num_rows"],
+            "count": catalog(request).describe(name, split, ds.version)["num_rows"],
             "data": [{"idx": offset + i, "task_id": t, "data": r}
                      for i, (t, r) in enumerate(zip(ds.task_ids, ds.rows, strict=True))]}
 
 
-@router.delete("/{name}", status_code=204, response_class=Response, responses=errors(404, 409, 422))
-def delete_dataset(name: str, request: Request, split: Annotated[str | None, Query(max_length=64)] = None,
+@router.delete("/{name}", status_code=204, response_class=Response, responses=errors(404, 409, 422) | {
+    202: {"model": JobPublic, "description": "deleted by a job that has not finished yet: follow GET /v1/jobs/{id}"}})
+def delete_dataset(name: str, request: Request, config: Config, session: DB,
+                   split: Annotated[str | None, Query(max_length=64)] = None,
                    version: Annotated[int | None, Query(ge=1, le=2**31 - 1)] = None) -> Response:
     """Delete one version (`split=` and `version=`), one split (every version) or all of them. 409 while a run
     that has not ended reads any of them."""
-    try:
-        registry(request).delete(name, split, version)
-    except DatasetNotFound as e:
-        raise ApiError(404, str(e), field="name") from e
-    except DatasetInUse as e:
-        raise ApiError(409, str(e), field="version",
-                       hint="stop the runs that read it first, or delete another version") from e
-    return Response(status_code=204)
+    if not catalog(request).exists(name, split):
+        raise ApiError(404, f"dataset {name!r}" + (f" split {split!r}" if split else "") + " does not exist",
+                       field="name", hint="list them with GET /v1/datasets")
+    job = submit_job(session, request.app.state.celery, "delete_dataset",
+                     {"name": name, "split": split, "version": version})
+    return _outcome(request, config, job, lambda done: Response(status_code=204))
