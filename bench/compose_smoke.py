@@ -117,8 +117,10 @@ def exercise(stack: Stack, api_url: str, token: str, train_steps: int, timeout_s
     api = httpx.Client(base_url=api_url, headers={"Authorization": f"Bearer {token}"}, timeout=30)
     rows = generate("arithmetic", 16, seed=1)
     body = "\n".join(json.dumps(r) for r in rows).encode()
-    api.post("/v1/datasets", data={"name": "smoke-arith", "split": "train"},
-             files={"file": ("arith.jsonl", body)}).raise_for_status()
+    stored = api.post("/v1/datasets", data={"name": "smoke-arith", "split": "train"},
+                      files={"file": ("arith.jsonl", body)})
+    if stored.status_code != 201:  # 202: the jobs worker, which stores uploads, did not import it in time
+        raise RuntimeError(f"uploading smoke-arith: {stored.status_code} {stored.text[:500]}")
 
     ev = api.post("/v1/runs", json=run_config("eval", "smoke-arith", max_tasks=4, samples_per_task=2))
     ev.raise_for_status()

@@ -161,9 +161,9 @@ SERVICES = ["weight-server", "env-worker", "rollout-worker", "trainer", "control
 def recall_stack(data_dir: Path, services: list[str], env: dict | None = None, log=print,
                  dataset: tuple[str, list[dict]] | None = None, init_std: float = 0.02):
     """The bootstrap of `make demo`, `make demo-agent` and `make demo-multiturn`: build the tiny model, start
-    `services` (embedded Redis/Postgres unless REDIS_URL/DATABASE_URL are set), wait until healthy, upload the
-    recall dataset (or `dataset`: (name, rows)) through the REST API. Yields (stack, authenticated API client,
-    model folder); stops the stack on exit."""
+    `services` and the jobs worker, which stores uploads (embedded Redis/Postgres unless REDIS_URL/DATABASE_URL
+    are set), wait until healthy, upload the recall dataset (or `dataset`: (name, rows)) through the REST API.
+    Yields (stack, authenticated API client, model folder); stops the stack on exit."""
     import secrets
 
     import httpx
@@ -176,13 +176,15 @@ def recall_stack(data_dir: Path, services: list[str], env: dict | None = None, l
     token = secrets.token_hex(16)
     env = {"API_TOKEN": token, "API_PORT": str(free_port()), **(env or {})}
     with LocalStack(data_dir=data_dir, env=env) as stack:
-        stack.start(services=services)
+        stack.start(services=[*services, *(["jobs"] if "jobs" not in services else [])])
         stack.wait_healthy(180)
         log(f"stack up in {time.monotonic() - started:.0f}s: {', '.join(services)}")
         api = httpx.Client(base_url=stack.api_url, headers={"Authorization": f"Bearer {token}"}, timeout=60)
         name, rows = dataset or ("recall", dataset_rows(20 * len(WORDS)))
-        api.post("/v1/datasets", data={"name": name},
-                 files={"file": (f"{name}.jsonl", "\n".join(map(json.dumps, rows)).encode())}).raise_for_status()
+        stored = api.post("/v1/datasets", data={"name": name},
+                          files={"file": (f"{name}.jsonl", "\n".join(map(json.dumps, rows)).encode())})
+        if stored.status_code != 201:
+            raise RuntimeError(f"uploading {name}: {stored.status_code} {stored.text[:500]}")
         yield stack, api, model_dir
 
 
