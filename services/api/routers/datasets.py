@@ -27,7 +27,6 @@ from shared.datasets import (
     DatasetNotFound,
     detect_format,
     rows_from_bytes,
-    validate_name,
     validate_rows,
 )
 from shared.db.models import Job
@@ -64,7 +63,6 @@ def upload_dataset(
                        hint="import it from a path on the API's machine: POST /v1/datasets/import")
     try:
         fmt = format or detect_format(file.filename or "")
-        validate_name(name)
         validate_rows(rows_from_bytes(data, fmt))
     except DatasetError as e:
         raise ApiError(400, f"dataset {name!r}: {e}", field="file",
