@@ -11,14 +11,13 @@ import asyncio
 import json
 import signal
 import uuid
-from pathlib import Path
 
 import pytest
-from api_testlib import run_config, running_api, start_jobs
+from api_testlib import run_config, running_api
 from sqlalchemy import insert
 from test_controller_runs import FakeRolloutWorker, run_row, set_run, start_controller  # noqa: F401 (fixture)
 
-from harness.procs import stop, wait_until, wait_until_async
+from harness.procs import wait_until_async
 from shared.datasets import DatasetInUse, DatasetNotFound, DatasetRegistry
 from shared.db.models import Run
 from shared.db.session import make_engine
@@ -160,31 +159,3 @@ def test_a_redelivered_import_job_finds_its_version_instead_of_adding_one(engine
     assert import_dataset(ctx, job)["version"] == 1  # at-least-once delivery: the same job ran again
     assert len(DatasetRegistry(engine).versions(name, "train")) == 1
 
-
-def test_an_upload_and_a_delete_no_jobs_worker_takes_yet_are_queued_not_lost(database_url, redis_url, engine,
-                                                                              tmp_path):
-    """The jobs worker stores datasets: with none running, an upload and a delete answer 202 with their job, and a
-    worker started later carries both out; the uploaded file is gone once imported."""
-    name = f"ds-{uuid.uuid4().hex[:8]}"
-    with running_api(database_url, redis_url, tmp_path, controller=False, DATASET_JOB_WAIT_S="0.5") as live, \
-            live.client() as client:
-        queued = upload(client, name, rows("q", 4), expect=202)
-        assert queued["kind"] == "import_dataset" and queued["status"] == "queued"
-        assert list((tmp_path / "uploads").iterdir()) == [Path(queued["params"]["path"])]
-        worker = start_jobs(database_url, redis_url, tmp_path, WORKER_ID="jobs-late")
-        try:
-            done = wait_until(lambda: (j := client.get(f"/v1/jobs/{queued['id']}").json())["status"] == "succeeded"
-                              and j, 60, "the queued upload to be imported", procs=[worker])
-            assert done["result"]["version"] == 1 and done["result"]["num_rows"] == 4
-            assert DatasetRegistry(engine).load(name, "train").task_ids == ["q0", "q1", "q2", "q3"]
-            assert list((tmp_path / "uploads").iterdir()) == []
-            stop(worker)
-            gone = client.delete(f"/v1/datasets/{name}")
-            assert gone.status_code == 202 and gone.json()["kind"] == "delete_dataset", gone.text
-            assert DatasetRegistry(engine).versions(name, "train") != []  # nothing deleted without a worker
-            worker = start_jobs(database_url, redis_url, tmp_path, WORKER_ID="jobs-late-2")
-            wait_until(lambda: client.get(f"/v1/datasets/{name}").status_code == 404, 60, "the queued delete",
-                       procs=[worker])
-            assert client.get(f"/v1/jobs/{gone.json()['id']}").json()["result"] == {"deleted": 1}
-        finally:
-            stop(worker)
