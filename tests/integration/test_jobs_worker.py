@@ -21,6 +21,7 @@ from trainer_testlib import WeightServer
 
 from harness.ports import free_port
 from harness.procs import stop, wait_until
+from shared import streams
 
 
 @pytest.fixture(scope="module")
@@ -178,13 +179,16 @@ def test_gc_keeps_newest_checkpoints_with_what_they_are_built_on_and_trims_strea
         _publish(weight_server.url, run_id, version, base)
     live = seed_run(database_url, name="gc-live", status="running", versions=3)
     r = redis.Redis.from_url(redis_url)
-    r.delete("trajectories")  # earlier tests in the session (a controller) may have left entries and groups
-    request.addfinalizer(lambda: r.delete("trajectories"))  # its {"i": n} entries are no EpisodeResults: never leave them
-    r.xgroup_create("trajectories", "store", id="0", mkstream=True)
+    # A stream no service of this module consumes: the API's controller reads `trajectories` (and would recreate
+    # its group, or take these entries, under the test), and nothing here reads env requests.
+    stream = streams.ENV_REQUESTS
+    r.delete(stream)
+    request.addfinalizer(lambda: r.delete(stream))  # its {"i": n} entries are no EnvRequests: never leave them
+    r.xgroup_create(stream, "env-workers", id="0", mkstream=True)
     for i in range(5):
-        r.xadd("trajectories", {"i": i})
-    r.xreadgroup("store", "c1", {"trajectories": ">"}, count=5)
-    r.xack("trajectories", "store", *[e[0] for e in r.xrange("trajectories")][:3])
+        r.xadd(stream, {"i": i})
+    r.xreadgroup("env-workers", "c1", {stream: ">"}, count=5)
+    r.xack(stream, "env-workers", *[e[0] for e in r.xrange(stream)][:3])
 
     done = finished_job(client, client.post("/v1/jobs/gc", json={"keep_checkpoints": 1}).json())
     assert done["status"] == "succeeded", done["error"]
@@ -199,7 +203,7 @@ def test_gc_keeps_newest_checkpoints_with_what_they_are_built_on_and_trims_strea
         assert httpx.get(f"{weight_server.url}/v1/runs/{run_id}/versions/{version}/MANIFEST.json").status_code == 200
     kept = {c["status"] for c in client.get(f"/v1/runs/{live}/checkpoints").json()["data"]}
     assert kept == {"available"}  # a running run keeps everything
-    assert done["result"]["trimmed"]["trajectories"] == 3 and r.xlen("trajectories") == 2
+    assert done["result"]["trimmed"][stream] == 3 and r.xlen(stream) == 2
 
 
 def test_gc_without_the_weight_server_fails_the_job_and_says_where_it_looked(database_url, redis_url, data_dir):
