@@ -44,18 +44,16 @@ def job_out(job: Job) -> dict[str, Any]:
     }
 
 
-def wait_for_job(engine: Engine, job_id: str, timeout_s: float) -> Job | None:
-    """The job once it has succeeded or failed; None when it has not within `timeout_s` (it is still queued
-    or running: the caller answers 202 with it)."""
+def wait_for_job(engine: Engine, job_id: str, timeout_s: float) -> Job:
+    """The job once it has succeeded or failed, or as it stands after `timeout_s` (still queued or running: the
+    caller answers 202 with it)."""
     deadline = time.monotonic() + timeout_s
     delay = 0.02
     with Session(engine, expire_on_commit=False) as s:
         while True:
             job = s.get(Job, uuid.UUID(job_id), populate_existing=True)
-            if job is not None and job.status in ("succeeded", "failed"):
+            if job.status in ("succeeded", "failed") or time.monotonic() >= deadline:
                 return job
-            if time.monotonic() >= deadline:
-                return None
             s.rollback()  # a fresh snapshot for the next look
             time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
             delay = min(delay * 2, 0.25)

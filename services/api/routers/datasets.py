@@ -15,7 +15,6 @@ from fastapi import APIRouter, File, Form, Query, Request, Response, UploadFile
 from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse
 from pydantic import ConfigDict, Field, model_validator
-from sqlalchemy.orm import Session
 
 from services.api.deps import DB, Config
 from services.api.errors import ApiError, Int, StrictBody, errors
@@ -29,7 +28,6 @@ from shared.datasets import (
     rows_from_bytes,
     validate_rows,
 )
-from shared.db.models import Job
 
 router = APIRouter(prefix="/datasets", tags=["datasets"])
 Name = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,199}$")]
@@ -85,19 +83,14 @@ def upload_dataset(
 def _outcome(request: Request, config: Config, job: dict, answer) -> Any:
     """The finished job's answer; its refusal as 400, 404 or 409; or 202 with the job still to finish."""
     done = wait_for_job(request.app.state.engine, job["id"], config.dataset_job_wait_s)
-    if done is None:
-        return JSONResponse(status_code=202, content=jsonable_encoder(job_out_now(request, job["id"])))
+    if done.status not in ("succeeded", "failed"):
+        return JSONResponse(status_code=202, content=jsonable_encoder(job_out(done)))
     if done.status == "failed":
         refused = (done.result or {}).get("refused")
         status = {"not_found": 404, "in_use": 409, "invalid": 400}.get(refused, 500)
         raise ApiError(status, f"job {done.id}: {(done.error or '').splitlines()[0] if done.error else 'failed'}",
                        hint="stop the runs that read it first, or delete another version" if status == 409 else None)
     return answer(done)
-
-
-def job_out_now(request: Request, job_id: str) -> dict:
-    with Session(request.app.state.engine) as s:
-        return job_out(s.get(Job, uuid.UUID(job_id)))
 
 
 class ImportRequest(StrictBody):
