@@ -6,6 +6,7 @@ tests/integration/test_bus.py and test_bus_patterns.py):
 |---|---|---|---|
 | work queue, held until done | `StreamBus.publish` / `publish_many` | `StreamConsumer` (a consumer group) | `rollout.tasks`, `trajectories`, `results.accepted`, `trainer.progress`, `<stream>.dlq` |
 | request/reply | `RequestClient.call` / `send` | `RequestServer` (group on a shared stream + own inbox) | env sessions |
+| command, answered once | `announce` (sync), then `await_answer` on the command's own answer stream | `StreamConsumer`, then `StreamBus.answer` | `run.commands`, `jobs.requests` |
 | broadcast | `StreamBus.publish`, `announce` (sync) | `BroadcastReader` (own cursor, no group) | `weights` |
 | inspection | - | `stream_stats` (sync, read-only) | the API's /metrics |
 
@@ -73,6 +74,7 @@ MESSAGES_SKIPPED = Counter(
 HANDLER_FAILURES = Counter("bus_handler_failures_total", "Handler exceptions", ["stream", "group"])
 
 DEFAULT_MAXLEN = 1_000_000
+ANSWER_TTL_S = 60  # an answer stream expires this long after its answer (its sender waited less)
 # Redis unreachable (restarting, network blip). Consumers ride these out; see StreamConsumer.read/ack/fail.
 REDIS_DOWN = (OSError, TimeoutError, RedisConnectionError, RedisTimeoutError)
 log = get_logger(__name__)
@@ -245,6 +247,14 @@ class StreamBus:
             ids = await pipe.execute()
         MESSAGES_PUBLISHED.labels(stream).inc(len(msgs))
         return ids
+
+    async def answer(self, stream: str, msg: Message, *, ttl_s: int = ANSWER_TTL_S) -> None:
+        """Answer one command on its own answer stream (`await_answer` reads it): a stream of one entry that expires
+        after `ttl_s`, so answers nobody waited for do not pile up."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.xadd(stream, encode(msg), maxlen=1)
+            pipe.expire(stream, ttl_s)
+            await pipe.execute()
 
     async def ensure_group(self, stream: str, group: str, start_id: str = "0") -> None:
         """Create the group (and the stream) if missing. start_id "0": a new group sees the whole backlog."""
@@ -587,6 +597,21 @@ def announce(redis: SyncRedis, stream: str, msg: Message, *, maxlen: int = DEFAU
     entry_id = redis.xadd(stream, encode(msg), maxlen=maxlen, approximate=True)
     MESSAGES_PUBLISHED.labels(stream).inc()
     return entry_id
+
+
+def await_answer(redis: SyncRedis, stream: str, expect: type[M], deadline: float) -> M | None:
+    """The answer `StreamBus.answer` wrote on `stream`, or None at `deadline` (time.monotonic()). Redis
+    unreachable meanwhile: it waits out the deadline (the sender then asks the database what happened)."""
+    while (left := deadline - time.monotonic()) > 0:
+        try:  # short blocks: a client with a socket timeout (the API's) would trip on a longer one
+            resp = redis.xread({stream: "0-0"}, count=1, block=max(1, int(min(left, 1.0) * 1000)))
+        except RedisError:
+            time.sleep(min(0.2, left))
+            continue
+        for _, entries in resp or []:
+            for _, fields in entries:
+                return decode(fields, expect)
+    return None
 
 
 class BroadcastReader:

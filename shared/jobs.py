@@ -1,8 +1,24 @@
-"""Background job kinds and their Celery task names: the contract between the API (which inserts a `jobs`
-row and sends the task by name) and services/jobs (which runs it and records the outcome in that row). A job
-refused for its input records why in `result.refused` (JOB_REFUSALS) beside its error message.
+"""Background jobs: their kinds and Celery task names, and how one is asked for.
 
-Every task takes one argument, the job id; its parameters are in `jobs.params`."""
+The jobs service is the one writer of `jobs`. A caller (the API) sends a `JobRequest` on `jobs.requests`
+(`request_job`); the service's intake stores it as the job's `queued` row, under the id the caller chose, sends
+the Celery task by name and answers (shared/messages/jobs.py). Its workers then record running -> succeeded
+(result) | failed (error). A job refused for its input records why in `result.refused` (JOB_REFUSALS) beside
+its error message. Every task takes one argument, the job id; its parameters are in `jobs.params`."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from sqlalchemy import exists, select
+from sqlalchemy.orm import Session
+
+from shared.bus import SyncRedis, announce, await_answer
+from shared.db.models import Job
+from shared.messages import JobRequest, JobRequestReply
+from shared.streams import JOB_REQUESTS, job_reply
 
 JOB_TASKS: dict[str, str] = {
     # params: name, split, path | generator (+ n, seed), format; `upload` (the file's name): the API's upload,
@@ -16,15 +32,34 @@ JOB_TASKS: dict[str, str] = {
 }
 JOB_STATUSES = ("queued", "running", "succeeded", "failed")
 JOB_REFUSALS = ("invalid", "not_found", "in_use")
+REQUEST_WAIT_S = 10.0  # how long a sender waits for the jobs service to store a job, seconds
+ANSWER_GRACE_S = 2.0  # and how much longer for the answer of an intake that read it just in time
 
 
-def celery_broker_url(redis_url: str) -> str:
-    """The Celery broker URL of REDIS_URL, so one REDIS_URL serves every component however it is started.
-    kombu spells a unix-socket Redis `redis+socket:///path?virtual_host=N` and rejects redis-py's
-    `unix:///path?db=N` ("No such transport: unix"), which is what the embedded Redis of the local stack gives;
-    every other URL is the same for both."""
-    if not redis_url.startswith("unix://"):
-        return redis_url
-    path, _, query = redis_url[len("unix://"):].partition("?")
-    db = dict(p.split("=", 1) for p in query.split("&") if "=" in p).get("db", "0")
-    return f"redis+socket://{path}?virtual_host={db}"
+class JobsUnavailable(Exception):
+    """No jobs service stored the job before its request expired: nothing was queued (the intake does not store
+    a request it reads after `expires_at`)."""
+
+
+def request_job(session: Session, redis_client: SyncRedis, kind: str, params: dict[str, Any], *,
+                run_id: uuid.UUID | None = None, wait_s: float = REQUEST_WAIT_S) -> uuid.UUID:
+    """Ask the jobs service for a job and wait until it is queued; its id (GET /v1/jobs/{id} follows it).
+
+    The request expires `wait_s` after it is sent; this waits ANSWER_GRACE_S longer, so the answer of an intake
+    that read it in time still arrives. Without one, the database says whether the job was stored anyway: the
+    answer never reports a job that does not exist, nor hides one that does. JobsUnavailable when it was not
+    stored; RedisError when the request could not be sent."""
+    if kind not in JOB_TASKS:
+        raise ValueError(f"unknown job kind {kind!r}: one of {', '.join(JOB_TASKS)}")
+    now, job_id = time.time(), uuid.uuid4()
+    req = JobRequest(job_id=str(job_id), kind=kind, params=params, run_id=str(run_id) if run_id else None,
+                     sent_at=now, expires_at=now + wait_s)
+    announce(redis_client, JOB_REQUESTS, req)
+    answer = await_answer(redis_client, job_reply(req.job_id), JobRequestReply,
+                          time.monotonic() + wait_s + ANSWER_GRACE_S)
+    stored = answer is not None and answer.outcome == "queued"
+    if not stored and not session.execute(select(exists().where(Job.id == job_id))).scalar():
+        raise JobsUnavailable(
+            f"no jobs service took the {kind} job within {wait_s:g} s, so nothing was queued; start one "
+            "(`make up` and `docker compose up` do) or check its log, then retry")
+    return job_id

@@ -33,10 +33,10 @@ from sqlalchemy import Connection, Engine, exists, select
 from sqlalchemy.dialects.postgresql import array
 from sqlalchemy.orm import Session
 
-from shared.bus import RedisError, SyncRedis, announce
+from shared.bus import RedisError, SyncRedis, announce, await_answer
 from shared.datasets import DatasetNotFound, count_rows, pin_version
 from shared.db.models import Dataset, DatasetRow, Run, RunEvent
-from shared.messages import RunCommand, RunCommandReply, decode
+from shared.messages import RunCommand, RunCommandReply
 from shared.messages.control import CommandAction
 from shared.registry import REGISTRIES, resolve
 from shared.run_config import RunConfig
@@ -114,7 +114,8 @@ def run_command(session: Session, redis_client: SyncRedis, run_id: uuid.UUID | s
     cmd = RunCommand(command_id=uuid.uuid4().hex, run_id=str(run_id), action=action, sent_at=now,
                      expires_at=now + wait_s, **create)
     announce(redis_client, RUN_COMMANDS, cmd)
-    reply = await_reply(redis_client, cmd.command_id, time.monotonic() + wait_s + REPLY_GRACE_S)
+    reply = await_answer(redis_client, command_reply(cmd.command_id), RunCommandReply,
+                         time.monotonic() + wait_s + REPLY_GRACE_S)
     if reply is None or reply.outcome == "expired":
         status = _applied_status(session, cmd)
         if status is None:
@@ -123,21 +124,6 @@ def run_command(session: Session, redis_client: SyncRedis, run_id: uuid.UUID | s
                 "(`make up` and `docker compose up` do) or check its log, then retry")
         reply = RunCommandReply(command_id=cmd.command_id, outcome="applied", status=status)
     return reply
-
-
-def await_reply(redis_client: SyncRedis, command_id: str, deadline: float) -> RunCommandReply | None:
-    """The controller's reply to command `command_id`, or None at `deadline` (time.monotonic())."""
-    key = command_reply(command_id)
-    while (left := deadline - time.monotonic()) > 0:
-        try:  # short blocks: the API's client has a socket timeout, and a longer block would trip it
-            resp = redis_client.xread({key: "0-0"}, count=1, block=max(1, int(min(left, 1.0) * 1000)))
-        except RedisError:  # the command is out: wait out the deadline, then the database tells what happened
-            time.sleep(min(0.2, left))
-            continue
-        for _, entries in resp or []:
-            for _, fields in entries:
-                return decode(fields, RunCommandReply)
-    return None
 
 
 def _applied_status(session: Session, cmd: RunCommand) -> str | None:

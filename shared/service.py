@@ -65,7 +65,8 @@ def run_service(
     `build(settings, runtime)` creates the service's parts, registers their cleanups with `runtime.on_stop`
     and returns its loops ([] when HTTP is all it serves). `foreground(settings)`, for a framework that owns the
     main thread and its signals (Celery), runs in the main thread while the runtime runs beside it in a thread
-    without signal handlers; the runtime stops when `foreground` returns or raises."""
+    without signal handlers; the runtime stops when `foreground` returns or raises, and a runtime that stops on
+    its own (a loop died) sends this process SIGTERM, so the foreground does not go on without its loops."""
     setup_service(settings)
     runtime = ServiceRuntime(settings, settings.service_name, shutdown_timeout_s=shutdown_timeout_s,
                              dependencies=dependencies, handle_signals=foreground is None)
@@ -76,11 +77,19 @@ def run_service(
     if foreground is None:
         return _event_loop_run(serve())
     codes: list[int] = []
-    thread = threading.Thread(target=lambda: codes.append(_event_loop_run(serve())), name="runtime", daemon=True)
+    foreground_done = threading.Event()
+
+    def run_runtime() -> None:
+        codes.append(_event_loop_run(serve()))
+        if not foreground_done.is_set():  # a loop died: the foreground stops too (warm, as on SIGTERM)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    thread = threading.Thread(target=run_runtime, name="runtime", daemon=True)
     thread.start()
     try:
         foreground(settings)
     finally:
+        foreground_done.set()
         runtime.stop_threadsafe()
         thread.join(timeout=shutdown_timeout_s + 5)
     return codes[0] if codes else 1

@@ -17,6 +17,8 @@ controller on `trainer.progress`; nothing crosses services through another servi
 | `<stream>.dlq` | `StreamConsumer` of `<stream>` | controller (`controller`) for `rollout.tasks.dlq`; people otherwise | the original entry + `dlq_*` fields | the failure is recorded in the ledger (`rollout.tasks.dlq`) |
 | `run.commands` | API (`POST /v1/runs`, pause / resume / stop), jobs worker (an eval job's run) | controller (`controller`) | `RunCommand` | applied (the run created or its status changed, in one transaction with its event) or refused, and the `RunCommandReply` is on the command's reply stream |
 | `run.commands.reply.<command id>` | controller | the command's sender (no group, waits with XREAD; expires after a minute) | `RunCommandReply` | never (the key expires) |
+| `jobs.requests` | API (`POST /v1/datasets`, `/v1/datasets/import`, `DELETE /v1/datasets/...`, `/v1/evals`, `/v1/jobs/gc`, `/v1/runs/{id}/export`) | jobs service's intake (`jobs`) | `JobRequest` | the job's `queued` row is stored and its Celery task sent (or the request expired), and the `JobRequestReply` is on the request's answer stream |
+| `jobs.requests.reply.<job id>` | jobs service | the request's sender (no group, waits with XREAD; expires after a minute) | `JobRequestReply` | never (the key expires) |
 | `run.control` | controller, after a pause / resume / stop changed `runs.status` | controller (`controller`), trainer (`train`) | `RunControl` | applied to the run it drives / trains; one that does not hold the run acknowledges it untouched (the holder reads the status at its next poll of the runs it leases) |
 
 Plain keys (no stream):
@@ -39,12 +41,14 @@ TRAINER_PROGRESS = "trainer.progress"
 WEIGHTS = "weights"
 RUN_COMMANDS = "run.commands"
 RUN_CONTROL = "run.control"
+JOB_REQUESTS = "jobs.requests"
 
 GROUP_ROLLOUT = "rollout"
 GROUP_ENV = "env"
 GROUP_STORE = "store"
 GROUP_TRAIN = "train"
 GROUP_CONTROLLER = "controller"
+GROUP_JOBS = "jobs"
 
 
 def env_inbox(env_worker_id: str) -> str:
@@ -60,6 +64,11 @@ def env_replies(rollout_worker_id: str) -> str:
 def command_reply(command_id: str) -> str:
     """Where the controller answers one `RunCommand` (a stream of one entry that expires; its sender waits on it)."""
     return f"run.commands.reply.{command_id}"
+
+
+def job_reply(job_id: str) -> str:
+    """Where the jobs service answers one `JobRequest` (a stream of one entry that expires; its sender waits on it)."""
+    return f"jobs.requests.reply.{job_id}"
 
 
 def dead_letter(stream: str) -> str:

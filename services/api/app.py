@@ -15,7 +15,6 @@ from prometheus_client import Counter, Histogram
 from services.api.auth import authorize
 from services.api.config import ApiConfig
 from services.api.errors import add_error_handlers, errors
-from services.api.job_queue import job_queue
 from services.api.routers import agent_sessions, datasets, jobs, runs, sql, system, tokens, trajectories
 from shared.bus import connect_sync
 from shared.db.session import make_engine, session_factory
@@ -32,7 +31,6 @@ def create_app(config: ApiConfig) -> FastAPI:
     app.state.engine = engine
     app.state.sessions = session_factory(engine)
     app.state.redis = connect_sync(config.redis_url, timeout_s=5)
-    app.state.celery = job_queue(config.redis_url)
     # Forwards agent-session claims to the rollout workers (routers/agent_sessions.py); one per process so
     # connections are reused. No connection cap: each forwarded claim holds one for its long poll, and a cap
     # would queue claims behind claims (bounded anyway by the requests the API is serving).

@@ -27,9 +27,12 @@ class ApiConfig(ServiceSettings):
     run_command_wait_s: float = Field(
         10.0, gt=0, le=120, description="how long POST /v1/runs and a pause, resume or stop wait for the "
         "controller to apply them before answering 503 (nothing changed), seconds")
+    job_request_wait_s: float = Field(
+        10.0, gt=0, le=120, description="how long a route that queues a job waits for the jobs service to store it "
+        "before answering 503 (nothing queued), seconds")
     dataset_job_wait_s: float = Field(
-        30.0, gt=0, le=600, description="how long an upload (POST /v1/datasets) or a DELETE waits for the jobs "
-        "worker, which stores datasets, before answering 202 with the job to follow, seconds")
+        30.0, ge=0, le=600, description="how long an upload (POST /v1/datasets) or a DELETE waits for its job "
+        "(the jobs service stores datasets) before answering 202 with the job to follow, seconds; 0: at once")
     page_limit_max: int = Field(1000, ge=1, description="largest `limit` a list route accepts")
     gateway_token: str | None = Field(
         None, description="GATEWAY_TOKEN: the rollout workers' token for claiming agent sessions, sent when "

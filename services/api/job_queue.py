@@ -1,5 +1,5 @@
-"""Submitting background jobs: a `jobs` row first (so the job is visible even before a worker takes it),
-then the Celery task by name (services/jobs runs it; the API never imports that package); waiting for one."""
+"""Asking the jobs service for a job (shared.jobs.request_job: it stores the `queued` row and sends the task, so
+the API writes no `jobs` row), and waiting for one to finish."""
 
 from __future__ import annotations
 
@@ -7,32 +7,28 @@ import time
 import uuid
 from typing import Any
 
-from celery import Celery
-from kombu.exceptions import OperationalError
-from sqlalchemy import Engine, update
+from fastapi import Request
+from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
 from services.api.errors import ApiError
+from shared.bus import RedisError
 from shared.db.models import Job
-from shared.jobs import JOB_TASKS, celery_broker_url
+from shared.jobs import JobsUnavailable, request_job
 
 
-def job_queue(redis_url: str) -> Celery:
-    """The Celery client jobs are sent with; its broker is REDIS_URL (a unix:// one translated for kombu)."""
-    return Celery("flywheel-api", broker=celery_broker_url(redis_url))
-
-
-def submit_job(session: Session, celery, kind: str, params: dict[str, Any], run_id: uuid.UUID | None = None) -> dict:
-    job = Job(kind=kind, status="queued", params=params, result={}, run_id=run_id)
-    session.add(job)
-    session.commit()
+def submit_job(request: Request, session: Session, kind: str, params: dict[str, Any],
+               run_id: uuid.UUID | None = None) -> dict:
+    """The job as queued; 503 when no jobs service stored it in JOB_REQUEST_WAIT_S (nothing was queued)."""
     try:
-        celery.send_task(JOB_TASKS[kind], args=[str(job.id)], task_id=str(job.id))
-    except OperationalError as e:
-        session.execute(update(Job).where(Job.id == job.id).values(status="failed", error=f"broker: {e}"))
-        session.commit()
+        job_id = request_job(session, request.app.state.redis, kind, params, run_id=run_id,
+                             wait_s=request.app.state.config.job_request_wait_s)
+    except JobsUnavailable as e:
+        raise ApiError(503, str(e), hint="the jobs service (`flywheel-jobs`) stores and runs jobs") from e
+    except RedisError as e:
         raise ApiError(503, f"the job queue (Redis) is unreachable: {e}", hint="retry once Redis is back") from e
-    return job_out(job)
+    session.rollback()  # a fresh snapshot: the row was committed by the jobs service after this session began
+    return job_out(session.get(Job, job_id))
 
 
 def job_out(job: Job) -> dict[str, Any]:

@@ -3,7 +3,7 @@
 
 - a pause, resume or stop applied is published on `run.control`, for the controller driving the run and the
   trainer training it (control.py applies it to the driver);
-- the `RunCommandReply` goes on the command's reply stream, which expires after REPLY_TTL_S;
+- the `RunCommandReply` goes on the command's reply stream, which expires after a minute (`StreamBus.answer`);
 - the dispatch loop is woken (a new run is leased at its next poll; a stopped one takes back its tasks).
 
 A command read after its `expires_at` is answered `expired` and not applied: its sender has already told its
@@ -20,11 +20,10 @@ from services.controller import ledger
 from services.controller.config import ControllerConfig
 from shared.bus import Delivery, StreamBus, StreamConsumer
 from shared.logs import get_logger
-from shared.messages import RunCommand, RunCommandReply, RunControl, encode
+from shared.messages import RunCommand, RunControl
 from shared.streams import GROUP_CONTROLLER, RUN_COMMANDS, RUN_CONTROL, command_reply
 
 log = get_logger(__name__)
-REPLY_TTL_S = 60
 
 
 class CommandLoop:
@@ -44,12 +43,5 @@ class CommandLoop:
             if reply.outcome == "applied" and cmd.action != "create":
                 await self.bus.publish(RUN_CONTROL, RunControl(run_id=cmd.run_id, action=cmd.action,
                                                                sent_at=time.time()))
-            await self.answer(reply)
+            await self.bus.answer(command_reply(cmd.command_id), reply)
             self.wake.set()
-
-    async def answer(self, reply: RunCommandReply) -> None:
-        key = command_reply(reply.command_id)
-        async with self.bus.redis.pipeline(transaction=True) as pipe:
-            pipe.xadd(key, encode(reply), maxlen=1)
-            pipe.expire(key, REPLY_TTL_S)
-            await pipe.execute()

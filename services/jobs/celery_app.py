@@ -1,6 +1,8 @@
 """The Celery app: Redis broker (REDIS_URL), one task per job kind (names in shared.jobs), each wrapped so the
 `jobs` row records running -> succeeded (result) | failed (error). Bad params fail the job without retry;
-a worker that dies mid-job leaves the task unacknowledged, so another worker runs it again (acks_late)."""
+a worker that dies mid-job leaves the task unacknowledged, so another worker runs it again (acks_late). A job's
+task delivered twice runs once: one delivery at a time holds the job (a Postgres advisory lock on its id) and a
+finished job is not run again."""
 
 from __future__ import annotations
 
@@ -18,10 +20,27 @@ from services.jobs.tasks import JOBS, JobContext, JobInputError
 from services.jobs.tracking import sync_tracking
 from shared.db.models import RUN_STATUSES, Job, Run
 from shared.db.session import make_engine
-from shared.jobs import JOB_TASKS, celery_broker_url
+from shared.jobs import JOB_TASKS
 from shared.logs import get_logger
 
 log = get_logger(__name__)
+
+
+def celery_broker_url(redis_url: str) -> str:
+    """The Celery broker URL of REDIS_URL, so one REDIS_URL serves every component however it is started.
+    kombu spells a unix-socket Redis `redis+socket:///path?virtual_host=N` and rejects redis-py's
+    `unix:///path?db=N` ("No such transport: unix"), which is what the embedded Redis of the local stack gives;
+    every other URL is the same for both."""
+    if not redis_url.startswith("unix://"):
+        return redis_url
+    path, _, query = redis_url[len("unix://"):].partition("?")
+    db = dict(p.split("=", 1) for p in query.split("&") if "=" in p).get("db", "0")
+    return f"redis+socket://{path}?virtual_host={db}"
+
+
+def celery_client(redis_url: str) -> Celery:
+    """A Celery app that only sends tasks (the intake's), its broker REDIS_URL."""
+    return Celery("flywheel-jobs-intake", broker=celery_broker_url(redis_url))
 
 
 def make_celery(config: JobsConfig) -> Celery:
@@ -42,21 +61,36 @@ def make_celery(config: JobsConfig) -> Celery:
 
 def _job_task(ctx: JobContext, kind: str, fn: Callable) -> Callable[[str], None]:
     def run_job(job_id: str) -> None:
-        job = _start(ctx, uuid.UUID(job_id))
-        if job is None:
-            return
-        try:
-            result = fn(ctx, job)
-        except JobInputError as e:
-            _finish(ctx, job.id, "failed", result={"refused": e.reason}, error=str(e))
-        except Exception as e:  # a failing job is recorded, never kills the worker
-            log.error("job %s (%s) failed", job_id, kind, exc_info=True)
-            _finish(ctx, job.id, "failed", error=f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=5)}")
-        else:
-            _finish(ctx, job.id, "succeeded", result=result)
+        # One delivery of a job runs at a time: the task can arrive twice (the intake sends it again when a request
+        # is redelivered), and a second copy running beside the first would do the work twice. The lock is the
+        # connection's, so a worker that dies lets the redelivered task (acks_late) take the job up.
+        key = uuid.UUID(job_id).int & (2**63 - 1)
+        with ctx.engine.connect() as lock:
+            if not lock.execute(select(func.pg_try_advisory_lock(key))).scalar():
+                log.info("job %s is running in another delivery; this one is dropped", job_id)
+                return
+            try:
+                _run(ctx, kind, fn, uuid.UUID(job_id))
+            finally:
+                lock.execute(select(func.pg_advisory_unlock(key)))
 
     run_job.__name__ = f"run_{kind}"
     return run_job
+
+
+def _run(ctx: JobContext, kind: str, fn: Callable, job_id: uuid.UUID) -> None:
+    job = _start(ctx, job_id)
+    if job is None:
+        return
+    try:
+        result = fn(ctx, job)
+    except JobInputError as e:
+        _finish(ctx, job.id, "failed", result={"refused": e.reason}, error=str(e))
+    except Exception as e:  # a failing job is recorded, never kills the worker
+        log.error("job %s (%s) failed", job_id, kind, exc_info=True)
+        _finish(ctx, job.id, "failed", error=f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=5)}")
+    else:
+        _finish(ctx, job.id, "succeeded", result=result)
 
 
 def _start(ctx: JobContext, job_id: uuid.UUID) -> Job | None:

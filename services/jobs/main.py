@@ -1,18 +1,35 @@
-"""`flywheel-jobs` (or `python -m services.jobs.main`): a Celery worker for background jobs, Redis as broker.
+"""`flywheel-jobs` (or `python -m services.jobs.main`): the jobs service, the one writer of `jobs`. A Celery worker
+runs the jobs (Redis as broker); beside it the intake stores the jobs callers ask for on `jobs.requests` and
+sends their tasks (intake.py).
 
-Celery's worker owns the main thread and its signals; beside it the service runtime serves /healthz and
-/metrics on HEALTH_PORT and refreshes the Redis heartbeat key (shared.service.run_service's `foreground`)."""
+Celery's worker owns the main thread and its signals; beside it the service runtime runs the intake, serves
+/healthz and /metrics on HEALTH_PORT and refreshes the Redis heartbeat key (shared.service.run_service's
+`foreground`)."""
 
 from __future__ import annotations
 
 import sys
 
 from services.jobs.config import JobsConfig
-from shared.service import run_service
+from shared.service import Loops, ServiceRuntime, run_service
 
 
 def main() -> int:
-    return run_service(JobsConfig(), foreground=run_celery)
+    return run_service(JobsConfig(), build, foreground=run_celery)
+
+
+async def build(config: JobsConfig, runtime: ServiceRuntime) -> Loops:
+    from services.jobs.celery_app import celery_client
+    from services.jobs.intake import JobIntake
+    from shared.bus import StreamBus, connect
+    from shared.db.session import make_engine
+
+    engine = make_engine(config.database_url, pool_size=2)
+    runtime.on_stop(engine.dispose)
+    bus = StreamBus(connect(config.redis_url))
+    runtime.on_stop(bus.close)
+    intake = JobIntake(runtime.worker_id, engine, bus, celery_client(config.redis_url))
+    return [intake.run(runtime.stop)]
 
 
 def run_celery(config: JobsConfig) -> None:

@@ -35,7 +35,7 @@ from shared.runs import RunRefused, create_run
 
 log = get_logger(__name__)
 TRIMMED_STREAMS = (streams.ROLLOUT_TASKS, streams.ENV_REQUESTS, streams.TRAJECTORIES, streams.RUN_COMMANDS,
-                   streams.RUN_CONTROL)
+                   streams.RUN_CONTROL, streams.JOB_REQUESTS)
 
 
 class JobInputError(ValueError):

@@ -2,16 +2,13 @@
 did from a message (shared/streams.py), never by reading that service's table; a reader here reads rows for
 what they hold for users or for the reader's own work (a run's config, a checkpoint's path).
 
-tests/unit/test_table_owners.py reads the code and fails when a service writes a table it does not own, a
-listed exception is no longer in the code, or a service reads a table it is not listed for. The README's "Who
-owns what" table shows this map.
-
-`also_written_by`: the writes that break the rule today, each with why; the list only shrinks.
+tests/unit/test_table_owners.py reads the code and fails when a service writes a table it does not own or reads
+a table it is not listed for. The README's "Who owns what" table shows this map.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 SERVICES = frozenset({"api", "controller", "env_worker", "jobs", "rollout_worker", "trainer", "weight_server"})
 
@@ -21,7 +18,6 @@ class TableOwner:
     owner: str
     readers: tuple[str, ...]
     changed_by: str  # the messages or requests that change the table, as the README lists them
-    also_written_by: dict[str, str] = field(default_factory=dict)
 
 
 OWNERS: dict[str, TableOwner] = {
@@ -56,8 +52,7 @@ OWNERS: dict[str, TableOwner] = {
         "an upload (`POST /v1/datasets`, imported from the file the API wrote), a delete (`DELETE /v1/datasets/...`)"),
     "dataset_rows": TableOwner("jobs", ("api", "controller"), "the same jobs, with the `datasets` row"),
     "jobs": TableOwner(
-        "jobs", ("api",), "`POST /v1/jobs/...` (queued), then the jobs worker (running, done, failed)",
-        also_written_by={"api": "inserts the queued row before sending its id as the Celery message, and marks "
-                                "it failed when the broker is unreachable"}),
+        "jobs", ("api",), "`jobs.requests` (queued: the routes that start a job); the scheduled GC; the jobs "
+        "worker (running, succeeded, failed)"),
     "api_tokens": TableOwner("api", (), "`flywheel tokens` / `POST /v1/tokens`"),
 }

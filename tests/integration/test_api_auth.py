@@ -21,7 +21,8 @@ from services.api.config import ApiConfig
 
 @pytest.fixture(scope="module")
 def api(database_url, redis_url, tmp_path_factory):
-    with running_api(database_url, redis_url, tmp_path_factory.mktemp("api-auth")) as live:
+    # no jobs service: a route that queues a job and is allowed answers 503 (not 403) once its request expires
+    with running_api(database_url, redis_url, tmp_path_factory.mktemp("api-auth"), JOB_REQUEST_WAIT_S="0.5") as live:
         yield live
 
 

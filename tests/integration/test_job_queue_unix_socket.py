@@ -1,7 +1,7 @@
 """One REDIS_URL for every component, however it is started: with a unix-socket Redis (`unix:///...?db=N`, what the
-embedded Redis of the local stack gives), the API's job queue enqueues and the jobs worker's Celery app reads the
-job, each from REDIS_URL alone (kombu rejects redis-py's `unix://` spelling; shared.jobs.celery_broker_url
-translates it where Celery is configured). Against a real redis-server listening on a unix socket only.
+embedded Redis of the local stack gives), the jobs service's intake enqueues and its Celery worker reads the
+job, each from REDIS_URL alone (kombu rejects redis-py's `unix://` spelling; services.jobs.celery_app.
+celery_broker_url translates it where Celery is configured). Against a real redis-server listening on a unix socket only.
 
     pytest -q tests/integration/test_job_queue_unix_socket.py
 """
@@ -11,11 +11,10 @@ from __future__ import annotations
 import pytest
 
 from harness.servers import RedisServer
-from services.api.job_queue import job_queue
-from services.jobs.celery_app import make_celery
+from services.jobs.celery_app import celery_broker_url, celery_client, make_celery
 from services.jobs.config import JobsConfig
 from shared.bus import connect_sync
-from shared.jobs import JOB_TASKS, celery_broker_url
+from shared.jobs import JOB_TASKS
 
 
 def test_celery_broker_url_translates_unix_sockets_only():
@@ -32,10 +31,10 @@ def unix_redis_url(tmp_path_factory):
     server.stop()
 
 
-def test_the_api_enqueues_and_the_jobs_worker_reads_over_a_unix_socket(unix_redis_url, monkeypatch):
+def test_the_intake_enqueues_and_the_jobs_worker_reads_over_a_unix_socket(unix_redis_url, monkeypatch):
     monkeypatch.delenv("CELERY_BROKER_URL", raising=False)  # Celery would prefer it over the app's broker
     assert unix_redis_url.startswith("unix://")
-    job_queue(unix_redis_url).send_task(JOB_TASKS["gc"], args=["job-1"], task_id="job-1")
+    celery_client(unix_redis_url).send_task(JOB_TASKS["gc"], args=["job-1"], task_id="job-1")
     assert connect_sync(unix_redis_url).llen("celery") == 1  # on the socket, in the URL's database
 
     worker = make_celery(JobsConfig(redis_url=unix_redis_url, database_url="postgresql+psycopg://nobody@127.0.0.1/x"))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 import uuid
 from pathlib import Path
 
@@ -22,6 +23,8 @@ from trainer_testlib import WeightServer
 from harness.ports import free_port
 from harness.procs import stop, wait_until
 from shared import streams
+from shared.bus import announce, await_answer
+from shared.messages import JobRequest, JobRequestReply
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +84,42 @@ def test_reimport_job_adds_a_version_and_a_redelivered_job_does_not(client, tmp_
     assert (first["result"]["version"], again["result"]["version"]) == (1, 2)
     versions = client.get("/v1/datasets/re-imp").json()["splits"]["train"]["versions"]
     assert [(v["version"], v["num_rows"]) for v in versions] == [(1, 2), (2, 2)]
+
+
+def ask(r, kind: str, params: dict, *, times: int = 1, expires_in_s: float = 10.0) -> tuple[str, JobRequestReply]:
+    """A `JobRequest` sent on `jobs.requests` `times` times (a redelivery), and the intake's answer."""
+    now = time.time()
+    req = JobRequest(job_id=str(uuid.uuid4()), kind=kind, params=params, sent_at=now, expires_at=now + expires_in_s)
+    for _ in range(times):
+        announce(r, streams.JOB_REQUESTS, req)
+    answer = await_answer(r, streams.job_reply(req.job_id), JobRequestReply, time.monotonic() + 30)
+    assert answer is not None, f"the intake did not answer the {kind} request"
+    return req.job_id, answer
+
+
+def test_a_request_delivered_twice_is_one_job_and_one_version(client, worker, redis_url):
+    """The intake stores a request under the id its sender chose: a second delivery finds the row (no duplicate-key
+    failure, no dead letter) and the job's effect happens once."""
+    r = redis.Redis.from_url(redis_url)
+    job_id, answer = ask(r, "import_dataset", {"name": "twice", "generator": "arithmetic", "n": 3}, times=2)
+    assert answer.outcome == "queued"
+    assert finished_job(client, {"id": job_id})["status"] == "succeeded"
+    wait_until(lambda: r.xpending(streams.JOB_REQUESTS, streams.GROUP_JOBS)["pending"] == 0, 30,
+               "both deliveries to be acknowledged")
+    versions = client.get("/v1/datasets/twice").json()["splits"]["train"]["versions"]
+    assert [v["version"] for v in versions] == [1]
+    assert r.xlen(streams.dead_letter(streams.JOB_REQUESTS)) == 0
+
+
+def test_an_expired_request_is_stored_nowhere_and_an_unknown_kind_is_a_failed_job(client, worker, redis_url):
+    r = redis.Redis.from_url(redis_url)
+    job_id, answer = ask(r, "gc", {"keep_checkpoints": 1}, expires_in_s=-1)  # its sender has given up
+    assert answer.outcome == "expired"
+    assert client.get(f"/v1/jobs/{job_id}").status_code == 404
+    job_id, answer = ask(r, "reindex", {})
+    assert answer.outcome == "queued"
+    job = client.get(f"/v1/jobs/{job_id}").json()
+    assert job["status"] == "failed" and "unknown job kind 'reindex'" in job["error"] and "import_dataset" in job["error"]
 
 
 def test_import_jsonl_csv_and_hf_folder(client, tmp_path):

@@ -20,13 +20,13 @@ from sqlalchemy import insert, select, update
 from sqlalchemy.orm import Session
 
 from harness.procs import ServiceGroup, wait_heartbeat, wait_until
-from shared.bus import announce
+from shared.bus import announce, await_answer
 from shared.db.models import Dataset, DatasetRow, Run, RunEvent
 from shared.db.session import make_engine
 from shared.messages import RunCommand, RunCommandReply, RunControl, decode
 from shared.run_config import RunConfig
-from shared.runs import ControllerUnavailable, await_reply, create_run, run_command
-from shared.streams import RUN_COMMANDS, RUN_CONTROL
+from shared.runs import ControllerUnavailable, create_run, run_command
+from shared.streams import RUN_COMMANDS, RUN_CONTROL, command_reply
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +68,7 @@ def config(name: str) -> RunConfig:
 
 def send(sync_redis, cmd: RunCommand, wait_s: float = 10.0) -> RunCommandReply:
     announce(sync_redis, RUN_COMMANDS, cmd)
-    reply = await_reply(sync_redis, cmd.command_id, time.monotonic() + wait_s)
+    reply = await_answer(sync_redis, command_reply(cmd.command_id), RunCommandReply, time.monotonic() + wait_s)
     assert reply is not None, f"no reply to {cmd.action} within {wait_s} s"
     return reply
 

@@ -1,8 +1,7 @@
 """Every table has one writing owner (shared/db/owners.py), read off the code: a service that writes a table it
 does not own (SQLAlchemy insert/update/delete/`session.add` of its model, an attribute set on a row it loaded,
-or INSERT/UPDATE/DELETE/COPY in SQL text), itself or through a `shared/` function it imports, fails here unless the map lists that write as a known
-exception with its reason; an exception no longer in the code fails too, so the list only shrinks. Readers are
-checked the same way, and the README's "Who owns what" table shows the map.
+or INSERT/UPDATE/DELETE/COPY in SQL text), itself or through a `shared/` function it imports, fails here. Readers
+are checked the same way, and the README's "Who owns what" table shows the map.
 
     pytest -q tests/unit/test_table_owners.py
 """
@@ -180,23 +179,21 @@ def test_every_table_has_an_entry():
     assert set(OWNERS) == set(TABLES), f"tables without an owner: {sorted(set(TABLES) - set(OWNERS))}; " \
         f"entries for no table: {sorted(set(OWNERS) - set(TABLES))}"
     for table, o in OWNERS.items():
-        assert {o.owner, *o.readers, *o.also_written_by} <= SERVICES, table
+        assert {o.owner, *o.readers} <= SERVICES, table
 
 
 def test_only_the_owner_writes_a_table():
     written, _ = table_access(REPO)
     stray = {(t, s): sorted(files) for t, by in written.items() for s, files in by.items()
-             if s != OWNERS[t].owner and s not in OWNERS[t].also_written_by}
+             if s != OWNERS[t].owner}
     assert stray == {}, "services writing tables they do not own (shared/db/owners.py): send the owner a " \
-        f"message instead, or record the exception with its reason: {stray}"
-    gone = {(t, s) for t, o in OWNERS.items() for s in o.also_written_by if s not in written.get(t, {})}
-    assert gone == set(), f"{sorted(gone)} no longer write: delete these exceptions from shared/db/owners.py"
+        f"message instead: {stray}"
 
 
 def test_readers_are_declared():
     _, read = table_access(REPO)
     undeclared = {(t, s): sorted(files)[:3] for t, by in read.items() for s, files in by.items()
-                  if s not in {OWNERS[t].owner, *OWNERS[t].readers, *OWNERS[t].also_written_by}}
+                  if s not in {OWNERS[t].owner, *OWNERS[t].readers}}
     assert undeclared == {}, f"services reading tables the map does not list them for: {undeclared}"
     stale = {(t, s) for t, o in OWNERS.items() for s in o.readers if s not in read.get(t, {})}
     assert stale == set(), f"{sorted(stale)} no longer read these tables: delete them from the map's readers"
@@ -209,8 +206,7 @@ def test_the_readme_table_shows_the_map():
             for cells in [[c.strip() for c in line.strip("|").split("|")]]}
     assert set(rows) == set(OWNERS)
     for table, o in OWNERS.items():
-        assert rows[table][1:5] == [o.owner, ", ".join(o.also_written_by) or "-", ", ".join(o.readers) or "-",
-                                    o.changed_by], table
+        assert rows[table][1:4] == [o.owner, ", ".join(o.readers) or "-", o.changed_by], table
 
 
 def test_the_scan_sees_every_spelling(tmp_path):

@@ -4,7 +4,8 @@ preview rows, delete. Each upload or import of a (name, split) adds an immutable
 The jobs worker is the one writer of datasets: an upload is checked here (a bad file is answered 400 at once),
 written under DATA_DIR/uploads (the volume the API and the jobs worker share) and imported by a job; a delete is
 a job too. Both routes wait for their job (DATASET_JOB_WAIT_S) and answer with its outcome, or 202 with the job
-when no jobs worker finished it in time: it is queued, not lost."""
+when it has not finished in time: it is queued, not lost. With no jobs service to queue it they answer 503, and
+the uploaded file is removed: nothing was stored and nothing will be."""
 
 from __future__ import annotations
 
@@ -72,16 +73,19 @@ def upload_dataset(
     tmp.write_bytes(data)
     tmp.rename(path)  # the job never reads half a file
     try:
-        job = submit_job(session, request.app.state.celery, "import_dataset", {
+        job = submit_job(request, session, "import_dataset", {
             "name": name, "split": split, "path": str(path), "format": fmt, "upload": file.filename or ""})
     except ApiError:
-        path.unlink(missing_ok=True)  # the job could not be sent (503): nobody will import the file
+        path.unlink(missing_ok=True)  # no job was queued (503): nobody will import the file
         raise
     return _outcome(request, config, job, lambda done: done.result)
 
 
 def _outcome(request: Request, config: Config, job: dict, answer) -> Any:
-    """The finished job's answer; its refusal as 400, 404 or 409; or 202 with the job still to finish."""
+    """The finished job's answer; its refusal as 400, 404 or 409; or 202 with the job still to finish (at once
+    when DATASET_JOB_WAIT_S is 0)."""
+    if config.dataset_job_wait_s == 0:
+        return JSONResponse(status_code=202, content=jsonable_encoder(job))
     done = wait_for_job(request.app.state.engine, job["id"], config.dataset_job_wait_s)
     if done.status not in ("succeeded", "failed"):
         return JSONResponse(status_code=202, content=jsonable_encoder(job_out(done)))
@@ -120,7 +124,7 @@ class ImportRequest(StrictBody):
 @router.post("/import", status_code=202, response_model=JobPublic, responses=errors(400, 422, 503))
 def import_dataset(body: ImportRequest, request: Request, session: DB) -> dict:
     """Queue an import job; poll GET /v1/jobs/{id} for its outcome (rows, or the validation error)."""
-    return submit_job(session, request.app.state.celery, "import_dataset", body.model_dump())
+    return submit_job(request, session, "import_dataset", body.model_dump())
 
 
 @router.get("/{name}", response_model=DatasetDetail, responses=errors(404, 422))
@@ -158,6 +162,6 @@ def delete_dataset(name: str, request: Request, config: Config, session: DB,
     if not catalog(request).exists(name, split):
         raise ApiError(404, f"dataset {name!r}" + (f" split {split!r}" if split else "") + " does not exist",
                        field="name", hint="list them with GET /v1/datasets")
-    job = submit_job(session, request.app.state.celery, "delete_dataset",
+    job = submit_job(request, session, "delete_dataset",
                      {"name": name, "split": split, "version": version})
     return _outcome(request, config, job, lambda done: Response(status_code=204))

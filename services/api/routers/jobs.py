@@ -31,7 +31,7 @@ def show_job(job_id: uuid.UUID, session: DB) -> dict:
 
 
 @router.get("/jobs", response_model=Page[JobPublic], responses=errors(422))
-def list_jobs(session: DB, kind: Literal["import_dataset", "evaluate", "export", "gc", "sync_tracking"] | None = None,
+def list_jobs(session: DB, kind: Literal["import_dataset", "delete_dataset", "evaluate", "export", "gc", "sync_tracking"] | None = None,
               limit: Annotated[int, Query(ge=1, le=1000)] = 50) -> dict:
     q = select(Job)
     if kind:
@@ -68,7 +68,7 @@ def evaluate(body: EvalRequest, request: Request, session: DB) -> dict:
                            hint="list them with GET /v1/runs/{id}/checkpoints")
     params = body.model_dump(mode="json")
     params["config"]["kind"] = "eval"
-    return submit_job(session, request.app.state.celery, "evaluate", params)
+    return submit_job(request, session, "evaluate", params)
 
 
 class GcRequest(StrictBody):
@@ -78,4 +78,4 @@ class GcRequest(StrictBody):
 
 @router.post("/jobs/gc", status_code=202, response_model=JobPublic, responses=errors(400, 422, 503))
 def collect_garbage(body: GcRequest, request: Request, session: DB) -> dict:
-    return submit_job(session, request.app.state.celery, "gc", body.model_dump())
+    return submit_job(request, session, "gc", body.model_dump())

@@ -246,4 +246,4 @@ def run_events(run_id: RunId, session: DB, after_id: Annotated[int, Query(ge=0, 
 def export_run(run_id: RunId, request: Request, session: DB, config: Config) -> dict:
     """Queue an export of the run's trajectories to parquet (a job; poll GET /v1/jobs/{id})."""
     get_run(session, run_id)
-    return submit_job(session, request.app.state.celery, "export", {"run_id": str(run_id)}, run_id=run_id)
+    return submit_job(request, session, "export", {"run_id": str(run_id)}, run_id=run_id)

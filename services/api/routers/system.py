@@ -21,7 +21,8 @@ STREAM_LAG = Gauge("stream_lag", "Entries not yet delivered to the group", ["str
 DEAD_LETTERS = Gauge("stream_dead_letters", "XLEN of a stream's dead-letter stream", ["stream"])
 RUNS_BY_STATUS = Gauge("runs", "Runs by status", ["status"])
 MONITORED_STREAMS = (streams.ROLLOUT_TASKS, streams.ENV_REQUESTS, streams.TRAJECTORIES, streams.ACCEPTED_RESULTS,
-                     streams.TRAINER_PROGRESS, streams.WEIGHTS, streams.RUN_COMMANDS, streams.RUN_CONTROL)
+                     streams.TRAINER_PROGRESS, streams.WEIGHTS, streams.RUN_COMMANDS, streams.RUN_CONTROL,
+                     streams.JOB_REQUESTS)
 
 
 @router.get("/healthz", response_model=Health)

@@ -14,6 +14,8 @@ from shared.messages import (
     EnvReply,
     EnvRequest,
     EpisodeResult,
+    JobRequest,
+    JobRequestReply,
     MessageDecodeError,
     RolloutTask,
     RunCommand,
@@ -59,6 +61,10 @@ SAMPLES["run_command"] = RunCommand(command_id="c1", run_id="r", action="create"
                                     created_by="job j", sent_at=NOW, expires_at=NOW + 10)
 SAMPLES["run_command_reply"] = RunCommandReply(command_id="c1", outcome="refused", status="pending",
                                                message="cannot pause a run that is pending")
+SAMPLES["job_request"] = JobRequest(job_id="0b7c9e5e-4f7a-4c55-9a51-7d1e2f7a9c10", kind="export", params={"run_id": "r"},
+                                    run_id="r", sent_at=NOW, expires_at=NOW + 10)
+SAMPLES["job_request_reply"] = JobRequestReply(job_id="0b7c9e5e-4f7a-4c55-9a51-7d1e2f7a9c10", outcome="expired",
+                                               message="read after its sender stopped waiting")
 
 
 def test_every_message_type_has_a_sample():
