@@ -74,6 +74,7 @@ MESSAGES_SKIPPED = Counter(
 HANDLER_FAILURES = Counter("bus_handler_failures_total", "Handler exceptions", ["stream", "group"])
 
 DEFAULT_MAXLEN = 1_000_000
+LAG_COUNT_MAX = 100_000  # stream_stats on Redis 6.2 counts a group's lag this far at most
 ANSWER_TTL_S = 60  # an answer stream expires this long after its answer (its sender waited less)
 # Redis unreachable (restarting, network blip). Consumers ride these out; see StreamConsumer.read/ack/fail.
 REDIS_DOWN = (OSError, TimeoutError, RedisConnectionError, RedisTimeoutError)
@@ -841,8 +842,19 @@ def stream_stats(redis: SyncRedis, stream: str) -> StreamStats:
     except ResponseError:  # no such stream
         groups = []
     return StreamStats(stream, redis.xlen(stream), redis.xlen(dead_letter(stream)), [
-        GroupStats(g["name"].decode() if isinstance(g["name"], bytes) else g["name"], g["pending"], g.get("lag") or 0)
+        GroupStats(g["name"].decode() if isinstance(g["name"], bytes) else g["name"], g["pending"], _lag(redis, stream, g))
         for g in groups])
+
+
+def _lag(redis: SyncRedis, stream: str, group: dict) -> int:
+    """Entries not yet delivered to `group`: XINFO's `lag` on Redis 7 (0 where Redis cannot tell, after deletions);
+    Redis 6.2 (the embedded one) has no such field, so the entries after the group's last delivered id are
+    counted, up to LAG_COUNT_MAX."""
+    if "lag" in group:
+        return group["lag"] or 0
+    last = group["last-delivered-id"]
+    return len(redis.xrange(stream, min="(" + (last.decode() if isinstance(last, bytes) else last), max="+",
+                            count=LAG_COUNT_MAX))
 
 
 def _parse_id(value: bytes | str) -> tuple[int, int]:
