@@ -1,6 +1,6 @@
-"""The service runtime (shared/service.py) in process, on real Redis: a stop lets the HTTP requests in flight
+"""The service runtime (shared/service.py) on real Redis: a stop lets the HTTP requests in flight
 finish, then runs the `on_stop` cleanups, the last registered first; the heartbeat key is there while it runs
-and gone after."""
+and gone after. And in a process of its own: a loop that dies beside a foreground framework stops the process."""
 
 from __future__ import annotations
 
@@ -56,3 +56,37 @@ async def test_stop_drains_requests_then_runs_cleanups_last_registered_first(red
     assert await served == 0
     assert order == ["request finished", "last registered", "first registered"]
     assert not await redis_client.exists(heartbeat_key("probe", "rt-1"))
+
+
+FOREGROUND_PROGRAM = """
+import signal, sys, threading
+from shared.service import run_service
+from shared.settings import ServiceSettings
+
+async def build(settings, runtime):
+    async def dies():
+        raise RuntimeError("the intake died")
+    return [dies()]
+
+def foreground(settings):  # a framework's main loop (Celery's): runs until SIGTERM
+    stopped = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stopped.set())
+    stopped.wait(60)
+    print("foreground stopped by SIGTERM" if stopped.is_set() else "foreground ran on", flush=True)
+
+sys.exit(run_service(ServiceSettings(redis_url=sys.argv[1], health_host="127.0.0.1", health_port=0,
+                                     worker_id="rt-fg", service_name="probe"),
+                     build, dependencies=("redis",), foreground=foreground))
+"""
+
+
+def test_a_loop_that_dies_beside_a_foreground_stops_the_process(redis_url):
+    """run_service's guarantee: a runtime that stops on its own (a loop died) sends its process SIGTERM, so a
+    foreground framework (the jobs service's Celery worker) does not go on without its loops (the intake)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", FOREGROUND_PROGRAM, redis_url], capture_output=True, text=True,
+                          timeout=60)
+    assert "foreground stopped by SIGTERM" in done.stdout, done.stdout + done.stderr
+    assert done.returncode == 1, done.stderr  # the loop's failure is the process's exit code
