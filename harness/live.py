@@ -46,7 +46,8 @@ def register_dataset(engine: Engine, name: str, n: int, split: str = "test", see
 
 
 def insert_run(engine: Engine, config: dict) -> str:
-    """A pending run, as the API inserts it (the config validated the same way); the controller takes it."""
+    """A pending run as the controller creates it for a `create` command (the config validated the same way),
+    written directly: the harness's shortcut for stacks without an API. A controller then drives it."""
     from sqlalchemy.orm import Session
 
     from shared.db.models import Run

@@ -1,4 +1,4 @@
-"""The API assembled in one place: state (engine, Redis, Celery client), routers, error handlers, metrics,
+"""The API assembled in one place: state (engine, Redis), routers, error handlers, metrics,
 and the dashboard's static files. services/api/main.py serves it on the service runtime (heartbeat, signals)."""
 
 from __future__ import annotations
