@@ -6,7 +6,7 @@ tests/integration/test_bus.py and test_bus_patterns.py):
 |---|---|---|---|
 | work queue, held until done | `StreamBus.publish` / `publish_many` | `StreamConsumer` (a consumer group) | `rollout.tasks`, `trajectories`, `results.accepted`, `trainer.progress`, `<stream>.dlq` |
 | request/reply | `RequestClient.call` / `send` | `RequestServer` (group on a shared stream + own inbox) | env sessions |
-| command, answered once | `announce` (sync), then `await_answer` on the command's own answer stream | `StreamConsumer`, then `StreamBus.answer` | `run.commands`, `jobs.requests` |
+| command, answered once | `ask` (sync: `announce`, then `await_answer` on the command's own answer stream) | `StreamConsumer`, then `StreamBus.answer` | `run.commands`, `jobs.requests` |
 | broadcast | `StreamBus.publish`, `announce` (sync) | `BroadcastReader` (own cursor, no group) | `weights` |
 | inspection | - | `stream_stats` (sync, read-only) | the API's /metrics |
 
@@ -76,6 +76,7 @@ HANDLER_FAILURES = Counter("bus_handler_failures_total", "Handler exceptions", [
 DEFAULT_MAXLEN = 1_000_000
 LAG_COUNT_MAX = 100_000  # stream_stats on Redis 6.2 counts a group's lag this far at most
 ANSWER_TTL_S = 60  # an answer stream expires this long after its answer (its sender waited less)
+ANSWER_GRACE_S = 2.0  # `ask` waits this much past a command's expiry, for the answer of a consumer that read it in time
 # Redis unreachable (restarting, network blip). Consumers ride these out; see StreamConsumer.read/ack/fail.
 REDIS_DOWN = (OSError, TimeoutError, RedisConnectionError, RedisTimeoutError)
 log = get_logger(__name__)
@@ -598,6 +599,14 @@ def announce(redis: SyncRedis, stream: str, msg: Message, *, maxlen: int = DEFAU
     entry_id = redis.xadd(stream, encode(msg), maxlen=maxlen, approximate=True)
     MESSAGES_PUBLISHED.labels(stream).inc()
     return entry_id
+
+
+def ask(redis: SyncRedis, stream: str, command: Message, answer_stream: str, expect: type[M],
+        wait_s: float) -> M | None:
+    """Send `command` (which expires `wait_s` from now) on `stream` and wait for its answer on `answer_stream`,
+    ANSWER_GRACE_S past the expiry; None without one (the sender then asks the database what happened)."""
+    announce(redis, stream, command)
+    return await_answer(redis, answer_stream, expect, time.monotonic() + wait_s + ANSWER_GRACE_S)
 
 
 def await_answer(redis: SyncRedis, stream: str, expect: type[M], deadline: float) -> M | None:

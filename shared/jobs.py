@@ -15,7 +15,7 @@ from typing import Any
 from sqlalchemy import exists, select
 from sqlalchemy.orm import Session
 
-from shared.bus import SyncRedis, announce, await_answer
+from shared.bus import SyncRedis, ask
 from shared.db.models import Job
 from shared.messages import JobRequest, JobRequestReply
 from shared.streams import JOB_REQUESTS, job_reply
@@ -33,7 +33,6 @@ JOB_TASKS: dict[str, str] = {
 JOB_STATUSES = ("queued", "running", "succeeded", "failed")
 JOB_REFUSALS = ("invalid", "not_found", "in_use")
 REQUEST_WAIT_S = 10.0  # how long a sender waits for the jobs service to store a job, seconds
-ANSWER_GRACE_S = 2.0  # and how much longer for the answer of an intake that read it just in time
 
 
 class JobsUnavailable(Exception):
@@ -45,7 +44,7 @@ def request_job(session: Session, redis_client: SyncRedis, kind: str, params: di
                 run_id: uuid.UUID | None = None, wait_s: float = REQUEST_WAIT_S) -> uuid.UUID:
     """Ask the jobs service for a job and wait until it is queued; its id (GET /v1/jobs/{id} follows it).
 
-    The request expires `wait_s` after it is sent; this waits ANSWER_GRACE_S longer, so the answer of an intake
+    The request expires `wait_s` after it is sent; this waits bus.ANSWER_GRACE_S longer, so the answer of an intake
     that read it in time still arrives. Without one, the database says whether the job was stored anyway: the
     answer never reports a job that does not exist, nor hides one that does. JobsUnavailable when it was not
     stored; RedisError when the request could not be sent."""
@@ -54,9 +53,7 @@ def request_job(session: Session, redis_client: SyncRedis, kind: str, params: di
     now, job_id = time.time(), uuid.uuid4()
     req = JobRequest(job_id=str(job_id), kind=kind, params=params, run_id=str(run_id) if run_id else None,
                      sent_at=now, expires_at=now + wait_s)
-    announce(redis_client, JOB_REQUESTS, req)
-    answer = await_answer(redis_client, job_reply(req.job_id), JobRequestReply,
-                          time.monotonic() + wait_s + ANSWER_GRACE_S)
+    answer = ask(redis_client, JOB_REQUESTS, req, job_reply(req.job_id), JobRequestReply, wait_s)
     stored = answer is not None and answer.outcome == "queued"
     if not stored and not session.execute(select(exists().where(Job.id == job_id))).scalar():
         raise JobsUnavailable(

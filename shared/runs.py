@@ -33,7 +33,7 @@ from sqlalchemy import Connection, Engine, exists, select
 from sqlalchemy.dialects.postgresql import array
 from sqlalchemy.orm import Session
 
-from shared.bus import RedisError, SyncRedis, announce, await_answer
+from shared.bus import RedisError, SyncRedis, ask
 from shared.datasets import DatasetNotFound, count_rows, pin_version
 from shared.db.models import Dataset, DatasetRow, Run, RunEvent
 from shared.messages import RunCommand, RunCommandReply
@@ -49,7 +49,6 @@ TINY_MODEL_HINT = ("to make the tiny test model the examples name, run "
 
 
 COMMAND_WAIT_S = 10.0  # how long a sender waits for the controller to apply a run command, seconds
-REPLY_GRACE_S = 2.0  # and how much longer for the answer of a controller that read it just in time
 
 DATASET_HINT = "upload it with POST /v1/datasets or `flywheel datasets import`; list them with `flywheel datasets list`"
 
@@ -105,7 +104,7 @@ def run_command(session: Session, redis_client: SyncRedis, run_id: uuid.UUID | s
                 wait_s: float = COMMAND_WAIT_S, **create: Any) -> RunCommandReply:
     """Send one `RunCommand` on `run.commands` and wait for the controller's reply (shared/messages/control.py).
 
-    The command expires `wait_s` after it is sent; this waits a little longer (REPLY_GRACE_S), so an answer
+    The command expires `wait_s` after it is sent; this waits a little longer (bus.ANSWER_GRACE_S), so an answer
     from a controller that read it in time still arrives. Without one, the database says whether the command
     was applied anyway (its run, or its `status_changed` event, exists): the answer never reports a change
     that did not happen, nor hides one that did. ControllerUnavailable when it was not applied; RedisError when
@@ -113,9 +112,7 @@ def run_command(session: Session, redis_client: SyncRedis, run_id: uuid.UUID | s
     now = time.time()
     cmd = RunCommand(command_id=uuid.uuid4().hex, run_id=str(run_id), action=action, sent_at=now,
                      expires_at=now + wait_s, **create)
-    announce(redis_client, RUN_COMMANDS, cmd)
-    reply = await_answer(redis_client, command_reply(cmd.command_id), RunCommandReply,
-                         time.monotonic() + wait_s + REPLY_GRACE_S)
+    reply = ask(redis_client, RUN_COMMANDS, cmd, command_reply(cmd.command_id), RunCommandReply, wait_s)
     if reply is None or reply.outcome == "expired":
         status = _applied_status(session, cmd)
         if status is None:

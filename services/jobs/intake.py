@@ -50,21 +50,19 @@ class JobIntake:
     def store(self, req: JobRequest, expired: bool) -> JobRequestReply:
         """The request as a `queued` job with its task sent; `expired` (read too late) stores nothing."""
         job_id = uuid.UUID(req.job_id)
-        with Session(self.engine) as s:
+        with Session(self.engine, expire_on_commit=False) as s:
             job = s.get(Job, job_id)
             if job is None and expired:
                 return JobRequestReply(job_id=req.job_id, outcome="expired",
                                        message="read after its sender stopped waiting; nothing was queued")
             if job is None:
-                known = req.kind in JOB_TASKS
-                s.add(Job(id=job_id, kind=req.kind, params=req.params, result={},
-                          run_id=uuid.UUID(req.run_id) if req.run_id else None,
-                          status="queued" if known else "failed",
-                          error=None if known else f"unknown job kind {req.kind!r}: one of {', '.join(JOB_TASKS)}"))
+                job = Job(id=job_id, kind=req.kind, params=req.params, result={},
+                          run_id=uuid.UUID(req.run_id) if req.run_id else None, status="queued")
+                if req.kind not in JOB_TASKS:
+                    job.status, job.error = "failed", f"unknown job kind {req.kind!r}: one of {', '.join(JOB_TASKS)}"
+                s.add(job)
                 s.commit()
-                status = "queued" if known else "failed"
-            else:
-                status = job.status
+            status = job.status
         if status == "queued":
             self.send(req)
         return JobRequestReply(job_id=req.job_id, outcome="queued")
