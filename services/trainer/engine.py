@@ -56,20 +56,23 @@ class PolicyEngine:
                  micro_batch_size: int = 8, group_size: int = 1, temperature: float = 1.0,
                  lr_warmup_steps: int = 0, remove_padding: bool = False, micro_batch_tokens: int | None = None,
                  attn_implementation: str = "sdpa", fused_backend: str | None = "auto", lora: dict | None = None,
-                 engine_options: dict | None = None, compile_layers: bool = False):
+                 engine_options: dict | None = None, compile_layers: bool = False, use_liger: bool = False):
         """`micro_batch_tokens` set: verl's dynamic batch size, micro-batches formed by a token budget (each
         holds sequences whose lengths sum to at most this; a longer sequence gets one of its own) instead of
         `micro_batch_size` rows. `remove_padding`: sequences are packed end to end into one row per micro-batch
         (verl's `use_remove_padding`), so no compute goes into padding; the attention stays per sequence
         (flash-attn varlen where installed, else transformers' block-diagonal mask built from the restarting
         position ids). `attn_implementation` is the HF attention (sdpa, flex_attention, flash_attention_2);
-        `fused_backend` verl's fused linear + log-prob kernel (torch or triton; auto: torch on CUDA, none on CPU,
+        `fused_backend` verl's fused linear + log-prob kernel (torch: chunked, fp32 logits per chunk;
+        chunked_triton: the same chunks, the vocabulary math in Triton over bf16 logits, logprob_kernel.py; liger:
+        liger-kernel's; auto: torch on CUDA, none on CPU,
         where the trainer service turns it on for packed sequences: verl patches the model class's forward for it,
         so an in-process HF model of that class, as the demos and tests use beside an engine, stops working);
         `lora` verl's LoRA fields of the model config (lora_rank, lora_alpha, target_modules; default: those of
         `algo.lora`); `engine_options` more `FSDPEngineConfig` fields
         (the GPU bench tries reshard_after_forward and the like). `compile_layers`: each decoder layer's forward
-        through torch.compile (verl's own flag compiles only the entropy function); FSDP2's hooks stay outside."""
+        through torch.compile (verl's own flag compiles only the entropy function); FSDP2's hooks stay outside.
+        `use_liger`: liger-kernel's fused RMSNorm, SwiGLU and RoPE in the model (verl's `use_liger`; CUDA)."""
         setup_distributed(device)
         from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig
 
@@ -96,8 +99,14 @@ class PolicyEngine:
             # sharded until then ("mixed torch.Tensor and DTensor"), so untied models take the unfused path
             log.info("model %s has an untied output layer: verl's fused log-prob kernel is not used", model_path)
             fused_backend = None
+        if fused_backend:
+            from services.trainer import logprob_kernel
+
+            # chunked_triton: verl's chunked torch kernel with the vocabulary math in Triton (logprob_kernel.py)
+            logprob_kernel.use(fused_backend == "chunked_triton")
+            fused_backend = "torch" if fused_backend == "chunked_triton" else fused_backend
         model_config = partial(_model_config, model_path, remove_padding=remove_padding, attn=attn_implementation,
-                               fused_backend=fused_backend, lora=lora)
+                               fused_backend=fused_backend, lora=lora, use_liger=use_liger)
         self.model_config = model_config()
         self.actor = self._worker(self.model_config, forward_only=False)
         if self.is_lora and algo.lora is not None and algo.lora.dropout > 0:
@@ -299,7 +308,8 @@ class PolicyEngine:
         return sum(p.numel() for p in self.actor.engine.module.parameters())
 
 
-def _model_config(path: str, *, remove_padding: bool, attn: str, fused_backend: str | None, lora: dict | None):
+def _model_config(path: str, *, remove_padding: bool, attn: str, fused_backend: str | None, lora: dict | None,
+                  use_liger: bool = False):
     """verl's fused linear + log-prob kernel (`fused_backend`, chunked, fp32 inside): without it, verl's unfused
     log-prob path loops in Python over the rows of the logits, one log_softmax each: per sequence when padded,
     per token when packed (16,384 CUDA launches per 16 x 1024 batch made a 0.5B step CPU-bound at 1.8% MFU; on
@@ -309,7 +319,7 @@ def _model_config(path: str, *, remove_padding: bool, attn: str, fused_backend: 
     return HFModelConfig(path=path, override_config={"attn_implementation": attn}, use_remove_padding=remove_padding,
                          enable_gradient_checkpointing=False, use_fused_kernels=fused_backend is not None,
                          fused_kernel_options={"impl_backend": fused_backend} if fused_backend else {},
-                         **(lora or {}))
+                         use_liger=use_liger, **(lora or {}))
 
 
 def _compile_decoder_layers(model: torch.nn.Module, *, dynamic: bool) -> int:
