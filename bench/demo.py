@@ -139,11 +139,12 @@ def run_inprocess(model_dir: Path, steps: int = STEPS, tasks: int = TASKS, n: in
 
 # -- the full stack ------------------------------------------------------------------------------------------
 def demo_config(model_dir: Path, steps: int, tasks: int, n: int, lr: float, max_staleness: int,
-                stale_policy: str = "drop", lora: dict | None = None) -> dict:
+                stale_policy: str = "drop", lora: dict | None = None, engine: dict | None = None) -> dict:
+    """The demo's run config; `engine`: more EngineConfig fields (bench/gpu_check.py: the device)."""
     return {
         "name": "recall-demo", "kind": "train", "model": str(model_dir), "dataset": "recall",
         "agent": {"name": "bench.recall:RecallAgent"}, "env": {"name": "bench.recall:RecallEnv"},
-        "engine": {"type": "hf", "max_batch_size": tasks * n}, "sampling": {"temperature": 1.0},
+        "engine": {"type": "hf", "max_batch_size": tasks * n, **(engine or {})}, "sampling": {"temperature": 1.0},
         "algorithm": ALGORITHM | {"lr": lr} | ({"lora": lora} if lora else {}),
         "samples_per_task": n, "tasks_per_batch": tasks, "max_prompt_tokens": 64, "max_response_tokens": 1,
         # Reload lag leaves a few samples one version past the bound: dropped (the default; the controller

@@ -38,11 +38,19 @@ VARIANTS: dict[str, dict] = {
                                  "attn_implementation": "flex_attention", "compile_layers": True},
     "lora_r32_mb16": {"micro_batch_size": 16,
                       "lora": {"lora_rank": 32, "lora_alpha": 64, "target_modules": "all-linear"}},
+    # the vocabulary math of verl's chunked kernel in Triton over bf16 logits (services/trainer/logprob_kernel.py),
+    # then also liger-kernel's fused RMSNorm, SwiGLU and RoPE (verl's use_liger)
+    "padded_mb16_chunked_triton": {"micro_batch_size": 16, "fused_backend": "chunked_triton"},
+    "padded_mb16_chunked_triton_liger": {"micro_batch_size": 16, "fused_backend": "chunked_triton", "use_liger": True},
+    "packed_16k_flex_chunked_triton_liger": {"micro_batch_size": 16, "remove_padding": True,
+                                             "micro_batch_tokens": 16384, "attn_implementation": "flex_attention",
+                                             "fused_backend": "chunked_triton", "use_liger": True},
+    "padded_mb16_liger": {"micro_batch_size": 16, "fused_backend": "liger"},
 }
 
 
 def build_model(folder: Path, layers: int, hidden: int, heads: int, kv_heads: int, intermediate: int,
-                vocab: int) -> Path:
+                vocab: int, device: str = "cuda") -> Path:
     import shutil
 
     import torch
@@ -53,12 +61,12 @@ def build_model(folder: Path, layers: int, hidden: int, heads: int, kv_heads: in
     tiny = build_number_model(folder.parent / "tokenizer")  # a small local tokenizer; only its files are used
     folder.mkdir(parents=True, exist_ok=True)
     for f in tiny.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens")):
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
             shutil.copyfile(f, folder / f.name)
     config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
                          num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                          max_position_embeddings=32768, tie_word_embeddings=True, torch_dtype="bfloat16")
-    with torch.device("cuda"):
+    with torch.device(device):
         model = Qwen2ForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(folder)
     return folder

@@ -41,6 +41,7 @@ class Learner:
                 "grad_norm": verl_metrics.get("grad_norm", 0.0), "loss": verl_metrics.get("loss", 0.0),
                 "clip_fraction": verl_metrics.get("actor/pg_clipfrac", 0.0),
                 "ppo_kl": verl_metrics.get("actor/ppo_kl", 0.0), "kl_ref": verl_metrics.get("kl_loss", 0.0),
+                "mfu": verl_metrics.get("mfu", 0.0),  # verl's FLOPs estimate over the device's peak (0 on CPU)
             }
         if values is not None:
             critic = self.engine.update_critic(t, values, returns)
