@@ -1,4 +1,4 @@
-# The interface: install, up, demo, test, lint, bench-rollout, bench-train, chaos, gpu-smoke.
+# The interface: install, up, demo, test, lint, bench-rollout, bench-train, chaos, gpu-smoke, gpu-check.
 # Every target does its own set-up on a fresh machine (`install` is a prerequisite).
 SHELL := /bin/bash
 VENV ?= .venv
@@ -127,6 +127,15 @@ chaos: install
 
 gpu-smoke: install
 	$(PY) -m bench.gpu_smoke --diff
+
+# The stack on a lent GPU in one script (services, log-prob kernels and MFU, LoRA) -> bench/results/gpu_check.json.
+# `make gpu-wheels` here first: what the device lacks, as cp312 wheels in .whl/ (carry it), checked to fit.
+.PHONY: gpu-check gpu-wheels
+gpu-check:
+	$(if $(wildcard $(PY)),$(PY),python3) -m bench.gpu_check
+
+gpu-wheels: install
+	$(PY) -m infra.gpu.wheels
 
 # The project's docker-compose.yml really up (rootful podman + Docker Compose v2; set-up in
 # infra/compose/podman-host.sh, root needed): builds, health, an eval and a training run. ~15 min cold on 2 cores.
