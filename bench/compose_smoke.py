@@ -168,8 +168,9 @@ def exercise(stack: Stack, api_url: str, token: str, train_steps: int, timeout_s
         "eval_completed": eval_run["status"] == "completed",
         "eval_trajectories": trajectories(eval_run["id"]),
         "code_env_run": code_run["id"], "code_env_status": code_run["status"],
-        "code_env_steps": sandboxed[:4],
-        "code_env_completed": (code_run["status"] == "completed" and bool(sandboxed)
+        "code_env_trajectories": trajectories(code_run["id"]), "code_env_steps": sandboxed[:4],
+        # every trajectory's program ran in the sandbox (an env that failed to run it leaves no such step)
+        "code_env_completed": (code_run["status"] == "completed" and len(sandboxed) >= trajectories(code_run["id"]) > 0
                                and all(line.startswith("namespaces|") for line in sandboxed)),
         "train_run": train_run["id"], "train_status": train_run["status"],
         "train_policy_version": train_run["policy_version"],
