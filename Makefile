@@ -138,7 +138,8 @@ gpu-wheels: install
 	$(PY) -m infra.gpu.wheels
 
 # The project's docker-compose.yml really up (rootful podman + Docker Compose v2; set-up in
-# infra/compose/podman-host.sh, root needed): builds, health, an eval and a training run. ~15 min cold on 2 cores.
+# infra/compose/podman-host.sh, root needed): builds, health, an eval, a code-env run in the env worker's sandbox,
+# a training run, the escape suite in the env-worker container. 7-8 min cold on 2 cores; in CI (.ci/run).
 .PHONY: compose-smoke k8s-validate
 compose-smoke: install
 	$(PY) -m bench.compose_smoke

@@ -8,9 +8,11 @@
 3. Through the REST API (run_s): a dataset upload, an evaluation run on the tiny model `model-init` wrote,
    completed; a training run until it has trained `--train-steps` versions. Postgres (through
    `docker compose exec postgres psql`) must hold every run's trajectories, and the training run's rollouts
-   must have been served by at least 2 hot-reloaded policy versions (versions >= 1).
+   must have been served by at least 2 hot-reloaded policy versions (versions >= 1). A code-env evaluation
+   runs the model's code in the env worker's sandbox (every step's info says `sandbox: namespaces`), and the
+   escape suite runs inside the env-worker container (`python -m harness.sandbox_escapes`): all contained.
 4. `docker compose down -v`, and bench/results/compose.json: services, healthy, eval_completed,
-   train_versions_served, build_s, up_s, run_s (plus the per-image build timings and the run ids).
+   code_env_completed, escapes, train_versions_served, build_s, up_s, run_s, podman and compose versions.
 Exit status 0 only when every check passed.
 """
 
@@ -108,24 +110,43 @@ def run_config(kind: str, dataset: str, **extra) -> dict:
             "max_prompt_tokens": 256, "max_response_tokens": 8, "trajectory_timeout_s": 120.0, **extra}
 
 
+# Code tasks as input/output cases: whatever the tiny model writes runs in the env worker's sandbox.
+CODE_ROWS = [{"question": "Read two integers from stdin and print their sum.",
+              "tests": [{"input": f"{a} {b}\n", "output": str(a + b)}]} for a, b in ((1, 2), (3, 4))]
+
+
+def upload(api, name: str, rows: list[dict]) -> None:
+    body = "\n".join(json.dumps(r) for r in rows).encode()
+    stored = api.post("/v1/datasets", data={"name": name, "split": "train"}, files={"file": (f"{name}.jsonl", body)})
+    if stored.status_code != 201:  # 202: the jobs worker, which stores uploads, did not import it in time
+        raise RuntimeError(f"uploading {name}: {stored.status_code} {stored.text[:500]}")
+
+
 def exercise(stack: Stack, api_url: str, token: str, train_steps: int, timeout_s: float) -> dict:
-    """The evaluation and training runs through REST, then the checks against Postgres."""
+    """The evaluation, code-env and training runs through REST, then the checks against Postgres."""
     import httpx
 
     from shared.builtin.datasets import generate
 
     api = httpx.Client(base_url=api_url, headers={"Authorization": f"Bearer {token}"}, timeout=30)
-    rows = generate("arithmetic", 16, seed=1)
-    body = "\n".join(json.dumps(r) for r in rows).encode()
-    stored = api.post("/v1/datasets", data={"name": "smoke-arith", "split": "train"},
-                      files={"file": ("arith.jsonl", body)})
-    if stored.status_code != 201:  # 202: the jobs worker, which stores uploads, did not import it in time
-        raise RuntimeError(f"uploading smoke-arith: {stored.status_code} {stored.text[:500]}")
+    upload(api, "smoke-arith", generate("arithmetic", 16, seed=1))
+    upload(api, "smoke-code", CODE_ROWS)
 
     ev = api.post("/v1/runs", json=run_config("eval", "smoke-arith", max_tasks=4, samples_per_task=2))
     ev.raise_for_status()
     eval_run = wait_run(api, ev.json()["id"], lambda r: False, timeout_s)
     log(f"eval run {eval_run['id']}: {eval_run['status']} {eval_run.get('error') or ''}")
+
+    code = api.post("/v1/runs", json={**run_config("eval", "smoke-code", max_tasks=2, samples_per_task=1),
+                                       "name": "compose-smoke-code", "agent": {"name": "code"},
+                                       "env": {"name": "code"}, "max_response_tokens": 16})
+    code.raise_for_status()
+    code_run = wait_run(api, code.json()["id"], lambda r: False, timeout_s)
+    # Every env step of the run: what the sandbox reported (mode, the program's own error, e.g. a SyntaxError).
+    sandboxed = stack.psql(
+        "SELECT s.info->>'sandbox', coalesce(s.info->>'error', 'passed') FROM steps s JOIN trajectories t "
+        f"ON t.id = s.trajectory_id WHERE t.run_id = '{code_run['id']}' AND s.info ? 'duration_s'").splitlines()
+    log(f"code-env run {code_run['id']}: {code_run['status']} {code_run.get('error') or ''}; steps {sandboxed}")
 
     tr = api.post("/v1/runs", json=run_config(
         "train", "smoke-arith", samples_per_task=2, tasks_per_batch=2, total_steps=train_steps,
@@ -146,11 +167,34 @@ def exercise(stack: Stack, api_url: str, token: str, train_steps: int, timeout_s
         "eval_run": eval_run["id"], "eval_status": eval_run["status"],
         "eval_completed": eval_run["status"] == "completed",
         "eval_trajectories": trajectories(eval_run["id"]),
+        "code_env_run": code_run["id"], "code_env_status": code_run["status"],
+        "code_env_trajectories": trajectories(code_run["id"]), "code_env_steps": sandboxed[:4],
+        # every trajectory's program ran in the sandbox (an env that failed to run it leaves no such step)
+        "code_env_completed": (code_run["status"] == "completed" and len(sandboxed) >= trajectories(code_run["id"]) > 0
+                               and all(line.startswith("namespaces|") for line in sandboxed)),
         "train_run": train_run["id"], "train_status": train_run["status"],
         "train_policy_version": train_run["policy_version"],
         "train_trajectories": trajectories(train_run["id"]),
         "train_versions_served": len(served.split()),
     }
+
+
+def escapes_in_env_worker(stack: Stack) -> dict:
+    """The escape suite inside the env-worker container, as its user, under the sandbox the worker runs."""
+    out = stack.compose("exec", "-T", "env-worker", "python", "-m", "harness.sandbox_escapes", check=False,
+                        capture=True, timeout=600)
+    try:
+        return json.loads(out.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        return {"error": (out.stdout + out.stderr)[-2000:]}
+
+
+def versions(env: dict[str, str]) -> dict:
+    def first_line(*cmd: str) -> str:
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+        return (out.stdout or out.stderr).strip().splitlines()[0] if (out.stdout or out.stderr).strip() else ""
+
+    return {"podman": first_line("podman", "--version"), "compose": first_line(env["COMPOSE"], "version")}
 
 
 def main() -> None:
@@ -175,8 +219,9 @@ def main() -> None:
     env = {**os.environ, **load_env(state_dir / "env"), "POSTGRES_PASSWORD": secrets.token_hex(12),
            "API_TOKEN": token, "API_PORT": str(api_port), "COMPOSE_PROJECT": args.project}
     stack = Stack(env, args.project)
-    result: dict = {"services": [], "healthy": False, "eval_completed": False, "train_versions_served": 0,
-                    "build_s": round(build_s, 1), "up_s": None, "run_s": None}
+    result: dict = {"services": [], "healthy": False, "eval_completed": False, "code_env_completed": False,
+                    "train_versions_served": 0, "build_s": round(build_s, 1), "up_s": None, "run_s": None,
+                    **versions(env)}
     if timings.exists():  # this run's steps: "<time> <step> <seconds>s" (cached steps take a few seconds)
         result["build_timings"] = timings.read_text().splitlines()[logged:]
 
@@ -195,8 +240,13 @@ def main() -> None:
             run_started = time.monotonic()
             result.update(exercise(stack, f"http://127.0.0.1:{api_port}", token, args.train_steps, args.timeout))
             result["run_s"] = round(time.monotonic() - run_started, 1)
+            escapes_started = time.monotonic()
+            result["escapes"] = escapes_in_env_worker(stack)
+            result["escapes_s"] = round(time.monotonic() - escapes_started, 1)
+            log(f"escape suite in the env-worker container: {result['escapes']}")
             ok = (result["eval_completed"] and result["eval_trajectories"] > 0 and result["train_trajectories"] > 0
-                  and result["train_versions_served"] >= 2)
+                  and result["train_versions_served"] >= 2 and result["code_env_completed"]
+                  and result["escapes"].get("total", 0) > 0 and not result["escapes"].get("escaped", True))
         if not ok:
             logs = stack.compose("logs", "--no-color", "--tail", "40", check=False, capture=True)
             (state_dir / "smoke-failure.log").write_text(logs.stdout + logs.stderr)

@@ -105,6 +105,17 @@ ESCAPES = [
            UNHOOK + LIBC + "if libc.unshare(0x10000000 | 0x00020000) == 0:\n    print('ESCAPED unshare')\n"
            "os.makedirs('m', exist_ok=True)\n"
            "if libc.mount(b'none', b'm', b'tmpfs', 0, None) == 0:\n    print('ESCAPED mount')"),
+    Escape("nested user namespace: clone and clone3 with CLONE_NEWUSER",  # unshare: the escape above
+           UNHOOK + LIBC + "import platform, struct\n"
+           "clone = {{'x86_64': 56, 'aarch64': 220}}[platform.machine()]\n"
+           "L = ctypes.c_long\n"  # CLONE_NEWUSER | SIGCHLD; clone3 reads the same from its struct clone_args
+           "for name, nr, args in (('clone', clone, (L(0x10000000 | 17), L(0), L(0), L(0), L(0))),\n"
+           "                       ('clone3', 435, (ctypes.create_string_buffer(struct.pack('8Q', 0x10000000, 0, 0, 0,"
+           " 17, 0, 0, 0)), L(64)))):\n"
+           "    pid = libc.syscall(L(nr), *args)\n"
+           "    if pid == 0:\n        os._exit(0)\n"  # the child, in its new user namespace (a raw clone forks)
+           "    if pid > 0:\n        os.waitpid(pid, 0)\n        print('ESCAPED', name, 'made a user namespace')\n"
+           "    else:\n        print(name, 'refused:', os.strerror(ctypes.get_errno()))"),
     Escape("raw socket", UNHOOK + "import socket\n"
            "for fam, kind in ((socket.AF_PACKET, socket.SOCK_RAW), (socket.AF_INET, socket.SOCK_RAW)):\n"
            "    try:\n        socket.socket(fam, kind, 0)\n        print('ESCAPED raw socket', fam)\n"
@@ -272,3 +283,34 @@ def _processes_named(marker: str) -> list[int]:
             except OSError:
                 continue
     return pids
+
+
+def proc_sys_read_only(argv: list[str]) -> list[str]:
+    """`argv` in a private mount namespace whose /proc/sys is read-only, as in a container (root only): bwrap
+    can then neither set the sysctl (--disable-userns) nor mount a fresh /proc."""
+    remount = 'mount --bind /proc/sys /proc/sys && mount -o remount,bind,ro /proc/sys && exec "$@"'
+    return ["unshare", "--mount", "--propagation", "private", "sh", "-c", remount, "sh", *argv]
+
+
+def main() -> int:
+    """`python -m harness.sandbox_escapes [MODE]`: every escape against MODE (namespaces) where this runs (e.g.
+    inside the env-worker container, by `make compose-smoke`); prints a JSON summary, exit 1 if one got out."""
+    import json
+
+    from shared.builtin import sandbox_ns
+
+    mode = sys.argv[1] if len(sys.argv) > 1 else "namespaces"
+    summary: dict = {"mode": mode}
+    if mode == "namespaces":
+        lay = sandbox_ns.layout()
+        summary.update(proc=lay.proc, userns_sysctl=lay.userns_sysctl)
+    with Target() as target:
+        outcomes = [target.attempt(escape, mode) for escape in ESCAPES]
+    summary.update(total=len(outcomes), contained=sum(o.contained for o in outcomes),
+                   escaped={o.escape: o.evidence for o in outcomes if not o.contained})
+    print(json.dumps(summary))
+    return 0 if not summary["escaped"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -10,13 +10,14 @@ ENV PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_
     DATA_DIR=/data WEIGHTS_DIR=/weights LOG_FORMAT=json
 WORKDIR /app
 
-# bubblewrap + libseccomp: the env worker's default sandbox for model-written code (mode `namespaces`).
-RUN apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends bubblewrap \
-    libseccomp2 && rm -rf /var/lib/apt/lists/*
-
 # torch first, from the CPU index, so the extras below never pull CUDA wheels (pinned by the constraints).
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 RUN pip install ${TORCH_INDEX:+--index-url ${TORCH_INDEX}} torch==2.13.0
+
+# bubblewrap + libseccomp: the env worker's default sandbox for model-written code (mode `namespaces`);
+# after torch: the layers up to torch are trainer.Dockerfile's too, built once for both images.
+RUN apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends bubblewrap \
+    libseccomp2 && rm -rf /var/lib/apt/lists/*
 
 # Third-party dependencies before the source, so a source change rebuilds only the last layers.
 ARG EXTRAS=envs,data,hf,agents

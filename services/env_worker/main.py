@@ -9,7 +9,10 @@ from __future__ import annotations
 import sys
 
 from services.env_worker.config import EnvWorkerConfig
+from shared.logs import get_logger
 from shared.service import Loops, ServiceRuntime, run_service
+
+log = get_logger(__name__)
 
 
 def main() -> int:
@@ -25,6 +28,12 @@ def check_sandbox(cfg: EnvWorkerConfig) -> None:
             check_mode(mode)
         except (SandboxUnavailable, ValueError) as e:
             raise SystemExit(f"env-worker: SANDBOX_MODES={cfg.sandbox_modes!r}: {e}") from None
+        if mode == "namespaces":  # what this host let the sandbox have (a container: no /proc, no sysctl)
+            from shared.builtin.sandbox_ns import layout
+
+            lay = layout()
+            log.info("sandbox mode namespaces: fresh /proc %s; nested user namespaces refused by %s", lay.proc,
+                     "bwrap --disable-userns and seccomp" if lay.userns_sysctl else "seccomp (/proc/sys read-only)")
 
 
 async def build(cfg: EnvWorkerConfig, runtime: ServiceRuntime) -> Loops:

@@ -33,7 +33,7 @@ import stat
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from shared.builtin.sandbox_seccomp import bpf_program
@@ -62,6 +62,7 @@ class Layout:
     host_uid: int | None  # uid bwrap runs as; None: the worker's own
     cgroups: tuple[tuple[str, str], ...]  # (controller, parent) for per-sandbox cgroups (root workers), else ()
     proc: bool  # a fresh /proc (some container runtimes mask /proc so that none can be mounted)
+    userns_sysctl: bool  # bwrap --disable-userns (needs a writable /proc/sys); the seccomp filter refuses them anyway
 
 
 def _python_paths() -> tuple[str, list[str], list[str]]:
@@ -85,7 +86,7 @@ def _world_readable(path: str) -> bool:
     return True
 
 
-def _layout(proc: bool = True) -> Layout:
+def _layout(proc: bool = True, userns_sysctl: bool = True) -> Layout:
     bwrap = shutil.which("bwrap")
     if bwrap is None:
         raise SandboxUnavailable("sandbox mode 'namespaces' needs bubblewrap: apt-get install bubblewrap "
@@ -119,7 +120,7 @@ def _layout(proc: bool = True) -> Layout:
                 "(/sys/fs/cgroup/pids or cgroup v2 with the pids controller) to limit processes; make the Python "
                 f"installation ({', '.join(roots)}) readable by others, or run the worker as a non-root user")
     return Layout(bwrap, interpreter, tuple(binds), tuple(links), tuple(sites), host_uid, tuple(cgroups.items()),
-                  proc)
+                  proc, userns_sysctl)
 
 
 def _cgroup_parents() -> dict[str, str]:
@@ -185,7 +186,8 @@ def bwrap_argv(lay: Layout, cfg: dict, files: list[str], disk_bytes: int) -> lis
     argv = [
         lay.bwrap, "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
         "--unshare-cgroup-try", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--hostname", "sandbox",
-        "--disable-userns", "--cap-drop", "ALL", "--die-with-parent", "--new-session", "--clearenv",
+        *(["--disable-userns"] if lay.userns_sysctl else []),
+        "--cap-drop", "ALL", "--die-with-parent", "--new-session", "--clearenv",
         "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "HOME", WORK, "--setenv", "TMPDIR", TMP,
         "--setenv", "LANG", "C.UTF-8", "--setenv", "PYTHONHASHSEED", "0", "--setenv", "PYTHONDONTWRITEBYTECODE", "1",
         # BLAS/OpenMP start a thread per core at import: on a big host that alone would pass max_procs
@@ -293,12 +295,30 @@ def run(lay: Layout, files: dict[str, str], stdin: str, cfg: dict, wall_s: float
 
 
 PROBE = """
-import os
+import ctypes, os
+libc = ctypes.CDLL(None)
 proc = os.path.exists('/proc/self/status')
 status = dict(line.split(':', 1) for line in open('/proc/self/status')) if proc else {}
 nics = len(open('/proc/net/dev').read().splitlines()) - 2 if proc else 1
-print(os.getuid(), os.getgid(), status.get('CapEff', '0').strip(), status.get('Seccomp', '2').strip(), nics)
+seccomp = libc.prctl(21, 0, 0, 0, 0)  # PR_GET_SECCOMP: 2 under a filter (read without /proc too)
+nested_userns = libc.unshare(0x10000000) == 0  # CLONE_NEWUSER: must be refused
+print(os.getuid(), os.getgid(), status.get('CapEff', '0').strip(), seccomp, nics, int(nested_userns))
 """
+
+# How bwrap 0.8 says that the host refused one of its steps, and the layout that does without that step.
+PROC_REFUSED = "Can't mount proc"  # the runtime masks parts of /proc (a container): no fresh one can be mounted
+SYSCTL_REFUSED = "max_user_namespaces"  # /proc/sys is read-only (a container): --disable-userns cannot set it
+
+HOW_TO_ALLOW = (
+    "It needs unprivileged user namespaces (sysctl user.max_user_namespaces > 0 on the host or node; on Ubuntu >= "
+    "23.10 also kernel.apparmor_restrict_unprivileged_userns=0) and a container profile that lets the worker call "
+    "unshare/clone/mount/pivot_root. Docker: `docker run --security-opt seccomp=unconfined --security-opt "
+    "apparmor=unconfined` (compose: `security_opt: [seccomp=unconfined, apparmor=unconfined]`). Podman: `podman "
+    "run --security-opt seccomp=unconfined --security-opt apparmor=unconfined` (the same compose keys). "
+    "Kubernetes: the container's securityContext `seccompProfile: {type: Unconfined}` and `appArmorProfile: "
+    "{type: Unconfined}` (infra/k8s/base/env-worker.yaml), on nodes with that sysctl. None of them needs "
+    "privileged mode, capabilities or a writable /proc/sys. Or choose another mode (SANDBOX_MODES=container). "
+    "See README, Security")
 
 
 @functools.cache
@@ -312,14 +332,16 @@ def layout() -> Layout:
         raise SandboxUnavailable("sandbox mode 'namespaces' needs libseccomp (apt-get install libseccomp2) and PyPI "
                                  f"pyseccomp (in the core dependencies) for its seccomp filter: {e}") from None
     err = _probe(lay)
-    if err and "proc" in err:
-        lay = _layout(proc=False)  # the sandbox then has no /proc at all: a smaller view, not a weaker one
+    while err:
+        if PROC_REFUSED in err and lay.proc:
+            lay = replace(lay, proc=False)  # the sandbox then has no /proc at all: a smaller view, not a weaker one
+        elif SYSCTL_REFUSED in err and lay.userns_sysctl:
+            # Not weaker either: the seccomp filter refuses every way into a new user namespace (unshare, setns,
+            # clone with CLONE_NEWUSER, clone3), and the probe checks that one is refused.
+            lay = replace(lay, userns_sysctl=False)
+        else:
+            raise SandboxUnavailable(f"sandbox mode 'namespaces' does not work on this host: {err}. {HOW_TO_ALLOW}")
         err = _probe(lay)
-    if err:
-        raise SandboxUnavailable(f"sandbox mode 'namespaces' does not work on this host: {err}. It needs "
-                                 "unprivileged user namespaces (sysctl user.max_user_namespaces > 0; in a container: "
-                                 "a seccomp profile that allows unshare/clone/mount, e.g. seccomp=unconfined, and "
-                                 "no AppArmor profile that forbids them); see README, Security")
     return lay
 
 
@@ -333,11 +355,13 @@ def _probe(lay: Layout) -> str | None:
         os.close(raw.stderr_fd)
     if raw.exit_code != 0:
         return f"bwrap exited with {raw.exit_code}: {(err or out).strip()[-500:]}"
-    uid, gid, caps, seccomp, nics = out.split()
+    uid, gid, caps, seccomp, nics, nested_userns = out.split()
     if (int(uid), int(gid)) != (SANDBOX_UID, SANDBOX_UID) or int(caps, 16) != 0 or seccomp != "2":
         return f"the sandbox came up wrong (uid {uid}, gid {gid}, CapEff {caps}, Seccomp {seccomp})"
     if int(nics) > 1:
         return f"the sandbox sees {nics} network interfaces (only loopback expected)"
+    if nested_userns != "0":
+        return "a program in the sandbox could create a user namespace (the seccomp filter must refuse it)"
     return None
 
 

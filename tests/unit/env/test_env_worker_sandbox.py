@@ -8,6 +8,7 @@ import pytest
 
 from services.env_worker.config import EnvWorkerConfig
 from services.env_worker.main import check_sandbox
+from shared.builtin import sandbox_ns
 
 
 def test_default_mode_is_checked_and_available_here():
@@ -30,6 +31,23 @@ def test_a_worker_without_bubblewrap_exits_at_start_saying_so(tmp_path):
                           text=True, timeout=60)
     assert proc.returncode != 0
     assert "apt-get install bubblewrap" in proc.stderr + proc.stdout
+
+
+def test_a_host_that_refuses_the_sandbox_is_told_what_to_change_for_each_engine(monkeypatch):
+    monkeypatch.setattr(sandbox_ns, "_probe", lambda lay: "bwrap exited with 1: bwrap: No permissions to create "
+                        "new namespace, likely because the kernel does not allow non-privileged user namespaces")
+    sandbox_ns.layout.cache_clear()
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            check_sandbox(EnvWorkerConfig())
+    finally:
+        sandbox_ns.layout.cache_clear()
+    message = str(stopped.value)
+    assert "No permissions to create new namespace" in message
+    for fix in ("user.max_user_namespaces", "Docker: `docker run --security-opt seccomp=unconfined",
+                "Podman: `podman run --security-opt seccomp=unconfined", "Kubernetes:",
+                "seccompProfile: {type: Unconfined}", "SANDBOX_MODES=container"):
+        assert fix in message, fix
 
 
 async def test_a_sandbox_the_worker_cannot_give_is_an_infra_failure_not_a_user_error(tmp_path, monkeypatch):
