@@ -31,6 +31,7 @@ Reusable from tests, the demo and the chaos suite (which kill and restart by han
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 import signal
@@ -240,6 +241,9 @@ class LocalStack:
         worker in another terminal: `set -a; . .data/stack.env; set +a`). Owner-only: URLs may hold passwords."""
         env = self._base_env()
         keys = ("REDIS_URL", "DATABASE_URL", "CELERY_BROKER_URL", "DATA_DIR", "WEIGHTS_DIR", "WEIGHT_SERVER_URL")
+        if any(i.name == "api" for i in self.instances):
+            env["FLYWHEEL_API_URL"] = self.api_url  # the CLI, sourced in another terminal
+            keys += ("FLYWHEEL_API_URL",)
         text = "".join(f"{k}='{env[k]}'\n" for k in keys if k in env)
         self.env_file.touch(mode=0o600)
         self.env_file.write_text(text)
@@ -507,20 +511,35 @@ LOG_HEAD = re.compile(r'^(?:\d\d:\d\d:\d\d ([DIWEC]) \[|\{"ts": [\d.]+, "level":
 # Warnings nobody can act on: Celery run as root in a dev container, verl's optional engines (torchtitan,
 # veomni, automodel) absent from a CPU install.
 HARMLESS = re.compile(r"superuser privileges|engine is not available")
+# What may follow a shown record as part of it: a traceback (its header, indented frames, chained-exception
+# notes, the exception line) or an indented continuation. Anything else printed meanwhile is a library talking
+# on its own (verl's "Monkey patch ..." prints, loading bars, huggingface_hub's second copy of each warning
+# through its own handler): the log file only.
+PART_OF_RECORD = re.compile(r"^(?:\s|$|Traceback \(|During handling of|The above exception|"
+                            r"[A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt|Timeout|Cancelled|Group)(?::|$))")
+REPEAT_WINDOW_S = 60.0  # the same record within this long is shown once (a retry loop, one error per task)
 
 
 class ConsoleFilter:
-    """Which lines of one service's output the console shows: its warnings and errors (logged in the text
-    format) and the lines that follow one (a traceback, a multi-line message), minus HARMLESS ones. Info lines,
-    and raw output outside a warning (library banners, Python warnings), stay in the log file only."""
+    """Which lines of one service's output the console shows: its warnings and errors (logged in the project's
+    formats) with their tracebacks, minus HARMLESS ones, each once per REPEAT_WINDOW_S (the record with its
+    timestamp left out). Info lines, raw library output and repeats stay in the log file only."""
 
-    def __init__(self):
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
         self.showing = False
+        self.clock = clock
+        self.seen: dict[str, float] = {}
 
     def __call__(self, line: str) -> bool:
         head = LOG_HEAD.match(line)
-        if head:
-            self.showing = (head[1] or head[2]) in "WEC" and not HARMLESS.search(line)
+        if not head:
+            return self.showing and bool(PART_OF_RECORD.match(line))
+        self.showing = (head[1] or head[2]) in "WEC" and not HARMLESS.search(line)
+        if self.showing:
+            key, now = re.sub(r'^\d\d:\d\d:\d\d |"ts": [\d.]+, ', "", line), self.clock()
+            self.showing = now - self.seen.get(key, -math.inf) >= REPEAT_WINDOW_S
+            if self.showing:
+                self.seen = {k: t for k, t in self.seen.items() if now - t < REPEAT_WINDOW_S} | {key: now}
         return self.showing
 
 
@@ -564,8 +583,8 @@ def main() -> None:
             stack.wait_healthy(health_timeout_s, interrupted=stopping.requested)
             if not stopping.requested.is_set():
                 stack.supervise()
-                api = next((f"; API at {stack.api_url}" for i in stack.instances if i.name == "api"), "")
-                log.info("all services healthy%s; restarting any that exits; Ctrl-C stops everything", api)
+                log.info("all services healthy%s; restarting any that exits; Ctrl-C stops everything",
+                         _api_hint(stack))
             while not stopping.requested.wait(1.0):
                 pass
         finally:
@@ -574,6 +593,15 @@ def main() -> None:
             log.info("stopped")
 
     typer.run(run)
+
+
+def _api_hint(stack: LocalStack) -> str:
+    """Where the API is, and how the CLI in another terminal finds it: `flywheel` reads FLYWHEEL_API_URL, else
+    API_PORT, so a stack on a port other than 8000 needs one of them exported there too."""
+    if not any(i.name == "api" for i in stack.instances):
+        return ""
+    url = stack.api_url
+    return f"; API at {url}" + ("" if url.endswith(":8000") else f" (CLI: export FLYWHEEL_API_URL={url})")
 
 
 SAME_SIGNAL_S = 0.5  # a signal this soon after the first is the same request, delivered twice (env: STACK_SAME_SIGNAL_S)

@@ -318,7 +318,8 @@ def test_make_up_console_shows_what_a_user_acts_on_and_one_signal_to_the_group_s
     the stack twice (a SIGTERM to the terminal's process group, passed on once more by a wrapper such as make or
     a process supervisor) is one stop, not "SIGTERM again"."""
     env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "DATABASE_URL")}
-    env.update(DATA_DIR=str(server_dir), API_PORT=str(free_port()), WEIGHT_SERVER_PORT=str(free_port()))
+    api_port = free_port()
+    env.update(DATA_DIR=str(server_dir), API_PORT=str(api_port), WEIGHT_SERVER_PORT=str(free_port()))
     (tmp_path / "Makefile").write_text(f"up:\n\t{sys.executable} -m harness.stack --services jobs,api\n")
     make = subprocess.Popen(["make", "-f", str(tmp_path / "Makefile"), "up"], cwd=REPO, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
@@ -340,7 +341,9 @@ def test_make_up_console_shows_what_a_user_acts_on_and_one_signal_to_the_group_s
     finally:
         make.kill()
     console = "".join(lines) + rest
-    assert "all services healthy; API at" in console, console[-4000:]
+    api_url = f"http://127.0.0.1:{api_port}"  # on API_PORT, and how the CLI elsewhere follows it
+    assert f"all services healthy; API at {api_url} (CLI: export FLYWHEEL_API_URL={api_url})" in console, console
+    assert f"FLYWHEEL_API_URL='{api_url}'" in (server_dir / "stack.env").read_text()
     assert "again" not in console and "SIGTERM: stopping every service" in console, console[-4000:]
     for noise in ("initdb", "pg_ctl", "Running commandline", "superuser privileges", "XDG_RUNTIME_DIR"):
         assert noise not in console, (noise, console[-4000:])
