@@ -14,7 +14,8 @@ The console entry supervises: a service that exits is restarted after a backoff 
 30 s; back to 1 s once it has stayed up a minute), and an embedded Redis or Postgres that dies is restarted the
 same way at the same address; every restart is logged with the exit code. Any signal (Ctrl-C, SIGTERM, SIGHUP,
 SIGQUIT) stops everything: SIGTERM to each service's process group, SIGKILL after a timeout; a second signal
-kills what is left at once, and no signal, however many arrive, leaves a process behind. Signals within
+kills what is left at once, and no signal, however many arrive, leaves a process behind; a SIGKILL neither
+(harness/watchdog.py stops what the stack started once it is gone). Signals within
 SAME_SIGNAL_S of the first are that one stop request delivered twice (a signal to the process group that a
 parent, a wrapper script or a process supervisor also passes on to the stack).
 
@@ -204,6 +205,7 @@ class LocalStack:
         self._supervisor: threading.Thread | None = None
         self._supervisor_stop = threading.Event()
         self._server_watches: dict[str, Watch] = {}
+        self._watchdog: subprocess.Popen | None = None
 
     # ---- lifecycle
 
@@ -220,6 +222,7 @@ class LocalStack:
                 self._hurry.clear()
                 self.instances = []
                 (self.data_dir / "logs").mkdir(parents=True, exist_ok=True)
+                self._start_watchdog()
                 self._start_backing_servers()
                 self._migrate()
             for name in sorted(names, key=list(self.specs).index):  # weight-server first: others get its URL
@@ -253,14 +256,49 @@ class LocalStack:
         self.database_url = self.env.get("DATABASE_URL") or os.environ.get("DATABASE_URL", "")
         if not self.redis_url:
             self.redis = RedisServer(self.data_dir / "redis", unix_socket=True)
-            self.redis.start()
+            self._start_server(self.redis)
             self.redis_url = self.redis.url
             log.info("embedded Redis at %s (data in %s)", self.redis_url, self.data_dir / "redis")
         if not self.database_url:
             self.postgres = PostgresServer(self.data_dir / "postgres")
-            self.postgres.start()
+            self._start_server(self.postgres)
             self.database_url = self.postgres.url
             log.info("embedded PostgreSQL at %s", self.database_url)
+
+    def _start_server(self, server: RedisServer | PostgresServer) -> None:
+        if isinstance(server, PostgresServer):
+            self._tell(f"pg {server.folder.resolve()}")  # before: a stack killed while it starts leaves none
+            server.start()
+            return
+        if server.pid is not None:
+            self._tell(f"-{server.pid}")  # the one that died
+        server.start()
+        self._tell(f"+{server.pid}")  # its own session: the group is its pid
+
+    # ---- the watchdog: whatever was started dies with this process (harness/watchdog.py)
+
+    def _start_watchdog(self) -> None:
+        # Its own session, so a signal to our process group (Ctrl-C, a supervisor's SIGKILL) leaves it to act.
+        with open(self.data_dir / "logs" / "stack.log", "ab") as out:
+            self._watchdog = subprocess.Popen([sys.executable, "-m", "harness.watchdog"], cwd=REPO,
+                                              stdin=subprocess.PIPE, stdout=out, stderr=out, start_new_session=True)
+
+    def _tell(self, line: str) -> None:
+        try:
+            self._watchdog.stdin.write(f"{line}\n".encode())
+            self._watchdog.stdin.flush()
+        except (AttributeError, BrokenPipeError, ValueError):  # none (a stack used without start()) or gone
+            pass
+
+    def _stop_watchdog(self) -> None:
+        watchdog, self._watchdog = self._watchdog, None
+        if watchdog is not None:
+            watchdog.stdin.close()  # end-of-file with nothing listed: it exits at once
+            try:
+                watchdog.wait(5)
+            except subprocess.TimeoutExpired:
+                watchdog.kill()
+                watchdog.wait()
 
     def _migrate(self) -> None:
         from shared.db.migrate import upgrade
@@ -304,6 +342,7 @@ class LocalStack:
             [*inst.placement.prefix, sys.executable, *inst.spec.args], cwd=REPO, env=inst.env, stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
         )
+        self._tell(f"+{inst.proc.pid}")
         inst.reader = threading.Thread(target=self._pump, args=(inst, inst.proc.stdout), daemon=True)
         inst.reader.start()
         log.info("started %s (pid %d, port %d)", inst.label, inst.proc.pid, inst.port)
@@ -387,7 +426,7 @@ class LocalStack:
                 # Servers first: a service restarted before its Redis is back would only crash again.
                 for key, watch in self._server_watches.items():
                     server = getattr(self, key)
-                    self._check(watch, server.alive, server.exit_detail, server.start)
+                    self._check(watch, server.alive, server.exit_detail, lambda s=server: self._start_server(s))
                 for inst in self.instances:
                     if inst.watch is not None and inst.proc is not None:
                         self._check(inst.watch, inst.alive, inst.exit_detail, lambda i=inst: self._respawn(i))
@@ -418,6 +457,7 @@ class LocalStack:
     def _respawn(self, inst: Instance) -> None:
         _signal_group(inst, signal.SIGKILL)  # what its dead leader left behind (e.g. Celery pool processes)
         inst.proc.wait()
+        self._tell(f"-{inst.proc.pid}")
         if inst.reader is not None:
             inst.reader.join(timeout=5)
         self._spawn(inst)
@@ -450,10 +490,12 @@ class LocalStack:
                     if server is not None:
                         try:
                             server.stop()
+                            self._tell(f"-pg {server.folder.resolve()}" if server is self.postgres else f"-{server.pid}")
                         except Exception:  # the other one must still stop
                             log.exception("stopping %s failed", type(server).__name__)
                 self.postgres = self.redis = None
                 self._server_watches = {}
+                self._stop_watchdog()
 
     def _terminate(self, instances: list[Instance]) -> None:
         for inst in instances:
@@ -468,6 +510,7 @@ class LocalStack:
                 log.warning("%s ignored SIGTERM for %.0fs; killing it", inst.label, self.stop_timeout_s)
             _signal_group(inst, signal.SIGKILL)  # stragglers and orphaned children of the group
             inst.proc.wait()
+            self._tell(f"-{inst.proc.pid}")
             if inst.reader is not None:
                 inst.reader.join(timeout=5)
 
