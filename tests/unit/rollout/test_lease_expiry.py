@@ -46,7 +46,7 @@ class NoRuns:
 
 def worker() -> RolloutWorker:
     w = RolloutWorker.__new__(RolloutWorker)  # only what run_task touches
-    w.worker_id, w.consumer, w.runs, w.published = "w1", FakeConsumer(), NoRuns(), []
+    w.worker_id, w.consumer, w.runs, w.published, w.ended = "w1", FakeConsumer(), NoRuns(), [], set()
 
     async def publish(result: EpisodeResult):
         w.published.append(result)
