@@ -577,15 +577,6 @@ async def test_a_training_run_says_no_trainer_holds_it_then_that_the_window_wait
     async with FakeRolloutWorker(redis_client, run, lambda t: "correct") as worker:
         await wait_until_async(lambda: len(worker.received) == 4, 30, "the first batch")
         await wait_stall(engine, run, "no trainer trains this run (no live trainer lists it in its heartbeat): 4 results stored")
-        # A trainer that cannot load the run says so on trainer.progress (re-sent: one event all the same).
-        cannot = TrainerProgress(run_id=run, version=0, error="OSError('no file named model.safetensors')")
-        for _ in range(2):
-            await redis_client.xadd(TRAINER_PROGRESS, encode(cannot))
-        await wait_stall(engine, run, "the trainer cannot train this run (OSError('no file named model.safetensors'))")
-        with engine.connect() as c:
-            recorded = c.execute(select(RunEvent.message).where(RunEvent.run_id == uuid.UUID(run),
-                                                                RunEvent.kind == "trainer_error")).scalars().all()
-        assert recorded == [cannot.error]
         # a trainer trains the run (its heartbeat lists it) but has not stepped yet
         await redis_client.set(heartbeat_key("trainer", "trainer-7"), json.dumps({"worker_id": "trainer-7",
                                                                                  "trains": [run]}), px=60_000)
@@ -594,6 +585,27 @@ async def test_a_training_run_says_no_trainer_holds_it_then_that_the_window_wait
         set_run(engine, run, policy_version=1)  # the trainer stepped: progress, and the window moves on
         await wait_stall(engine, run, None, timeout=5)
         await wait_until_async(lambda: len(worker.received) == 8, 30, "the second batch")
+
+
+async def test_a_trainer_that_cannot_load_the_run_fails_it_with_the_loaders_reason(
+        engine, redis_client, start_controller):
+    run = add_run(engine, add_dataset(engine, 8), kind="train", samples_per_task=2, tasks_per_batch=2,
+                  max_staleness=0, total_steps=3)
+    await redis_client.set(heartbeat_key("rollout-worker", "w"), json.dumps({"engines": ["hf"]}), px=60_000)
+    await redis_client.set(heartbeat_key("env-worker", "e"), json.dumps({}), px=60_000)
+    start_controller()
+    async with FakeRolloutWorker(redis_client, run, lambda t: "correct") as worker:
+        await wait_until_async(lambda: len(worker.received) == 4, 30, "the first batch")
+        # The trainer says so on trainer.progress (re-sent: one event all the same).
+        cannot = TrainerProgress(run_id=run, version=0, error="OSError('no file named model.safetensors')")
+        for _ in range(2):
+            await redis_client.xadd(TRAINER_PROGRESS, encode(cannot))
+        await wait_until_async(lambda: run_row(engine, run).status == "failed", 20, "run failed")
+    assert run_row(engine, run).error == "the trainer cannot train this run: OSError('no file named model.safetensors')"
+    with engine.connect() as c:
+        recorded = c.execute(select(RunEvent.message).where(RunEvent.run_id == uuid.UUID(run),
+                                                            RunEvent.kind == "trainer_error")).scalars().all()
+    assert recorded == [cannot.error]
 
 
 async def test_groups_without_learning_signal_for_versions_in_a_row_warn(engine, redis_client, start_controller):
