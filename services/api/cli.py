@@ -181,7 +181,9 @@ def runs_show(run_id: RunRef) -> None:
     _print_attention(run)
     console.print(f"progress {_progress_text(run['progress'])}")
     units, attempts = run["ledger"]["units"], run["ledger"]["attempts"]
-    console.print("samples " + _counts(units) + "\nattempts " + _counts(attempts))
+    requeued = run["ledger"].get("requeued", 0)
+    console.print("samples " + _counts(units) + (f" ({requeued} requeued: scored on a re-run)" if requeued else "")
+                  + "\nattempts " + _counts(attempts))
     _reasons_table(run["ledger"].get("top_reasons") or [])
     _table("latest metrics", ["metric", "step", "value"],
            [[k, v["step"], v["value"]] for k, v in sorted(run["latest_metrics"].items())])
@@ -201,7 +203,8 @@ def _print_attention(run: dict) -> None:
 
 def _reasons_table(reasons: list[dict]) -> None:
     if reasons:
-        _table("why units ended unscored (errored: the user's code; failed/lost: infrastructure)",
+        _table("why units ended unscored (errored: the user's code; failed/lost: infrastructure; units re-run "
+               "and then scored are not here)",
                ["outcome", "units", "attempts", "reason"],
                [[r["outcome"], r["units"], r["attempts"], r["reason"]] for r in reasons])
 

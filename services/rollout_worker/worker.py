@@ -4,8 +4,9 @@
   own asyncio task; its EpisodeResult is XADDed to `trajectories`, THEN the task is acked. A worker killed
   mid-trajectory leaves its tasks pending; others reclaim them (XAUTOCLAIM after claim_idle_ms).
   A task read after its attempt's ledger lease expired (it waited in the stream under backlog, or pending for a
-  dead consumer) is acked without running, and one still running when its lease expires is abandoned: the
-  controller has given that attempt up and re-dispatched it, so its result would only be dropped as late.
+  dead consumer) is acked without running: the controller has given that attempt up and re-dispatched it. The
+  tasks in hand are listed in the heartbeat (`holds`), and the controller renews their leases instead of
+  expiring them, however long a loaded machine makes them (each is bounded by its trajectory budget).
 - keepalive: tasks still running are re-claimed by this worker every claim_idle_ms/3, so a long trajectory
   of a live worker is never taken for a dead one's.
 - ended runs: every RUN_CHECK_S the runs of the tasks in hand are read from Postgres; the tasks of a run that
@@ -18,7 +19,6 @@
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 
 from prometheus_client import Counter, Gauge
@@ -41,10 +41,8 @@ from shared.weight_relay import Relay
 log = get_logger(__name__)
 INFLIGHT = Gauge("rollout_tasks_inflight", "Tasks being run")
 EXPIRED = Counter("rollout_tasks_expired_total", "Tasks acked without a result because their attempt's lease "
-                  "expired (the controller re-dispatches them): when=read (not run) or when=running (abandoned)",
-                  ["when"])
-for _when in ("read", "running"):  # both series exist from the start, at 0
-    EXPIRED.labels(_when)
+                  "had expired when they were read (the controller re-dispatches them)", ["when"])
+EXPIRED.labels("read")  # the series exists from the start, at 0
 # Until Redis takes it: the task is not acked before, so nothing is lost if we die trying.
 PUBLISH_RETRY = RetryPolicy(REDIS_DOWN, first_wait_s=1.0, max_wait_s=1.0, what="publishing an episode")
 RUN_CHECK_S = 2.0  # how often the runs of the tasks in hand are checked for having ended
@@ -126,27 +124,32 @@ class RolloutWorker:
                 task = asyncio.create_task(self.run_task(d))
                 self.running[task] = d
                 task.add_done_callback(self._finished)
-            INFLIGHT.set(len(self.running))
-            self.status["inflight"] = len(self.running)
+            self._report()
         await self.drain()
+
+    def _report(self) -> None:
+        """What the heartbeat says this worker runs: the controller renews these tasks' leases."""
+        INFLIGHT.set(len(self.running))
+        self.status["inflight"] = len(self.running)
+        self.status["holds"] = [list(d.message.key) for d in self.running.values()]
 
     def _finished(self, task: asyncio.Task) -> None:
         self.running.pop(task, None)
-        INFLIGHT.set(len(self.running))
-        self.status["inflight"] = len(self.running)  # else /healthz shows the count of the last read, stale
+        self._report()  # else /healthz shows the tasks of the last read, stale
         if not task.cancelled() and task.exception() is not None:
             log.error("task runner crashed", exc_info=task.exception())
 
     async def run_task(self, delivery: Delivery) -> None:
-        """Run the task and publish its result, then ack it; or, once the attempt's lease has expired, ack it
-        with no result.
+        """Run the task and publish its result, then ack it; or, when its attempt's lease had expired before it
+        was read, ack it with no result.
 
         No EpisodeResult for an expired attempt: the controller's ledger expires it as lost and re-dispatches
         attempt+1, so nothing is lost; a `failed` reply would instead be dropped as late or, if it beat the
-        expiry pass, count towards the run's fail-fast streak, which a backlog says nothing about.
-        The lease is on the controller's clock. Skew between hosts only delays: a worker clock ahead gives an
-        attempt up a little early, and the ledger re-dispatches it at its own expiry (as a lost attempt, like
-        any late one); a clock behind runs it as if the lease were unknown."""
+        expiry pass, count towards the run's fail-fast streak, which a backlog says nothing about. Once read, a
+        task runs to its end: the controller renews the lease of what the heartbeat lists (`_report`).
+        The lease is on the controller's clock. Skew between hosts only delays: a worker clock ahead skips an
+        attempt a little early, and the ledger re-dispatches it at its own expiry (as a lost attempt, like any
+        late one); a clock behind runs it as if the lease were unknown."""
         task: RolloutTask = delivery.message
         if task.run_id in self.ended:
             return await self.consumer.ack([delivery])
@@ -172,13 +175,7 @@ class RolloutWorker:
                       exc_info=not isinstance(e, RunUnavailable) or e.__cause__ is not None)
             result = failed(task, f"rollout worker cannot serve the run: {e}")
         else:
-            if (left := task.lease_left(time.time())) <= 0:  # gone while the context was built: start nothing
-                return await self.give_up(delivery, "running", "its lease expired while its run was set up")
-            try:
-                async with asyncio.timeout(None if left == math.inf else left):
-                    result = await self.run(ctx, task)
-            except TimeoutError:
-                return await self.give_up(delivery, "running", "its lease expired while it ran")
+            result = await self.run(ctx, task)  # within its trajectory budget; its lease renewed meanwhile
         await self.publish(result)
         await self.consumer.ack([delivery])  # only after the result is in `trajectories`
 

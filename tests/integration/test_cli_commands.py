@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session
 from typer.testing import CliRunner
 
 from services.api.cli import app
-from shared.db.models import Run
+from shared.db.models import RolloutTaskRow, Run
 
 runner = CliRunner()
 MATH_ROWS = '{"id": 1, "question": "1+1?", "answer": "2"}\n{"id": 2, "question": "2+2?", "answer": "4"}\n'
@@ -243,3 +243,16 @@ def test_the_cli_follows_api_port_when_flywheel_api_url_is_unset(cli, api, monke
     assert "cannot reach the API at http://127.0.0.1:1" in out and "FLYWHEEL_API_URL" in out
     monkeypatch.setenv("FLYWHEEL_API_URL", api.url)  # set, it wins over API_PORT
     assert "runs (" in cli("runs", "list")
+
+
+def test_runs_show_counts_a_unit_scored_on_a_rerun_as_requeued_not_as_a_reason(cli, database_url):
+    run_id = seed_run(database_url, name="cli-requeued", versions=1)
+    engine = create_engine(database_url)
+    with Session(engine) as s:  # task-0's sample 0 was lost once before its scored attempt (a loaded machine)
+        s.add(RolloutTaskRow(run_id=run_id, task_id="task-0", sample_idx=0, attempt=1, status="lost", batch_idx=0,
+                             dispatch_version=0, error="no result before the task lease expired"))
+        s.commit()
+    engine.dispose()
+    out = cli("runs", "show", "cli-requeued")
+    assert "(1 requeued: scored on a re-run)" in out and "lost 1" in out  # the attempt is still counted as such
+    assert "why units ended unscored" not in out
