@@ -224,8 +224,8 @@ def _hub_lookup(field: str, value: str) -> Problem | None:
     try:
         r = httpx.get(url, timeout=HUB_TIMEOUT_S, headers={"Authorization": f"Bearer {token}"} if token else {})
     except httpx.HTTPError as e:
-        return Problem(field=field, message=f"hub id {value!r} is not in the local cache and the hub did not answer "
-                                              f"within {HUB_TIMEOUT_S:.0f}s ({constants.ENDPOINT}: {e!r})",
+        return Problem(field=field, message=f"hub id {value!r} is not in the local cache and no hub answered at "
+                                              f"{constants.ENDPOINT} within {HUB_TIMEOUT_S:g}s ({e!r})",
                          hint="give a local model folder (download it where the hub is reachable), or set "
                               "HF_ENDPOINT to a hub mirror this machine reaches")
     if r.status_code in (401, 404):  # the hub answers 401 for a repository that does not exist, to anonymous users
