@@ -552,13 +552,13 @@ def _signal_group(inst: Instance, sig: int) -> None:
 # shared/logs.py's formats: text "12:00:00 W [trainer] message", json {"ts": ..., "level": "WARNING", ...}
 LOG_HEAD = re.compile(r'^(?:\d\d:\d\d:\d\d ([DIWEC]) \[|\{"ts": [\d.]+, "level": "([DIWEC]))')
 # Warnings nobody can act on: Celery run as root in a dev container, verl's optional engines (torchtitan,
-# veomni, automodel) absent from a CPU install.
-HARMLESS = re.compile(r"superuser privileges|engine is not available")
+# veomni, automodel) absent from a CPU install, verl setting up its platform again for each run it opens.
+HARMLESS = re.compile(r"superuser privileges|engine is not available|Replacing already-initialised platform")
 # What may follow a shown record as part of it: a traceback (its header, indented frames, chained-exception
 # notes, the exception line) or an indented continuation. Anything else printed meanwhile is a library talking
-# on its own (verl's "Monkey patch ..." prints, loading bars, huggingface_hub's second copy of each warning
-# through its own handler): the log file only.
-PART_OF_RECORD = re.compile(r"^(?:\s|$|Traceback \(|During handling of|The above exception|"
+# on its own (verl's "Monkey patch ..." prints, loading bars, which start with a carriage return, huggingface_hub's
+# second copy of each warning through its own handler): the log file only.
+PART_OF_RECORD = re.compile(r"^(?:[ \t]|$|Traceback \(|During handling of|The above exception|"
                             r"[A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt|Timeout|Cancelled|Group)(?::|$))")
 REPEAT_WINDOW_S = 60.0  # the same record within this long is shown once (a retry loop, one error per task)
 

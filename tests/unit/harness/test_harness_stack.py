@@ -49,6 +49,7 @@ def test_the_console_shows_warnings_errors_and_their_tracebacks_not_info_or_harm
         ("/x/celery/platforms.py:841: SecurityWarning: You're running the worker with superuser privileges", False),
         ("12:00:00 I [jobs] jobs ready", False),
         ("12:00:01 W [trainer] /x/verl/workers/engine/__init__.py:32: torchtitan engine is not available", False),
+        ("12:00:01 W [trainer] Replacing already-initialised platform 'cpu' with 'cpu'", False),
         ("  warnings.warn(...)", False),  # the rest of a hidden warning stays hidden
         ("12:00:02 W [controller] run 3a52: 12 samples older than max_staleness dropped", True),
         ("12:00:03 E [trainer] step failed", True),
@@ -75,6 +76,7 @@ def test_the_console_shows_each_warning_once_and_no_library_output_printed_besid
         ("Monkey patch Qwen2ForCausalLM model forward", False),
         ("Before FSDP, memory allocated (GB): 0.00, memory reserved (GB): 0.00", False),
         ("Loading checkpoint shards: 100%|##########| 2/2 [00:01<00:00]", False),
+        ("\rLoading weights:   0%|          | 0/20 [00:00<?, ?it/s]\rLoading weights: 100%|#| 20/20", False),
         ("libnuma: Warning: /sys not mounted or invalid. Assuming one node: No such file or directory", False),
         ("[transformers] `torch_dtype` is deprecated! Use `dtype` instead!", False),
         ("Retrying in 1s [Retry 1/5].", False),  # huggingface_hub's own handler: the raw copy
