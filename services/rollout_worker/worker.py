@@ -87,7 +87,7 @@ class RolloutWorker:
 
     async def ended_loop(self, stop: asyncio.Event) -> None:
         while not await sleep_or_stop(stop, RUN_CHECK_S):
-            in_hand = {d.message.run_id for d in self.running.values()} | set(self.runs.contexts) - self.ended
+            in_hand = ({d.message.run_id for d in self.running.values()} | set(self.runs.contexts)) - self.ended
             if not in_hand:
                 continue
             try:
