@@ -32,6 +32,7 @@ from bench.demo import (
     LR,
     SAMPLES,
     TASKS,
+    TIMEOUT_S,
     answers_by_version,
     demo_config,
     judge,
@@ -45,8 +46,7 @@ from harness.runners import Runners
 
 RESULTS = Path("bench/results/agent_program.json")
 SERVICES = ["weight-server", "rollout-worker", "trainer", "controller", "api"]  # no env worker: the program scores
-# The bar of `make demo` on learning; the time it takes through the gateway is reported (wall_s), not judged.
-AGENT_BAR = {k: v for k, v in BAR.items() if k != "wall_s_max"}
+AGENT_BAR = BAR  # the bar of `make demo`: versions and reward; the time is reported (wall_s), not judged
 # More versions than `make demo`'s 80: through the gateway the prompt is the chat template around the question,
 # and the curve climbs later (measured: 0.80 at version 70 and still rising; 0.965 at 70 in another run).
 AGENT_STEPS = 100
@@ -63,7 +63,7 @@ async def agent(task: dict, client) -> float:
 
 
 def run(data_dir: Path, steps: int = AGENT_STEPS, tasks: int = TASKS, n: int = SAMPLES, lr: float = LR,
-        timeout_s: float = 1800.0, log=print) -> dict:
+        timeout_s: float = 2 * TIMEOUT_S, log=print) -> dict:
     """The recall run of `make demo` (same model, dataset, algorithm, batch and staleness), with the agent program
     in place of the BaseAgent/BaseEnv pair; runners claim sessions through the API's REST route."""
     started = time.monotonic()

@@ -14,7 +14,8 @@ The console entry supervises: a service that exits is restarted after a backoff 
 30 s; back to 1 s once it has stayed up a minute), and an embedded Redis or Postgres that dies is restarted the
 same way at the same address; every restart is logged with the exit code. Any signal (Ctrl-C, SIGTERM, SIGHUP,
 SIGQUIT) stops everything: SIGTERM to each service's process group, SIGKILL after a timeout; a second signal
-kills what is left at once, and no signal, however many arrive, leaves a process behind. Signals within
+kills what is left at once, and no signal, however many arrive, leaves a process behind; a SIGKILL neither
+(harness/watchdog.py stops what the stack started once it is gone). Signals within
 SAME_SIGNAL_S of the first are that one stop request delivered twice (a signal to the process group that a
 parent, a wrapper script or a process supervisor also passes on to the stack).
 
@@ -31,6 +32,7 @@ Reusable from tests, the demo and the chaos suite (which kill and restart by han
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 import signal
@@ -203,6 +205,7 @@ class LocalStack:
         self._supervisor: threading.Thread | None = None
         self._supervisor_stop = threading.Event()
         self._server_watches: dict[str, Watch] = {}
+        self._watchdog: subprocess.Popen | None = None
 
     # ---- lifecycle
 
@@ -219,6 +222,7 @@ class LocalStack:
                 self._hurry.clear()
                 self.instances = []
                 (self.data_dir / "logs").mkdir(parents=True, exist_ok=True)
+                self._start_watchdog()
                 self._start_backing_servers()
                 self._migrate()
             for name in sorted(names, key=list(self.specs).index):  # weight-server first: others get its URL
@@ -240,6 +244,9 @@ class LocalStack:
         worker in another terminal: `set -a; . .data/stack.env; set +a`). Owner-only: URLs may hold passwords."""
         env = self._base_env()
         keys = ("REDIS_URL", "DATABASE_URL", "CELERY_BROKER_URL", "DATA_DIR", "WEIGHTS_DIR", "WEIGHT_SERVER_URL")
+        if any(i.name == "api" for i in self.instances):
+            env["FLYWHEEL_API_URL"] = self.api_url  # the CLI, sourced in another terminal
+            keys += ("FLYWHEEL_API_URL",)
         text = "".join(f"{k}='{env[k]}'\n" for k in keys if k in env)
         self.env_file.touch(mode=0o600)
         self.env_file.write_text(text)
@@ -249,14 +256,49 @@ class LocalStack:
         self.database_url = self.env.get("DATABASE_URL") or os.environ.get("DATABASE_URL", "")
         if not self.redis_url:
             self.redis = RedisServer(self.data_dir / "redis", unix_socket=True)
-            self.redis.start()
+            self._start_server(self.redis)
             self.redis_url = self.redis.url
             log.info("embedded Redis at %s (data in %s)", self.redis_url, self.data_dir / "redis")
         if not self.database_url:
             self.postgres = PostgresServer(self.data_dir / "postgres")
-            self.postgres.start()
+            self._start_server(self.postgres)
             self.database_url = self.postgres.url
             log.info("embedded PostgreSQL at %s", self.database_url)
+
+    def _start_server(self, server: RedisServer | PostgresServer) -> None:
+        if isinstance(server, PostgresServer):
+            self._tell(f"pg {server.folder.resolve()}")  # before: a stack killed while it starts leaves none
+            server.start()
+            return
+        if server.pid is not None:
+            self._tell(f"-{server.pid}")  # the one that died
+        server.start()
+        self._tell(f"+{server.pid}")  # its own session: the group is its pid
+
+    # ---- the watchdog: whatever was started dies with this process (harness/watchdog.py)
+
+    def _start_watchdog(self) -> None:
+        # Its own session, so a signal to our process group (Ctrl-C, a supervisor's SIGKILL) leaves it to act.
+        with open(self.data_dir / "logs" / "stack.log", "ab") as out:
+            self._watchdog = subprocess.Popen([sys.executable, "-m", "harness.watchdog"], cwd=REPO,
+                                              stdin=subprocess.PIPE, stdout=out, stderr=out, start_new_session=True)
+
+    def _tell(self, line: str) -> None:
+        try:
+            self._watchdog.stdin.write(f"{line}\n".encode())
+            self._watchdog.stdin.flush()
+        except (AttributeError, BrokenPipeError, ValueError):  # none (a stack used without start()) or gone
+            pass
+
+    def _stop_watchdog(self) -> None:
+        watchdog, self._watchdog = self._watchdog, None
+        if watchdog is not None:
+            watchdog.stdin.close()  # end-of-file with nothing listed: it exits at once
+            try:
+                watchdog.wait(5)
+            except subprocess.TimeoutExpired:
+                watchdog.kill()
+                watchdog.wait()
 
     def _migrate(self) -> None:
         from shared.db.migrate import upgrade
@@ -300,6 +342,7 @@ class LocalStack:
             [*inst.placement.prefix, sys.executable, *inst.spec.args], cwd=REPO, env=inst.env, stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
         )
+        self._tell(f"+{inst.proc.pid}")
         inst.reader = threading.Thread(target=self._pump, args=(inst, inst.proc.stdout), daemon=True)
         inst.reader.start()
         log.info("started %s (pid %d, port %d)", inst.label, inst.proc.pid, inst.port)
@@ -383,7 +426,7 @@ class LocalStack:
                 # Servers first: a service restarted before its Redis is back would only crash again.
                 for key, watch in self._server_watches.items():
                     server = getattr(self, key)
-                    self._check(watch, server.alive, server.exit_detail, server.start)
+                    self._check(watch, server.alive, server.exit_detail, lambda s=server: self._start_server(s))
                 for inst in self.instances:
                     if inst.watch is not None and inst.proc is not None:
                         self._check(inst.watch, inst.alive, inst.exit_detail, lambda i=inst: self._respawn(i))
@@ -414,6 +457,7 @@ class LocalStack:
     def _respawn(self, inst: Instance) -> None:
         _signal_group(inst, signal.SIGKILL)  # what its dead leader left behind (e.g. Celery pool processes)
         inst.proc.wait()
+        self._tell(f"-{inst.proc.pid}")
         if inst.reader is not None:
             inst.reader.join(timeout=5)
         self._spawn(inst)
@@ -446,10 +490,12 @@ class LocalStack:
                     if server is not None:
                         try:
                             server.stop()
+                            self._tell(f"-pg {server.folder.resolve()}" if server is self.postgres else f"-{server.pid}")
                         except Exception:  # the other one must still stop
                             log.exception("stopping %s failed", type(server).__name__)
                 self.postgres = self.redis = None
                 self._server_watches = {}
+                self._stop_watchdog()
 
     def _terminate(self, instances: list[Instance]) -> None:
         for inst in instances:
@@ -464,6 +510,7 @@ class LocalStack:
                 log.warning("%s ignored SIGTERM for %.0fs; killing it", inst.label, self.stop_timeout_s)
             _signal_group(inst, signal.SIGKILL)  # stragglers and orphaned children of the group
             inst.proc.wait()
+            self._tell(f"-{inst.proc.pid}")
             if inst.reader is not None:
                 inst.reader.join(timeout=5)
 
@@ -505,22 +552,37 @@ def _signal_group(inst: Instance, sig: int) -> None:
 # shared/logs.py's formats: text "12:00:00 W [trainer] message", json {"ts": ..., "level": "WARNING", ...}
 LOG_HEAD = re.compile(r'^(?:\d\d:\d\d:\d\d ([DIWEC]) \[|\{"ts": [\d.]+, "level": "([DIWEC]))')
 # Warnings nobody can act on: Celery run as root in a dev container, verl's optional engines (torchtitan,
-# veomni, automodel) absent from a CPU install.
-HARMLESS = re.compile(r"superuser privileges|engine is not available")
+# veomni, automodel) absent from a CPU install, verl setting up its platform again for each run it opens.
+HARMLESS = re.compile(r"superuser privileges|engine is not available|Replacing already-initialised platform")
+# What may follow a shown record as part of it: a traceback (its header, indented frames, chained-exception
+# notes, the exception line) or an indented continuation. Anything else printed meanwhile is a library talking
+# on its own (verl's "Monkey patch ..." prints, loading bars, which start with a carriage return, huggingface_hub's
+# second copy of each warning through its own handler): the log file only.
+PART_OF_RECORD = re.compile(r"^(?:[ \t]|$|Traceback \(|During handling of|The above exception|"
+                            r"[A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt|Timeout|Cancelled|Group)(?::|$))")
+REPEAT_WINDOW_S = 60.0  # the same record within this long is shown once (a retry loop, one error per task)
 
 
 class ConsoleFilter:
-    """Which lines of one service's output the console shows: its warnings and errors (logged in the text
-    format) and the lines that follow one (a traceback, a multi-line message), minus HARMLESS ones. Info lines,
-    and raw output outside a warning (library banners, Python warnings), stay in the log file only."""
+    """Which lines of one service's output the console shows: its warnings and errors (logged in the project's
+    formats) with their tracebacks, minus HARMLESS ones, each once per REPEAT_WINDOW_S (the record with its
+    timestamp left out). Info lines, raw library output and repeats stay in the log file only."""
 
-    def __init__(self):
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
         self.showing = False
+        self.clock = clock
+        self.seen: dict[str, float] = {}
 
     def __call__(self, line: str) -> bool:
         head = LOG_HEAD.match(line)
-        if head:
-            self.showing = (head[1] or head[2]) in "WEC" and not HARMLESS.search(line)
+        if not head:
+            return self.showing and bool(PART_OF_RECORD.match(line))
+        self.showing = (head[1] or head[2]) in "WEC" and not HARMLESS.search(line)
+        if self.showing:
+            key, now = re.sub(r'^\d\d:\d\d:\d\d |"ts": [\d.]+, ', "", line), self.clock()
+            self.showing = now - self.seen.get(key, -math.inf) >= REPEAT_WINDOW_S
+            if self.showing:
+                self.seen = {k: t for k, t in self.seen.items() if now - t < REPEAT_WINDOW_S} | {key: now}
         return self.showing
 
 
@@ -564,8 +626,8 @@ def main() -> None:
             stack.wait_healthy(health_timeout_s, interrupted=stopping.requested)
             if not stopping.requested.is_set():
                 stack.supervise()
-                api = next((f"; API at {stack.api_url}" for i in stack.instances if i.name == "api"), "")
-                log.info("all services healthy%s; restarting any that exits; Ctrl-C stops everything", api)
+                log.info("all services healthy%s; restarting any that exits; Ctrl-C stops everything",
+                         _api_hint(stack))
             while not stopping.requested.wait(1.0):
                 pass
         finally:
@@ -574,6 +636,15 @@ def main() -> None:
             log.info("stopped")
 
     typer.run(run)
+
+
+def _api_hint(stack: LocalStack) -> str:
+    """Where the API is, and how the CLI in another terminal finds it: `flywheel` reads FLYWHEEL_API_URL, else
+    API_PORT, so a stack on a port other than 8000 needs one of them exported there too."""
+    if not any(i.name == "api" for i in stack.instances):
+        return ""
+    url = stack.api_url
+    return f"; API at {url}" + ("" if url.endswith(":8000") else f" (CLI: export FLYWHEEL_API_URL={url})")
 
 
 SAME_SIGNAL_S = 0.5  # a signal this soon after the first is the same request, delivered twice (env: STACK_SAME_SIGNAL_S)

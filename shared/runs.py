@@ -7,7 +7,8 @@ the workers. The checks:
 - the dataset (name, split, version) exists (404); the run reads that one version for its whole life;
 - `model` / `tokenizer`: a path (absolute, `./`, `../`, `~`, or naming an existing file) must be a folder that
   exists; anything else must be a valid hub id, and is refused when it looks like a local path whose folder is
-  missing (its first part exists here) or the hub is offline and the id is not cached (400);
+  missing (its first part exists here), or, not in the local cache, when the hub is offline (HF_HUB_OFFLINE),
+  does not answer within HUB_TIMEOUT_S or answers that it has no such model (400);
 - `max_prompt_tokens + max_response_tokens` (and `max_trajectory_tokens`) fit the model's context, read from its
   config.json when this process can see it (400);
 - some live rollout worker offers `engine.type` (workers list theirs in their heartbeat; not checked while no
@@ -202,9 +203,38 @@ def _hub_problem(field: str, value: str, where: str) -> Problem | None:
     if "/" in value and Path(first).is_dir():
         return Problem(field=field, message=f"{value!r} looks like a local path, but that folder does not exist "
                                               f"(./{first} does)", hint=f"{where}; check the path")
-    if _hub_offline() and _cached_config_folder(value) is None:
+    if _cached_config_folder(value) is not None:
+        return None
+    if _hub_offline():
         return Problem(field=field, message=f"hub id {value!r} is not in the local cache and the hub is offline "
                                               "(HF_HUB_OFFLINE)", hint="download it first, or give a local folder")
+    return _hub_lookup(field, value)
+
+
+HUB_TIMEOUT_S = float(os.environ.get("HUB_TIMEOUT_S", "5"))  # a POST waits this long at most for the hub
+
+
+def _hub_lookup(field: str, value: str) -> Problem | None:
+    """Ask the hub whether it has the model: the workers would otherwise each find out, one retry at a time."""
+    import httpx
+    from huggingface_hub import constants, get_token
+
+    url = f"{constants.ENDPOINT}/api/models/{value}"
+    token = get_token()
+    try:
+        r = httpx.get(url, timeout=HUB_TIMEOUT_S, headers={"Authorization": f"Bearer {token}"} if token else {})
+    except httpx.HTTPError as e:
+        return Problem(field=field, message=f"hub id {value!r} is not in the local cache and no hub answered at "
+                                              f"{constants.ENDPOINT} within {HUB_TIMEOUT_S:g}s ({e!r})",
+                         hint="give a local model folder (download it where the hub is reachable), or set "
+                              "HF_ENDPOINT to a hub mirror this machine reaches")
+    if r.status_code in (401, 404):  # the hub answers 401 for a repository that does not exist, to anonymous users
+        return Problem(field=field, message=f"the hub has no model {value!r} (HTTP {r.status_code} from {url})",
+                         hint="check the id on the hub; a private or gated model needs HF_TOKEN set where the API "
+                              "and the workers run")
+    if r.status_code >= 400:
+        return Problem(field=field, message=f"the hub could not confirm model {value!r} (HTTP {r.status_code} "
+                                              f"from {url})", hint="retry, or give a local model folder")
     return None
 
 

@@ -39,6 +39,7 @@ class Heartbeat(BaseModel):
     max_concurrency: int = 0  # rollout slots
     inflight: int = 0  # slots busy now
     gateway_url: str | None = None  # where external agent programs claim sessions
+    holds: list[tuple[str, str, int, int]] = Field(default_factory=list)  # (run, task, sample, attempt) running here
     # trainers
     trains: list[str] = Field(default_factory=list)  # the runs it trains (holds the trainer lease of, opened)
 

@@ -1,10 +1,11 @@
-"""`flywheel`: the command line over the REST API (FLYWHEEL_API_URL, default http://127.0.0.1:8000, and
-FLYWHEEL_TOKEN). Examples:
+"""`flywheel`: the command line over the REST API (FLYWHEEL_API_URL, else http://127.0.0.1:$API_PORT, default
+port 8000, and FLYWHEEL_TOKEN). Examples:
 
     flywheel datasets import data/train.jsonl --name gsm8k-tiny
     flywheel runs start -f run.yaml --watch
     flywheel runs watch <run-id>
     flywheel eval -f eval.yaml            # progress bar, then the pass@k table
+    flywheel trajectories list <run> --min-reward 1 --limit 5
     flywheel sql "SELECT * FROM reward_by_policy_version LIMIT 5"
 """
 
@@ -30,7 +31,9 @@ app = typer.Typer(help="flywheel: RL post-training for LLM agents", no_args_is_h
 runs_app = typer.Typer(help="start, list, watch and control runs", no_args_is_help=True)
 datasets_app = typer.Typer(help="import and list datasets", no_args_is_help=True)
 tokens_app = typer.Typer(help="API tokens", no_args_is_help=True)
+trajectories_app = typer.Typer(help="list a run's trajectories and show one turn by turn", no_args_is_help=True)
 app.add_typer(runs_app, name="runs")
+app.add_typer(trajectories_app, name="trajectories")
 app.add_typer(datasets_app, name="datasets")
 app.add_typer(tokens_app, name="tokens")
 # Long messages (paths, errors) stay on one line; piped output gets wide tables so ids are never cut.
@@ -42,8 +45,14 @@ UPLOADABLE = (".jsonl", ".json", ".csv", ".parquet")
 # ---- talking to the API -------------------------------------------------------------------------------------
 
 
+def api_url() -> str:
+    """FLYWHEEL_API_URL, else the local API on API_PORT: the same variable `make up` starts the API with, so a
+    stack on another port is followed without a second setting."""
+    return os.environ.get("FLYWHEEL_API_URL") or f"http://127.0.0.1:{os.environ.get('API_PORT') or 8000}"
+
+
 def client() -> httpx.Client:
-    url = os.environ.get("FLYWHEEL_API_URL", "http://127.0.0.1:8000")
+    url = api_url()
     token = os.environ.get("FLYWHEEL_TOKEN") or os.environ.get("API_TOKEN")
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     return httpx.Client(base_url=url, headers=headers, timeout=60)
@@ -56,7 +65,8 @@ def call(method: str, path: str, **kw) -> Any:
         with client() as c:
             r = c.request(method, path, **kw)
     except httpx.HTTPError as e:
-        _fail(f"cannot reach the API at {os.environ.get('FLYWHEEL_API_URL', 'http://127.0.0.1:8000')}: {e}")
+        _fail(f"cannot reach the API at {api_url()}: {e}; is `make up` running? Set FLYWHEEL_API_URL (or API_PORT) "
+              f"to the URL it printed")
     if r.status_code >= 400:
         _fail(f"{r.status_code}: {_error_text(r)}")
     return r.json() if r.content else None
@@ -171,7 +181,9 @@ def runs_show(run_id: RunRef) -> None:
     _print_attention(run)
     console.print(f"progress {_progress_text(run['progress'])}")
     units, attempts = run["ledger"]["units"], run["ledger"]["attempts"]
-    console.print("samples " + _counts(units) + "\nattempts " + _counts(attempts))
+    requeued = run["ledger"].get("requeued", 0)
+    console.print("samples " + _counts(units) + (f" ({requeued} requeued: scored on a re-run)" if requeued else "")
+                  + "\nattempts " + _counts(attempts))
     _reasons_table(run["ledger"].get("top_reasons") or [])
     _table("latest metrics", ["metric", "step", "value"],
            [[k, v["step"], v["value"]] for k, v in sorted(run["latest_metrics"].items())])
@@ -191,7 +203,8 @@ def _print_attention(run: dict) -> None:
 
 def _reasons_table(reasons: list[dict]) -> None:
     if reasons:
-        _table("why units ended unscored (errored: the user's code; failed/lost: infrastructure)",
+        _table("why units ended unscored (errored: the user's code; failed/lost: infrastructure; units re-run "
+               "and then scored are not here)",
                ["outcome", "units", "attempts", "reason"],
                [[r["outcome"], r["units"], r["attempts"], r["reason"]] for r in reasons])
 
@@ -300,6 +313,77 @@ def runs_pause(run_id: RunRef) -> None:
 @runs_app.command("resume")
 def runs_resume(run_id: RunRef) -> None:
     _control(run_id, "resume")
+
+
+# ---- trajectories -------------------------------------------------------------------------------------------
+
+
+@trajectories_app.command("list")
+def trajectories_list(
+    run_id: RunRef,
+    policy_version: Annotated[int | None, typer.Option(help="generated (partly) by this policy version")] = None,
+    min_reward: Annotated[float | None, typer.Option(help="reward at least this")] = None,
+    max_reward: Annotated[float | None, typer.Option(help="reward at most this")] = None,
+    termination_reason: Annotated[str | None, typer.Option(help="e.g. env_done, max_steps, response_truncation")] = None,
+    task_id: Annotated[str | None, typer.Option(help="only this dataset task")] = None,
+    limit: Annotated[int, typer.Option(help="rows per page")] = 20,
+    offset: Annotated[int, typer.Option(help="rows to skip (the next page: --offset LIMIT)")] = 0,
+    as_json: Annotated[bool, typer.Option("--json", help="the page as JSON")] = False,
+) -> None:
+    """A run's trajectories, newest first, with GET /v1/runs/{run}/trajectories' filters and paging."""
+    params = {"policy_version": policy_version, "min_reward": min_reward, "max_reward": max_reward,
+              "termination_reason": termination_reason, "task_id": task_id, "limit": limit, "offset": offset}
+    page = call("GET", f"/v1/runs/{run_id}/trajectories", params={k: v for k, v in params.items() if v is not None})
+    if as_json:
+        typer.echo(json.dumps(page))
+        return
+    rows = page["data"]
+    shown = f"{offset + 1}-{offset + len(rows)} of {page['count']}" if rows else f"none of {page['count']}"
+    _table(f"trajectories ({shown})", ["id", "task", "sample", "attempt", "reward", "ended", "steps", "tokens",
+                                        "versions", "created"],
+           [[t["id"], t["task_id"], t["sample_idx"], t["attempt"], t["reward"], t["termination_reason"],
+             t["num_steps"], t["response_tokens"], _versions(t["policy_version_min"], t["policy_version_max"]),
+             t["created_at"][:19]] for t in rows])
+    if offset + len(rows) < page["count"]:
+        console.print(f"next page: --offset {offset + len(rows)}")
+
+
+def _versions(lo: int | None, hi: int | None) -> str:
+    return "" if lo is None else str(lo) if lo == hi else f"{lo}-{hi}"
+
+
+@trajectories_app.command("show")
+def trajectories_show(
+    trajectory_id: Annotated[str, typer.Argument(help="the trajectory's id (from `flywheel trajectories list`)")],
+    tokens: Annotated[bool, typer.Option(help="with token ids and logprobs (large)")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="the whole record as JSON")] = False,
+) -> None:
+    """One trajectory turn by turn: each step's messages, action, reward; the episode's task and outcome."""
+    t = call("GET", f"/v1/trajectories/{trajectory_id}", params={"include_tokens": tokens})
+    if as_json:
+        typer.echo(json.dumps(t))
+        return
+    ep = t.get("episode") or {}
+    console.print(f"[bold]trajectory {t['id']}[/bold] run={t['run_id']} task={t['task_id']} "
+                  f"sample={t['sample_idx']} attempt={t['attempt']} versions="
+                  f"{_versions(t['policy_version_min'], t['policy_version_max'])}")
+    console.print(f"reward {t['reward']:.4g}, ended by {t['termination_reason']}, {t['num_steps']} steps, "
+                  f"{t['prompt_tokens']} prompt + {t['response_tokens']} response tokens")
+    if ep:
+        console.print(f"task {json.dumps(ep.get('task'))}", markup=False)
+        if ep.get("error"):
+            console.print(f"[red]error[/red] {ep['error']}")
+    for s in t["steps"]:
+        console.print(f"[bold]step {s['step_idx']}[/bold] reward {s['reward']:.4g}"
+                      + (" (done)" if s["done"] else "") + (f" v{s['weight_version']}" if s["weight_version"]
+                                                          is not None else ""))
+        for m in s["chat_completions"]:
+            console.print(f"  {m.get('role', '?')}: {m.get('content')}", markup=False)
+        if s["action"] is not None:
+            console.print(f"  action: {json.dumps(s['action'])}", markup=False)
+    for a in t.get("tokens") or []:
+        console.print(f"tokens step {a['step_idx']}: prompt {a['prompt_ids']} response {a['response_ids']} "
+                      f"logprobs {a['logprobs']}", markup=False)
 
 
 # ---- evaluation ---------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ def ledger(session: Session, run_id: uuid.UUID, top: int = 5) -> dict[str, Any]:
     """{"units": {total, completed, in_flight, retrying, errored, failed, cancelled}, "attempts": {total,
     completed, in_flight, errored, failed, lost, cancelled}, "top_reasons": [...]}: each set's columns other
     than total add up to its total; `completed` units are the scored ones."""
-    # run_ledger and run_error_reasons are views (migrations 0005, 0006), not models: read them as SQL.
+    # run_ledger and run_error_reasons are views (migrations 0005, 0006, 0008), not models: read them as SQL.
     row = session.execute(text("SELECT * FROM run_ledger WHERE run_id = :r"), {"r": run_id}).mappings().first()
     row = row or {}
     reasons = session.execute(text(
@@ -28,6 +28,7 @@ def ledger(session: Session, run_id: uuid.UUID, top: int = 5) -> dict[str, Any]:
         "ORDER BY attempts DESC, reason LIMIT :n"), {"r": run_id, "n": top}).mappings().all()
     return {"units": {c: int(row.get(f"units_{c}", 0)) for c in UNIT_COLUMNS},
             "attempts": {c: int(row.get(f"attempts_{c}", 0)) for c in ATTEMPT_COLUMNS},
+            "requeued": int(row.get("units_requeued", 0)),
             "top_reasons": [dict(r) | {"reason": r["reason"] or r["outcome"]} for r in reasons]}
 
 

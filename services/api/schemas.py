@@ -92,6 +92,8 @@ class ErrorReason(BaseModel):
 class Ledger(BaseModel):
     units: UnitCounts
     attempts: AttemptCounts
+    requeued: int = Field(0, description="units that scored after a lost or failed attempt was re-run (counted "
+                          "within units.completed)")
     top_reasons: list[ErrorReason] = Field(default_factory=list, description="why attempts ended unscored, most "
                                            "common first (the `run_error_reasons` view)")
 

@@ -257,18 +257,41 @@ class DispatchLoop:
 
     # -- lease expiry ----------------------------------------------------------------------------------------
     async def expire(self, d: RunDriver) -> None:
+        try:  # what live workers are running: a slow trajectory of a working worker is not lost (renewed)
+            held = [(k[1], k[2], k[3]) for w in await live_workers_async(self.bus.redis, "rollout-worker")
+                    for k in w.holds if k[0] == d.run_id]
+            held += await self.restamp_unread(d)
+        except RedisError as e:  # cannot tell who holds what: expire nothing this time
+            log.warning("lease expiry pass skipped, the rollout workers' heartbeats are unreadable: %r", e,
+                        extra={"run_id": d.run_id})
+            return
         try:
-            await asyncio.to_thread(self.mark_lost, d)
+            await asyncio.to_thread(self.mark_lost, d, held)
         except SQLAlchemyError as e:  # rolled back after we updated memory: rebuild from the ledger
             log.warning("lease expiry pass failed: %r", e, extra={"run_id": d.run_id})
             self.drop(d.run_id)
             return
         await self.announce_final_failures(d)
 
-    def mark_lost(self, d: RunDriver) -> None:
-        """Dispatched rows past their lease are lost: recorded as such and retried while attempts remain."""
+    async def restamp_unread(self, d: RunDriver) -> list[tuple[str, int, int]]:
+        """Tasks of the run still waiting in `rollout.tasks` (no worker has read them: the workers are busy) with
+        less than half their lease left go back on the stream with a fresh lease, and their ledger rows are
+        renewed with them (returned): a backlog on a loaded machine is slow, not lost. A worker that reads one
+        between the scan and the delete runs it twice; the store keeps one."""
+        lease_s = d.cfg.trajectory_timeout_s + self.cfg.ledger_lease_margin_s
+        now = time.time()
+        waiting = await self.bus.withdraw_unread(ROLLOUT_TASKS, GROUP_ROLLOUT, RolloutTask,
+                                                 lambda t: t.run_id == d.run_id and t.lease_left(now) < lease_s / 2)
+        if waiting:  # the ledger's lease, renewed after this in mark_lost, ends no earlier than these
+            await self.bus.publish_many(ROLLOUT_TASKS, [t.model_copy(update={"lease_expires_at": now + lease_s})
+                                                        for t in waiting])
+        return [(t.task_id, t.sample_idx, t.attempt) for t in waiting]
+
+    def mark_lost(self, d: RunDriver, held: list[tuple[str, int, int]]) -> None:
+        """Dispatched rows past their lease are lost: recorded as such and retried while attempts remain. Those a
+        live rollout worker says it runs (`held`, from its heartbeat) have their lease renewed instead."""
         with self.db.begin() as conn:
-            lost = ledger.expire_leases(conn, d.run_id)
+            lost = ledger.expire_leases(conn, d.run_id, held, d.cfg.trajectory_timeout_s + self.cfg.ledger_lease_margin_s)
             if not lost:
                 return
             LOST.inc(len(lost))
@@ -301,7 +324,7 @@ class DispatchLoop:
         return sum(beat.max_concurrency for beat in beats)
 
     async def check_stalls(self) -> None:
-        """A running run with no attempt ended and no new policy version for STALL_AFTER_S says why in
+        """A running run with no attempt ended and no new policy version for its stall window says why in
         runs.stall_reason (stall.py: each reason detected, none guessed); cleared once it moves again. A paused
         run says it is paused. A training run whose groups all lacked learning signal for NO_SIGNAL_VERSIONS
         versions gets a warning."""
@@ -311,9 +334,9 @@ class DispatchLoop:
             reason = None
             if d.status == "paused":
                 reason = "paused: resume it (POST /v1/runs/{id}/resume, or `flywheel runs resume`)"
-            elif d.status == "running" and now - d.last_progress >= self.cfg.stall_after_s:
+            elif d.status == "running" and now - d.last_progress >= (window := self.stall_window(d)):
                 facts = facts or await gather_facts(self.bus.redis)
-                reason = stall_reason(d, facts, self.cfg.stall_after_s)
+                reason = stall_reason(d, facts, window)
             if reason != d.stall_reason:
                 await asyncio.to_thread(ledger.set_stall, self.db, d.run_id, reason)
                 if reason:
@@ -325,6 +348,12 @@ class DispatchLoop:
                                                   self.cfg.no_signal_versions)
                 if warning:
                     log.warning("%s", warning, extra={"run_id": d.run_id})
+
+    def stall_window(self, d: RunDriver) -> float:
+        """STALL_AFTER_S, or twice the time a unit of this run takes now when that is longer: on a loaded machine
+        every slot busy with slow trajectories is a slow run, not a stalled one (whole seconds: the reason's
+        wording stays the same while the run stays stalled)."""
+        return float(max(self.cfg.stall_after_s, round(2 * d.unit_s)))
 
     def health(self) -> dict:
         return {rid: {"status": d.status, "in_flight": len(d.in_flight), "completed": d.num_completed,

@@ -39,6 +39,7 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.dialects.postgresql import JSONB, UUID
+from sqlalchemy.orm import aliased
 
 from services.controller.plan import Slot
 from shared import leases
@@ -343,14 +344,16 @@ def final_failures(conn: Connection, run_id: str) -> list[tuple[str, int, int, i
 
 
 def top_reasons(conn: Connection, run_id: str, limit: int = 5) -> list[dict[str, Any]]:
-    """Why attempts ended unscored, most common first: [{"reason", "status" (error | failed | lost), "count"}].
-    A user-code error's reason is its ledger row's error ("<where>: <exception>"); an infrastructure
+    """Why units that never scored ended so, most common first: [{"reason", "status" (error | failed | lost),
+    "count" (attempts)}]. A user-code error's reason is its ledger row's error ("<where>: <exception>"); an infrastructure
     failure's is its traceback's last line, numbers and addresses folded together."""
     from services.controller.run import outcome_reason
 
-    t = RolloutTaskRow
+    t, c = RolloutTaskRow, aliased(RolloutTaskRow)
+    scored = exists().where(c.run_id == t.run_id, c.task_id == t.task_id, c.sample_idx == t.sample_idx,
+                            c.status == "completed")  # a unit re-run and then scored did not end unscored
     rows = conn.execute(select(t.status, t.error, func.count()).where(
-        t.run_id == run_id, t.status.in_(("error", "failed", "lost"))).group_by(t.status, t.error)
+        t.run_id == run_id, t.status.in_(("error", "failed", "lost")), ~scored).group_by(t.status, t.error)
         .order_by(func.count().desc()).limit(500)).all()
     counts: dict[tuple[str, str], int] = {}
     for status, error, n in rows:
@@ -366,9 +369,20 @@ def active_train_runs(db: Engine) -> list[str]:
                                  .where(Run.kind == "train", Run.status.in_(ACTIVE_STATUSES))).scalars())
 
 
-def expire_leases(conn: Connection, run_id: str) -> list[tuple[str, int, int]]:
-    """Mark dispatched rows past their lease as lost (their result never arrived, or Redis lost it)."""
+def expire_leases(conn: Connection, run_id: str, held: list[tuple[str, int, int]] = (), renew_s: float = 0.0
+                  ) -> list[tuple[str, int, int]]:
+    """Mark dispatched rows past their lease as lost (their result never arrived, or Redis lost it), except
+    those `held` (a live rollout worker runs them, or they wait in the stream re-stamped): their lease is
+    renewed for `renew_s` once less than half of it is left."""
     t = RolloutTaskRow
+    if held:
+        tasks, samples, attempts = (list(c) for c in zip(*held, strict=True))
+        conn.execute(text(  # hand-tuned: one array per key column (unnest)
+            """UPDATE rollout_tasks t SET lease_expires_at = now() + make_interval(secs => :s)
+               FROM unnest(CAST(:t AS text[]), CAST(:sa AS int[]), CAST(:a AS int[])) AS k(task_id, sample_idx, attempt)
+               WHERE t.run_id = :r AND (t.task_id, t.sample_idx, t.attempt) = (k.task_id, k.sample_idx, k.attempt)
+                 AND t.status = 'dispatched' AND t.lease_expires_at < now() + make_interval(secs => :s / 2)"""
+        ), {"r": run_id, "t": tasks, "sa": samples, "a": attempts, "s": renew_s})
     return [tuple(r) for r in conn.execute(
         update(t).where(t.run_id == run_id, t.status == "dispatched", t.lease_expires_at < func.now())
         .values(status="lost", finished_at=func.now(), error="no result before the task lease expired")
@@ -420,6 +434,15 @@ def eval_samples(conn: Connection, run_id: str, name: str, split: str,
 def write_summary(conn: Connection, run_id: str, summary: dict) -> None:
     conn.execute(update(Run).where(Run.id == run_id)
                  .values(summary=Run.summary.op("||")(literal(summary, JSONB))))
+
+
+def requeued_units(conn: Connection, run_id: str) -> int:
+    """Units that scored after a lost or failed attempt was re-run."""
+    t, c = RolloutTaskRow, aliased(RolloutTaskRow)
+    return conn.execute(select(func.count(func.distinct(func.row(t.task_id, t.sample_idx)))).where(
+        t.run_id == run_id, t.status.in_(("failed", "lost")),
+        exists().where(c.run_id == t.run_id, c.task_id == t.task_id, c.sample_idx == t.sample_idx,
+                       c.status == "completed"))).scalar_one()
 
 
 def ledger_summary(conn: Connection, run_id: str) -> dict[str, int]:

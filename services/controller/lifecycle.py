@@ -91,7 +91,8 @@ def complete(conn: Connection, d: RunDriver) -> None:
     result fails instead, with the reason most of them failed for: "completed" would read as "the model
     scores 0"."""
     reasons = ledger.top_reasons(conn, d.run_id)
-    summary = {"ledger": ledger.ledger_summary(conn, d.run_id), "final_failures": len(d.final_failed),
+    summary = {"ledger": ledger.ledger_summary(conn, d.run_id), "requeued": ledger.requeued_units(conn, d.run_id),
+               "final_failures": len(d.final_failed),
                "scored": d.num_completed, "errored": d.num_errored, "top_reasons": reasons}
     if d.plan.is_eval:
         summary.update(pass_at_k_table(ledger.eval_samples(conn, d.run_id, d.cfg.dataset, d.cfg.dataset_split,

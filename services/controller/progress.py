@@ -1,5 +1,6 @@
 """The progress loop: group "controller" on `trainer.progress` -> runs.policy_version, `consumed_groups` and a
-trainer's `trainer_error` events, acknowledged after the commit. All the controller knows of the trainer comes this way."""
+trainer's `trainer_error` events, acknowledged after the commit. All the controller knows of the trainer comes this way.
+A trainer that cannot load a run fails it (the dispatch pass records the reason)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,8 @@ class ProgressLoop:
                 driver.recount_dropped = driver.recount_dropped or bool(m.groups)
                 if m.error is not None:
                     driver.trainer_error = m.error
+                    # its model or checkpoint will not load: no retry would load it, so the run fails with why
+                    driver.fail_reason = driver.fail_reason or f"the trainer cannot train this run: {m.error[:1000]}"
                 elif m.version > 0:  # a trainer trains it now
                     driver.trainer_error = None
         self.wake.set()

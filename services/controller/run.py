@@ -8,7 +8,8 @@ skips nothing lost), then kept current from ledger rows that ended. Pure bookkee
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 from services.controller.ledger import LedgerRow, RunRow
 from services.controller.plan import Plan, Slot
@@ -24,6 +25,7 @@ class SlotState:
     attempt: int  # latest attempt
     status: str  # ledger status of the latest attempt
     bad: int = 0  # failed or lost attempts so far
+    dispatched_at: float = field(default_factory=time.monotonic)  # of the latest attempt (or when the ledger was read)
 
 
 class RunDriver:
@@ -58,6 +60,7 @@ class RunDriver:
         self.stall_reason: str | None = "?"  # last written to runs.stall_reason ("?": not yet, write once)
         self.signal_checked_version = -1  # policy version the no-learning-signal warning was last checked at
         self.last_progress = 0.0  # monotonic time a ledger row last ended or the policy version moved (0: unset)
+        self.unit_s = 0.0  # the longest recent dispatch-to-end time of a unit (decaying): sizes the stall window
 
     # -- ledger -> state ----------------------------------------------------------------------------------------
     def rebuild(self, rows: list[LedgerRow]) -> None:
@@ -81,6 +84,8 @@ class RunDriver:
             return False
         st.status = status
         st.bad += status in BAD
+        if status in ("completed", "error"):  # how long a unit takes now: a loaded machine stretches it
+            self.unit_s = max(0.9 * self.unit_s, time.monotonic() - st.dispatched_at)
         self.in_flight.discard(key)
         self._track_failures(status, error)
         return self._settle(key, st)

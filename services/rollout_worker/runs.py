@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import threading
 import time
 import uuid
@@ -48,6 +49,39 @@ RELOADS = Counter("rollout_weight_reloads_total", "Weight reloads", ["outcome"])
 
 class RunNotFound(ValueError):
     pass
+
+
+class RunUnavailable(RuntimeError):
+    """The run's context could not be built a moment ago: its next tasks fail at once with the same reason (so the
+    controller's fail-fast sees one reason again and again) instead of each retrying the loader."""
+
+
+BUILD_FAILURE_HOLD_S = 30.0  # how long a failed build answers for the run before it is tried again
+ENDED = ("stopped", "failed", "completed")  # a run in one of these has no work left on any worker
+
+
+async def in_daemon_thread(fn, *args):
+    """`asyncio.to_thread` in a daemon thread of its own: for loaders that can block for minutes (a hub that
+    does not answer, retried by huggingface_hub). Cancelled, the caller goes on; the thread cannot be stopped,
+    but the process exits without waiting for it (to_thread's pool is joined at exit: a worker that would not
+    stop within its grace period)."""
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+
+    def settle(result, error):
+        if not done.done():
+            done.set_exception(error) if error is not None else done.set_result(result)
+
+    def work():
+        try:
+            result, error = fn(*args), None
+        except BaseException as e:  # handed to the awaiting coroutine
+            result, error = None, e
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=work, daemon=True, name=f"load-{getattr(fn, '__name__', 'fn')}").start()
+    return await done
 
 
 @dataclass
@@ -91,13 +125,21 @@ class RunRegistry:
         self._locks: dict[str, asyncio.Lock] = {}
         self._manifests: dict[str, CheckpointManifest] = {}  # sha256 -> verified manifest
         self._manifests_lock = threading.Lock()
+        self.failed: dict[str, tuple[float, str]] = {}  # run -> (monotonic time, why) of its last failed build
 
     async def get(self, run_id: str) -> RunContext:
         if run_id not in self.contexts:
             async with self._locks.setdefault(run_id, asyncio.Lock()):
+                if (failed := self.failed.get(run_id)) and time.monotonic() - failed[0] < BUILD_FAILURE_HOLD_S:
+                    raise RunUnavailable(failed[1])
                 if run_id not in self.contexts:
-                    ctx = await self.build(run_id)
-                    await self.load_newest(ctx)
+                    try:
+                        ctx = await self.build(run_id)
+                        await self.load_newest(ctx)
+                    except Exception as e:
+                        self.failed[run_id] = (time.monotonic(), f"{type(e).__name__}: {e}")
+                        raise RunUnavailable(self.failed[run_id][1]) from e
+                    self.failed.pop(run_id, None)
                     self.contexts[run_id] = ctx
         ctx = self.contexts[run_id]
         ctx.last_used = time.monotonic()
@@ -131,7 +173,7 @@ class RunRegistry:
         config = await asyncio.to_thread(self.load_config, run_id)
         from transformers import AutoTokenizer
 
-        tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, config.tokenizer_path)
+        tokenizer = await in_daemon_thread(AutoTokenizer.from_pretrained, config.tokenizer_path)
         kwargs: dict = {"hf": {"batch_wait_ms": self.hf_batch_wait_ms},
                         # a delta's layers go to the server as a file: where it reads full checkpoints from too
                         "openai": {"scratch_dir": self.weights_cache / ".deltas"}}.get(config.engine.type, {})
@@ -141,17 +183,37 @@ class RunRegistry:
             key = (config.model, config.engine.model_dump_json())
             async with self._bases_lock:
                 if key not in self.bases:
-                    self.bases[key] = await asyncio.to_thread(build_engine, config.engine.type, config.model,
-                                                              config.engine, tokenizer, **kwargs)
+                    self.bases[key] = await in_daemon_thread(
+                        functools.partial(build_engine, config.engine.type, config.model, config.engine, tokenizer,
+                                          **kwargs))
             engine: InferenceEngine = AdapterView(self.bases[key], run_id)
         else:
-            engine = await asyncio.to_thread(build_engine, config.engine.type, config.model, config.engine,
-                                             tokenizer, **kwargs)
+            engine = await in_daemon_thread(functools.partial(
+                build_engine, config.engine.type, config.model, config.engine, tokenizer, **kwargs))
         workflow_cls = resolve("workflow", config.workflow.name) if config.workflow else None
         log.info("serving run %s: model %s, engine %s", run_id, config.model, config.engine.type,
                  extra={"run_id": run_id})
         return RunContext(run_id, config, ChatTokenizer(tokenizer), engine, resolve("agent", config.agent.name),
                           workflow_cls, asyncio.Lock())
+
+    def ended(self, run_ids: set[str]) -> set[str]:
+        """Those of `run_ids` that have ended (stopped, failed, completed) or no longer exist (deleted)."""
+        with self.db.connect() as conn:
+            rows = conn.execute(select(Run.id, Run.status).where(Run.id.in_([uuid.UUID(r) for r in run_ids])))
+            live = {str(i) for i, status in rows if status not in ENDED}
+        return run_ids - live
+
+    async def forget(self, run_id: str) -> None:
+        """Release what this worker holds for an ended run (its engine, its failed build)."""
+        self.failed.pop(run_id, None)
+        ctx = self.contexts.get(run_id)
+        if ctx is not None and not ctx.reload_lock.locked():
+            del self.contexts[run_id]
+            self._locks.pop(run_id, None)
+            with contextlib.suppress(KeyError):
+                WEIGHT_VERSION.remove(run_id)
+            await ctx.engine.close()
+            await self._close_unused_bases()
 
     def load_config(self, run_id: str) -> RunConfig:
         with self.db.connect() as conn:

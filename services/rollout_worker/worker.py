@@ -4,10 +4,14 @@
   own asyncio task; its EpisodeResult is XADDed to `trajectories`, THEN the task is acked. A worker killed
   mid-trajectory leaves its tasks pending; others reclaim them (XAUTOCLAIM after claim_idle_ms).
   A task read after its attempt's ledger lease expired (it waited in the stream under backlog, or pending for a
-  dead consumer) is acked without running, and one still running when its lease expires is abandoned: the
-  controller has given that attempt up and re-dispatched it, so its result would only be dropped as late.
+  dead consumer) is acked without running: the controller has given that attempt up and re-dispatched it. The
+  tasks in hand are listed in the heartbeat (`holds`), and the controller renews their leases instead of
+  expiring them, however long a loaded machine makes them (each is bounded by its trajectory budget).
 - keepalive: tasks still running are re-claimed by this worker every claim_idle_ms/3, so a long trajectory
   of a live worker is never taken for a dead one's.
+- ended runs: every RUN_CHECK_S the runs of the tasks in hand are read from Postgres; the tasks of a run that
+  stopped, failed, completed or was deleted are cancelled and acked (whatever they wait on: a model loading, a
+  hub retrying) and its later tasks are acked unrun, so no work goes on for it after the stop.
 - env replies: the EnvClient reader.
 - weights: the `weights` broadcast, read with our own cursor; hot reload of the runs we serve.
 """
@@ -15,7 +19,6 @@
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 
 from prometheus_client import Counter, Gauge
@@ -26,7 +29,7 @@ from services.rollout_worker.config import RolloutWorkerConfig
 from services.rollout_worker.env_client import EnvClient
 from services.rollout_worker.episodes import failed, run_episode
 from services.rollout_worker.gateway import Gateway
-from services.rollout_worker.runs import RunContext, RunRegistry
+from services.rollout_worker.runs import RunContext, RunRegistry, RunUnavailable
 from shared.bus import REDIS_DOWN, BroadcastReader, Delivery, Redis, StreamBus, StreamConsumer
 from shared.logs import get_logger
 from shared.messages import EpisodeResult, RolloutTask, WeightsPublished
@@ -38,12 +41,11 @@ from shared.weight_relay import Relay
 log = get_logger(__name__)
 INFLIGHT = Gauge("rollout_tasks_inflight", "Tasks being run")
 EXPIRED = Counter("rollout_tasks_expired_total", "Tasks acked without a result because their attempt's lease "
-                  "expired (the controller re-dispatches them): when=read (not run) or when=running (abandoned)",
-                  ["when"])
-for _when in ("read", "running"):  # both series exist from the start, at 0
-    EXPIRED.labels(_when)
+                  "had expired when they were read (the controller re-dispatches them)", ["when"])
+EXPIRED.labels("read")  # the series exists from the start, at 0
 # Until Redis takes it: the task is not acked before, so nothing is lost if we die trying.
 PUBLISH_RETRY = RetryPolicy(REDIS_DOWN, first_wait_s=1.0, max_wait_s=1.0, what="publishing an episode")
+RUN_CHECK_S = 2.0  # how often the runs of the tasks in hand are checked for having ended
 
 
 class RolloutWorker:
@@ -59,6 +61,7 @@ class RolloutWorker:
         self.gateway = Gateway(cfg.gateway_host, cfg.gateway_port, cfg.gateway_public_host, cfg.gateway_token)
         self.programs = AgentPrograms(self.gateway, cfg.agent_memory_bytes)
         self.running: dict[asyncio.Task, Delivery] = {}
+        self.ended: set[str] = set()  # runs that ended: their tasks are acked unrun
         self.status: dict = {}
         self.weights = BroadcastReader(redis, WEIGHTS, WeightsPublished)
 
@@ -75,12 +78,31 @@ class RolloutWorker:
         self.status["gateway_port"] = self.gateway.port  # status is the runtime's dict by now (main.py)
         self.status["gateway_url"] = f"http://{self.gateway.public_host}:{self.gateway.port}"  # API forwards claims
         return [self.task_loop(stop), self.keepalive_loop(stop), self.envs.reader(stop), self.weights_loop(stop),
-                self.evict_loop(stop)]
+                self.evict_loop(stop), self.ended_loop(stop)]
 
     async def evict_loop(self, stop: asyncio.Event) -> None:
         while not await sleep_or_stop(stop, min(60.0, self.cfg.run_idle_s / 4)):
             await self.runs.evict_idle(self.cfg.run_idle_s)
             self.status["runs"] = len(self.runs.contexts)
+
+    async def ended_loop(self, stop: asyncio.Event) -> None:
+        while not await sleep_or_stop(stop, RUN_CHECK_S):
+            in_hand = ({d.message.run_id for d in self.running.values()} | set(self.runs.contexts)) - self.ended
+            if not in_hand:
+                continue
+            try:
+                ended = await asyncio.to_thread(self.runs.ended, in_hand)
+            except Exception as e:  # Postgres unreachable: the tasks go on, checked again next time
+                log.warning("cannot check whether runs have ended: %s", e)
+                continue
+            for run_id in ended - self.ended:
+                log.info("run %s has ended: dropping its tasks here", run_id, extra={"run_id": run_id})
+            self.ended |= ended
+            for task, d in list(self.running.items()):
+                if d.message.run_id in ended:
+                    task.cancel()  # run_task acks it
+            for run_id in ended:
+                await self.runs.forget(run_id)
 
     # -- tasks -----------------------------------------------------------------------------------------------
     async def task_loop(self, stop: asyncio.Event) -> None:
@@ -102,46 +124,58 @@ class RolloutWorker:
                 task = asyncio.create_task(self.run_task(d))
                 self.running[task] = d
                 task.add_done_callback(self._finished)
-            INFLIGHT.set(len(self.running))
-            self.status["inflight"] = len(self.running)
+            self._report()
         await self.drain()
+
+    def _report(self) -> None:
+        """What the heartbeat says this worker runs: the controller renews these tasks' leases."""
+        INFLIGHT.set(len(self.running))
+        self.status["inflight"] = len(self.running)
+        self.status["holds"] = [list(d.message.key) for d in self.running.values()]
 
     def _finished(self, task: asyncio.Task) -> None:
         self.running.pop(task, None)
-        INFLIGHT.set(len(self.running))
-        self.status["inflight"] = len(self.running)  # else /healthz shows the count of the last read, stale
+        self._report()  # else /healthz shows the tasks of the last read, stale
         if not task.cancelled() and task.exception() is not None:
             log.error("task runner crashed", exc_info=task.exception())
 
     async def run_task(self, delivery: Delivery) -> None:
-        """Run the task and publish its result, then ack it; or, once the attempt's lease has expired, ack it
-        with no result.
+        """Run the task and publish its result, then ack it; or, when its attempt's lease had expired before it
+        was read, ack it with no result.
 
         No EpisodeResult for an expired attempt: the controller's ledger expires it as lost and re-dispatches
         attempt+1, so nothing is lost; a `failed` reply would instead be dropped as late or, if it beat the
-        expiry pass, count towards the run's fail-fast streak, which a backlog says nothing about.
-        The lease is on the controller's clock. Skew between hosts only delays: a worker clock ahead gives an
-        attempt up a little early, and the ledger re-dispatches it at its own expiry (as a lost attempt, like
-        any late one); a clock behind runs it as if the lease were unknown."""
+        expiry pass, count towards the run's fail-fast streak, which a backlog says nothing about. Once read, a
+        task runs to its end: the controller renews the lease of what the heartbeat lists (`_report`).
+        The lease is on the controller's clock. Skew between hosts only delays: a worker clock ahead skips an
+        attempt a little early, and the ledger re-dispatches it at its own expiry (as a lost attempt, like any
+        late one); a clock behind runs it as if the lease were unknown."""
         task: RolloutTask = delivery.message
+        if task.run_id in self.ended:
+            return await self.consumer.ack([delivery])
+        try:
+            await self._run_task(delivery, task)
+        except asyncio.CancelledError:
+            if task.run_id not in self.ended:  # a stop of this worker: unacked, another worker reclaims it
+                raise
+            await self.consumer.ack([delivery])  # the run ended: nothing to reclaim
+
+    async def _run_task(self, delivery: Delivery, task: RolloutTask) -> None:
         left = task.lease_left(time.time())
         if left <= 0:
             return await self.give_up(delivery, "read", f"its lease expired {-left:.1f}s before it was read")
         try:
             # Not under the lease: the run's context (tokenizer, engine) is built once and shared by its tasks;
             # cancelling its build would leave a half-started engine behind and the next task building another.
+            # Only a run that ended (ended_loop) or this worker's stop cancel it.
             ctx = await self.runs.get(task.run_id)
         except Exception as e:
-            log.exception("cannot serve run %s", task.run_id, extra={"run_id": task.run_id})
+            # the build's own failure with its traceback; the same reason again for the next tasks, one line each
+            log.error("cannot serve run %s: %s", task.run_id, e, extra={"run_id": task.run_id},
+                      exc_info=not isinstance(e, RunUnavailable) or e.__cause__ is not None)
             result = failed(task, f"rollout worker cannot serve the run: {e}")
         else:
-            if (left := task.lease_left(time.time())) <= 0:  # gone while the context was built: start nothing
-                return await self.give_up(delivery, "running", "its lease expired while its run was set up")
-            try:
-                async with asyncio.timeout(None if left == math.inf else left):
-                    result = await self.run(ctx, task)
-            except TimeoutError:
-                return await self.give_up(delivery, "running", "its lease expired while it ran")
+            result = await self.run(ctx, task)  # within its trajectory budget; its lease renewed meanwhile
         await self.publish(result)
         await self.consumer.ack([delivery])  # only after the result is in `trajectories`
 

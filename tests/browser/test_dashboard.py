@@ -63,12 +63,12 @@ def test_runs_run_page_charts_and_trajectory_viewer(api, page, database_url):
 
     page.click(f"tr[data-href='#/runs/{run_id}']")
     page.wait_for_selector("#chart-reward[data-points]")
-    for key in ("reward", "pass", "kl", "entropy", "throughput", "mismatch", "time"):
+    for key in ("reward", "pass", "kl", "entropy", "throughput", "mismatch", "truncated", "time"):
         assert int(page.get_attribute(f"#chart-{key}", "data-points")) >= 3, key
     ledger = page.inner_text("#ledger")
     assert "samples scored" in ledger and "18" in ledger and "in flight" in ledger
     assert page.evaluate("typeof uPlot") == "function"  # the vendored library, served by the API itself
-    assert page.locator(".charts .uplot").count() == 7  # one uPlot chart per panel
+    assert page.locator(".charts .uplot").count() == 8  # one uPlot chart per panel
     assert "logprob_diff_max" in page.inner_text("#chart-mismatch .u-legend")
     legend = page.inner_text("#chart-reward .u-legend")
     assert "mean reward (trajectories)" in legend and "reward_mean" in legend
@@ -214,4 +214,59 @@ def test_a_stalled_run_shows_why_its_warning_and_its_errored_units(api, page, da
     reasons = page.inner_text("#reasons")
     assert "error" in reasons and reason in reasons, reasons
     page.screenshot(path=str(ARTIFACTS / "stalled_run.png"), full_page=True)
+    assert errors == []
+
+
+def test_every_legend_entry_has_a_line_axes_say_what_they_measure_and_one_token_answers_show(api, page, database_url):
+    """The items a user reported: legend entries without a visible line (kl_ref drawn under an identical
+    kl_behaviour), a share and logprob differences on one axis, a throughput axis without a unit, "16-16" version
+    ranges, a one-token answer missing from its trajectory, and a stopped run without data."""
+    from shared.db.models import StepRow, TrajectoryRow
+
+    run_id = seed_run(database_url, name="browser-items", num_tasks=2, samples=1, versions=3, status="completed")
+    _flatten(database_url, run_id, {"ppo_kl": 0.0, "kl_behaviour": 0.0})
+    engine = create_engine(database_url)
+    with Session(engine) as s:  # the recall task's shape: one token answered, the prompt alone in the messages
+        traj = s.query(TrajectoryRow).filter_by(run_id=run_id, task_id="task-1", policy_version_min=2).first()
+        traj.termination_reason, traj.reward, traj.num_steps = "response_truncation", 1.0, 1
+        s.query(StepRow).filter_by(trajectory_id=traj.id, step_idx=1).delete()
+        s.query(StepRow).filter_by(trajectory_id=traj.id, step_idx=0).update(
+            {"chat_completions": [{"role": "user", "content": "seven"}], "model_response": "7", "action": "7"})
+        traj_id = traj.id
+        s.commit()
+    engine.dispose()
+    stopped = seed_run(database_url, name="browser-stopped-empty", status="stopped", versions=0)
+    ARTIFACTS.mkdir(exist_ok=True)
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+
+    page.goto(f"{api.url}/ui/?token={api.token}#/runs/{run_id}")
+    page.wait_for_selector("#traj-range")
+    page.wait_for_function("() => document.querySelector('#chart-kl').dataset.yTicks")
+    assert page.get_attribute("#chart-kl", "data-legend") == "kl_behaviour = ppo_kl"  # one line, one entry
+    assert page.locator("#chart-kl .u-legend .u-series").all_inner_texts() == ["kl_behaviour = ppo_kl"]
+    assert page.get_attribute("#chart-mismatch", "data-legend") == "logprob_diff_max|logprob_diff_mean"
+    assert page.get_attribute("#chart-truncated", "data-legend") == "is_truncated_fraction"
+    assert _y(page, "truncated")[0] == [0.0, 1.0]  # a share on an axis of its own
+    assert page.get_attribute("#chart-throughput", "data-y-label") == "tokens / s"  # the axis says its unit
+    assert page.get_attribute("#chart-mismatch", "data-y-label") == "|Δ logprob| (nats)"
+    versions = page.locator("#trajectories tbody tr.link td:nth-child(7)").all_inner_texts()
+    assert versions and all("–" not in v for v in versions), versions  # "2", not "2–2"
+    page.screenshot(path=str(ARTIFACTS / "charts_legends_units.png"), full_page=True)
+
+    page.goto(f"{api.url}/ui/?token={api.token}#/trajectories/{traj_id}")
+    page.wait_for_selector("#trajectory-title")
+    turns = page.inner_text("main")
+    assert "assistant\n7" in turns and "user\nseven" in turns, turns  # the one-token answer is shown
+    assert page.inner_text("#trajectory-versions") == "2"
+    assert page.inner_text("#termination-note") == "max_response_tokens reached"
+    page.screenshot(path=str(ARTIFACTS / "one_token_trajectory.png"), full_page=True)
+
+    page.goto(f"{api.url}/ui/?token={api.token}#/runs/{stopped}")
+    page.wait_for_selector("#traj-range, #traj-count")
+    page.wait_for_function("() => document.querySelector('#chart-reward')?.dataset.points === '0'")
+    text = page.inner_text("main")
+    assert "not recorded for this run" not in text and "no data: the run ended before any was recorded" in text
+    assert "lease expired" not in text
+    page.screenshot(path=str(ARTIFACTS / "stopped_run_without_data.png"), full_page=True)
     assert errors == []

@@ -31,6 +31,8 @@ from shared.db.models import (
 )
 
 REPO = Path(__file__).resolve().parents[2]
+# A model folder POST /v1/runs accepts without a hub (config.json only): for runs no worker loads.
+CONFIG_ONLY_MODEL = str(REPO / "tests" / "fixtures" / "config-only-model")
 ADMIN_TOKEN = "test-admin-token-0123456789"
 
 
@@ -104,7 +106,7 @@ def start_jobs(database_url: str, redis_url: str, data_dir: Path, **extra: str) 
 
 
 def run_config(dataset: str, **over) -> dict:
-    cfg = {"name": "test-run", "kind": "train", "model": "tiny-model", "dataset": dataset,
+    cfg = {"name": "test-run", "kind": "train", "model": CONFIG_ONLY_MODEL, "dataset": dataset,
            "agent": {"name": "math"}, "env": {"name": "math"}, "samples_per_task": 2, "tasks_per_batch": 2}
     cfg.update(over)
     return cfg

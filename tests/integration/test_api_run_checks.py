@@ -9,17 +9,49 @@ offers, dataset rows without the env's fields.
 from __future__ import annotations
 
 import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import redis
-from api_testlib import run_config, running_api
+from api_testlib import run_config, running_api, start_api
+
+from shared.runs import _hub_problem
 
 ROWS = [{"id": f"q{i}", "question": f"{i}+{i}?", "answer": str(2 * i)} for i in range(3)]
 
 
+class StubHub(BaseHTTPRequestHandler):
+    """The hub's model route as huggingface.co answers it: 200 for a model it has, 401 for one it has not (to
+    an anonymous user); `org/slow` answers after 3 s."""
+
+    def do_GET(self):  # noqa: N802 (http.server's name)
+        if self.path == "/api/models/org/slow":
+            time.sleep(3)
+        found = self.path in ("/api/models/org/there", "/api/models/org/slow")
+        body = b'{"id": "org/there"}' if found else b'{"error": "Repository not found"}'
+        self.send_response(200 if found else 401)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
 @pytest.fixture(scope="module")
-def api(database_url, redis_url, tmp_path_factory):
-    with running_api(database_url, redis_url, tmp_path_factory.mktemp("run-checks"), jobs=True) as live:
+def hub():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), StubHub)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def api(database_url, redis_url, tmp_path_factory, hub):
+    with running_api(database_url, redis_url, tmp_path_factory.mktemp("run-checks"), jobs=True, hf_endpoint=hub,
+                     hub_timeout_s="1") as live:
         with live.client() as c:
             for name, rows in (("checks", ROWS), ("no-answers", [{"id": "a", "question": "1+1?"}, *ROWS])):
                 body = "\n".join(json.dumps(r) for r in rows).encode()
@@ -136,3 +168,33 @@ def test_lora_target_modules_the_model_lacks_are_refused(client, tmp_path):
     cfg["algorithm"]["lora"]["rank"] = 1000  # sane rank: the field and the bound, before anything is stored
     r = client.post("/v1/runs", json=cfg)
     assert r.status_code == 422 and "rank" in r.text and "256" in r.text, r.text
+
+
+def test_a_hub_id_the_hub_does_not_have_is_refused_at_once(client):
+    started = time.monotonic()
+    item = refused(client.post("/v1/runs", json=run_config("checks", model="nope/nomodel")), 400, "model")
+    assert "the hub has no model 'nope/nomodel' (HTTP 401" in item["message"] and "HF_TOKEN" in item["hint"]
+    assert time.monotonic() - started < 5
+    assert client.post("/v1/runs", json=run_config("checks", model="org/there")).status_code == 201
+
+
+def test_a_hub_id_is_refused_when_no_hub_answers_in_time(client, database_url, redis_url, tmp_path):
+    started = time.monotonic()
+    item = refused(client.post("/v1/runs", json=run_config("checks", model="org/slow")), 400, "model")
+    assert "no hub answered at http://127.0.0.1:" in item["message"] and "within 1s" in item["message"]
+    assert "local model folder" in item["hint"]
+    assert time.monotonic() - started < 2.9  # the API's HUB_TIMEOUT_S, not the hub's 3 s
+    nothing = start_api(database_url, redis_url, tmp_path, controller=False, hf_endpoint="http://127.0.0.1:1")
+    try:  # nothing listens at the hub's address (a machine without network): refused, with the address
+        with nothing.client() as c:
+            item = refused(c.post("/v1/runs", json=run_config("checks", model="nope/nomodel")), 400, "model")
+        assert "no hub answered at http://127.0.0.1:1 within" in item["message"]
+    finally:
+        nothing.stop()
+
+
+def test_a_hub_id_is_refused_without_asking_when_the_hub_is_offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:1")  # were it asked, the message would say so
+    problem = _hub_problem("model", "nope/nomodel", "")
+    assert problem is not None and "the hub is offline (HF_HUB_OFFLINE)" in problem.message

@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session
 from typer.testing import CliRunner
 
 from services.api.cli import app
-from shared.db.models import Run
+from shared.db.models import RolloutTaskRow, Run
 
 runner = CliRunner()
 MATH_ROWS = '{"id": 1, "question": "1+1?", "answer": "2"}\n{"id": 2, "question": "2+2?", "answer": "4"}\n'
@@ -211,3 +211,48 @@ def test_runs_are_addressed_by_name_or_unique_id_prefix(cli, database_url):
     out = cli("runs", "show", "cli-by-nmae", ok=False)
     assert "404" in out and "did you mean 'cli-by-name'?" in out, out
     assert "404" in cli("runs", "show", str(uuid.uuid4()), ok=False)  # a full id is looked up as given
+
+
+def test_trajectories_list_filters_and_pages_and_show_prints_the_turns(cli, database_url):
+    run_id = seed_run(database_url, name="cli-trajs", num_tasks=4, samples=2, versions=3)  # 24 trajectories
+    out = cli("trajectories", "list", "cli-trajs", "--limit", "5")
+    assert "trajectories (1-5 of 24)" in out and "next page: --offset 5" in out
+    page = json.loads(cli("trajectories", "list", "cli-trajs", "--json", "--policy-version", "1", "--min-reward", "1",
+                          "--task-id", "task-1", "--limit", "50"))
+    # version 1, task-1: samples 2 and 3; correct when (1 + k + 1) is even -> k = 0 only
+    assert page["count"] == 1 and page["data"][0]["task_id"] == "task-1" and page["data"][0]["reward"] == 1.0
+    ids = {t["id"] for t in json.loads(cli("trajectories", "list", str(run_id), "--json", "--limit", "20"))["data"]}
+    rest = json.loads(cli("trajectories", "list", str(run_id), "--json", "--limit", "20", "--offset", "20"))["data"]
+    assert len(ids) == 20 and len(rest) == 4 and not ids & {t["id"] for t in rest}  # pages do not overlap
+    assert "none of 0" in cli("trajectories", "list", "cli-trajs", "--max-reward", "-1")
+    assert "termination_reason" in cli("trajectories", "list", "cli-trajs", "--termination-reason", "nope", ok=False)
+
+    shown = cli("trajectories", "show", page["data"][0]["id"])
+    assert "task=task-1" in shown and "versions=1" in shown and "step 1 reward 1" in shown
+    assert "assistant: step 1: the answer is \\boxed{2}" in shown and "user: What is 1+1?" in shown
+    assert "prompt [1, 2, 3]" in cli("trajectories", "show", page["data"][0]["id"], "--tokens")
+    assert "404" in cli("trajectories", "show", "00000000-0000-0000-0000-000000000000", ok=False)
+
+
+def test_the_cli_follows_api_port_when_flywheel_api_url_is_unset(cli, api, monkeypatch):
+    monkeypatch.delenv("FLYWHEEL_API_URL")
+    monkeypatch.setenv("API_PORT", api.url.rsplit(":", 1)[1])
+    assert "runs (" in cli("runs", "list")
+    monkeypatch.setenv("API_PORT", "1")  # nothing listens there: the error says where it looked and what to set
+    out = cli("runs", "list", ok=False)
+    assert "cannot reach the API at http://127.0.0.1:1" in out and "FLYWHEEL_API_URL" in out
+    monkeypatch.setenv("FLYWHEEL_API_URL", api.url)  # set, it wins over API_PORT
+    assert "runs (" in cli("runs", "list")
+
+
+def test_runs_show_counts_a_unit_scored_on_a_rerun_as_requeued_not_as_a_reason(cli, database_url):
+    run_id = seed_run(database_url, name="cli-requeued", versions=1)
+    engine = create_engine(database_url)
+    with Session(engine) as s:  # task-0's sample 0 was lost once before its scored attempt (a loaded machine)
+        s.add(RolloutTaskRow(run_id=run_id, task_id="task-0", sample_idx=0, attempt=1, status="lost", batch_idx=0,
+                             dispatch_version=0, error="no result before the task lease expired"))
+        s.commit()
+    engine.dispose()
+    out = cli("runs", "show", "cli-requeued")
+    assert "(1 requeued: scored on a re-run)" in out and "lost 1" in out  # the attempt is still counted as such
+    assert "why units ended unscored" not in out

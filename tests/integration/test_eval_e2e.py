@@ -4,6 +4,8 @@ token-exact."""
 
 from __future__ import annotations
 
+import multiprocessing
+import time
 import uuid
 from pathlib import Path
 
@@ -73,3 +75,50 @@ def test_eval_run_end_to_end_with_hf_engine(isolated_urls, services, tmp_path):
         assert prompt_ids and 0 < len(response_ids) == len(logprobs) == len(loss_mask)
     assert summary["pass@k"]["1"] == pytest.approx(correct / 8)
     engine.dispose()
+
+
+def burn_cpu(seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        pass
+
+
+def test_eval_under_a_cpu_burning_neighbour_requeues_nothing_and_never_stalls(isolated_urls, services, tmp_path):
+    """Two processes burn both cores while the eval runs, and each task's lease (trajectory_timeout_s, no margin)
+    is shorter than a loaded worker takes to load the model and run the first wave: the worker lists what it
+    runs in its heartbeat, the controller renews those leases, so no unit is lost, re-run, or called stalled."""
+    database_url = isolated_urls[1]
+    from harness.tiny_model import build_tiny_model
+    from shared.builtin.datasets import generate
+
+    model = str(build_tiny_model(tmp_path / "model"))
+    engine = make_engine(database_url)
+    rows, ds, name = generate("arithmetic", 6, seed=5), uuid.uuid4(), f"load-{uuid.uuid4().hex[:6]}"
+    run_id = uuid.uuid4()
+    config = {"name": "loaded-eval", "kind": "eval", "model": model, "dataset": name, "dataset_split": "test",
+              "agent": {"name": "math"}, "env": {"name": "math"}, "engine": {"type": "hf"},
+              "samples_per_task": 4, "max_in_flight": 8, "max_prompt_tokens": 256, "max_response_tokens": 8,
+              "trajectory_timeout_s": 3.0}
+    with engine.begin() as c:
+        c.execute(insert(Dataset).values(id=ds, name=name, split="test", source="generator", num_rows=6, info={}))
+        c.execute(insert(DatasetRow), [dict(dataset_id=ds, idx=i, task_id=r["id"], data=r,
+                                            data_source=r["data_source"]) for i, r in enumerate(rows)])
+    services("services.env_worker.main", WORKER_ID="load-env")
+    services("services.rollout_worker.main", WORKER_ID="load-rollout", MAX_CONCURRENCY="8", HEARTBEAT_INTERVAL_S="0.5")
+    services("services.controller.main", WORKER_ID="load-ctl", LEDGER_LEASE_MARGIN_S="0", RECONCILE_INTERVAL_S="0.5")
+    with multiprocessing.get_context("spawn").Pool(2) as burners:
+        burning = burners.map_async(burn_cpu, [60.0, 60.0])
+        with engine.begin() as c:
+            c.execute(insert(Run).values(id=run_id, name="loaded-eval", kind="eval", status="pending", config=config))
+        status = wait_run_ended(engine, str(run_id), 240)
+        burners.terminate()
+        del burning
+    with engine.connect() as c:
+        summary, error, stalled = c.execute(text("SELECT summary, error, stall_reason FROM runs WHERE id = :r"),
+                                            {"r": run_id}).one()
+        stall_events = c.execute(text("SELECT count(*) FROM run_events WHERE run_id = :r AND kind = 'stalled'"),
+                                 {"r": run_id}).scalar_one()
+    engine.dispose()
+    assert status == "completed", f"{status}: {error}; logs in {tmp_path}"
+    assert summary["ledger"]["lost"] == 0 and summary["requeued"] == 0, summary["ledger"]
+    assert summary["ledger"]["completed"] == 24 and stalled is None and stall_events == 0

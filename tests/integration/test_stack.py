@@ -312,13 +312,79 @@ def test_console_entry_survives_repeated_sigterm_without_orphans(server_dir):
     assert_all_gone(procs)
 
 
+def _embedded_env(server_dir: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "DATABASE_URL")}
+    env.update(DATA_DIR=str(server_dir), API_PORT=str(free_port()), WEIGHT_SERVER_PORT=str(free_port()),
+               STACK_WATCHDOG_GRACE_S="5")
+    return env
+
+
+def _postmaster(server_dir: Path) -> psutil.Process:
+    return psutil.Process(int((server_dir / "postgres" / "postmaster.pid").read_text().split()[0]))
+
+
+def test_a_sigkilled_stack_takes_every_process_it_started_with_it(server_dir):
+    """`make up` SIGKILLed (no handler of its own runs): its watchdog stops every service, their children and
+    both embedded servers; nothing is left re-parented to init."""
+    stack, lines = start_console_stack(_embedded_env(server_dir), "controller,api")
+    try:
+        assert "all services healthy" in lines[-1], "".join(lines)[-4000:]
+        procs = psutil.Process(stack.pid).children(recursive=True) + [_postmaster(server_dir)]
+        commands = " ".join(" ".join(p.cmdline()) for p in procs)
+        for part in ("services.controller.main", "services.api.main", "redis-server", "harness.watchdog", "postgres"):
+            assert part in commands, commands
+        stack.kill()
+        stack.wait()
+        wait_until(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in procs), 30,
+                   "every process of the killed stack gone")
+    finally:
+        stack.kill()
+    assert_all_gone(procs)
+    assert "the stack is gone; stopping what it left" in (server_dir / "logs" / "stack.log").read_text()
+
+
+def test_make_up_takes_over_servers_a_killed_stack_and_its_watchdog_left_behind(server_dir):
+    """The watchdog killed with the stack (kill -9 of both) leaves the embedded servers running on DATA_DIR: the
+    next `make up` there shuts the stale Redis down (it saves first) and reuses the PostgreSQL, then stops both."""
+    env = _embedded_env(server_dir)
+    first, lines = start_console_stack(env, "controller")
+    try:
+        assert "all services healthy" in lines[-1], "".join(lines)[-4000:]
+        children = psutil.Process(first.pid).children(recursive=True)
+        stale_redis = next(p for p in children if "redis-server" in p.name())
+        stale_postgres = _postmaster(server_dir)
+        for p in [psutil.Process(first.pid), *children]:
+            if p.pid != stale_redis.pid:
+                p.kill()  # the stack, its watchdog and its service: only the servers stay behind
+        first.wait()
+        time.sleep(0.5)
+        assert stale_redis.is_running() and stale_postgres.is_running()
+    finally:
+        first.kill()
+    env["API_PORT"] = str(free_port())
+    second, lines = start_console_stack(env, "controller")
+    try:
+        assert "all services healthy" in lines[-1], "".join(lines)[-4000:]
+        assert "from an earlier stack is still running; shutting it down" in "".join(lines)
+        assert not stale_redis.is_running() or stale_redis.status() == psutil.STATUS_ZOMBIE
+        assert _postmaster(server_dir).pid == stale_postgres.pid  # taken over
+        procs = psutil.Process(second.pid).children(recursive=True) + [stale_postgres]
+        second.send_signal(signal.SIGINT)
+        rest, _ = second.communicate(timeout=90)
+    finally:
+        second.kill()
+    assert second.returncode == 0, "".join(lines) + rest
+    assert_all_gone(procs)
+
+
 def test_make_up_console_shows_what_a_user_acts_on_and_one_signal_to_the_group_stops_once(server_dir, tmp_path):
     """`make up` as a user runs it, with embedded servers and Celery as root: the console has no initdb /
     pg_ctl output and no Celery superuser warning (both in the log files), and one stop request that reaches
     the stack twice (a SIGTERM to the terminal's process group, passed on once more by a wrapper such as make or
     a process supervisor) is one stop, not "SIGTERM again"."""
     env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "DATABASE_URL")}
-    env.update(DATA_DIR=str(server_dir), API_PORT=str(free_port()), WEIGHT_SERVER_PORT=str(free_port()))
+    api_port = free_port()
+    env.update(DATA_DIR=str(server_dir), API_PORT=str(api_port), WEIGHT_SERVER_PORT=str(free_port()))
     (tmp_path / "Makefile").write_text(f"up:\n\t{sys.executable} -m harness.stack --services jobs,api\n")
     make = subprocess.Popen(["make", "-f", str(tmp_path / "Makefile"), "up"], cwd=REPO, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
@@ -340,7 +406,9 @@ def test_make_up_console_shows_what_a_user_acts_on_and_one_signal_to_the_group_s
     finally:
         make.kill()
     console = "".join(lines) + rest
-    assert "all services healthy; API at" in console, console[-4000:]
+    api_url = f"http://127.0.0.1:{api_port}"  # on API_PORT, and how the CLI elsewhere follows it
+    assert f"all services healthy; API at {api_url} (CLI: export FLYWHEEL_API_URL={api_url})" in console, console
+    assert f"FLYWHEEL_API_URL='{api_url}'" in (server_dir / "stack.env").read_text()
     assert "again" not in console and "SIGTERM: stopping every service" in console, console[-4000:]
     for noise in ("initdb", "pg_ctl", "Running commandline", "superuser privileges", "XDG_RUNTIME_DIR"):
         assert noise not in console, (noise, console[-4000:])

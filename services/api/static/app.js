@@ -38,18 +38,19 @@
       </tbody></table>${runs.length ? "" : "<p>No runs yet: start one with <code>flywheel runs start -f run.yaml</code>.</p>"}`;
   }
 
-  // [key, title, which metric series, run kinds it is drawn for, y axis 0-1 when every value is in 0-1]
+  // [key, title, which metric series, run kinds it is drawn for, y axis 0-1 when every value is in 0-1, y axis label]
   const CHARTS = [
     ["reward", "reward over policy versions", m => /(^|\/)reward/.test(m) && !/std/.test(m), ["train"], true],
     ["pass", "pass rate over policy versions", m => /pass/.test(m), ["train"], true],
     ["kl", "KL over policy versions", m => /kl/i.test(m), ["train"], false],
     ["entropy", "entropy over policy versions", m => /entropy/i.test(m), ["train"], false],
-    ["throughput", "throughput", m => /throughput|per_s|tokens_s/i.test(m), ["train"], false],
+    ["throughput", "trainer throughput", m => /throughput|per_s|tokens_s/i.test(m), ["train"], false, "tokens / s"],
     ["time", "reward over time", m => /(^|\/)reward/.test(m) && !/std/.test(m), ["train"], true],
     // |rollout logprob - trainer logprob| on the tokens the trained-from version generated, and the share of
     // truncated IS weights (services/trainer/learner.py: mismatch_metrics), recorded under the step that
-    // measured them: step s starts from version s - 1
-    ["mismatch", "training-inference mismatch per step (step s measures version s-1)", m => /^(logprob_diff_(mean|max)|is_truncated_fraction)$/.test(m), ["train"], false],
+    // measured them: step s starts from version s - 1. A share and logprob differences: two panels, two axes.
+    ["mismatch", "training-inference mismatch per step (step s measures version s-1)", m => /^logprob_diff_(mean|max)$/.test(m), ["train"], false, "|Δ logprob| (nats)"],
+    ["truncated", "IS weights truncated per step (share of tokens)", m => m === "is_truncated_fraction", ["train"], true, "share"],
     ["passk", "pass@k", () => false, ["eval"], true],
   ];
   const TERMINATIONS = ["env_done", "max_steps", "prompt_truncation", "response_truncation", "env_timeout", "timeout",
@@ -85,14 +86,25 @@
   // A line chart in `el` of series [{label, points: [{x, y}]}] (x: a number, or seconds since the epoch with
   // opts.time). uPlot wants one shared x array: the union of every series' x, null where a series has no point.
   // For the browser test: el.dataset.points (points drawn), yRange ("lo,hi") and yTicks (labels, "|"-joined).
-  // opts.ended: the run is over, so a chart without data says it was not recorded instead of "no data yet".
+  // opts.ended: the run is over, so a chart without data says so instead of "no data yet". Every legend entry
+  // has a line of its own: a series without a point has none, and series with the same points (kl_ref and
+  // kl_behaviour both 0) are one line under one entry, "a = b" (el.dataset.legend: the entries drawn).
   function lineChart(el, series, opts = {}) {
-    const lines = series.map(s => ({ label: s.label, points: s.points.filter(p => Number.isFinite(p.x) && Number.isFinite(p.y)) }))
-      .filter(s => s.points.length || !opts.ended);
+    const lines = [];
+    for (const s of series) {
+      const points = s.points.filter(p => Number.isFinite(p.x) && Number.isFinite(p.y));
+      const key = JSON.stringify(points.map(p => [p.x, p.y]));
+      const same = lines.find(l => l.key === key);
+      if (!points.length) continue;
+      if (same) same.label += ` = ${s.label}`;
+      else lines.push({ label: s.label, points, key });
+    }
     const count = lines.reduce((n, s) => n + s.points.length, 0);
     el.dataset.points = String(count);
+    el.dataset.legend = lines.map(s => s.label).join("|");
+    el.dataset.yLabel = opts.yLabel || "";  // drawn on the canvas: kept here for the browser test
     if (!count) {
-      el.innerHTML = `<p class="empty">${opts.ended ? "not recorded for this run" : "no data yet"}</p>`;
+      el.innerHTML = `<p class="empty">${opts.ended ? opts.noData || "no data: the run ended before any was recorded" : "no data yet"}</p>`;
       return;
     }
     const xs = [...new Set(lines.flatMap(s => s.points.map(p => p.x)))].sort((a, b) => a - b);
@@ -112,7 +124,7 @@
         y: { range: () => [yMin, yMax] },
       },
       axes: [{ label: opts.xLabel, ...(opts.time ? {} : { incrs: opts.xIncrs || INTEGER_STEPS }) },
-        { size: 60, space: 30, values: (u, splits, axis, space, incr) => {
+        { size: 60, space: 30, label: opts.yLabel, values: (u, splits, axis, space, incr) => {
           const labels = tickLabels(splits, incr);
           el.dataset.yTicks = labels.join("|");
           return labels;
@@ -174,7 +186,7 @@
 
   function drawRunCharts(run, charts, series, rewards, ended) {
     const byVersion = key => rewards.map(r => ({ x: r.policy_version, y: r[key] })).filter(q => q.x !== null);
-    for (const [key, , match, , unit] of charts) {
+    for (const [key, , match, , unit, yLabel] of charts) {
       const el = document.getElementById(`chart-${key}`);
       if (key === "passk") {  // pass@k against k, from the run's stored samples
         const points = Object.entries(run.pass_at_k || {}).map(([k, v]) => ({ x: +k.replace("pass@", ""), y: v }));
@@ -191,7 +203,8 @@
         .map(([name, pts]) => ({ label: name, points: pts.map(q => ({ x: q.step, y: q.value })) }));
       if (key === "reward") lines.unshift({ label: "mean reward (trajectories)", points: byVersion("mean_reward") });
       if (key === "pass") lines.unshift({ label: "pass rate (trajectories)", points: byVersion("pass_rate") });
-      lineChart(el, lines.slice(0, 4), { xLabel: key === "throughput" || key === "mismatch" ? "step" : "policy version", unit, ended });
+      lineChart(el, lines.slice(0, 4), { xLabel: ["throughput", "mismatch", "truncated"].includes(key) ? "step" : "policy version",
+        unit, ended, yLabel });
     }
   }
 
@@ -240,7 +253,7 @@
     body.innerHTML = trajs.data.map(t => `
         <tr class="link" data-href="#/trajectories/${esc(t.id)}"><td>${esc(t.task_id)}</td><td>${t.sample_idx}</td>
         <td>${num(t.reward)}</td><td>${esc(t.termination_reason)}</td><td>${t.num_steps}</td>
-        <td>${t.prompt_tokens} / ${t.response_tokens}</td><td>${t.policy_version_min}–${t.policy_version_max}</td></tr>`).join("")
+        <td>${t.prompt_tokens} / ${t.response_tokens}</td><td>${versions(t)}</td></tr>`).join("")
       || `<tr><td colspan="7" class="meta">no trajectories${FILTERS.some(k => q.get(k)) ? " match these filters" : " yet"}</td></tr>`;
     document.getElementById("traj-count").textContent = String(trajs.count);
     const page = o => { const n = new URLSearchParams(q); n.set("offset", String(o)); return `#/runs/${esc(id)}?${n}`; };
@@ -250,6 +263,19 @@
       ${link(offset > 0, 0, "« newest", "traj-first")} ${link(offset > 0, Math.max(0, offset - PAGE), "‹ newer", "traj-prev")}
       <span id="traj-range">${Math.min(offset + 1, trajs.count)}–${Math.min(offset + trajs.data.length, trajs.count)} of ${trajs.count}</span>
       ${link(offset + PAGE < trajs.count, offset + PAGE, "older ›", "traj-next")} ${link(offset < last, last, "oldest »", "traj-last")}`;
+  }
+
+  // "16" for a trajectory one version generated, "15–16" across a hot reload.
+  function versions(t) {
+    return t.policy_version_min === t.policy_version_max ? `${t.policy_version_min ?? "–"}` : `${t.policy_version_min}–${t.policy_version_max}`;
+  }
+
+  // A step's messages with the model's answer: an agent that keeps only the prompt in chat_completions (a
+  // one-token answer) still shows what the model said.
+  function withAnswer(s) {
+    const msgs = s.chat_completions || [];
+    const answered = msgs.some(m => m.role === "assistant");
+    return answered || s.model_response == null ? msgs : [...msgs, { role: "assistant", content: s.model_response }];
   }
 
   function message(m) {
@@ -262,14 +288,14 @@
     view.innerHTML = `<p><a href="#/runs/${esc(t.run_id)}">← run</a></p>
       <h2 id="trajectory-title">Trajectory ${esc(t.task_id)} · sample ${t.sample_idx}</h2>
       <div class="cards"><div class="card">reward<b>${num(t.reward)}</b></div>
-        <div class="card">termination<b>${esc(t.termination_reason)}</b></div>
+        <div class="card" title="why the trajectory ended; response_truncation: the answer used all of max_response_tokens (a one-token answer always does), which says nothing about whether it was right">termination<b>${esc(t.termination_reason)}</b>${t.termination_reason === "response_truncation" ? `<span class="meta" id="termination-note">max_response_tokens reached</span>` : ""}</div>
         <div class="card">tokens<b>${t.prompt_tokens} / ${t.response_tokens}</b></div>
-        <div class="card">policy version<b>${t.policy_version_min}–${t.policy_version_max}</b></div>
+        <div class="card">policy version<b id="trajectory-versions">${versions(t)}</b></div>
         <div class="card">correct<b>${t.episode ? (t.episode.is_correct ? "yes" : "no") : "–"}</b></div></div>
       ${t.steps.map(s => `<div class="step"><h3>turn ${s.step_idx}</h3>
         <p class="meta">reward ${num(s.reward)} · done ${s.done} · tokens ${s.prompt_tokens} / ${s.response_tokens}
           · weights v${s.weight_version ?? "–"} · generation ${num(s.gen_ms, 1)} ms · env ${num(s.env_ms, 1)} ms</p>
-        ${(s.chat_completions || []).map(message).join("")}
+        ${withAnswer(s).map(message).join("")}
         <p class="meta">action: <code>${esc(JSON.stringify(s.action))}</code></p></div>`).join("")}`;
   }
 

@@ -1,11 +1,12 @@
 """The demo's task and its bar (bench/recall.py, bench/demo.py): the answer depends on the prompt, and the
 judgement of a run rejects a policy that ignores it."""
 
+import time
 from collections import Counter
 
 import pytest
 
-from bench.demo import BAR, LORA_BAR, judge, summarize
+from bench.demo import BAR, LORA_BAR, judge, summarize, watch
 from bench.recall import ANSWERS, CHANCE, WORDS, RecallEnv, dataset_rows
 
 
@@ -98,3 +99,17 @@ def test_the_readme_training_example_is_the_demo_run_on_the_builtin_recall_task(
     rows = generate("recall", 30, seed=1)
     assert [r["question"] for r in rows] == [r["question"] for r in dataset_rows(30, seed=1)]
     assert all(RecallEnv.from_dict(r).step(r["answer"])[1] == 1.0 for r in rows) and len({r["id"] for r in rows}) == 30
+
+
+def test_the_time_is_not_judged_and_a_demo_says_when_its_wall_clock_limit_ends_the_wait():
+    result = summarize(rows_of(lambda q, v: ANSWERS[q] if v >= 2 else "x", range(12)))
+    assert judge(result | {"versions_hot_reloaded": 11, "wall_s": 5000}) == []  # slow on a loaded machine: learned
+
+    class Api:  # a run still training at version 37 of 100 when the limit passes
+        def get(self, path):
+            body = {"data": []} if path.endswith("/rewards") else {"policy_version": 37, "status": "running"}
+            return type("Response", (), {"json": lambda self: body})()
+
+    lines: list[str] = []
+    watch(Api(), "r", 100, time.monotonic() + 0.2, lines.append)
+    assert "at version 37 of 100: the wall-clock limit (DEMO_TIMEOUT_S) passed while the run was running" in lines[-1]

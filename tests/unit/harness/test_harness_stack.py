@@ -49,6 +49,7 @@ def test_the_console_shows_warnings_errors_and_their_tracebacks_not_info_or_harm
         ("/x/celery/platforms.py:841: SecurityWarning: You're running the worker with superuser privileges", False),
         ("12:00:00 I [jobs] jobs ready", False),
         ("12:00:01 W [trainer] /x/verl/workers/engine/__init__.py:32: torchtitan engine is not available", False),
+        ("12:00:01 W [trainer] Replacing already-initialised platform 'cpu' with 'cpu'", False),
         ("  warnings.warn(...)", False),  # the rest of a hidden warning stays hidden
         ("12:00:02 W [controller] run 3a52: 12 samples older than max_staleness dropped", True),
         ("12:00:03 E [trainer] step failed", True),
@@ -63,3 +64,35 @@ def test_the_console_shows_warnings_errors_and_their_tracebacks_not_info_or_harm
     ]
     shown = ConsoleFilter()
     assert [shown(line) for line, _ in output] == [want for _, want in output]
+
+
+def test_the_console_shows_each_warning_once_and_no_library_output_printed_beside_it():
+    """What a rollout worker of a hub model that is not there printed: huggingface_hub's retry warning twice
+    (raw through its own handler, then in our format), verl's prints and a loading bar after a warning."""
+    now = [0.0]
+    shown = ConsoleFilter(clock=lambda: now[0])
+    output = [
+        ("12:00:00 W [trainer] checkpoint 3 is slow", True),
+        ("Monkey patch Qwen2ForCausalLM model forward", False),
+        ("Before FSDP, memory allocated (GB): 0.00, memory reserved (GB): 0.00", False),
+        ("Loading checkpoint shards: 100%|##########| 2/2 [00:01<00:00]", False),
+        ("\rLoading weights:   0%|          | 0/20 [00:00<?, ?it/s]\rLoading weights: 100%|#| 20/20", False),
+        ("libnuma: Warning: /sys not mounted or invalid. Assuming one node: No such file or directory", False),
+        ("[transformers] `torch_dtype` is deprecated! Use `dtype` instead!", False),
+        ("Retrying in 1s [Retry 1/5].", False),  # huggingface_hub's own handler: the raw copy
+        ("12:00:01 W [rollout-worker] Retrying in 1s [Retry 1/5].", True),
+        ("12:00:02 E [rollout-worker] cannot serve run 3a52", True),
+        ("Traceback (most recent call last):", True),
+        ("  File \"x.py\", line 1, in <module>", True),
+        ("", True),
+        ("During handling of the above exception, another exception occurred:", True),
+        ("huggingface_hub.errors.RepositoryNotFoundError: 404 Client Error", True),
+        ("12:00:03 E [rollout-worker] cannot serve run 3a52", False),  # the same error for the next task
+        ("Traceback (most recent call last):", False),  # with its traceback
+        ("12:00:04 W [rollout-worker] Retrying in 1s [Retry 1/5].", False),
+    ]
+    assert [shown(line) for line, _ in output] == [want for _, want in output]
+    now[0] = 61.0  # a minute later the same error is news again
+    assert shown("12:01:05 E [rollout-worker] cannot serve run 3a52")
+    assert shown('{"ts": 1.5, "level": "ERROR", "service": "api", "msg": "boom"}')
+    assert not shown('{"ts": 2.5, "level": "ERROR", "service": "api", "msg": "boom"}')
