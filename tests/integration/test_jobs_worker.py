@@ -130,7 +130,8 @@ def test_import_jsonl_csv_and_hf_folder(client, tmp_path):
     datasets.Dataset.from_list([{"question": "hf?", "answer": "1"}] * 3).save_to_disk(str(tmp_path / "hf"))
     for name, path, n in (("imp-jsonl", "a.jsonl", 7), ("imp-csv", "b.csv", 2), ("imp-hf", "hf", 3)):
         job = client.post("/v1/datasets/import", json={"name": name, "path": str(tmp_path / path)})
-        assert job.status_code == 202 and job.json()["status"] == "queued"
+        # the answer shows the job as read when the intake answered: the worker may have taken it up already
+        assert job.status_code == 202 and job.json()["status"] in ("queued", "running", "succeeded")
         done = finished_job(client, job.json())
         assert done["status"] == "succeeded", done["error"]
         assert done["result"]["num_rows"] == n
