@@ -62,7 +62,7 @@ class TrainerSettings(ServiceSettings):
     # `tracking` leaves unset (services/trainer/tracking.py).
     tracking_wandb_project: str | None = Field(None, description="W&B project of every run")
     tracking_wandb_entity: str | None = Field(None, description="W&B team or user")
-    tracking_wandb_mode: Literal["online", "offline"] | None = Field(None, description="W&B mode; default online")
+    tracking_wandb_mode: Literal["online", "offline"] | None = Field(None, description="W&B mode; default WANDB_MODE, else online")
     tracking_mlflow_tracking_uri: str | None = Field(None, description="MLflow server or store of every run")
     tracking_mlflow_experiment: str | None = Field(None, description="MLflow experiment; default flywheel")
     tracking_tensorboard_dir: Path | None = Field(None, description="TensorBoard event files of every run")

@@ -32,7 +32,7 @@ MLFLOW_STATUS = {"completed": "FINISHED", "failed": "FAILED"}  # any other end (
 
 class WandbTracker:
     def __init__(self, run_id: str, name: str, config: dict, *, project: str | None, entity: str | None,
-                 mode: str, dir: Path):
+                 mode: str | None, dir: Path):
         import wandb
 
         dir.mkdir(parents=True, exist_ok=True)
@@ -128,7 +128,7 @@ def resolve(config: RunConfig, settings) -> dict[str, dict]:
         w = t.wandb
         out["wandb"] = {"project": (w and w.project) or s.tracking_wandb_project,
                         "entity": (w and w.entity) or s.tracking_wandb_entity,
-                        "mode": (w and w.mode) or s.tracking_wandb_mode or "online", "dir": Path(s.data_dir)}
+                        "mode": (w and w.mode) or s.tracking_wandb_mode, "dir": Path(s.data_dir)}
     if t.mlflow is not None or s.tracking_mlflow_tracking_uri:
         m = t.mlflow
         out["mlflow"] = {"tracking_uri": (m and m.tracking_uri) or s.tracking_mlflow_tracking_uri,
