@@ -44,6 +44,8 @@ OPTIONAL = {
     ("infra/docker/base.Dockerfile", "vllm"): "engine.type = vllm runs only in the GPU rollout image",
     ("*", "wandb"): "metrics sync to W&B only when configured; the user installs the client (services/jobs/tracking.py)",
     ("*", "mlflow"): "metrics sync to MLflow only when configured; the user installs the client",
+    # `import mlflow` resolves to mlflow-skinny where the trainer extra installed it (services/trainer/tracking.py)
+    ("*", "mlflow-skinny"): "the jobs worker's MLflow sync, only when configured; the user installs the client",
     # The registries name every built-in env and reward; the trainer never resolves them (env workers and
     # rollout workers do), so the trainer image has no `envs` extra.
     ("infra/docker/trainer.Dockerfile", "math-verify"): "built-in rewards run in env/rollout workers",
