@@ -180,7 +180,8 @@ class RunTrackers:
 
     def _failed(self, kind: str, call: str, what: str, e: Exception) -> None:
         self.errors += 1
-        where = self.options.get(kind, {}).get("tracking_uri") or self.options.get(kind, {}).get("dir") or ""
+        opts = self.options.get(kind, {})  # which server, project or folder: what to check first
+        where = opts.get("tracking_uri") or opts.get("project") or opts.get("dir") or ""
         hint = (f"install {kind} in the trainer's environment" if isinstance(e, ImportError)
                 else HINTS.get(kind, "see the trainer's log"))
         self.warning = (f"tracker {kind}{f' ({mask_url(str(where))})' if where else ''}: {what}: "
