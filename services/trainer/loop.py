@@ -80,6 +80,7 @@ class RunState:
     report_all: bool = False  # a progress report was lost (Redis down): re-send the whole record at the next poll
     trackers: RunTrackers | None = None  # W&B / MLflow / TensorBoard, when the run or the settings name any
     last_step_at: float = field(default_factory=time.monotonic)  # opened, or the last step: results arrive since
+    generated_tokens: int = 0  # model-generated tokens of the results held since the last step
 
     def count(self, what: str, n: int = 1) -> None:
         self.counts[what] = self.counts.get(what, 0) + n
@@ -299,6 +300,9 @@ class Trainer:
                 run.held[(run.run_id, key[0], key[1])] = d
                 for sample in batching.samples_from_result(d.message.result):
                     run.buffer.add(sample)
+                    # tokens with a policy version are the model's (-1: an env's, inside multi-turn responses)
+                    run.generated_tokens += (sum(v >= 0 for v in sample.versions) if sample.versions
+                                             else len(sample.response_ids))
             elif outcome in ("excluded", "abandoned"):
                 final.append((d, outcome))  # recorded below, and its group is dropped
             elif outcome == "duplicate" and (k := (run.run_id, key[0], key[1])) in run.held:
@@ -393,8 +397,11 @@ class Trainer:
         metrics = await self._in_torch(partial(run.learner.step, probe=probe), groups, run.version, version)
         metrics |= {f"dropped_{k}": float(n) for k, n in run.dropped.items()}
         metrics |= {f"samples_{k}": float(n) for k, n in run.counts.items()}
-        # results the store accepted for this run per second since the previous step (or since the run opened)
-        metrics["trajectories_per_s"] = run.counts.get("held", 0) / max(time.monotonic() - run.last_step_at, 1e-6)
+        # the rollout side as it reaches this trainer: results the store accepted, and their generated tokens,
+        # per second since the previous step (or since the run opened)
+        elapsed = max(time.monotonic() - run.last_step_at, 1e-6)
+        metrics["trajectories_per_s"] = run.counts.get("held", 0) / elapsed
+        metrics["rollout_tokens_per_s"] = run.generated_tokens / elapsed
         if run.trackers is not None:  # failed tracker calls so far (the calls run after the step: a step behind)
             metrics["tracker_errors"] = float(run.trackers.errors)
         record = StepRecord(run_id=run.run_id, version=version, samples=self._records(groups), metrics=metrics)
@@ -405,6 +412,7 @@ class Trainer:
         await self.report(run, version, self._consumed(groups, "used"))
         await self.consumer.ack(self._release(run, record.samples))
         run.version, run.dropped, run.counts, run.last_step_at = version, {}, {}, time.monotonic()
+        run.generated_tokens = 0
         if run.trackers is not None:  # the step is durable: what the trackers show never runs ahead of the record
             self.tracking_thread.submit(run.trackers.log, metrics, version)
         STEPS.labels(run.run_id).inc()

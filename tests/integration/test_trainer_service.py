@@ -471,6 +471,7 @@ def test_trainer_logs_each_version_to_its_trackers_and_a_dead_one_only_counts(st
                 "SELECT name, step, value FROM metrics WHERE run_id = :id"), {"id": run_id})}
             c.execute(text("UPDATE runs SET status = 'stopped' WHERE id = :id"), {"id": run_id})  # the run ends
         assert metrics[("tracker_errors", 3)] == 1.0 and metrics[("trajectories_per_s", 3)] > 0
+        assert metrics[("rollout_tokens_per_s", 3)] > 0  # one generated token a result
         (folder,) = (tmp_path / "tb").iterdir()
 
         def summarised() -> bool:
