@@ -131,6 +131,38 @@ class AlgorithmConfig(_Strict):
         return v
 
 
+class WandbTracking(_Strict):
+    """Weights & Biases; unset fields: the trainer's TRACKING_WANDB_* defaults, then wandb's own (WANDB_*)."""
+
+    project: str | None = Field(None, min_length=1)
+    entity: str | None = Field(None, min_length=1, description="team or user; default your W&B login's")
+    mode: Literal["online", "offline"] | None = Field(
+        None, description="offline: run files only (under the trainer's DATA_DIR/wandb), `wandb sync` them later")
+
+
+class MlflowTracking(_Strict):
+    """MLflow; unset fields: the trainer's TRACKING_MLFLOW_* defaults, then MLflow's own (MLFLOW_TRACKING_URI)."""
+
+    tracking_uri: str | None = Field(
+        None, min_length=1, description="http(s)://server:5000, sqlite:///path/mlflow.db or a local folder")
+    experiment: str | None = Field(None, min_length=1, description="experiment name, created if missing")
+
+
+class TensorBoardTracking(_Strict):
+    dir: str | None = Field(None, min_length=1, description="folder of event files, one subfolder per run (on the "
+                            "trainer's machine); default TRACKING_TENSORBOARD_DIR, else DATA_DIR/tensorboard")
+
+
+class TrackingConfig(_Strict):
+    """Experiment trackers the trainer logs this run to (any combination): its config at start, each policy
+    version's metrics with the version as the step, a summary at the end. A tracker that fails is a warning and a
+    count (metric tracker_errors), never a failed run."""
+
+    wandb: WandbTracking | None = None
+    mlflow: MlflowTracking | None = None
+    tensorboard: TensorBoardTracking | None = None
+
+
 class RunConfig(_Strict):
     schema_version: Literal[1] = 1
     name: str = Field(..., min_length=1, max_length=200)
@@ -179,6 +211,9 @@ class RunConfig(_Strict):
     epochs: int = Field(1, ge=1)
     total_steps: int | None = Field(None, ge=1, description="stop after this many optimizer steps")
     seed: int = 0
+    tracking: TrackingConfig = Field(
+        default_factory=TrackingConfig, description="W&B, MLflow, TensorBoard (train runs; the trainer also "
+        "logs to those its TRACKING_* settings name for every run)")
 
     @field_validator("agent", "env", "workflow", "agent_program")
     @classmethod

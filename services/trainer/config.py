@@ -58,6 +58,14 @@ class TrainerSettings(ServiceSettings):
         "vs 1.45 s for the host kernel on two 0.99 GB versions on an H100, bench/results/gpu_smoke.json); costs one "
         "copy of the exported weights in GPU memory. false, or cpu: the diff runs on the host")
     best_metric: str = Field("reward_mean", description="metric the weight server keeps the best version by")
+    # Server-wide tracker defaults: each one set turns its tracker on for every run, and fills what a run's
+    # `tracking` leaves unset (services/trainer/tracking.py).
+    tracking_wandb_project: str | None = Field(None, description="W&B project of every run")
+    tracking_wandb_entity: str | None = Field(None, description="W&B team or user")
+    tracking_wandb_mode: Literal["online", "offline"] | None = Field(None, description="W&B mode; default WANDB_MODE, else online")
+    tracking_mlflow_tracking_uri: str | None = Field(None, description="MLflow server or store of every run")
+    tracking_mlflow_experiment: str | None = Field(None, description="MLflow experiment; default flywheel")
+    tracking_tensorboard_dir: Path | None = Field(None, description="TensorBoard event files of every run")
 
     @model_validator(mode="after")
     def _defaults(self) -> TrainerSettings:

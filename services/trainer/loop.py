@@ -39,10 +39,12 @@ from sqlalchemy import Engine
 
 from services.trainer import batch as batching
 from services.trainer import runs as db
+from services.trainer import tracking
 from services.trainer.batch import Group, GroupBuffer, GroupKey, SampleKey
 from services.trainer.config import TrainerSettings
 from services.trainer.publisher import WeightPublisher
 from services.trainer.state import CheckpointDir, SampleRecord, StepRecord
+from services.trainer.tracking import RunTrackers
 from shared.bus import Delivery, Redis, RedisError, StreamBus, StreamConsumer
 from shared.logs import get_logger
 from shared.messages import AcceptedResult, ConsumedGroup, RunControl, TrainerProgress
@@ -76,6 +78,9 @@ class RunState:
     # on (the controller does not retry a completed result). Their samples are dropped (and refilled).
     unfinishable: set[GroupKey] = field(default_factory=set)
     report_all: bool = False  # a progress report was lost (Redis down): re-send the whole record at the next poll
+    trackers: RunTrackers | None = None  # W&B / MLflow / TensorBoard, when the run or the settings name any
+    last_step_at: float = field(default_factory=time.monotonic)  # opened, or the last step: results arrive since
+    generated_tokens: int = 0  # model-generated tokens of the results held since the last step
 
     def count(self, what: str, n: int = 1) -> None:
         self.counts[what] = self.counts.get(what, 0) + n
@@ -100,6 +105,8 @@ class Trainer:
         self.publisher = WeightPublisher(settings.weight_server_url, settings.weights_dir, settings.publish_timeout_s,
                                          settings.delta_zstd_level)
         self.torch_thread = ThreadPoolExecutor(1, thread_name_prefix="torch")  # all verl work on one thread
+        # Experiment trackers' calls, in order, never awaited: a slow or dead tracker server delays no step
+        self.tracking_thread = ThreadPoolExecutor(1, thread_name_prefix="tracking")
         self.runs: dict[str, RunState] = {}
         self.foreign: set[str] = set()  # runs another trainer holds
         self.broken: dict[str, str] = {}  # runs this trainer cannot train (error), left alone until restart
@@ -151,7 +158,9 @@ class Trainer:
 
         # model_copies: copies of a model held (LoRA runs of one kind share one)
         self.status.update(runs={r.run_id: r.version for r in self.runs.values()}, trains=sorted(self.runs),
-                           broken=self.broken, model_copies=engines_held())
+                           broken=self.broken, model_copies=engines_held(),
+                           tracker_warnings={r.run_id: r.trackers.warning for r in self.runs.values()
+                                             if r.trackers is not None and r.trackers.warning})
 
     async def apply_control(self, deliveries: list[Delivery]) -> None:
         """A stopped run of ours is closed now, acknowledging what it held (as `refresh_runs` does for a run no
@@ -179,6 +188,10 @@ class Trainer:
             return
         self.runs[row.id] = run
         self.claim_due = True
+        options = tracking.resolve(run.config, self.settings)
+        if options:
+            run.trackers = RunTrackers(row.id, run.config, options)
+            self.tracking_thread.submit(run.trackers.start)
         await self.report_record(run)
         VERSION.labels(row.id).set(run.version)
         log.info("training run %s from version %d", row.id, run.version, extra={"run_id": row.id})
@@ -235,6 +248,12 @@ class Trainer:
             await self._in_torch(close_run_engine, run_id)
             if ack_held:
                 await self.consumer.ack(list({d.id: d for d in run.held.values()}.values()))
+            if run.trackers is not None:  # an ended run gets its summary; one merely let go, none
+                summary = None
+                if ack_held:
+                    row = await asyncio.to_thread(db.load_run, self.db, run_id)
+                    summary = {"status": row.status if row else "deleted", "policy_version": run.version}
+                self.tracking_thread.submit(run.trackers.finish, summary)
             log.info("released run %s at version %d", run_id, run.version, extra={"run_id": run_id})
         await asyncio.to_thread(db.release_leases, self.db, self.worker_id, [run_id])
 
@@ -245,6 +264,7 @@ class Trainer:
             await self.close_run(run_id)
         await self._in_torch(stop_followers)
         self.torch_thread.shutdown(wait=True)
+        self.tracking_thread.shutdown(wait=True)  # the runs' trackers flushed (W&B's files, TensorBoard's events)
 
     # -- intake -----------------------------------------------------------------------------------------------
     async def route(self, deliveries: list[Delivery]) -> None:
@@ -280,6 +300,9 @@ class Trainer:
                 run.held[(run.run_id, key[0], key[1])] = d
                 for sample in batching.samples_from_result(d.message.result):
                     run.buffer.add(sample)
+                    # tokens with a policy version are the model's (-1: an env's, inside multi-turn responses)
+                    run.generated_tokens += (sum(v >= 0 for v in sample.versions) if sample.versions
+                                             else len(sample.response_ids))
             elif outcome in ("excluded", "abandoned"):
                 final.append((d, outcome))  # recorded below, and its group is dropped
             elif outcome == "duplicate" and (k := (run.run_id, key[0], key[1])) in run.held:
@@ -374,6 +397,13 @@ class Trainer:
         metrics = await self._in_torch(partial(run.learner.step, probe=probe), groups, run.version, version)
         metrics |= {f"dropped_{k}": float(n) for k, n in run.dropped.items()}
         metrics |= {f"samples_{k}": float(n) for k, n in run.counts.items()}
+        # the rollout side as it reaches this trainer: results the store accepted, and their generated tokens,
+        # per second since the previous step (or since the run opened)
+        elapsed = max(time.monotonic() - run.last_step_at, 1e-6)
+        metrics["trajectories_per_s"] = run.counts.get("held", 0) / elapsed
+        metrics["rollout_tokens_per_s"] = run.generated_tokens / elapsed
+        if run.trackers is not None:  # failed tracker calls so far (the calls run after the step: a step behind)
+            metrics["tracker_errors"] = float(run.trackers.errors)
         record = StepRecord(run_id=run.run_id, version=version, samples=self._records(groups), metrics=metrics)
         await self._in_torch(run.ckpts.save, run.engine, record)
         await asyncio.to_thread(db.commit_step, self.db, record)
@@ -381,7 +411,10 @@ class Trainer:
         # reported once published: the controller completes the run at its last version, whose weights exist
         await self.report(run, version, self._consumed(groups, "used"))
         await self.consumer.ack(self._release(run, record.samples))
-        run.version, run.dropped, run.counts = version, {}, {}
+        run.version, run.dropped, run.counts, run.last_step_at = version, {}, {}, time.monotonic()
+        run.generated_tokens = 0
+        if run.trackers is not None:  # the step is durable: what the trackers show never runs ahead of the record
+            self.tracking_thread.submit(run.trackers.log, metrics, version)
         STEPS.labels(run.run_id).inc()
         VERSION.labels(run.run_id).set(version)
         log.info("v%d reward %.3f (%d samples, %.2fs)", version, metrics["reward_mean"], len(record.samples),

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import random
 import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -126,14 +127,14 @@ def _publish_batch(redis_url: str, run_id: str, batch: int, version: int) -> set
 
 
 def _start_trainer(redis_url, database_url, ws: WeightServer, tmp_path: Path, fault: str | None = None,
-                   launcher: tuple[str, ...] = (), worker_id: str = "trainer-t"):
+                   launcher: tuple[str, ...] = (), worker_id: str = "trainer-t", **env: str):
     # A fault is injected by the test's own wrapper of the service (trainer_with_fault.py), which kills it there.
     target = str(Path(__file__).with_name("trainer_with_fault.py")) if fault else "services.trainer.main"
     return start_service(target, launcher=launcher, log=tmp_path / f"trainer-{fault or 'clean'}.log",
                          redis_url=redis_url, database_url=database_url, weight_server_url=ws.url,
                          weights_dir=ws.env["WEIGHTS_DIR"], state_dir=str(tmp_path / "trainer"), worker_id=worker_id,
                          runs_poll_s="0.2", pythonpath=str(REPO), fault_point=fault,
-                         master_port=None, master_addr=None, rank=None, world_size=None)
+                         master_port=None, master_addr=None, rank=None, world_size=None, **env)
 
 
 def _wait_version(database_url: str, run_id: str, version: int, proc, timeout_s: float = 120) -> None:
@@ -441,3 +442,60 @@ def test_trainer_service_under_torchrun_two_ranks(stack, redis_url, database_url
     finally:
         proc.terminate()  # torchrun passes SIGTERM on; rank 0 stops the follower, every process exits
         proc.wait(90)
+
+
+def test_trainer_logs_each_version_to_its_trackers_and_a_dead_one_only_counts(stack, redis_url, database_url,
+                                                                               model_dir, tmp_path):
+    """A run tracked in W&B (offline), TensorBoard and an MLflow server that is down: every version reaches W&B
+    and TensorBoard with the version as the step, then the summary when the run ends; MLflow's failure is the
+    run's tracker warning (heartbeat) and the metric tracker_errors, and training goes on."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    down = f"http://127.0.0.1:{free_port()}"
+    run_id = _insert_run(database_url, model_dir, tracking={
+        "wandb": {"project": "flywheel-test", "mode": "offline"}, "tensorboard": {"dir": str(tmp_path / "tb")},
+        "mlflow": {"tracking_uri": down}})
+    for batch in range(2):
+        _publish_batch(redis_url, run_id, batch, 0)
+    proc = _start_trainer(redis_url, database_url, stack, tmp_path, data_dir=str(tmp_path / "data"))
+    try:
+        _wait_version(database_url, run_id, 2, proc)
+        client = redis.Redis.from_url(redis_url)
+        beat = lambda: json.loads(client.get(heartbeat_key("trainer", "trainer-t")) or "{}")  # noqa: E731
+        wait_until(lambda: run_id in beat().get("tracker_warnings", {}), 60, "the tracker warning", procs=[proc])
+        assert down in beat()["tracker_warnings"][run_id] and "mlflow" in beat()["tracker_warnings"][run_id]
+        _publish_batch(redis_url, run_id, 2, 2)  # trained on after the failure: its metrics count it
+        _wait_version(database_url, run_id, 3, proc)
+        with create_engine(database_url).begin() as c:
+            metrics = {(r.name, r.step): r.value for r in c.execute(text(
+                "SELECT name, step, value FROM metrics WHERE run_id = :id"), {"id": run_id})}
+            c.execute(text("UPDATE runs SET status = 'stopped' WHERE id = :id"), {"id": run_id})  # the run ends
+        assert metrics[("tracker_errors", 3)] == 1.0 and metrics[("trajectories_per_s", 3)] > 0
+        assert metrics[("rollout_tokens_per_s", 3)] > 0  # one generated token a result
+        (folder,) = (tmp_path / "tb").iterdir()
+
+        def summarised() -> bool:
+            acc = EventAccumulator(str(folder))
+            acc.Reload()
+            return "summary/text_summary" in acc.Tags()["tensors"]
+
+        wait_until(summarised, 60, "the TensorBoard summary", procs=[proc])
+        acc = EventAccumulator(str(folder))
+        acc.Reload()
+        assert [(e.step, e.value) for e in acc.Scalars("reward_mean")] == [
+            (v, metrics[("reward_mean", v)]) for v in (1, 2, 3)]
+        summary = acc.Tensors("summary/text_summary")[0].tensor_proto.string_val[0].decode()
+        assert '"status": "stopped"' in summary and '"policy_version": 3' in summary
+        (wandb_file,) = (tmp_path / "data" / "wandb").glob(f"offline-run-*/run-{run_id}.wandb")
+        wandb = [str(Path(sys.executable).with_name("wandb")), "leet", "inspect", "--json"]
+        wait_until(lambda: json.loads(subprocess.run([*wandb, "--summary", str(wandb_file)], capture_output=True,
+                                                     text=True).stdout or "{}").get("state") == "finished",
+                   60, "the W&B run finished", procs=[proc])
+        records = [json.loads(line) for line in subprocess.run([*wandb, str(wandb_file)], capture_output=True,
+                                                               text=True, check=True).stdout.splitlines()]
+        history = {r["history"]["step"]["num"]: r["history"]["item"] for r in records if r["type"] == "history"}
+        assert sorted(history) == [1, 2, 3] and history[3]["tracker_errors"] == 1
+        assert all(history[v]["reward_mean"] == metrics[("reward_mean", v)] for v in (1, 2, 3))
+    finally:
+        proc.terminate()
+        proc.wait(60)

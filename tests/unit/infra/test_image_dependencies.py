@@ -46,6 +46,8 @@ OPTIONAL = {
     ("*", "mlflow"): "metrics sync to MLflow only when configured; the user installs the client",
     ("*", "triton"): "the trainer's Triton log-prob kernel runs on CUDA, where torch's CUDA build brings triton; "
                      "without it the trainer keeps verl's torch kernel (services/trainer/logprob_kernel.py)",
+    # `import mlflow` resolves to mlflow-skinny where the trainer extra installed it (services/trainer/tracking.py)
+    ("*", "mlflow-skinny"): "the jobs worker's MLflow sync, only when configured; the user installs the client",
     # The registries name every built-in env and reward; the trainer never resolves them (env workers and
     # rollout workers do), so the trainer image has no `envs` extra.
     ("infra/docker/trainer.Dockerfile", "math-verify"): "built-in rewards run in env/rollout workers",
