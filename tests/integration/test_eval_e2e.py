@@ -33,23 +33,29 @@ def services(isolated_urls, tmp_path):
     group.stop()
 
 
-def test_eval_run_end_to_end_with_hf_engine(isolated_urls, services, tmp_path):
-    database_url = isolated_urls[1]
+def eval_setup(database_url: str, tmp_path, name: str, tasks: int, seed: int, **config):
+    """A tiny random-init model, an arithmetic dataset of `tasks` rows stored in Postgres, and an eval run's
+    config over them (`config` overrides the defaults). Returns (engine, run id, config)."""
     from harness.tiny_model import build_tiny_model
     from shared.builtin.datasets import generate
 
     model = str(build_tiny_model(tmp_path / "model"))
     engine = make_engine(database_url)
-    rows, ds, name = generate("arithmetic", 4, seed=3), uuid.uuid4(), f"e2e-{uuid.uuid4().hex[:6]}"
-    run_id = uuid.uuid4()
-    config = {"name": "e2e-eval", "kind": "eval", "model": model, "dataset": name, "dataset_split": "test",
+    rows, ds, dataset = generate("arithmetic", tasks, seed=seed), uuid.uuid4(), f"{name}-{uuid.uuid4().hex[:6]}"
+    config = {"name": name, "kind": "eval", "model": model, "dataset": dataset, "dataset_split": "test",
               "agent": {"name": "math"}, "env": {"name": "math"}, "engine": {"type": "hf"},
-              "samples_per_task": 2, "max_in_flight": 4, "max_prompt_tokens": 256, "max_response_tokens": 8,
-              "trajectory_timeout_s": 120.0}
+              "max_prompt_tokens": 256, "max_response_tokens": 8, **config}
     with engine.begin() as c:
-        c.execute(insert(Dataset).values(id=ds, name=name, split="test", source="generator", num_rows=4, info={}))
+        c.execute(insert(Dataset).values(id=ds, name=dataset, split="test", source="generator", num_rows=tasks, info={}))
         c.execute(insert(DatasetRow), [dict(dataset_id=ds, idx=i, task_id=r["id"], data=r,
                                             data_source=r["data_source"]) for i, r in enumerate(rows)])
+    return engine, uuid.uuid4(), config
+
+
+def test_eval_run_end_to_end_with_hf_engine(isolated_urls, services, tmp_path):
+    engine, run_id, config = eval_setup(isolated_urls[1], tmp_path, "e2e-eval", 4, seed=3, samples_per_task=2,
+                                        max_in_flight=4, trajectory_timeout_s=120.0)
+    with engine.begin() as c:
         c.execute(insert(Run).values(id=run_id, name="e2e-eval", kind="eval", status="pending", config=config))
     services("services.env_worker.main", WORKER_ID="e2e-env")
     services("services.rollout_worker.main", WORKER_ID="e2e-rollout")
@@ -87,22 +93,8 @@ def test_eval_under_a_cpu_burning_neighbour_requeues_nothing_and_never_stalls(is
     """Two processes burn both cores while the eval runs, and each task's lease (trajectory_timeout_s, no margin)
     is shorter than a loaded worker takes to load the model and run the first wave: the worker lists what it
     runs in its heartbeat, the controller renews those leases, so no unit is lost, re-run, or called stalled."""
-    database_url = isolated_urls[1]
-    from harness.tiny_model import build_tiny_model
-    from shared.builtin.datasets import generate
-
-    model = str(build_tiny_model(tmp_path / "model"))
-    engine = make_engine(database_url)
-    rows, ds, name = generate("arithmetic", 6, seed=5), uuid.uuid4(), f"load-{uuid.uuid4().hex[:6]}"
-    run_id = uuid.uuid4()
-    config = {"name": "loaded-eval", "kind": "eval", "model": model, "dataset": name, "dataset_split": "test",
-              "agent": {"name": "math"}, "env": {"name": "math"}, "engine": {"type": "hf"},
-              "samples_per_task": 4, "max_in_flight": 8, "max_prompt_tokens": 256, "max_response_tokens": 8,
-              "trajectory_timeout_s": 3.0}
-    with engine.begin() as c:
-        c.execute(insert(Dataset).values(id=ds, name=name, split="test", source="generator", num_rows=6, info={}))
-        c.execute(insert(DatasetRow), [dict(dataset_id=ds, idx=i, task_id=r["id"], data=r,
-                                            data_source=r["data_source"]) for i, r in enumerate(rows)])
+    engine, run_id, config = eval_setup(isolated_urls[1], tmp_path, "loaded-eval", 6, seed=5, samples_per_task=4,
+                                        max_in_flight=8, trajectory_timeout_s=3.0)
     services("services.env_worker.main", WORKER_ID="load-env")
     services("services.rollout_worker.main", WORKER_ID="load-rollout", MAX_CONCURRENCY="8", HEARTBEAT_INTERVAL_S="0.5")
     services("services.controller.main", WORKER_ID="load-ctl", LEDGER_LEASE_MARGIN_S="0", RECONCILE_INTERVAL_S="0.5")
