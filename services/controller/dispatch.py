@@ -344,7 +344,7 @@ class DispatchLoop:
                 d.stall_reason = reason
             if not d.plan.is_eval and d.policy_version != d.signal_checked_version:
                 d.signal_checked_version = d.policy_version
-                warning = await asyncio.to_thread(ledger.update_signal_warning, self.db, d.run_id,
+                warning = await asyncio.to_thread(ledger.update_run_warning, self.db, d.run_id,
                                                   self.cfg.no_signal_versions)
                 if warning:
                     log.warning("%s", warning, extra={"run_id": d.run_id})

@@ -190,10 +190,24 @@ def no_signal_warning(conn: Connection, run_id: str, versions: int) -> str | Non
             "sampling temperature, or set algorithm.dynamic_sampling to skip such groups")
 
 
-def update_signal_warning(db: Engine, run_id: str, versions: int) -> str | None:
-    """Set or clear the run's no-learning-signal warning (`no_signal_warning`); returns it when newly set."""
+def tracker_warning(conn: Connection, run_id: str) -> str | None:
+    """A warning when the trainer counted failed writes to the run's trackers (its metric `tracker_errors`, a
+    running count), else None: a tracker never fails or blocks a run, so this is where its user hears of it."""
+    errors = conn.execute(select(Metric.value).where(Metric.run_id == run_id, Metric.name == "tracker_errors")
+                          .order_by(Metric.step.desc()).limit(1)).scalar()
+    if not errors:
+        return None
+    return (f"trackers: {int(errors)} writes to this run's trackers (W&B, MLflow, TensorBoard) failed; training goes "
+            "on without them. The trainer's log names the tracker and why (server down, credentials, package not "
+            "installed): fix it in the run's `tracking` config or the trainer's TRACKING_* settings")
+
+
+def update_run_warning(db: Engine, run_id: str, versions: int) -> str | None:
+    """Set or clear the run's warning (`no_signal_warning` and `tracker_warning`, joined); returns it when it
+    changed to a new warning."""
     with db.begin() as conn:
-        warning = no_signal_warning(conn, run_id, versions)
+        warning = "; ".join(w for w in (no_signal_warning(conn, run_id, versions), tracker_warning(conn, run_id))
+                            if w) or None
         changed = conn.execute(update(Run).where(Run.id == run_id, Run.warning.is_distinct_from(warning))
                                .values(warning=warning)).rowcount == 1
         if changed and warning:

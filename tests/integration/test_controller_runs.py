@@ -697,6 +697,34 @@ async def test_groups_without_learning_signal_for_versions_in_a_row_warn(engine,
         await wait_until_async(lambda: run_row(engine, run).warning is None, 30, "the warning cleared")
 
 
+async def test_failed_tracker_writes_are_a_warning_on_a_run_that_goes_on(engine, redis_client, start_controller):
+    """The trainer's running count of failed tracker writes (`tracker_errors`) is the run's warning, beside any
+    other, and the run keeps running: a tracker never fails or blocks a run."""
+    run = add_run(engine, add_dataset(engine, 4), kind="train", samples_per_task=2, tasks_per_batch=2,
+                  total_steps=50)
+    start_controller(NO_SIGNAL_VERSIONS="2")
+
+    def report(version: int, **values: float) -> None:
+        with engine.begin() as c:
+            for name, value in values.items():
+                c.execute(text("INSERT INTO metrics (run_id, name, step, value) VALUES (:r, :n, :v, :x)"),
+                          {"r": run, "n": name, "v": version, "x": value})
+        set_run(engine, run, policy_version=version)
+
+    async with FakeRolloutWorker(redis_client, run, lambda t: "wrong"):
+        await wait_until_async(lambda: run_row(engine, run).status == "running", 30, "running")
+        report(1, tracker_errors=0.0, groups_without_signal=0.0)
+        await asyncio.sleep(1.0)
+        assert run_row(engine, run).warning is None
+        report(2, tracker_errors=3.0, groups_without_signal=1.0)
+        await wait_until_async(lambda: (run_row(engine, run).warning or "").startswith(
+            "trackers: 3 writes to this run's trackers"), 30, "the tracker warning")
+        report(3, tracker_errors=3.0, groups_without_signal=1.0)  # and two versions without signal: both say so
+        await wait_until_async(lambda: "no learning signal" in (run_row(engine, run).warning or ""), 30, "both")
+        assert "trackers: 3 writes" in run_row(engine, run).warning
+        assert run_row(engine, run).status == "running"
+
+
 async def test_a_run_in_which_nothing_scored_fails_with_the_dominant_reason(engine, redis_client, start_controller):
     """No streak reaches a fail-fast threshold (the reasons differ), yet no unit scored: the run ends `failed`,
     never `completed`, naming the most common reason; errored units are final (never re-dispatched)."""
