@@ -15,6 +15,7 @@ the accumulated context sets `mismatch` and zeroes the whole mask, as rLLM does.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 from shared.types import Step, TokenSequence
@@ -74,24 +75,38 @@ class PromptBuilder:
 
     def delta_text(self, messages: list[dict]) -> str | None:
         """Template text that follows the generated ids, or None if the history was not just appended to."""
-        n = len(self.messages)
-        if messages[:n] != self.messages or len(messages) <= n + 1:
+        ended_with_eos = bool(self.response_ids) and self.response_ids[-1] in self.chat.eos_ids
+        return extend_context(self.chat, self.chat.render, self.messages, self.response_text, ended_with_eos,
+                              messages)
+
+
+def extend_context(chat: ChatTokenizer, render: Callable[[list[dict], bool], str], previous: list[dict],
+                   generated: str, ended_with_eos: bool, messages: list[dict]) -> str | None:
+    """The one rule that extends a model's context, for both token assemblers.
+
+    The context is `render(previous, add_generation_prompt=True)` + the `generated` text (its ids kept as
+    generated). When `messages` is `previous` + that reply + anything new, return the template text that follows
+    the context (the template's closing of the reply, minus an EOS the model already emitted, + the new
+    messages); else None: the history was rewritten, or the template is not append-only here.
+    """
+    n = len(previous)
+    if len(messages) <= n or messages[:n] != previous:
+        return None
+    reply = messages[n]
+    if reply.get("role") != "assistant" or reply.get("content") != generated:
+        return None
+    before = render(previous, True)
+    through_reply = render(messages[: n + 1], False)
+    full = render(messages, True)
+    context_text = before + generated
+    if not through_reply.startswith(context_text) or not full.startswith(through_reply):
+        return None
+    closing = through_reply[len(context_text):]  # e.g. "<|im_end|>\n"
+    if ended_with_eos:
+        if not closing.startswith(chat.eos_text):
             return None
-        reply = messages[n]
-        if reply.get("role") != "assistant" or reply.get("content") != self.response_text:
-            return None
-        before = self.chat.render(self.messages, add_generation_prompt=True)
-        through_reply = self.chat.render(messages[: n + 1], add_generation_prompt=False)
-        full = self.chat.render(messages, add_generation_prompt=True)
-        generated = before + self.response_text
-        if not through_reply.startswith(generated) or not full.startswith(through_reply):
-            return None
-        closing = through_reply[len(generated):]  # e.g. "<|im_end|>\n"
-        if self.response_ids and self.response_ids[-1] in self.chat.eos_ids:
-            if not closing.startswith(self.chat.eos_text):
-                return None
-            closing = closing[len(self.chat.eos_text):]  # the model already emitted the EOS token
-        return closing + full[len(through_reply):]
+        closing = closing[len(chat.eos_text):]  # the model already emitted the EOS token
+    return closing + full[len(through_reply):]
 
 
 def assemble(steps: list[Step]) -> TokenSequence:

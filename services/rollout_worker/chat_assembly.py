@@ -26,7 +26,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.rollout_worker.assembly import ChatTokenizer
+from services.rollout_worker.assembly import ChatTokenizer, extend_context
 from shared.types import Step, Trajectory
 
 TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
@@ -210,23 +210,11 @@ class AgentCalls:
 
     def _chat_delta(self, seg: Segment, tmsgs: list[dict], tools: list | None) -> str | None:
         """Template text after the segment's generated ids, or None if `tmsgs` does not extend it."""
-        n = len(seg.messages)
-        if not seg.messages or tools != seg.tools or len(tmsgs) <= n:
+        if not seg.messages or tools != seg.tools:
             return None
-        if tmsgs[:n] != seg.messages or tmsgs[n] != {"role": "assistant", "content": seg.raw_text}:
-            return None
-        before = self.fmt.render(seg.messages, tools, add_generation_prompt=True)
-        through_reply = self.fmt.render(tmsgs[: n + 1], tools, add_generation_prompt=False)
-        full = self.fmt.render(tmsgs, tools, add_generation_prompt=True)
-        generated = before + seg.raw_text
-        if not through_reply.startswith(generated) or not full.startswith(through_reply):
-            return None  # the template is not append-only here
-        closing = through_reply[len(generated):]
-        if seg.context and seg.context[-1] in self.chat.eos_ids:
-            if not closing.startswith(self.chat.eos_text):
-                return None
-            closing = closing[len(self.chat.eos_text):]  # the model already emitted the EOS token
-        return closing + full[len(through_reply):]
+        ended_with_eos = bool(seg.context) and seg.context[-1] in self.chat.eos_ids
+        return extend_context(self.chat, lambda msgs, gen_prompt: self.fmt.render(msgs, tools, gen_prompt),
+                              seg.messages, seg.raw_text, ended_with_eos, tmsgs)
 
     # completions -------------------------------------------------------------------------------------------
     def completion_prompt(self, prompt: str) -> Prompt:

@@ -106,3 +106,40 @@ def test_step_without_logprobs_leaves_the_trajectory_without_any():
                     Step(prompt_ids=[1, 2, 3, 4, 5], response_ids=[6], weight_version=0)])
     assert seq.response_ids == [3, 4, 5, 6] and seq.loss_mask == [1, 1, 0, 1]
     assert seq.logprobs == []
+
+
+def test_both_assemblers_extend_a_context_by_the_same_rule(chat):
+    """PromptBuilder (built-in agents) and the gateway's AgentCalls share `extend_context`: the same
+    conversation gives the same prompt ids, token for token, whether the model stopped on EOS or was cut."""
+    from types import SimpleNamespace
+
+    from services.rollout_worker.chat_assembly import AgentCalls, ChatFormat
+
+    for generated in (chat.encode("4") + chat.encode("2") + [chat.tokenizer.eos_token_id], chat.encode("abc")):
+        text = chat.decode(generated)
+        first = [{"role": "user", "content": "What is 2 + 2?"}]
+        later = first + [{"role": "assistant", "content": text}, {"role": "user", "content": "Sure?"}]
+        builder, calls = PromptBuilder(chat), AgentCalls("agent", ChatFormat(chat))
+        p1 = builder.prompt_ids(first)
+        prompt = calls.chat_prompt(first, None)
+        assert prompt.ids == p1
+        builder.record(first, p1, generated, text)
+        calls.record(prompt, SimpleNamespace(ids=generated, text=text, logprobs=[0.0] * len(generated),
+                                             weight_version=0, finish_reason="stop"), first, None)
+        extended = builder.prompt_ids(later)
+        assert extended[: len(p1) + len(generated)] == p1 + generated
+        assert calls.chat_prompt(later, None).ids == extended
+
+
+def test_extend_context_refuses_a_rewritten_history_and_a_foreign_eos(chat):
+    from services.rollout_worker.assembly import extend_context
+
+    first = [{"role": "user", "content": "hi"}]
+    later = first + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "again"}]
+    assert extend_context(chat, chat.render, first, "ok", False, later).startswith("<|im_end|>")
+    assert extend_context(chat, chat.render, first, "ok", True, later).startswith("\n<|im_start|>user")
+    assert extend_context(chat, chat.render, first, "other", False, later) is None  # reply rewritten
+    assert extend_context(chat, chat.render, [{"role": "user", "content": "x"}], "ok", False, later) is None
+    fake_eos = ChatTokenizer(chat.tokenizer)
+    fake_eos.eos_text = "</s>"  # a template that does not close a reply with the model's EOS
+    assert extend_context(fake_eos, chat.render, first, "ok", True, later) is None
