@@ -19,6 +19,9 @@ ADV_ESTIMATORS = (
 )
 POLICY_LOSSES = ("vanilla", "gspo", "sapo", "cispo", "clip_cov", "kl_cov", "dppo_tv", "dppo_kl")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+# verl's rollout rejection sampling modes (verl.trainer.ppo.rollout_corr_helper.SUPPORTED_ROLLOUT_RS_OPTIONS)
+ROLLOUT_RS_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3", "seq_mean_k1",
+                      "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline", "opo", "grpo_passk", "gpg")
 
 
@@ -106,6 +109,11 @@ class AlgorithmConfig(_Strict):
     ppo_epochs: int = Field(1, ge=1)
     ppo_mini_batches: int = Field(1, ge=1, description="optimizer steps per batch = ppo_epochs * mini batches")
     is_cap: float = Field(2.0, gt=0, description="truncated importance-sampling cap on behaviour/current ratio")
+    rollout_rs: str | None = Field(
+        None, description="verl's rollout rejection sampling: mask the tokens / sequences whose behaviour/current "
+                          "ratio is out of bounds, e.g. 'token_k1' or 'seq_mean_k1' (verl's names); None: off")
+    rollout_rs_threshold: str | float | None = Field(
+        None, description="bounds for `rollout_rs`, verl's format: a float (upper) or 'lower_upper'")
     dynamic_sampling: bool = Field(False, description="drop groups whose rewards are all equal and refill")
     lora: LoRAConfig | None = Field(None, description="train a LoRA adapter instead of the full weights")
 
@@ -129,6 +137,17 @@ class AlgorithmConfig(_Strict):
         if v not in LOSS_AGG_MODES:
             raise ValueError(f"unknown loss_agg_mode {v!r}; choose one of {', '.join(LOSS_AGG_MODES)}")
         return v
+
+    @model_validator(mode="after")
+    def _rejection(self) -> AlgorithmConfig:
+        for option in (self.rollout_rs or "").split(","):
+            if option and option.strip() not in ROLLOUT_RS_OPTIONS:
+                raise ValueError(f"unknown rollout_rs {option!r}; choose from {', '.join(ROLLOUT_RS_OPTIONS)} "
+                                 "(comma-separated for several)")
+        if self.rollout_rs and self.rollout_rs_threshold is None:
+            raise ValueError("rollout_rs needs rollout_rs_threshold: a float (upper bound) or 'lower_upper', "
+                             "one per option, comma-separated")
+        return self
 
 
 class WandbTracking(_Strict):

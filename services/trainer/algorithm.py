@@ -1,12 +1,13 @@
 """The RL math, all of it verl's (verl.trainer.ppo.core_algos and its rollout-correction helper): advantage
-estimators by name, truncated importance weights, and the actor config verl's PPO loss reads."""
+estimators by name, rollout correction (truncated IS weights, rejection sampling, off-policy metrics), and the
+actor config verl's PPO loss reads."""
 
 from __future__ import annotations
 
 import torch
 from verl.trainer.config import AlgoConfig
 from verl.trainer.ppo import core_algos
-from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_weights
+from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
 from verl.workers.config import FSDPActorConfig, FSDPEngineConfig, FSDPOptimizerConfig, PolicyLossConfig
 
 from shared.run_config import AlgorithmConfig
@@ -36,16 +37,23 @@ def verl_algo_config(algo: AlgorithmConfig) -> AlgoConfig:
                       norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo, kl_penalty=algo.kl_penalty)
 
 
-def importance_weights(old_log_probs: torch.Tensor, behaviour_log_probs: torch.Tensor, response_mask: torch.Tensor,
-                       cap: float, sample_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
-    """Truncated IS weights min(pi_old / pi_behaviour, cap) per token (verl's TIS), times per-sample weights
-    (stale samples kept under `stale_policy="downweight"`)."""
-    weights, metrics = compute_rollout_correction_weights(
-        log_ratio=old_log_probs - behaviour_log_probs, response_mask=response_mask.float(), rollout_is="token",
-        rollout_is_threshold=cap)
+def rollout_correction(old_log_probs: torch.Tensor, behaviour_log_probs: torch.Tensor,
+                       response_mask: torch.Tensor, algo: AlgorithmConfig,
+                       sample_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """verl's rollout correction, as verl's trainer calls it: truncated IS weights min(pi_old / pi_behaviour,
+    is_cap) per token (TIS), times per-sample weights (stale samples kept under `stale_policy="downweight"`);
+    the response mask with verl's rejection sampling applied (`rollout_rs`); and verl's metrics under verl's
+    names (`rollout_corr/rollout_is_mean`, `.../kl`, `.../k3_kl`, `.../chi2_token`, ...)."""
+    weights, mask, metrics = compute_rollout_correction_and_rejection_mask(
+        old_log_prob=old_log_probs, rollout_log_prob=behaviour_log_probs, response_mask=response_mask.float(),
+        rollout_is="token", rollout_is_threshold=algo.is_cap, rollout_rs=algo.rollout_rs,
+        rollout_rs_threshold=algo.rollout_rs_threshold)
+    weights = weights.batch["rollout_is_weights"]
     if sample_weights is not None:
         weights = weights * sample_weights.unsqueeze(-1)
-    return weights.detach(), metrics
+    if algo.rollout_rs is None:  # verl reports it only with rejection on: nothing was masked
+        metrics["rollout_corr/rollout_rs_masked_fraction"] = 0.0
+    return weights.detach(), mask.to(response_mask.dtype), metrics
 
 
 def actor_config(algo: AlgorithmConfig, engine: FSDPEngineConfig, optim: FSDPOptimizerConfig, *, batch_size: int,

@@ -9,7 +9,7 @@ from collections import Counter
 
 import torch
 
-from services.trainer.algorithm import compute_advantages, importance_weights
+from services.trainer.algorithm import compute_advantages, rollout_correction
 from services.trainer.batch import Group, Sample, build_tensors, staleness
 from services.trainer.engine import PolicyEngine
 from shared.run_config import AlgorithmConfig
@@ -29,12 +29,13 @@ class Learner:
         ref = self.engine.log_probs(t, reference=True)[0] if self.engine.has_reference else None
         values = self.engine.values(t) if self.engine.critic is not None else None
         advantages, returns = compute_advantages(self.algo, t, values)
-        weights, is_metrics = importance_weights(old, t["behaviour_log_probs"], t["response_mask"],
-                                                 self.algo.is_cap, t["sample_weights"])
+        weights, t["response_mask"], corr_metrics = rollout_correction(
+            old, t["behaviour_log_probs"], t["response_mask"], self.algo, t["sample_weights"])
         metrics = self.batch_metrics(groups, t, old, entropy, version)
         metrics["groups_without_signal"] = groups_without_signal(groups, advantages, t["response_mask"])
         metrics |= mismatch_metrics(torch.cat([same_version_diffs(t, old, version), self.probe_diffs(probe, version)]))
-        metrics["is_truncated_fraction"] = float(is_metrics.get("rollout_is_ratio_fraction_high", 0.0))
+        metrics |= {k: float(v) for k, v in corr_metrics.items()}  # verl's names: rollout_corr/...
+        metrics["is_truncated_fraction"] = metrics.get("rollout_corr/rollout_is_ratio_fraction_high", 0.0)
         if t["response_mask"].sum() > 0:  # a batch of only masked (errored) samples has nothing to learn
             verl_metrics = self.engine.update(t, old, advantages, weights, ref, seed=seed)
             metrics |= {
@@ -47,7 +48,7 @@ class Learner:
             critic = self.engine.update_critic(t, values, returns)
             metrics |= {"value_loss": critic.get("critic/vf_loss", 0.0),
                         "value_mean": float((values * t["response_mask"]).sum() / t["response_mask"].sum().clamp(min=1))}
-        metrics["is_weight_mean"] = float(is_metrics.get("rollout_is_mean", 1.0))
+        metrics["is_weight_mean"] = metrics.get("rollout_corr/rollout_is_mean", 1.0)
         elapsed = time.perf_counter() - started
         metrics["step_s"] = elapsed
         metrics["tokens_per_s"] = float(t["attention_mask"].sum()) / elapsed
@@ -79,7 +80,44 @@ class Learner:
             "num_samples": float(len(samples)), "num_groups": float(len(groups)),
             "response_tokens": float(mask.sum()),
             **{f"staleness_{age}": float(n) for age, n in sorted(ages.items())},
+            **async_metrics(samples, version),
         }
+
+
+def async_metrics(samples: list[Sample], version: int) -> dict[str, float]:
+    """verl's fully-async counters for one step's batch, under verl's names: samples generated before the
+    trained-from version, and partial rollouts (samples whose trained tokens span policy versions: a generation
+    that continued on new weights) with the largest span."""
+    spans = [max(vs) - min(vs) for s in samples if (vs := [v for v in s.versions if v >= 0])]
+    partial = sum(span > 0 for span in spans)
+    return {
+        "fully_async/count/stale_samples_processed": float(sum(age > 0 for age in staleness(samples, version))),
+        "fully_async/partial/total_partial_num": float(partial),
+        "fully_async/partial/partial_ratio": partial / max(len(spans), 1),
+        "fully_async/partial/max_partial_span": float(max(spans, default=0)),
+    }
+
+
+def rollout_idle_ratio(spans: list[tuple[str, float, float]], start: float, end: float) -> float | None:
+    """verl's `fully_async/rollouter/idle_ratio`, read off the results that reached this trainer: for each rollout
+    worker that delivered episodes (worker, started_at, finished_at) in [start, end], the share of that window in
+    which it had none in flight, averaged over those workers; None when none delivered. Episodes still in flight
+    at `end` are not seen yet, so on a long-tailed workload this overstates idleness by up to one episode."""
+    window = end - start
+    if window <= 0 or not spans:
+        return None
+    busy: dict[str, float] = {}
+    by_worker: dict[str, list[tuple[float, float]]] = {}
+    for worker, a, b in spans:
+        by_worker.setdefault(worker, []).append((max(a, start), min(b, end)))
+    for worker, intervals in by_worker.items():
+        covered, reach = 0.0, start
+        for a, b in sorted(intervals):
+            if b > reach:
+                covered += b - max(a, reach)
+                reach = b
+        busy[worker] = covered / window
+    return 1.0 - sum(busy.values()) / len(busy)
 
 
 def groups_without_signal(groups: list[Group], advantages: torch.Tensor, mask: torch.Tensor) -> float:

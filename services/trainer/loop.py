@@ -42,6 +42,7 @@ from services.trainer import runs as db
 from services.trainer import tracking
 from services.trainer.batch import Group, GroupBuffer, GroupKey, SampleKey
 from services.trainer.config import TrainerSettings
+from services.trainer.learner import rollout_idle_ratio
 from services.trainer.publisher import WeightPublisher
 from services.trainer.state import CheckpointDir, SampleRecord, StepRecord
 from services.trainer.tracking import RunTrackers
@@ -81,6 +82,8 @@ class RunState:
     trackers: RunTrackers | None = None  # W&B / MLflow / TensorBoard, when the run or the settings name any
     last_step_at: float = field(default_factory=time.monotonic)  # opened, or the last step: results arrive since
     generated_tokens: int = 0  # model-generated tokens of the results held since the last step
+    last_step_wall: float = field(default_factory=time.time)  # the same moment on the wall clock (results' stamps)
+    episode_spans: list[tuple[str, float, float]] = field(default_factory=list)  # (worker, started, finished)
 
     def count(self, what: str, n: int = 1) -> None:
         self.counts[what] = self.counts.get(what, 0) + n
@@ -298,7 +301,10 @@ class Trainer:
             outcome = self._classify(run, d, key, recorded)
             if outcome == "held":
                 run.held[(run.run_id, key[0], key[1])] = d
-                for sample in batching.samples_from_result(d.message.result):
+                result = d.message.result
+                if 0 < result.started_at <= result.finished_at:  # stamped by a rollout worker
+                    run.episode_spans.append((result.worker_id, result.started_at, result.finished_at))
+                for sample in batching.samples_from_result(result):
                     run.buffer.add(sample)
                     # tokens with a policy version are the model's (-1: an env's, inside multi-turn responses)
                     run.generated_tokens += (sum(v >= 0 for v in sample.versions) if sample.versions
@@ -393,8 +399,16 @@ class Trainer:
 
     async def step(self, run: RunState, groups: list[Group]) -> None:
         version = run.version + 1
+        started = time.monotonic()
         probe = batching.mismatch_probe(run.buffer, run.version)  # the mismatch at run.version, when the batch has none
         metrics = await self._in_torch(partial(run.learner.step, probe=probe), groups, run.version, version)
+        # verl's async figures: the share of this step's cycle the trainer waited for the run's data, and how
+        # idle the rollout workers were over the same cycle, as far as their results have arrived
+        cycle = max(time.monotonic() - run.last_step_at, 1e-6)
+        metrics["fully_async/trainer/idle_ratio"] = (started - run.last_step_at) / cycle
+        idle = rollout_idle_ratio(run.episode_spans, run.last_step_wall, time.time())
+        if idle is not None:
+            metrics["fully_async/rollouter/idle_ratio"] = idle
         metrics |= {f"dropped_{k}": float(n) for k, n in run.dropped.items()}
         metrics |= {f"samples_{k}": float(n) for k, n in run.counts.items()}
         # the rollout side as it reaches this trainer: results the store accepted, and their generated tokens,
@@ -412,7 +426,7 @@ class Trainer:
         await self.report(run, version, self._consumed(groups, "used"))
         await self.consumer.ack(self._release(run, record.samples))
         run.version, run.dropped, run.counts, run.last_step_at = version, {}, {}, time.monotonic()
-        run.generated_tokens = 0
+        run.generated_tokens, run.last_step_wall, run.episode_spans = 0, time.time(), []
         if run.trackers is not None:  # the step is durable: what the trackers show never runs ahead of the record
             self.tracking_thread.submit(run.trackers.log, metrics, version)
         STEPS.labels(run.run_id).inc()

@@ -63,12 +63,17 @@ def test_runs_run_page_charts_and_trajectory_viewer(api, page, database_url):
 
     page.click(f"tr[data-href='#/runs/{run_id}']")
     page.wait_for_selector("#chart-reward[data-points]")
-    for key in ("reward", "pass", "kl", "entropy", "throughput", "mismatch", "truncated", "time"):
+    for key in ("reward", "pass", "kl", "entropy", "throughput", "mismatch", "truncated", "time", "iscorr",
+                "offpolicy", "async", "stale"):
         assert int(page.get_attribute(f"#chart-{key}", "data-points")) >= 3, key
     ledger = page.inner_text("#ledger")
     assert "samples scored" in ledger and "18" in ledger and "in flight" in ledger
     assert page.evaluate("typeof uPlot") == "function"  # the vendored library, served by the API itself
-    assert page.locator(".charts .uplot").count() == 8  # one uPlot chart per panel
+    assert page.locator(".charts .uplot").count() == 12  # one uPlot chart per panel
+    # verl's names, each set on a panel of its own (the KL panel keeps the trainer's own KLs)
+    assert "rollout_corr/k3_kl" in page.inner_text("#chart-offpolicy .u-legend")
+    assert "rollout_corr" not in page.inner_text("#chart-kl .u-legend")
+    assert "fully_async/rollouter/idle_ratio" in page.inner_text("#chart-async .u-legend")
     assert "logprob_diff_max" in page.inner_text("#chart-mismatch .u-legend")
     legend = page.inner_text("#chart-reward .u-legend")
     assert "mean reward (trajectories)" in legend and "reward_mean" in legend

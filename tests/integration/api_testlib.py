@@ -116,12 +116,18 @@ REASONS = ("env_done", "max_steps", "response_truncation", "env_done")
 
 
 def trainer_metrics(v: int) -> list[tuple[str, float]]:
-    """Metric rows per step under the names the trainer writes (services/trainer/learner.py; the docs test
-    checks these names against it)."""
+    """Metric rows per step under the names the trainer writes (services/trainer/learner.py, and verl's
+    rollout_corr/* through services/trainer/algorithm.py; the docs test checks these names against them)."""
     return [("reward_mean", 0.2 + 0.2 * v), ("ppo_kl", 0.01 * v), ("kl_behaviour", 0.002 * v),
             ("entropy", 1.0 - 0.1 * v), ("tokens_per_s", 300.0 + v),
             ("logprob_diff_mean", 0.001 * (v + 1)), ("logprob_diff_max", 0.01 * (v + 1)),
-            ("is_truncated_fraction", 0.05 * v)]
+            ("is_truncated_fraction", 0.05 * v),
+            # verl's names: the rollout-correction set (services/trainer/algorithm.py) and the async set
+            ("rollout_corr/rollout_is_mean", 1.0 - 0.01 * v), ("rollout_corr/rollout_is_eff_sample_size", 0.9 + 0.01 * v),
+            ("rollout_corr/k3_kl", 0.001 * (v + 1)), ("rollout_corr/chi2_token", 0.002 * (v + 1)),
+            ("fully_async/trainer/idle_ratio", 0.5 - 0.1 * v), ("fully_async/rollouter/idle_ratio", 0.2),
+            ("fully_async/partial/partial_ratio", 0.1 * v), ("fully_async/count/stale_samples_processed", float(v)),
+            ("fully_async/partial/max_partial_span", float(min(v, 1)))]
 
 
 def seed_run(database_url: str, *, name: str = "seeded", kind: str = "train", status: str = "running",

@@ -175,7 +175,7 @@ def test_trainer_corrects_each_token_for_the_version_that_generated_it(episode, 
     """The trainer at version 1 recomputes every token's logprob; the truncated IS weight of a token is
     min(pi_trainer / pi_behaviour, cap) with pi_behaviour its own version's, and the mismatch metrics count
     only the tokens version 1 generated."""
-    from services.trainer.algorithm import importance_weights
+    from services.trainer.algorithm import rollout_correction
     from services.trainer.batch import GroupBuffer, build_tensors, samples_from_result
     from services.trainer.engine import PolicyEngine
     from services.trainer.learner import Learner, mismatch_metrics, same_version_diffs
@@ -200,7 +200,7 @@ def test_trainer_corrects_each_token_for_the_version_that_generated_it(episode, 
         logits = hf(torch.tensor([traj.prompt_ids + traj.response_ids])).logits[0, len(traj.prompt_ids) - 1:-1]
     trainer = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(traj.response_ids)[:, None])[:, 0]
     torch.testing.assert_close(old[0, :n][mask], trainer[mask], atol=1e-5, rtol=0)
-    weights, metrics = importance_weights(old, t["behaviour_log_probs"], t["response_mask"], algo.is_cap)
+    weights, _, metrics = rollout_correction(old, t["behaviour_log_probs"], t["response_mask"], algo)
     expected = torch.exp(trainer - torch.tensor(traj.logprobs)).clamp(max=algo.is_cap)
     torch.testing.assert_close(weights[0, :n][mask], expected[mask], atol=1e-4, rtol=1e-4)
     assert (weights[0, :n][~mask] == 0).all()
@@ -215,5 +215,5 @@ def test_trainer_corrects_each_token_for_the_version_that_generated_it(episode, 
     # a waiting sample (the trainer's probe when its batch holds no token of its version) gives the same figures
     probe = Learner(engine, algo, tokenizer.pad_token_id).probe_diffs([sample], version=1)
     torch.testing.assert_close(probe, same_version_diffs(t, old, version=1))
-    assert metrics["rollout_is_ratio_fraction_high"] == pytest.approx(
+    assert metrics["rollout_corr/rollout_is_ratio_fraction_high"] == pytest.approx(
         float((torch.exp(trainer - torch.tensor(traj.logprobs))[mask] > algo.is_cap).float().mean()), abs=1e-6)

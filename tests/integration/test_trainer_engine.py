@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from harness.tiny_model import build_number_model
-from services.trainer.algorithm import compute_advantages, importance_weights
+from services.trainer.algorithm import compute_advantages, rollout_correction
 from shared.run_config import AlgorithmConfig
 
 
@@ -62,7 +62,7 @@ def test_engine_loss_is_verls_policy_loss_and_export_has_new_weights(engine, tmp
     old, _ = engine.log_probs(t)
     behaviour = old - 0.2 * t["response_mask"]
     advantages, _ = compute_advantages(engine.algo, t)
-    weights, _ = importance_weights(old, behaviour, t["response_mask"], engine.algo.is_cap)
+    weights, _, _ = rollout_correction(old, behaviour, t["response_mask"], engine.algo)
     direct, _ = core_algos.get_policy_loss_fn("vanilla")(
         old_log_prob=old, log_prob=old, advantages=advantages, response_mask=t["response_mask"],
         loss_agg_mode="token-mean", config=engine.actor_config, rollout_is_weights=weights)

@@ -229,6 +229,11 @@ def test_trainer_trains_whole_groups_reports_and_publishes(stack, redis_url, dat
                 "OR name = 'is_truncated_fraction')"), {"id": run_id})}
         assert {"reward_mean", "reward_std", "pass_rate", "entropy", "grad_norm", "clip_fraction",
                 "tokens_per_s", "kl_behaviour", "groups_without_signal"} <= names
+        # verl's rollout-correction and async sets, under verl's names (no rollout worker stamped these
+        # results, so no rollout idle ratio is made up)
+        assert {"rollout_corr/kl", "rollout_corr/chi2_seq", "rollout_corr/rollout_is_eff_sample_size",
+                "fully_async/trainer/idle_ratio", "fully_async/partial/partial_ratio"} <= names
+        assert "fully_async/rollouter/idle_ratio" not in names
         # Training-inference mismatch, as the real trainer records it: step 1 starts from version 0, which
         # generated every token at hand (one a sample): its batch, and the waiting samples it probes (batch 1
         # and the incomplete group); step 2 starts from version 1, which generated none of them, so it has no

@@ -42,7 +42,7 @@
   const CHARTS = [
     ["reward", "reward over policy versions", m => /(^|\/)reward/.test(m) && !/std/.test(m), ["train"], true],
     ["pass", "pass rate over policy versions", m => /pass/.test(m), ["train"], true],
-    ["kl", "KL over policy versions", m => /kl/i.test(m), ["train"], false],
+    ["kl", "KL over policy versions", m => /kl/i.test(m) && !m.startsWith("rollout_corr/"), ["train"], false],
     ["entropy", "entropy over policy versions", m => /entropy/i.test(m), ["train"], false],
     ["throughput", "trainer throughput", m => /throughput|per_s|tokens_s/i.test(m), ["train"], false, "tokens / s"],
     ["time", "reward over time", m => /(^|\/)reward/.test(m) && !/std/.test(m), ["train"], true],
@@ -51,6 +51,12 @@
     // measured them: step s starts from version s - 1. A share and logprob differences: two panels, two axes.
     ["mismatch", "training-inference mismatch per step (step s measures version s-1)", m => /^logprob_diff_(mean|max)$/.test(m), ["train"], false, "|Δ logprob| (nats)"],
     ["truncated", "IS weights truncated per step (share of tokens)", m => m === "is_truncated_fraction", ["train"], true, "share"],
+    // verl's rollout-correction set (services/trainer/algorithm.py: rollout_correction) and its async set
+    // (services/trainer/learner.py: async_metrics, rollout_idle_ratio), under verl's own names
+    ["iscorr", "rollout correction: IS weights and effective sample size", m => /^rollout_corr\/rollout_is_(mean|std|min|max|eff_sample_size)$/.test(m), ["train"], false, "weight"],
+    ["offpolicy", "off-policy gap: rollout vs trainer policy", m => /^rollout_corr\/(kl|k3_kl|chi2_token|chi2_seq|log_ppl_abs_diff)$/.test(m), ["train"], false],
+    ["async", "async: idle shares, partial rollouts, rejected tokens", m => /^fully_async\/(trainer\/idle_ratio|rollouter\/idle_ratio|partial\/partial_ratio)$/.test(m) || m === "rollout_corr/rollout_rs_masked_fraction", ["train"], true, "share"],
+    ["stale", "stale samples per step and widest version span in a sample", m => /^fully_async\/(count\/stale_samples_processed|partial\/max_partial_span)$/.test(m), ["train"], false, "samples / versions"],
     ["passk", "pass@k", () => false, ["eval"], true],
   ];
   const TERMINATIONS = ["env_done", "max_steps", "prompt_truncation", "response_truncation", "env_timeout", "timeout",

@@ -227,3 +227,27 @@ def test_each_tokens_version_reaches_the_tensors_and_the_mismatch_probe_takes_on
     assert [(s.group[0], s.key[2]) for s in probe] == [("a", 0)]
     assert len(mismatch_probe(buf, 3)) == 2 and len(mismatch_probe(buf, 3, limit=1)) == 1
     assert mismatch_probe(buf, 5) == []
+
+
+def test_async_metrics_count_stale_samples_and_partial_rollouts_as_verl_names_them():
+    from services.trainer.learner import async_metrics
+
+    samples = [s for r in (result("a", 0, 1.0, versions=(3, 3)), result("a", 1, 0.0, versions=(2, 3)),
+                           result("b", 0, 1.0, versions=(1, 3), mask=(1, 1)), result("b", 1, 0.0, versions=(-1, 3)))
+               for s in samples_from_result(r)]
+    m = async_metrics(samples, version=3)
+    # trained from version 3: the samples whose oldest trained token is older are stale; env tokens (-1) do not count
+    assert m["fully_async/count/stale_samples_processed"] == 2.0
+    assert m["fully_async/partial/total_partial_num"] == 2.0  # spans 1 and 2
+    assert m["fully_async/partial/partial_ratio"] == 0.5
+    assert m["fully_async/partial/max_partial_span"] == 2.0
+
+
+def test_rollout_idle_ratio_is_the_uncovered_share_of_the_window_per_worker():
+    from services.trainer.learner import rollout_idle_ratio
+
+    assert rollout_idle_ratio([], 0.0, 10.0) is None
+    # w1 busy 0-4 and 3-6 (overlapping: 6 s), w2 busy 8-12 clipped to 8-10 (2 s): idle 0.4 and 0.8
+    spans = [("w1", 0.0, 4.0), ("w1", 3.0, 6.0), ("w2", 8.0, 12.0)]
+    assert rollout_idle_ratio(spans, 0.0, 10.0) == pytest.approx(0.6)
+    assert rollout_idle_ratio([("w1", -5.0, 20.0)], 0.0, 10.0) == 0.0

@@ -8,7 +8,7 @@ import torch
 from verl.trainer.ppo import core_algos
 from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig
 
-from services.trainer.algorithm import actor_config, compute_advantages, importance_weights, verl_algo_config
+from services.trainer.algorithm import actor_config, compute_advantages, rollout_correction, verl_algo_config
 from shared.run_config import AlgorithmConfig
 
 
@@ -59,9 +59,11 @@ def test_truncated_is_weights_cap_the_ratio_and_mask_padding():
     mask = torch.tensor([[1, 1, 1, 0]])
     behaviour = torch.log(torch.tensor([[0.5, 0.1, 0.4, 0.3]]))
     current = torch.log(torch.tensor([[0.5, 0.4, 0.2, 0.9]]))  # ratios 1, 4, 0.5, (3, padding)
-    weights, _ = importance_weights(current, behaviour, mask, cap=2.0)
+    weights, kept, _ = rollout_correction(current, behaviour, mask, AlgorithmConfig(is_cap=2.0))
     torch.testing.assert_close(weights, torch.tensor([[1.0, 2.0, 0.5, 0.0]]))
-    scaled, _ = importance_weights(current, behaviour, mask, cap=2.0, sample_weights=torch.tensor([0.5]))
+    assert kept.tolist() == mask.tolist()  # no rejection sampling unless the run asks for it
+    scaled, _, _ = rollout_correction(current, behaviour, mask, AlgorithmConfig(is_cap=2.0),
+                                     sample_weights=torch.tensor([0.5]))
     torch.testing.assert_close(scaled, torch.tensor([[0.5, 1.0, 0.25, 0.0]]))
 
 
@@ -74,7 +76,7 @@ def test_policy_loss_equals_calling_verl_directly(loss_mode, agg):
     g = torch.Generator().manual_seed(1)
     old, new = -torch.rand(8, 6, generator=g), -torch.rand(8, 6, generator=g)
     adv, mask = torch.randn(8, 6, generator=g), torch.ones(8, 6)
-    weights, _ = importance_weights(old, old - 0.1, mask, cap=2.0)
+    weights, _, _ = rollout_correction(old, old - 0.1, mask, AlgorithmConfig(is_cap=2.0))
     fn = core_algos.get_policy_loss_fn(loss_mode)
     ours = fn(old_log_prob=old, log_prob=new, advantages=adv, response_mask=mask, loss_agg_mode=agg, config=cfg,
               rollout_is_weights=weights)[0]
@@ -92,3 +94,34 @@ def test_kl_penalty_and_agg_loss_are_verls():
     manual = (torch.exp(ref - logp) - (ref - logp) - 1).clamp(-10, 10)
     torch.testing.assert_close(kl, manual)
     assert core_algos.agg_loss(kl, torch.ones(4, 5), "token-mean") == pytest.approx(float(kl.mean()), rel=1e-5)
+
+
+def test_rollout_correction_reports_verls_metric_set_and_applies_rejection_sampling():
+    g = torch.Generator().manual_seed(3)
+    old = -torch.rand(4, 6, generator=g)
+    behaviour = old.clone()
+    behaviour[0] -= 3.0  # row 0's tokens: ratio e^3, far out of bounds
+    mask = torch.ones(4, 6)
+    _, kept, metrics = rollout_correction(old, behaviour, mask, AlgorithmConfig(is_cap=2.0))
+    wanted = {"rollout_is_mean", "rollout_is_std", "rollout_is_min", "rollout_is_max", "rollout_is_eff_sample_size",
+              "kl", "k3_kl", "chi2_token", "chi2_seq", "log_ppl_abs_diff", "rollout_rs_masked_fraction"}
+    assert {f"rollout_corr/{k}" for k in wanted} <= set(metrics)
+    assert kept.tolist() == mask.tolist() and metrics["rollout_corr/rollout_rs_masked_fraction"] == 0.0
+    assert metrics["rollout_corr/kl"] == pytest.approx(float((behaviour - old).mean()), abs=1e-6)
+    algo = AlgorithmConfig(is_cap=2.0, rollout_rs="token_k1", rollout_rs_threshold="0.5_2.0")
+    _, kept, metrics = rollout_correction(old, behaviour, mask, algo)
+    assert kept[0].sum() == 0 and kept[1:].sum() == 18  # the out-of-bounds row is rejected, nothing else
+    assert metrics["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(0.25)
+
+
+def test_rollout_rs_names_are_verls_and_a_bad_one_is_refused_with_the_choices():
+    from pydantic import ValidationError
+    from verl.trainer.ppo.rollout_corr_helper import SUPPORTED_ROLLOUT_RS_OPTIONS
+
+    from shared.run_config import ROLLOUT_RS_OPTIONS
+
+    assert set(ROLLOUT_RS_OPTIONS) == SUPPORTED_ROLLOUT_RS_OPTIONS
+    with pytest.raises(ValidationError, match="unknown rollout_rs 'token_k9'.*token_k1"):
+        AlgorithmConfig(rollout_rs="token_k9", rollout_rs_threshold=2.0)
+    with pytest.raises(ValidationError, match="rollout_rs needs rollout_rs_threshold"):
+        AlgorithmConfig(rollout_rs="token_k1")
