@@ -217,6 +217,13 @@ def test_everything_the_doc_names_exists(doc):
     assert problems(doc) == []
 
 
+def test_the_readme_is_short_and_links_every_doc():
+    readme = (REPO / "README.md").read_text()
+    assert len(readme.splitlines()) <= 250, "the README is the front page: move the long story into docs/"
+    linked = {(REPO / link.partition("#")[0]).resolve() for link in links(readme)}
+    assert set(DOCS[1:]) <= linked, f"docs the README does not link: {sorted(set(DOCS[1:]) - linked)}"
+
+
 def test_the_checker_sees_what_the_docs_name():
     """Each kind of check finds its things in the docs, so an extraction that broke cannot pass silently."""
     texts = [d.read_text() for d in DOCS]
