@@ -248,7 +248,7 @@ class CodeEnv(BaseEnv):
         # The tests must run to their end: a solution that exits (sys.exit(0), os._exit(0)) before the asserts
         # exits 0 too. A per-step token written (to stderr, which a passing run leaves nearly empty, so the
         # output cap does not cut it) after the last assert tells a finished run from that shortcut
-        # (a solution written to find the token in its own source could still forge it: see README, Security).
+        # (a solution written to find the token in its own source could still forge it: see docs/security.md).
         token = f"fw-tests-passed-{uuid.uuid4().hex}"
         program = code + "\n\n" + (
             "\n".join(tests) if isinstance(tests, list) else tests) + f"\nimport sys\nsys.stderr.write({token!r})\n"

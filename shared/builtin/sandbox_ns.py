@@ -318,7 +318,7 @@ HOW_TO_ALLOW = (
     "Kubernetes: the container's securityContext `seccompProfile: {type: Unconfined}` and `appArmorProfile: "
     "{type: Unconfined}` (infra/k8s/base/env-worker.yaml), on nodes with that sysctl. None of them needs "
     "privileged mode, capabilities or a writable /proc/sys. Or choose another mode (SANDBOX_MODES=container). "
-    "See README, Security")
+    "See docs/security.md")
 
 
 @functools.cache

@@ -1,4 +1,4 @@
-"""README.md's section "Querying trajectories with SQL": every ```sql block runs against stored runs as the read-only
+"""docs/sql.md: every ```sql block runs against stored runs as the read-only
 role and returns rows (the metric names it uses are the trainer's); `run_ledger` counts units and attempts that
 add up, `failures_by_termination_reason` counts infrastructure failures; the reader cannot write or read token
 hashes, and long queries hit the timeout.
@@ -20,12 +20,12 @@ from sqlalchemy.orm import Session
 
 from shared.db.models import EpisodeRow, RolloutTaskRow
 
-DOC = Path(__file__).resolve().parents[2] / "README.md"
+REPO = Path(__file__).resolve().parents[2]
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]  # every query, wherever it is documented
 
 
 def doc_queries() -> list[str]:
-    section = DOC.read_text().split("## Querying trajectories with SQL", 1)[1].split("\n## ", 1)[0]
-    return re.findall(r"```sql\n(.*?)```", section, flags=re.S)
+    return [q for doc in DOCS for q in re.findall(r"```sql\n(.*?)```", doc.read_text(), flags=re.S)]
 
 
 def reader(database_url: str) -> psycopg.Connection:
@@ -67,7 +67,7 @@ def test_docs_have_queries():
 
 
 def test_documented_metric_names_are_the_trainers():
-    """A query over names the trainer never writes returns nothing: the README's names must be in the trainer's
+    """A query over names the trainer never writes returns nothing: the documented names must be in the trainer's
     metrics (services/trainer/learner.py), and the seeded runs use the same names."""
     import torch
     from api_testlib import trainer_metrics
@@ -75,7 +75,7 @@ def test_documented_metric_names_are_the_trainers():
     from services.trainer.algorithm import rollout_correction
     from shared.run_config import AlgorithmConfig
 
-    trainer = "".join((DOC.parent / f"services/trainer/{f}.py").read_text() for f in ("learner", "loop"))
+    trainer = "".join((REPO / f"services/trainer/{f}.py").read_text() for f in ("learner", "loop"))
     verl_names = set(rollout_correction(-torch.ones(1, 2), -torch.ones(1, 2), torch.ones(1, 2), AlgorithmConfig())[2])
     names = set(re.findall(r"name = '([\w/]+)'", "\n".join(doc_queries())))
     assert {"ppo_kl", "entropy"} <= names

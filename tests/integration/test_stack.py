@@ -419,7 +419,7 @@ def test_make_up_console_shows_what_a_user_acts_on_and_one_signal_to_the_group_s
 
 
 def test_a_worker_started_by_hand_joins_a_running_stack(server_dir, monkeypatch):
-    """The README's recipe: source $DATA_DIR/stack.env in another shell and start one more process."""
+    """docs/deploy.md's recipe: source $DATA_DIR/stack.env in another shell and start one more process."""
     monkeypatch.delenv("REDIS_URL", raising=False)
     monkeypatch.delenv("DATABASE_URL", raising=False)
     with LocalStack(server_dir, specs={"probe": PROBE}) as stack:

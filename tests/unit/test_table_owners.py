@@ -1,7 +1,7 @@
 """Every table has one writing owner (shared/db/owners.py), read off the code: a service that writes a table it
 does not own (SQLAlchemy insert/update/delete/`session.add` of its model, an attribute set on a row it loaded,
 or INSERT/UPDATE/DELETE/COPY in SQL text), itself or through a `shared/` function it imports, fails here. Readers
-are checked the same way, and the README's "Who owns what" table shows the map.
+are checked the same way, and the "Who owns what" table of docs/architecture.md shows the map.
 
     pytest -q tests/unit/test_table_owners.py
 """
@@ -199,9 +199,9 @@ def test_readers_are_declared():
     assert stale == set(), f"{sorted(stale)} no longer read these tables: delete them from the map's readers"
 
 
-def test_the_readme_table_shows_the_map():
-    readme = (REPO / "README.md").read_text()
-    section = readme.split("### Who owns what", 1)[1].split("\n#", 1)[0]
+def test_the_architecture_doc_table_shows_the_map():
+    doc = (REPO / "docs/architecture.md").read_text()
+    section = doc.split("## Who owns what", 1)[1].split("\n#", 1)[0]
     rows = {cells[0].strip("` "): cells for line in section.splitlines() if line.startswith("| `")
             for cells in [[c.strip() for c in line.strip("|").split("|")]]}
     assert set(rows) == set(OWNERS)

@@ -87,7 +87,7 @@ def sql(body: SqlRequest, config: Config) -> dict:
         return run_readonly(dsn, body.query, config.sql_timeout_s, max_rows, config.sql_database_url is None)
     except psycopg.errors.QueryCanceled as e:
         raise ApiError(400, f"query exceeded the {config.sql_timeout_s:g}s statement timeout", field="query",
-                       hint="add a WHERE on run_id or a LIMIT; the views in the README are indexed by run") from e
+                       hint="add a WHERE on run_id or a LIMIT; the views in docs/sql.md are indexed by run") from e
     except (psycopg.Error, ValueError) as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
         raise ApiError(400, f"query failed: {reason}", field="query") from e

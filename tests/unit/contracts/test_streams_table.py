@@ -1,5 +1,5 @@
 """The stream table in shared/streams.py names every stream the module defines, its key table every plain key
-the module builds, and README.md carries the same tables (producer, consumer group, message type, when
+the module builds, and docs/architecture.md carries the same tables (producer, consumer group, message type, when
 acknowledged; writer, reader, what)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ def table_rows(text: str) -> list[str]:
     return [line.strip() for line in text.splitlines() if line.strip().startswith("| `")]
 
 
-def test_every_stream_is_in_the_table_and_the_readme_has_the_same_table():
+def test_every_stream_is_in_the_table_and_the_architecture_doc_has_the_same_table():
     rows = table_rows(streams.__doc__)
     named = {row.split("`")[1] for row in rows}
     constants = {v for k, v in vars(streams).items() if k.isupper() and isinstance(v, str) and "*" not in v
@@ -25,8 +25,8 @@ def test_every_stream_is_in_the_table_and_the_readme_has_the_same_table():
     for fn in (streams.env_inbox, streams.env_replies):
         assert any(n.startswith(fn("").rstrip(".")) for n in named)
     # the Streams section only: the "Who owns what" table after it has a `trajectories` row of its own (the table)
-    readme = table_rows((REPO / "README.md").read_text().split("### Streams", 1)[1].split("### Who owns what", 1)[0])
-    assert [r for r in readme if r.split("`")[1] in named] == rows
+    doc = table_rows((REPO / "docs/architecture.md").read_text().split("## Streams", 1)[1].split("## Who owns what", 1)[0])
+    assert [r for r in doc if r.split("`")[1] in named] == rows
 
 
 def test_every_key_the_module_builds_is_in_the_key_table():
