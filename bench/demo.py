@@ -71,8 +71,8 @@ def sample_results(model, tokenizer, run_id: str, version: int, step: int, tasks
     from the HF model, graded as the env would: EpisodeResults as a rollout worker would publish them."""
     import torch
 
-    from shared.messages import EpisodeResult, TrajectoryRecord
-    from shared.types import TerminationReason
+    from shared.contracts.messages import EpisodeResult, TrajectoryRecord
+    from shared.sdk.types import TerminationReason
 
     rows = dataset_rows(tasks * (step + 1))[tasks * step:]
     prompts = [prompt_ids(tokenizer, row["question"]) for row in rows]  # one length: every question is one token
@@ -100,7 +100,7 @@ def run_inprocess_parts(model_dir: Path, tasks: int, n: int, lr: float, **algori
     from services.trainer.batch import GroupBuffer, samples_from_result
     from services.trainer.engine import PolicyEngine
     from services.trainer.learner import Learner
-    from shared.run_config import AlgorithmConfig
+    from shared.contracts.run_config import AlgorithmConfig
 
     algo = AlgorithmConfig.model_validate(ALGORITHM | {"lr": lr} | algorithm)
     engine = PolicyEngine(str(model_dir), algo, group_size=n, micro_batch_size=tasks * n)

@@ -54,8 +54,8 @@ def sample_episodes(model, chat, rows: list[dict], n: int, version: int, batch_i
     from services.rollout_worker.assembly import PromptBuilder, assemble
     from shared.builtin.agents import DigitsAgent
     from shared.builtin.envs import DigitsEnv
-    from shared.messages import EpisodeResult, TrajectoryRecord
-    from shared.types import Step, TerminationReason
+    from shared.contracts.messages import EpisodeResult, TrajectoryRecord
+    from shared.sdk.types import Step, TerminationReason
 
     episodes = [(row, DigitsEnv.from_dict(row), DigitsAgent(), PromptBuilder(chat)) for row in rows for _ in range(n)]
     steps: list[list[Step]] = [[] for _ in episodes]

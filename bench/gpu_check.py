@@ -94,7 +94,7 @@ def logprob_part(model_dir: Path, shape: dict, device: str) -> dict:
 
     from harness.trainer_batches import spread_batch
     from services.trainer.engine import PolicyEngine
-    from shared.run_config import AlgorithmConfig
+    from shared.contracts.run_config import AlgorithmConfig
 
     cuda = device == "cuda"
     prompt = shape["seq"] // 4
@@ -152,7 +152,7 @@ def lora_part(model_dir: Path, shape: dict, device: str, work: Path) -> dict:
     import torch
 
     from services.trainer.engine import PolicyEngine
-    from shared.run_config import AlgorithmConfig
+    from shared.contracts.run_config import AlgorithmConfig
 
     cuda = device == "cuda"
     engine = PolicyEngine(str(model_dir), AlgorithmConfig(lr=1e-4), device=device, dtype="bf16" if cuda else "fp32",
@@ -185,8 +185,8 @@ def adapter_swap(model_dir: Path, work: Path, device: str) -> dict:
 
     from bench.demo import prompt_ids
     from services.rollout_worker.engines import AdapterView, SamplingParams, build_engine
-    from shared.run_config import EngineConfig
-    from shared.weights import BaseModelRef, base_model_digest
+    from shared.contracts.run_config import EngineConfig
+    from shared.weights.manifest import BaseModelRef, base_model_digest
 
     cuda = device == "cuda"
 

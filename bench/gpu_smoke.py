@@ -148,7 +148,7 @@ def run_variant(name: str, options: dict, model_dir: Path, batches: dict, steps:
     import torch
 
     from services.trainer.engine import PolicyEngine
-    from shared.run_config import AlgorithmConfig
+    from shared.contracts.run_config import AlgorithmConfig
 
     cuda = device == "cuda"
     if cuda:
@@ -171,15 +171,15 @@ def run_variant(name: str, options: dict, model_dir: Path, batches: dict, steps:
 
 
 def diff_on_gpu_vs_cpu(model_dir: Path, changed: float = 0.05, repeats: int = 3) -> dict:
-    """The publisher's diff of two bf16 versions of the model (`changed` of the elements moved): shared.weights'
+    """The publisher's diff of two bf16 versions of the model (`changed` of the elements moved): shared.weights.delta'
     CPU path (numba kernel over the host copies, threads) vs `changes_on_device` next to the weights on the GPU
     (changes copied to the host); both give the same bits."""
     import numpy as np
     import torch
     from safetensors.torch import load_file
 
-    from shared.delta_kernels import changes_on_device
-    from shared.weights import delta_parts
+    from shared.weights.delta import delta_parts
+    from shared.weights.kernels import changes_on_device
 
     base = {k: v.cuda() for k, v in load_file(str(model_dir / "model.safetensors")).items()}
     g = torch.Generator(device="cuda").manual_seed(0)

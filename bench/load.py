@@ -155,7 +155,7 @@ def run_config(model: str, base_url: str, args) -> dict:
 
 def measure(tmp: Path, args) -> dict:
     from harness.stack import LocalStack
-    from shared.db.session import make_engine
+    from shared.platform.db.session import make_engine
 
     rs, pg = RedisServer(tmp / "redis"), PostgresServer(tmp / "postgres")
     rs.start()

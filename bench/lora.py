@@ -76,9 +76,9 @@ async def sync(work: Path, model: Path, redis_url: str, database_url: str) -> di
     from harness.tiny_model import random_lora_adapter
     from services.rollout_worker.runs import RunRegistry
     from services.trainer.publisher import WeightPublisher
-    from shared.messages import decode
-    from shared.streams import WEIGHTS
-    from shared.weights import BaseModelRef, base_model_digest
+    from shared.contracts.messages import decode
+    from shared.contracts.streams import WEIGHTS
+    from shared.weights.manifest import BaseModelRef, base_model_digest
 
     lora_run, full_run = insert_run(database_url, model, True), insert_run(database_url, model, False)
     env = {"REDIS_URL": redis_url, "DATABASE_URL": database_url, "LOG_LEVEL": "WARNING", "SNAPSHOT_EVERY": "1"}
@@ -154,8 +154,8 @@ async def engines(model: Path, adapters: list[Path], mode: str, runs: int) -> di
     from transformers import AutoTokenizer
 
     from services.rollout_worker.engines import AdapterView, SamplingParams, build_engine
-    from shared.run_config import EngineConfig
-    from shared.weights import BaseModelRef, base_model_digest
+    from shared.contracts.run_config import EngineConfig
+    from shared.weights.manifest import BaseModelRef, base_model_digest
 
     rss = lambda: psutil.Process().memory_info().rss / 2**20  # noqa: E731
     before = rss()
@@ -204,7 +204,7 @@ def trainer_engines(model: Path, mode: str, runs: int) -> dict:
 
     from bench.train import _ppo_step
     from services.trainer.shared_base import engines_held, open_engine
-    from shared.run_config import AlgorithmConfig
+    from shared.contracts.run_config import AlgorithmConfig
 
     def rss() -> float:
         """Private resident MB: less the file pages of the mmapped checkpoint, after handing freed heap back to

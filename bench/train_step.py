@@ -40,7 +40,7 @@ def bench_step(work: Path, iters: int = 5, *, hidden: int = 512, intermediate: i
     from bench.train import timed_pair
     from harness.tiny_model import build_tiny_model
     from services.trainer.engine import PolicyEngine
-    from shared.run_config import AlgorithmConfig
+    from shared.contracts.run_config import AlgorithmConfig
 
     model_dir = build_tiny_model(work / "step-model", hidden_size=hidden, num_layers=layers,
                                  intermediate_size=intermediate)

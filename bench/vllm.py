@@ -34,7 +34,7 @@ from harness.live import REPO, register_dataset, stored_count, wait_run_ended
 from harness.procs import start_service, stop, wait_heartbeat
 from harness.servers import leased_redis_db, scratch_database
 from harness.tiny_model import build_vllm_tiny_model
-from shared.streams import heartbeat_key
+from shared.contracts.streams import heartbeat_key
 
 RESULTS = REPO / "bench" / "results" / "vllm.json"
 VLLM_PYTHON = REPO / os.environ.get("VLLM_VENV", ".venv-vllm") / "bin" / "python"
@@ -91,9 +91,9 @@ def measure_run(db, url: str, model: Path, engine: dict, args) -> tuple[dict, st
 
 def measure_reloads(redis_url: str, url: str, run_id: str, folders: list[Path]) -> list[float]:
     """Publish versions 1.. one after another; seconds from each publish to the worker serving it."""
-    from shared.messages import WeightsPublished, encode
-    from shared.streams import WEIGHTS
-    from shared.weights import write_manifest
+    from shared.contracts.messages import WeightsPublished, encode
+    from shared.contracts.streams import WEIGHTS
+    from shared.weights.manifest import write_manifest
 
     client, seconds = redis.Redis.from_url(redis_url), []
     with httpx.Client(timeout=10) as http:
@@ -113,7 +113,7 @@ def measure_reloads(redis_url: str, url: str, run_id: str, folders: list[Path]) 
 
 def run_bench(args, tmp: Path, redis_url: str, database_url: str) -> dict:
     from harness.stack import LocalStack
-    from shared.db.session import make_engine
+    from shared.platform.db.session import make_engine
 
     if not VLLM_PYTHON.exists():
         raise SystemExit(f"{VLLM_PYTHON} is missing: run `make vllm-venv` first")

@@ -40,7 +40,7 @@ def start_mock_llm(port: int, latency_ms: float, answer: str = "The answer is \\
 def register_dataset(engine: Engine, name: str, n: int, split: str = "test", seed: int = 0) -> None:
     """n builtin arithmetic rows; task ids are `arith-<seed>-<i>`."""
     from shared.builtin.datasets import generate
-    from shared.datasets import DatasetRegistry
+    from shared.stores.datasets import DatasetRegistry
 
     DatasetRegistry(engine).register(name, generate("arithmetic", n, seed=seed), split)
 
@@ -50,8 +50,8 @@ def insert_run(engine: Engine, config: dict) -> str:
     written directly: the harness's shortcut for stacks without an API. A controller then drives it."""
     from sqlalchemy.orm import Session
 
-    from shared.db.models import Run
-    from shared.run_config import RunConfig
+    from shared.contracts.db.models import Run
+    from shared.contracts.run_config import RunConfig
 
     cfg = RunConfig.model_validate(config)
     run_id = uuid.uuid4()

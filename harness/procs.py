@@ -32,7 +32,7 @@ from typing import IO, Any
 import httpx
 import redis
 
-from shared.streams import heartbeat_key
+from shared.contracts.streams import heartbeat_key
 
 REPO = Path(__file__).resolve().parents[1]
 

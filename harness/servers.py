@@ -29,7 +29,7 @@ import redis
 from sqlalchemy import text
 
 from harness.ports import free_port
-from shared.logs import get_logger
+from shared.platform.logs import get_logger
 
 log = get_logger(__name__)
 
@@ -255,8 +255,8 @@ def scratch_database(admin_url: str, *, migrate: bool = True) -> Iterator[str]:
     from sqlalchemy import create_engine
     from sqlalchemy.engine import make_url
 
-    from shared.db.migrate import upgrade
-    from shared.settings import ServiceSettings
+    from shared.platform.db.migrate import upgrade
+    from shared.platform.settings import ServiceSettings
 
     admin = ServiceSettings(database_url=admin_url).database_url
     name = f"fw_test_{uuid.uuid4().hex[:10]}"

@@ -50,7 +50,7 @@ import httpx
 
 from harness.ports import free_port
 from harness.servers import PostgresServer, RedisServer
-from shared.logs import get_logger
+from shared.platform.logs import get_logger
 
 log = get_logger(__name__)
 REPO = Path(__file__).resolve().parents[1]
@@ -301,8 +301,8 @@ class LocalStack:
                 watchdog.wait()
 
     def _migrate(self) -> None:
-        from shared.db.migrate import upgrade
-        from shared.settings import ServiceSettings
+        from shared.platform.db.migrate import upgrade
+        from shared.platform.settings import ServiceSettings
 
         upgrade(ServiceSettings(database_url=self.database_url).database_url)
         log.info("database migrated to head")
@@ -549,7 +549,7 @@ def _signal_group(inst: Instance, sig: int) -> None:
 
 # ---------------------------------------------------------------- console entry
 
-# shared/logs.py's formats: text "12:00:00 W [trainer] message", json {"ts": ..., "level": "WARNING", ...}
+# shared/platform/logs.py's formats: text "12:00:00 W [trainer] message", json {"ts": ..., "level": "WARNING", ...}
 LOG_HEAD = re.compile(r'^(?:\d\d:\d\d:\d\d ([DIWEC]) \[|\{"ts": [\d.]+, "level": "([DIWEC]))')
 # Warnings nobody can act on: Celery run as root in a dev container, verl's optional engines (torchtitan,
 # veomni, automodel) absent from a CPU install, verl setting up its platform again for each run it opens.
@@ -609,7 +609,7 @@ def main() -> None:
         verbose: bool = typer.Option(False, "--verbose", "-v", help="echo every line of every service (default: "
                                      "their warnings and errors; everything is in $DATA_DIR/logs/)"),
     ) -> None:
-        from shared.logs import setup_logging
+        from shared.platform.logs import setup_logging
 
         setup_logging("stack", fmt=os.environ.get("LOG_FORMAT", "text"))
         logging.getLogger("alembic").setLevel(logging.WARNING)  # its per-plugin INFO lines drown the console

@@ -107,7 +107,7 @@ def isolated_urls(redis_url: str, pg_admin_url: str):
 
 @pytest.fixture
 async def redis_client(redis_url):
-    from shared.bus import connect
+    from shared.platform.bus import connect
 
     client = connect(redis_url)
     await client.flushdb()

@@ -16,8 +16,8 @@ from services.api.auth import authorize
 from services.api.config import ApiConfig
 from services.api.errors import add_error_handlers, errors
 from services.api.routers import agent_sessions, datasets, jobs, runs, sql, system, tokens, trajectories
-from shared.bus import connect_sync
-from shared.db.session import make_engine, session_factory
+from shared.platform.bus import connect_sync
+from shared.platform.db.session import make_engine, session_factory
 
 STATIC_DIR = Path(__file__).parent / "static"
 REQUESTS = Counter("api_requests_total", "HTTP requests", ["method", "handler", "status"])

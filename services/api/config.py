@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
-from shared.settings import ServiceSettings
+from shared.platform.settings import ServiceSettings
 
 
 class ApiConfig(ServiceSettings):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 
 from services.api.config import ApiConfig
-from shared.service import Loops, ServiceRuntime, run_service
+from shared.platform.service import Loops, ServiceRuntime, run_service
 
 
 def main() -> int:

@@ -18,10 +18,10 @@ import time
 
 from services.controller import ledger
 from services.controller.config import ControllerConfig
-from shared.bus import Delivery, StreamBus, StreamConsumer
-from shared.logs import get_logger
-from shared.messages import RunCommand, RunControl
-from shared.streams import GROUP_CONTROLLER, RUN_COMMANDS, RUN_CONTROL, command_reply
+from shared.contracts.messages import RunCommand, RunControl
+from shared.contracts.streams import GROUP_CONTROLLER, RUN_COMMANDS, RUN_CONTROL, command_reply
+from shared.platform.bus import Delivery, StreamBus, StreamConsumer
+from shared.platform.logs import get_logger
 
 log = get_logger(__name__)
 

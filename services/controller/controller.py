@@ -1,5 +1,5 @@
 """The controller: one process drives many runs; each run is driven by whichever controller holds its
-controller lease (shared/leases.py). It is the one writer of `runs` and `run_events`. Seven loops, one module
+controller lease (shared/platform/leases.py). It is the one writer of `runs` and `run_events`. Seven loops, one module
 each:
 
 - dispatch (dispatch.py): run leases, the run drivers (run.py), status changes (lifecycle.py), dispatch into
@@ -35,7 +35,7 @@ from services.controller.progress import ProgressLoop
 from services.controller.reconcile import ReconcileLoop
 from services.controller.run import RunDriver
 from services.controller.trim import trim_loop
-from shared.bus import StreamBus
+from shared.platform.bus import StreamBus
 
 
 class Controller:

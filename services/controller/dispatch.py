@@ -26,15 +26,15 @@ from services.controller.config import ControllerConfig
 from services.controller.run import RunDriver
 from services.controller.share import fair_shares
 from services.controller.stall import gather_facts, stall_reason
-from shared.bus import RedisError, StreamBus
-from shared.db.models import TERMINAL_RUN_STATUSES
-from shared.db.session import DB_DOWN
-from shared.logs import get_logger
-from shared.messages import RolloutTask
-from shared.run_config import RunConfig
-from shared.service import sleep_or_stop, wait_for
-from shared.streams import ACCEPTED_RESULTS, GROUP_ROLLOUT, ROLLOUT_TASKS
-from shared.workers import live_workers_async
+from shared.contracts.db.models import TERMINAL_RUN_STATUSES
+from shared.contracts.messages import RolloutTask
+from shared.contracts.run_config import RunConfig
+from shared.contracts.streams import ACCEPTED_RESULTS, GROUP_ROLLOUT, ROLLOUT_TASKS
+from shared.platform.bus import RedisError, StreamBus
+from shared.platform.db.session import DB_DOWN
+from shared.platform.heartbeats import live_workers_async
+from shared.platform.logs import get_logger
+from shared.platform.service import sleep_or_stop, wait_for
 
 log = get_logger(__name__)
 DISPATCHED = Counter("controller_tasks_dispatched_total", "Rollout tasks put on rollout.tasks")

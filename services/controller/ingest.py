@@ -14,11 +14,11 @@ from services.controller import ledger
 from services.controller.config import ControllerConfig
 from services.controller.run import RunDriver
 from services.controller.store import TrajectoryStore
-from shared.bus import REDIS_DOWN, Delivery, StreamBus, StreamConsumer
-from shared.db.session import DB_DOWN
-from shared.logs import get_logger
-from shared.messages import AcceptedResult, EpisodeResult
-from shared.streams import ACCEPTED_RESULTS, GROUP_STORE, TRAJECTORIES
+from shared.contracts.messages import AcceptedResult, EpisodeResult
+from shared.contracts.streams import ACCEPTED_RESULTS, GROUP_STORE, TRAJECTORIES
+from shared.platform.bus import REDIS_DOWN, Delivery, StreamBus, StreamConsumer
+from shared.platform.db.session import DB_DOWN
+from shared.platform.logs import get_logger
 
 log = get_logger(__name__)
 STORED = Counter("controller_results_stored_total", "Completed results stored")

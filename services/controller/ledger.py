@@ -42,8 +42,8 @@ from sqlalchemy.dialects.postgresql import JSONB, UUID
 from sqlalchemy.orm import aliased
 
 from services.controller.plan import Slot
-from shared import leases
-from shared.db.models import (
+from shared.clients.run_commands import command_applied
+from shared.contracts.db.models import (
     ConsumedGroupRow,
     Dataset,
     DatasetRow,
@@ -53,10 +53,10 @@ from shared.db.models import (
     Run,
     RunEvent,
 )
-from shared.messages import RunCommand, RunCommandReply, TrainerProgress
-from shared.messages.control import TRANSITIONS
-from shared.run_config import RunConfig
-from shared.runs import command_applied
+from shared.contracts.messages import RunCommand, RunCommandReply, TrainerProgress
+from shared.contracts.messages.control import TRANSITIONS
+from shared.contracts.run_config import RunConfig
+from shared.platform import leases
 
 ACTIVE_STATUSES = ("pending", "running", "paused", "stopping")
 LEDGER_ROW_STATUSES = ("dispatched", "completed", "error", "failed", "lost", "cancelled")
@@ -82,7 +82,7 @@ class LedgerRow:
 
 
 def lease_runs(db: Engine, owner: str, lease_s: float, limit: int) -> list[RunRow]:
-    """Take or renew the controller lease (shared/leases.py) of up to `limit` active runs, ours first, then the
+    """Take or renew the controller lease (shared/platform/leases.py) of up to `limit` active runs, ours first, then the
     free or expired ones in creation order; returns the runs now held."""
     active_runs = select(cast(Run.id, Text)).where(Run.status.in_(ACTIVE_STATUSES)).order_by(Run.created_at)
     with db.begin() as conn:
@@ -122,8 +122,8 @@ def set_status(conn: Connection, run_id: str, old: str, new: str, *, error: str 
 
 
 def apply_command(db: Engine, cmd: RunCommand, expired: bool) -> RunCommandReply:
-    """One run command in one transaction, under the run's row lock (shared/messages/control.py). Idempotent by
-    command id (shared/runs.py command_applied): one applied before (a redelivery) is answered `applied` again
+    """One run command in one transaction, under the run's row lock (shared/contracts/messages/control.py). Idempotent by
+    command id (shared/clients/run_commands.py command_applied): one applied before (a redelivery) is answered `applied` again
     and changes nothing; one not yet applied and `expired` is not applied."""
     with db.begin() as conn:
         status = conn.execute(select(Run.status).where(Run.id == cmd.run_id).with_for_update()).scalar()

@@ -12,9 +12,9 @@ from sqlalchemy import Connection
 
 from services.controller import ledger
 from services.controller.run import RunDriver
-from shared.logs import get_logger
-from shared.messages import AcceptedResult
-from shared.passk import pass_at_k_table
+from shared.contracts.messages import AcceptedResult
+from shared.contracts.passk import pass_at_k_table
+from shared.platform.logs import get_logger
 
 log = get_logger(__name__)
 FINAL_FAILURES = Counter("controller_final_failures_total", "(task, sample) slots out of attempts")

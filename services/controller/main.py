@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 
 from services.controller.config import ControllerConfig
-from shared.service import Loops, ServiceRuntime, run_service
+from shared.platform.service import Loops, ServiceRuntime, run_service
 
 
 def main() -> int:
@@ -19,8 +19,8 @@ def main() -> int:
 
 async def build(cfg: ControllerConfig, runtime: ServiceRuntime) -> Loops:
     from services.controller.controller import Controller
-    from shared.bus import StreamBus, connect
-    from shared.db.session import make_engine
+    from shared.platform.bus import StreamBus, connect
+    from shared.platform.db.session import make_engine
 
     engine = make_engine(cfg.database_url, pool_size=4)
     runtime.on_stop(engine.dispose)

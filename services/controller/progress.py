@@ -12,10 +12,10 @@ from sqlalchemy import Engine
 from services.controller import ledger
 from services.controller.config import ControllerConfig
 from services.controller.run import RunDriver
-from shared.bus import Delivery, StreamBus, StreamConsumer
-from shared.db.session import DB_DOWN
-from shared.messages import TrainerProgress
-from shared.streams import GROUP_CONTROLLER, TRAINER_PROGRESS
+from shared.contracts.messages import TrainerProgress
+from shared.contracts.streams import GROUP_CONTROLLER, TRAINER_PROGRESS
+from shared.platform.bus import Delivery, StreamBus, StreamConsumer
+from shared.platform.db.session import DB_DOWN
 
 
 class ProgressLoop:

@@ -12,12 +12,12 @@ from sqlalchemy import Engine
 from services.controller import ledger
 from services.controller.config import ControllerConfig
 from services.controller.store import load_results
-from shared.bus import Delivery, RedisError, StreamBus, StreamConsumer
-from shared.db.session import DB_DOWN
-from shared.logs import get_logger
-from shared.messages import AcceptedResult, RolloutTask
-from shared.service import sleep_or_stop
-from shared.streams import ACCEPTED_RESULTS, GROUP_CONTROLLER, ROLLOUT_TASKS, dead_letter, epoch_key
+from shared.contracts.messages import AcceptedResult, RolloutTask
+from shared.contracts.streams import ACCEPTED_RESULTS, GROUP_CONTROLLER, ROLLOUT_TASKS, dead_letter, epoch_key
+from shared.platform.bus import Delivery, RedisError, StreamBus, StreamConsumer
+from shared.platform.db.session import DB_DOWN
+from shared.platform.logs import get_logger
+from shared.platform.service import sleep_or_stop
 
 log = get_logger(__name__)
 

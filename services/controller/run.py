@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from services.controller.ledger import LedgerRow, RunRow
 from services.controller.plan import Plan, Slot
-from shared.run_config import RunConfig
+from shared.contracts.run_config import RunConfig
 
 BAD = ("failed", "lost")  # attempts that count against max_attempts
 SlotKey = tuple[str, int]

@@ -9,8 +9,8 @@ from __future__ import annotations
 import sys
 
 from services.env_worker.config import EnvWorkerConfig
-from shared.logs import get_logger
-from shared.service import Loops, ServiceRuntime, run_service
+from shared.platform.logs import get_logger
+from shared.platform.service import Loops, ServiceRuntime, run_service
 
 log = get_logger(__name__)
 
@@ -38,7 +38,7 @@ def check_sandbox(cfg: EnvWorkerConfig) -> None:
 
 async def build(cfg: EnvWorkerConfig, runtime: ServiceRuntime) -> Loops:
     from services.env_worker.worker import EnvWorker
-    from shared.bus import connect
+    from shared.platform.bus import connect
 
     check_sandbox(cfg)
     redis = connect(cfg.redis_url)

@@ -11,11 +11,11 @@ import time
 
 from services.env_worker.config import EnvWorkerConfig
 from services.env_worker.sessions import SessionHost
-from shared.bus import REDIS_DOWN, Delivery, Redis, RequestServer, StreamBus
-from shared.logs import get_logger
-from shared.messages import EnvRequest
-from shared.service import sleep_or_stop
-from shared.streams import ENV_REQUESTS, GROUP_ENV, env_inbox
+from shared.contracts.messages import EnvRequest
+from shared.contracts.streams import ENV_REQUESTS, GROUP_ENV, env_inbox
+from shared.platform.bus import REDIS_DOWN, Delivery, Redis, RequestServer, StreamBus
+from shared.platform.logs import get_logger
+from shared.platform.service import sleep_or_stop
 
 log = get_logger(__name__)
 

@@ -1,4 +1,4 @@
-"""The Celery app: Redis broker (REDIS_URL), one task per job kind (names in shared.jobs), each wrapped so the
+"""The Celery app: Redis broker (REDIS_URL), one task per job kind (names in shared.clients.jobs), each wrapped so the
 `jobs` row records running -> succeeded (result) | failed (error). Bad params fail the job without retry;
 a worker that dies mid-job leaves the task unacknowledged, so another worker runs it again (acks_late). A job's
 task delivered twice runs once: one delivery at a time holds the job (a Postgres advisory lock on its id) and a
@@ -18,10 +18,10 @@ from sqlalchemy.orm import Session
 from services.jobs.config import JobsConfig
 from services.jobs.tasks import JOBS, JobContext, JobInputError
 from services.jobs.tracking import sync_tracking
-from shared.db.models import RUN_STATUSES, Job, Run
-from shared.db.session import make_engine
-from shared.jobs import JOB_TASKS
-from shared.logs import get_logger
+from shared.clients.jobs import JOB_TASKS
+from shared.contracts.db.models import RUN_STATUSES, Job, Run
+from shared.platform.db.session import make_engine
+from shared.platform.logs import get_logger
 
 log = get_logger(__name__)
 

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from shared.settings import ServiceSettings
+from shared.platform.settings import ServiceSettings
 
 
 class JobsConfig(ServiceSettings):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from shared.types import Step, TokenSequence
+from shared.sdk.types import Step, TokenSequence
 
 
 class ChatTokenizer:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from pydantic import Field, model_validator
 
-from shared.settings import ServiceSettings
+from shared.platform.settings import ServiceSettings
 
 
 class RolloutWorkerConfig(ServiceSettings):

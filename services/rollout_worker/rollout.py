@@ -23,12 +23,12 @@ from services.rollout_worker.assembly import PromptBuilder
 from services.rollout_worker.engines import InferenceError
 from services.rollout_worker.env_client import EnvClient, EnvSessionLost
 from services.rollout_worker.runs import RunContext
-from shared.agent import BaseAgent, WorkflowTerminated
-from shared.logs import get_logger
-from shared.messages import EnvReply, RolloutTask
-from shared.service import wait_for
-from shared.types import Action, Step, Trajectory
-from shared.types import TerminationReason as TR
+from shared.contracts.messages import EnvReply, RolloutTask
+from shared.platform.logs import get_logger
+from shared.platform.service import wait_for
+from shared.sdk.agent import BaseAgent, WorkflowTerminated
+from shared.sdk.types import Action, Step, Trajectory
+from shared.sdk.types import TerminationReason as TR
 
 log = get_logger(__name__)
 GEN_SECONDS = Histogram("rollout_generation_seconds", "One model call, queueing included")
@@ -171,7 +171,7 @@ class AgentSession:
         agent = type(self.agent).__name__
         if not isinstance(action, Action):
             raise TypeError(f"{agent}.update_from_model returned {type(action).__name__}; it must return an "
-                            "Action (shared.agent.Action), e.g. `return Action(action=response)`")
+                            "Action (shared.sdk.agent.Action), e.g. `return Action(action=response)`")
         if not isinstance(step, Step):
             raise TypeError(f"{agent}.get_current_state() returned {type(step).__name__} after update_from_model; "
                             "update_from_model must append a Step to the agent's trajectory")

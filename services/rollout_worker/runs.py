@@ -26,21 +26,15 @@ from sqlalchemy.orm import Session
 
 from services.rollout_worker.assembly import ChatTokenizer
 from services.rollout_worker.engines import AdapterView, InferenceEngine, SamplingParams, build_engine
-from shared.db.models import Checkpoint, Run
-from shared.logs import get_logger
-from shared.messages import WeightsPublished
-from shared.registry import resolve
-from shared.run_config import RunConfig
-from shared.weight_relay import Relay
-from shared.weights import (
-    CheckpointManifest,
-    ChecksumError,
-    WeightUpdate,
-    fetch_checkpoint,
-    fetch_manifest,
-    materialize,
-    version_source,
-)
+from services.rollout_worker.weight_relay import Relay
+from shared.contracts.db.models import Checkpoint, Run
+from shared.contracts.messages import WeightsPublished
+from shared.contracts.registry import resolve
+from shared.contracts.run_config import RunConfig
+from shared.platform.logs import get_logger
+from shared.weights.delta import WeightUpdate
+from shared.weights.fetch import fetch_checkpoint, fetch_manifest, materialize, version_source
+from shared.weights.manifest import CheckpointManifest, ChecksumError
 
 log = get_logger(__name__)
 WEIGHT_VERSION = Gauge("rollout_weight_version", "Policy version served", ["run_id"])
@@ -167,7 +161,7 @@ class RunRegistry:
         return [c.run_id for c in idle]
 
     async def build(self, run_id: str) -> RunContext:
-        from shared.delta_kernels import warm_up_in_background
+        from shared.weights.kernels import warm_up_in_background
 
         warm_up_in_background()  # compiled before the run's first delta, not on its clock
         config = await asyncio.to_thread(self.load_config, run_id)

@@ -30,13 +30,13 @@ from services.rollout_worker.env_client import EnvClient
 from services.rollout_worker.episodes import failed, run_episode
 from services.rollout_worker.gateway import Gateway
 from services.rollout_worker.runs import RunContext, RunRegistry, RunUnavailable
-from shared.bus import REDIS_DOWN, BroadcastReader, Delivery, Redis, StreamBus, StreamConsumer
-from shared.logs import get_logger
-from shared.messages import EpisodeResult, RolloutTask, WeightsPublished
-from shared.retry import RetryPolicy
-from shared.service import sleep_or_stop
-from shared.streams import GROUP_ROLLOUT, ROLLOUT_TASKS, TRAJECTORIES, WEIGHTS
-from shared.weight_relay import Relay
+from services.rollout_worker.weight_relay import Relay
+from shared.contracts.messages import EpisodeResult, RolloutTask, WeightsPublished
+from shared.contracts.streams import GROUP_ROLLOUT, ROLLOUT_TASKS, TRAJECTORIES, WEIGHTS
+from shared.platform.bus import REDIS_DOWN, BroadcastReader, Delivery, Redis, StreamBus, StreamConsumer
+from shared.platform.logs import get_logger
+from shared.platform.retry import RetryPolicy
+from shared.platform.service import sleep_or_stop
 
 log = get_logger(__name__)
 INFLIGHT = Gauge("rollout_tasks_inflight", "Tasks being run")

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from shared.settings import ServiceSettings
+from shared.platform.settings import ServiceSettings
 
 
 class TrainerSettings(ServiceSettings):
@@ -45,7 +45,7 @@ class TrainerSettings(ServiceSettings):
         "package; 1.1x on packed RL-shaped batches, 0.92x on full-length padded ones, bench/results/gpu_check.json)")
     keep_checkpoints: int = Field(2, ge=1, description="trainer checkpoints kept per run")
     runs_poll_s: float = Field(0.5, gt=0, description="how often the runs table is read, seconds")
-    lease_ttl_s: float = Field(15.0, gt=0, description="a run's trainer lease (shared/leases.py) expires this long after renewal")
+    lease_ttl_s: float = Field(15.0, gt=0, description="a run's trainer lease (shared/platform/leases.py) expires this long after renewal")
     read_block_ms: int = Field(200, ge=1, description="blocking read on results.accepted, milliseconds")
     read_batch: int = Field(256, ge=1, description="stream entries per read")
     publish_timeout_s: float = Field(600.0, gt=0, description="total budget to publish one version")

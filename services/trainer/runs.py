@@ -1,5 +1,5 @@
 """Postgres side of the trainer: which runs to train (`runs`), its lease on them (`trainer_leases`,
-shared/leases.py), and its own durable record (`train_samples`, metrics). Of the controller's tables it reads only
+shared/platform/leases.py), and its own durable record (`train_samples`, metrics). Of the controller's tables it reads only
 `runs` (config, status): what it trains on arrives on `results.accepted`, and what the controller needs from it
 leaves on `trainer.progress` (and which runs it trains, in its heartbeat). A user's stop arrives on `run.control`
 (loop.py); the runs' status read here is how every other change, and a lost command, arrives."""
@@ -12,9 +12,9 @@ from sqlalchemy import Engine, delete, func, select
 from sqlalchemy.dialects.postgresql import insert
 
 from services.trainer.state import SampleRecord, StepRecord
-from shared import leases
-from shared.db.models import Checkpoint, Metric, Run, TrainSample
-from shared.messages import ConsumedGroup
+from shared.contracts.db.models import Checkpoint, Metric, Run, TrainSample
+from shared.contracts.messages import ConsumedGroup
+from shared.platform import leases
 
 ACTIVE = ("running", "paused")  # a paused run keeps training on what already arrived
 USED = ("used", "baseline")  # samples a step trained on (the greedy baseline only as a baseline)

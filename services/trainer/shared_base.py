@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from services.trainer.engine import PolicyEngine
-from shared.logs import get_logger
+from shared.platform.logs import get_logger
 
 log = get_logger(__name__)
 SWAPPED_IN = ("log_probs", "update", "save", "load", "export_adapter", "export_hf")  # calls that read a run's state

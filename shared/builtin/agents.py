@@ -9,7 +9,7 @@ import json
 import re
 from typing import Any
 
-from shared.agent import Action, BaseAgent, Step, Trajectory
+from shared.sdk.agent import Action, BaseAgent, Step, Trajectory
 
 BOXED_INSTRUCTION = "Let's think step by step, and put your final answer within \\boxed{}."
 

@@ -12,10 +12,10 @@ import re
 import uuid
 from typing import Any
 
-from shared.agent import BaseEnv
 from shared.builtin import rewards
 from shared.builtin.sandbox import DEFAULT_MODE, SandboxLimits, container_session, run_python, sandbox_mode
 from shared.builtin.tools import Bm25Index, FinishTool, PythonTool, SearchTool, load_corpus_index
+from shared.sdk.agent import BaseEnv
 
 
 def _response_text(action: Any) -> str:
@@ -187,7 +187,7 @@ class CodeEnv(BaseEnv):
 
     The observation (`reset`) is the task without its `tests`."""
 
-    runs_model_code = True  # the run config gives it an explicit `sandbox` arg (see shared/run_config.py)
+    runs_model_code = True  # the run config gives it an explicit `sandbox` arg (see shared/contracts/run_config.py)
 
     required_fields = (("tests",),)
     CODE_BLOCK = re.compile(r"```(?:python|py)?\n(.*?)```", re.S)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from shared.agent import Action, BaseAgent, BaseEnv, Step, Trajectory
+from shared.sdk.agent import Action, BaseAgent, BaseEnv, Step, Trajectory
 
 WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 ANSWERS = {word: str(digit) for digit, word in enumerate(WORDS)}

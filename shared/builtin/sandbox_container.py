@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 from shared.builtin.sandbox_ns import SandboxInfraError, SandboxUnavailable
 from shared.builtin.sandbox_seccomp import bpf_program
-from shared.logs import get_logger
+from shared.platform.logs import get_logger
 
 log = get_logger(__name__)
 

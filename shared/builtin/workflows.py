@@ -15,8 +15,8 @@ from __future__ import annotations
 import asyncio
 import re
 
-from shared.agent import Episode, TerminationReason, Trajectory, Workflow
 from shared.builtin.agents import MathAgent
+from shared.sdk.agent import Episode, TerminationReason, Trajectory, Workflow
 
 
 def episode_from(uid: str, task: dict, trajectories: list[Trajectory], final: Trajectory) -> Episode:

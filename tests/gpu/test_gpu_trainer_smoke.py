@@ -34,7 +34,7 @@ def test_gpu_fused_log_probs_match_plain_hf(tmp_path):
 
     from bench.gpu_smoke import batch, build_model
     from services.trainer.engine import PolicyEngine
-    from shared.run_config import AlgorithmConfig
+    from shared.contracts.run_config import AlgorithmConfig
 
     model_dir = build_model(tmp_path / "m", layers=2, hidden=256, heads=4, kv_heads=2, intermediate=512, vocab=1024)
     t = batch(8, 128, 1024)
@@ -60,7 +60,7 @@ def test_gpu_packed_log_probs_match_padded(tmp_path):
     from bench.gpu_smoke import build_model
     from harness.trainer_batches import spread_batch
     from services.trainer.engine import PolicyEngine
-    from shared.run_config import AlgorithmConfig
+    from shared.contracts.run_config import AlgorithmConfig
 
     model_dir = build_model(tmp_path / "m", layers=2, hidden=256, heads=4, kv_heads=2, intermediate=512, vocab=1024)
     t = spread_batch(8, 32, 96, 1024)
@@ -78,7 +78,7 @@ def test_gpu_chunked_triton_log_probs_and_update_match_verls_torch_kernel(tmp_pa
     from bench.gpu_smoke import build_model
     from harness.trainer_batches import spread_batch
     from services.trainer.engine import PolicyEngine
-    from shared.run_config import AlgorithmConfig
+    from shared.contracts.run_config import AlgorithmConfig
 
     model_dir = build_model(tmp_path / "m", layers=2, hidden=256, heads=4, kv_heads=2, intermediate=512, vocab=4096)
     t = spread_batch(8, 32, 224, 4096)

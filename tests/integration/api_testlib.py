@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session
 
 from harness.ports import free_port
 from harness.procs import start_service, stop, wait_heartbeat, wait_http
-from shared.db.models import (
+from shared.contracts.db.models import (
     Checkpoint,
     EpisodeRow,
     Metric,

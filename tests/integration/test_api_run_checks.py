@@ -1,4 +1,4 @@
-"""POST /v1/runs refuses a run that cannot work (shared/runs.py, the checks the eval job makes too), with the
+"""POST /v1/runs refuses a run that cannot work (shared/clients/run_commands.py, the checks the eval job makes too), with the
 field, the reason and how to fix it, before anything is stored: a model folder that does not exist, a relative
 path that is no folder and no hub id, token budgets past the model's context, an engine no live rollout worker
 offers, dataset rows without the env's fields.
@@ -17,7 +17,7 @@ import pytest
 import redis
 from api_testlib import run_config, running_api, start_api
 
-from shared.runs import _hub_problem
+from shared.clients.run_commands import _hub_problem
 
 ROWS = [{"id": f"q{i}", "question": f"{i}+{i}?", "answer": str(2 * i)} for i in range(3)]
 

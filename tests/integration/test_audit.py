@@ -7,8 +7,8 @@ import uuid
 from sqlalchemy import create_engine
 
 from shared.audit import run_accounting
-from shared.db.models import EpisodeRow, RolloutTaskRow, Run, RunEvent
-from shared.db.session import session_factory
+from shared.contracts.db.models import EpisodeRow, RolloutTaskRow, Run, RunEvent
+from shared.platform.db.session import session_factory
 
 
 def _episode(run_id, task, sample, attempt, status="completed"):

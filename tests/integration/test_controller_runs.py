@@ -19,10 +19,8 @@ from sqlalchemy.orm import Session
 
 from harness.procs import ServiceGroup, wait_until_async
 from services.controller.ledger import ledger_summary
-from shared.bus import StreamBus
-from shared.db.models import Dataset, DatasetRow, Run, RunEvent
-from shared.db.session import make_engine
-from shared.messages import (
+from shared.contracts.db.models import Dataset, DatasetRow, Run, RunEvent
+from shared.contracts.messages import (
     AcceptedResult,
     ConsumedGroup,
     EpisodeResult,
@@ -32,8 +30,8 @@ from shared.messages import (
     decode,
     encode,
 )
-from shared.passk import pass_at_k_table
-from shared.streams import (
+from shared.contracts.passk import pass_at_k_table
+from shared.contracts.streams import (
     ACCEPTED_RESULTS,
     GROUP_ROLLOUT,
     ROLLOUT_TASKS,
@@ -42,6 +40,8 @@ from shared.streams import (
     dead_letter,
     heartbeat_key,
 )
+from shared.platform.bus import StreamBus
+from shared.platform.db.session import make_engine
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,8 @@ import httpx
 import pytest
 
 from harness.procs import start_service, stop, wait_heartbeat
-from shared.messages import EnvReply, EnvRequest, decode, encode
-from shared.streams import ENV_REQUESTS, dead_letter, env_inbox
+from shared.contracts.messages import EnvReply, EnvRequest, decode, encode
+from shared.contracts.streams import ENV_REQUESTS, dead_letter, env_inbox
 
 REPLIES = "env.replies.test"
 

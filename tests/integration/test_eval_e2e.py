@@ -15,8 +15,8 @@ from sqlalchemy import insert, text
 from harness.live import wait_run_ended
 from harness.procs import ServiceGroup
 from services.controller.ledger import ledger_summary
-from shared.db.models import Dataset, DatasetRow, Run
-from shared.db.session import make_engine
+from shared.contracts.db.models import Dataset, DatasetRow, Run
+from shared.platform.db.session import make_engine
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(not (REPO / "services" / "rollout_worker" / "main.py").exists(),

@@ -27,8 +27,7 @@ from harness.live import accounting, insert_run, register_dataset, start_mock_ll
 from harness.ports import free_port
 from harness.stack import LocalStack
 from harness.tiny_model import build_tiny_model
-from shared.bus import connect
-from shared.messages import (
+from shared.contracts.messages import (
     AcceptedResult,
     EnvReply,
     EnvRequest,
@@ -39,7 +38,7 @@ from shared.messages import (
     decode,
     encode,
 )
-from shared.streams import (
+from shared.contracts.streams import (
     ACCEPTED_RESULTS,
     ENV_REQUESTS,
     ROLLOUT_TASKS,
@@ -50,7 +49,8 @@ from shared.streams import (
     env_inbox,
     env_replies,
 )
-from shared.types import TerminationReason
+from shared.platform.bus import connect
+from shared.sdk.types import TerminationReason
 
 LIMIT = 256 * 1024  # MAX_ENTRY_BYTES of the services under test
 ENV_ID, ROLLOUT_ID = "env-worker-0", "rollout-worker-0"
@@ -111,7 +111,7 @@ READERS = {
 
 @pytest.fixture(scope="module")
 def live(isolated_urls, tmp_path_factory):
-    from shared.db.session import make_engine
+    from shared.platform.db.session import make_engine
 
     redis_url, database_url = isolated_urls
     tmp = tmp_path_factory.mktemp("fuzz")

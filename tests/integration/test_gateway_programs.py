@@ -21,10 +21,10 @@ from harness.procs import start_service, stop, wait_heartbeat, wait_until
 from harness.runners import Runners
 from harness.tiny_model import build_tiny_model
 from services.controller.store import TrajectoryStore
-from shared.bus import connect
-from shared.db.models import RolloutTaskRow
-from shared.db.session import make_engine
-from shared.types import TerminationReason as TR
+from shared.contracts.db.models import RolloutTaskRow
+from shared.platform.bus import connect
+from shared.platform.db.session import make_engine
+from shared.sdk.types import TerminationReason as TR
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +113,7 @@ async def test_a_lora_runs_program_is_served_its_published_adapter(worker, redis
 
     from harness.tiny_model import random_lora_adapter
     from services.trainer.publisher import WeightPublisher
-    from shared.weights import BaseModelRef, base_model_digest
+    from shared.weights.manifest import BaseModelRef, base_model_digest
 
     server = WeightServer(redis_url, database_url, tmp_path / "weights", ANNOUNCE_PATH="false").start()
     try:

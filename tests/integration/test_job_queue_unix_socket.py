@@ -13,8 +13,8 @@ import pytest
 from harness.servers import RedisServer
 from services.jobs.celery_app import celery_broker_url, celery_client, make_celery
 from services.jobs.config import JobsConfig
-from shared.bus import connect_sync
-from shared.jobs import JOB_TASKS
+from shared.clients.jobs import JOB_TASKS
+from shared.platform.bus import connect_sync
 
 
 def test_celery_broker_url_translates_unix_sockets_only():

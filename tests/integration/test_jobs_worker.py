@@ -22,9 +22,9 @@ from trainer_testlib import WeightServer
 
 from harness.ports import free_port
 from harness.procs import stop, wait_until
-from shared import streams
-from shared.bus import announce, await_answer
-from shared.messages import JobRequest, JobRequestReply
+from shared.contracts import streams
+from shared.contracts.messages import JobRequest, JobRequestReply
+from shared.platform.bus import announce, await_answer
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +159,7 @@ def test_bad_import_fails_the_job_with_the_reason(client, tmp_path):
 
 
 def test_evaluate_checkpoint_creates_eval_run(client, database_url, tmp_path):
-    """The job creates the run through shared/runs.py, with the checks POST /v1/runs makes."""
+    """The job creates the run through shared/clients/run_commands.py, with the checks POST /v1/runs makes."""
     (tmp_path / "e.jsonl").write_text("\n".join(json.dumps({"id": i, "question": f"{i}+1", "answer": str(i + 1)})
                                                 for i in range(3)))
     finished_job(client, client.post("/v1/datasets/import", json={"name": "eval-ds", "path": str(tmp_path / "e.jsonl")}).json())

@@ -33,10 +33,10 @@ from harness.tiny_model import build_number_model
 from services.rollout_worker.engines import AdapterView, SamplingParams
 from services.rollout_worker.runs import RunRegistry
 from services.trainer.publisher import WeightPublisher
-from shared.messages import decode
-from shared.run_config import AlgorithmConfig
-from shared.streams import WEIGHTS
-from shared.weights import ADAPTER_CONFIG, ADAPTER_WEIGHTS, MANIFEST, BaseModelRef, base_model_digest
+from shared.contracts.messages import decode
+from shared.contracts.run_config import AlgorithmConfig
+from shared.contracts.streams import WEIGHTS
+from shared.weights.manifest import ADAPTER_CONFIG, ADAPTER_WEIGHTS, MANIFEST, BaseModelRef, base_model_digest
 
 ADAPTERS = {"a": {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]},
             "b": {"rank": 8, "alpha": 16, "target_modules": "all-linear"},
@@ -326,8 +326,8 @@ async def test_a_vllm_server_serves_each_runs_adapter_through_the_openai_engine(
     from harness.ports import free_port
     from harness.tiny_model import build_vllm_tiny_model
     from services.rollout_worker.engines import build_engine
-    from shared.run_config import EngineConfig
-    from shared.weights import ChecksumError
+    from shared.contracts.run_config import EngineConfig
+    from shared.weights.manifest import ChecksumError
 
     model = build_vllm_tiny_model(tmp_path / "model", seed=0)
     other = build_vllm_tiny_model(tmp_path / "other", seed=1)

@@ -12,8 +12,8 @@ from harness.live import start_mock_llm
 from harness.ports import free_port
 from harness.tiny_model import build_tiny_model
 from services.rollout_worker.engines import SamplingParams, build_engine
-from shared.run_config import EngineConfig
-from shared.weights import read_safetensors
+from shared.contracts.run_config import EngineConfig
+from shared.weights.delta import read_safetensors
 
 
 async def test_full_reload_and_delta_against_the_mock_relabel_what_it_serves(tmp_path):

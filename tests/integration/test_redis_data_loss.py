@@ -18,8 +18,8 @@ from harness.live import accounting, insert_run, register_dataset, run_status, s
 from harness.ports import free_port
 from harness.stack import LocalStack
 from harness.tiny_model import build_tiny_model
-from shared.bus import connect
-from shared.db.session import make_engine
+from shared.platform.bus import connect
+from shared.platform.db.session import make_engine
 
 SERVICES = ["env-worker", "rollout-worker", "controller", "trainer"]
 

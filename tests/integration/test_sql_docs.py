@@ -18,7 +18,7 @@ from sqlalchemy import create_engine
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session
 
-from shared.db.models import EpisodeRow, RolloutTaskRow
+from shared.contracts.db.models import EpisodeRow, RolloutTaskRow
 
 DOC = Path(__file__).resolve().parents[2] / "README.md"
 

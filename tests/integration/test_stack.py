@@ -31,16 +31,16 @@ from harness.ports import free_port
 from harness.procs import wait_until
 from harness.servers import RedisServer
 from harness.stack import REPO, SERVICES, Backoff, LocalStack, ServiceSpec
-from shared.db.models import Dataset, Run
-from shared.streams import heartbeat_key
+from shared.contracts.db.models import Dataset, Run
+from shared.contracts.streams import heartbeat_key
 
 # A minimal service on the real runtime: /healthz, /metrics and a heartbeat, nothing else. It exercises the
 # stack's mechanics (ports, restart, signals) independently of how far the real services have come.
 PROBE = ServiceSpec((
     "-c",
     "import asyncio\n"
-    "from shared.service import ServiceRuntime\n"
-    "from shared.settings import ServiceSettings\n"
+    "from shared.platform.service import ServiceRuntime\n"
+    "from shared.platform.settings import ServiceSettings\n"
     "async def main():\n"
     "    rt = ServiceRuntime(ServiceSettings(), 'probe')\n"
     "    raise SystemExit(await rt.run([rt.stop.wait()]))\n"

@@ -17,10 +17,7 @@ from services.controller import ledger
 from services.trainer.batch import GroupBuffer
 from services.trainer.config import TrainerSettings
 from services.trainer.loop import RunState, Trainer
-from shared import leases
-from shared.bus import connect
-from shared.db.session import make_engine
-from shared.messages import (
+from shared.contracts.messages import (
     AcceptedResult,
     EpisodeResult,
     RunControl,
@@ -29,9 +26,12 @@ from shared.messages import (
     decode,
     encode,
 )
-from shared.run_config import RunConfig
-from shared.streams import ACCEPTED_RESULTS, GROUP_TRAIN, RUN_CONTROL, TRAINER_PROGRESS
-from shared.types import TerminationReason
+from shared.contracts.run_config import RunConfig
+from shared.contracts.streams import ACCEPTED_RESULTS, GROUP_TRAIN, RUN_CONTROL, TRAINER_PROGRESS
+from shared.platform import leases
+from shared.platform.bus import connect
+from shared.platform.db.session import make_engine
+from shared.sdk.types import TerminationReason
 
 
 @pytest.fixture

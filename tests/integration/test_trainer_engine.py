@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from harness.tiny_model import build_number_model
 from services.trainer.algorithm import compute_advantages, importance_weights
-from shared.run_config import AlgorithmConfig
+from shared.contracts.run_config import AlgorithmConfig
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import torch
 from harness.tiny_model import build_number_model
 from harness.trainer_batches import spread_batch
 from services.trainer.algorithm import compute_advantages
-from shared.run_config import POLICY_LOSSES, AlgorithmConfig
+from shared.contracts.run_config import POLICY_LOSSES, AlgorithmConfig
 
 # the trainer service's settings: several micro-batches, none the padded path's; verl's fused log-prob kernel
 FUSED = {"fused_backend": "torch"}

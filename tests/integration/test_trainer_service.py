@@ -26,8 +26,7 @@ from harness.ports import free_port
 from harness.procs import start_service, wait_until
 from harness.servers import scratch_database
 from harness.tiny_model import build_number_model
-from shared import leases
-from shared.messages import (
+from shared.contracts.messages import (
     AcceptedResult,
     EpisodeResult,
     RolloutTask,
@@ -36,8 +35,8 @@ from shared.messages import (
     decode,
     encode,
 )
-from shared.run_config import RunConfig
-from shared.streams import (
+from shared.contracts.run_config import RunConfig
+from shared.contracts.streams import (
     ACCEPTED_RESULTS,
     GROUP_TRAIN,
     ROLLOUT_TASKS,
@@ -46,8 +45,9 @@ from shared.streams import (
     WEIGHTS,
     heartbeat_key,
 )
-from shared.types import TerminationReason
-from shared.weights import ADAPTER_CONFIG, ADAPTER_WEIGHTS, MANIFEST
+from shared.platform import leases
+from shared.sdk.types import TerminationReason
+from shared.weights.manifest import ADAPTER_CONFIG, ADAPTER_WEIGHTS, MANIFEST
 
 TASKS, N = 2, 4  # groups per batch, samples per group
 

@@ -22,7 +22,7 @@ import sys, torch, numpy as np
 from pathlib import Path
 from services.trainer.engine import PolicyEngine, setup_distributed
 from services.trainer.algorithm import compute_advantages
-from shared.run_config import AlgorithmConfig
+from shared.contracts.run_config import AlgorithmConfig
 
 model_dir, out, mode = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
 setup_distributed("cpu")

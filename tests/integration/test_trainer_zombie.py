@@ -25,9 +25,9 @@ from trainer_testlib import REPO, WeightServer
 from harness.procs import ServiceGroup, wait_until
 from harness.tiny_model import build_number_model
 from services.controller import ledger
-from shared.messages import EpisodeResult, RolloutTask, TrajectoryRecord, encode
-from shared.run_config import RunConfig
-from shared.streams import TRAJECTORIES
+from shared.contracts.messages import EpisodeResult, RolloutTask, TrajectoryRecord, encode
+from shared.contracts.run_config import RunConfig
+from shared.contracts.streams import TRAJECTORIES
 
 
 @pytest.fixture(scope="module")

