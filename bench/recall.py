@@ -1,7 +1,7 @@
 """The demo's task: name a digit. The prompt is a number word ("seven"), the one-token answer its digit ("7").
 
-The task itself is the built-in `recall` (shared/builtin/recall.py: agent, env and dataset generator of that
-name); the demo plugs its components in by import path, as any user's own would be:
+The task itself is the built-in `recall` (shared/tasks/recall.py; its agent and env live in the rollout and env
+workers); the demo plugs its components in by import path, as any user's own would be:
     "env": {"name": "bench.recall:RecallEnv"}, "agent": {"name": "bench.recall:RecallAgent"}
 and trains the tiny random-init model whose tokenizer knows exactly this task's words
 (harness.tiny_model.build_number_model, which bench/demo_agent.py imports from here as `build_tiny_model`).
@@ -10,12 +10,6 @@ and trains the tiny random-init model whose tokenizer knows exactly this task's 
 from __future__ import annotations
 
 from harness.tiny_model import build_number_model as build_tiny_model  # noqa: F401  (bench/demo_agent.py's name)
-from shared.builtin.recall import (  # noqa: F401  (this module's names, used by the demo and the tests)
-    ANSWERS,
-    CHANCE,
-    WORDS,
-    RecallAgent,
-    RecallEnv,
-    dataset_rows,
-    recall_reward,
-)
+from services.env_worker.builtin.envs import RecallEnv  # noqa: F401  (this module's names, used by the demo)
+from services.rollout_worker.builtin.agents import RecallAgent  # noqa: F401
+from shared.tasks.recall import ANSWERS, CHANCE, WORDS, dataset_rows, recall_reward  # noqa: F401

@@ -92,7 +92,7 @@ def pg_backends(engine) -> list[psutil.Process]:
 
 # -- the workload ------------------------------------------------------------------------------------------------
 def add_dataset(engine, n: int) -> str:
-    from shared.builtin.datasets import generate
+    from services.jobs.builtin_datasets import generate
 
     rows, ds = generate("arithmetic", n, seed=0), uuid.uuid4()
     with engine.begin() as c:
@@ -174,7 +174,7 @@ def read_results(redis_url: str, run_id: str, limit: int) -> list[EpisodeResult]
 # -- env round trip ----------------------------------------------------------------------------------------------
 def measure_env_rtt(redis_url: str, n: int) -> dict:
     """Sequential math-env steps: through Redis + the env worker vs calling the env in-process."""
-    from shared.builtin.datasets import generate
+    from services.jobs.builtin_datasets import generate
     from shared.contracts.registry import resolve
 
     tasks = generate("arithmetic", n, seed=1)

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from harness.sandbox_escapes import ESCAPES, Target
-from shared.builtin.sandbox import SandboxLimits, SandboxUnavailable, check_mode, run_python
+from services.env_worker.sandbox import SandboxLimits, SandboxUnavailable, check_mode, run_python
 
 IMAGE = os.environ.get("SANDBOX_IMAGE", "localhost/flywheel-sandbox-python:local")
 
@@ -54,8 +54,7 @@ def exec_times(runs: int) -> dict[str, list[float]]:
 
 
 def container_times(runs: int) -> dict:
-    from shared.builtin import sandbox_container as sc
-
+    from services.env_worker.sandbox import container as sc
     try:
         sc.check_image(IMAGE)
     except SandboxUnavailable as e:

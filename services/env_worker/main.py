@@ -21,7 +21,7 @@ def main() -> int:
 
 def check_sandbox(cfg: EnvWorkerConfig) -> None:
     """Fail at start, with the reason, when a sandbox mode this worker must give cannot run here (no fall back)."""
-    from shared.builtin.sandbox import SandboxUnavailable, check_mode
+    from services.env_worker.sandbox import SandboxUnavailable, check_mode
 
     for mode in filter(None, (m.strip() for m in cfg.sandbox_modes.split(","))):
         try:
@@ -29,7 +29,7 @@ def check_sandbox(cfg: EnvWorkerConfig) -> None:
         except (SandboxUnavailable, ValueError) as e:
             raise SystemExit(f"env-worker: SANDBOX_MODES={cfg.sandbox_modes!r}: {e}") from None
         if mode == "namespaces":  # what this host let the sandbox have (a container: no /proc, no sysctl)
-            from shared.builtin.sandbox_ns import layout
+            from services.env_worker.sandbox.ns import layout
 
             lay = layout()
             log.info("sandbox mode namespaces: fresh /proc %s; nested user namespaces refused by %s", lay.proc,

@@ -19,7 +19,7 @@ from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from shared.builtin.sandbox_ns import SandboxInfraError, SandboxUnavailable
+from services.env_worker.sandbox.ns import SandboxInfraError, SandboxUnavailable
 from shared.contracts.messages import EnvReply, EnvRequest
 from shared.contracts.registry import resolve
 from shared.platform.logs import get_logger

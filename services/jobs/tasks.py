@@ -96,9 +96,9 @@ def delete_dataset(ctx: JobContext, job: Job) -> dict[str, Any]:
 
 def _generated_rows(name: str, n: int, seed: int) -> tuple[list[dict], str]:
     try:
-        from shared.builtin.datasets import generate
+        from services.jobs.builtin_datasets import generate
     except ImportError as e:
-        raise JobInputError("built-in dataset generators are not installed (shared/builtin/datasets.py)") from e
+        raise JobInputError("built-in dataset generators are not installed (services/jobs/builtin_datasets.py)") from e
     try:
         return list(generate(name, n, seed)), f"generator:{name}?n={n}&seed={seed}"
     except (KeyError, ValueError) as e:

@@ -40,7 +40,7 @@ class InfraFailure(Exception):
 
 
 class Rollout:
-    """The handle a workflow drives agents through (see shared/builtin/workflows.py)."""
+    """The handle a workflow drives agents through (see services/rollout_worker/builtin/workflows.py)."""
 
     def __init__(self, ctx: RunContext, envs: EnvClient, task: RolloutTask, deadline: float):
         self.ctx, self.envs, self.task, self.deadline = ctx, envs, task, deadline
@@ -76,7 +76,7 @@ class AgentSession:
         self.builder = PromptBuilder(rollout.ctx.chat)
         self.info: dict[str, Any] = {}
         self.timings = {"gen_s": 0.0, "env_s": 0.0}
-        self.trusted = type(agent).__module__.startswith("shared.builtin.")
+        self.trusted = type(agent).__module__.startswith("services.rollout_worker.builtin.")
         self.stage = f"agent {type(agent).__name__}"  # the user code running now: where an exception came from
 
     async def run(self) -> Trajectory:

@@ -13,32 +13,35 @@ from typing import Any
 IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 
 AGENTS: dict[str, str] = {
-    "math": "shared.builtin.agents:MathAgent",
-    "tool": "shared.builtin.agents:ToolAgent",
-    "frozenlake": "shared.builtin.agents:FrozenLakeAgent",
-    "code": "shared.builtin.agents:CodeAgent",
-    "countdown": "shared.builtin.agents:MathAgent",
-    "recall": "shared.builtin.recall:RecallAgent",
-    "digits": "shared.builtin.agents:DigitsAgent",
+    "math": "services.rollout_worker.builtin.agents:MathAgent",
+    "tool": "services.rollout_worker.builtin.agents:ToolAgent",
+    "frozenlake": "services.rollout_worker.builtin.agents:FrozenLakeAgent",
+    "code": "services.rollout_worker.builtin.agents:CodeAgent",
+    "countdown": "services.rollout_worker.builtin.agents:MathAgent",
+    "recall": "services.rollout_worker.builtin.agents:RecallAgent",
+    "digits": "services.rollout_worker.builtin.agents:DigitsAgent",
 }
 ENVS: dict[str, str] = {
-    "math": "shared.builtin.envs:MathEnv",
-    "countdown": "shared.builtin.envs:CountdownEnv",
-    "frozenlake": "shared.builtin.envs:FrozenLakeEnv",
-    "tool": "shared.builtin.envs:ToolEnv",
-    "code": "shared.builtin.envs:CodeEnv",
-    "search": "shared.builtin.envs:SearchEnv",
-    "recall": "shared.builtin.recall:RecallEnv",
-    "digits": "shared.builtin.envs:DigitsEnv",
+    "math": "services.env_worker.builtin.envs:MathEnv",
+    "countdown": "services.env_worker.builtin.envs:CountdownEnv",
+    "frozenlake": "services.env_worker.builtin.envs:FrozenLakeEnv",
+    "tool": "services.env_worker.builtin.envs:ToolEnv",
+    "code": "services.env_worker.builtin.envs:CodeEnv",
+    "search": "services.env_worker.builtin.envs:SearchEnv",
+    "recall": "services.env_worker.builtin.envs:RecallEnv",
+    "digits": "services.env_worker.builtin.envs:DigitsEnv",
 }
+# Built-in envs that run model-written code (`runs_model_code`): the run config gives them an explicit `sandbox`
+# arg without importing them (a test checks this set against the envs).
+MODEL_CODE_ENVS = frozenset({"tool", "code"})
 WORKFLOWS: dict[str, str] = {
-    "single_agent": "shared.builtin.workflows:SingleAgentWorkflow",
-    "solver_judge": "shared.builtin.workflows:SolverJudgeWorkflow",
+    "single_agent": "services.rollout_worker.builtin.workflows:SingleAgentWorkflow",
+    "solver_judge": "services.rollout_worker.builtin.workflows:SolverJudgeWorkflow",
 }
 REWARDS: dict[str, str] = {
-    "math": "shared.builtin.rewards:math_reward",
-    "countdown": "shared.builtin.rewards:countdown_reward",
-    "search": "shared.builtin.rewards:search_reward",
+    "math": "services.env_worker.builtin.rewards:math_reward",
+    "countdown": "services.env_worker.builtin.rewards:countdown_reward",
+    "search": "services.env_worker.builtin.rewards:search_reward",
 }
 # Agent programs (any framework, calling the OpenAI-compatible gateway): `async def run(task, client) -> reward`.
 # "external": the program runs anywhere; it claims sessions from a rollout worker's gateway and posts rewards.

@@ -6,11 +6,16 @@ name instead of silently using a default. Cross-field checks raise ValueError sa
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from shared.contracts.registry import REGISTRIES, import_path_for, resolve
+from shared.contracts.registry import MODEL_CODE_ENVS, REGISTRIES, import_path_for, resolve
+
+# How an env runs model-written code (the env worker checks at start that its mode can run there).
+SandboxMode = Literal["namespaces", "container", "none"]
+SANDBOX_MODES: tuple[str, ...] = get_args(SandboxMode)
+DEFAULT_SANDBOX_MODE: SandboxMode = "namespaces"
 
 # verl 0.9.1 names (verl.trainer.ppo.core_algos registries); checked here so a typo is a 4xx, not a trainer crash.
 ADV_ESTIMATORS = (
@@ -239,18 +244,15 @@ class RunConfig(_Strict):
         """`env.args.sandbox` (namespaces | container | none) is checked here, and written out for the built-in envs
         that run model-written code, so the stored config says the mode and no dataset row can override it (env
         args win over row fields). `none` is taken only when asked for by name; the run's status then warns."""
-        from shared.builtin.sandbox import DEFAULT_MODE, sandbox_mode
-
         if "sandbox" in self.env.args:
-            try:
-                sandbox_mode(self.env.args["sandbox"])
-            except ValueError as e:
-                raise ValueError(f"env.args.sandbox: {e}") from None
+            if self.env.args["sandbox"] not in SANDBOX_MODES:
+                raise ValueError(f"env.args.sandbox: unknown sandbox mode {self.env.args['sandbox']!r}; choose one of "
+                                 f"{', '.join(SANDBOX_MODES)}")
             if self.env.args["sandbox"] == "container" and not self.env.args.get("image"):
                 raise ValueError("env.args.image: sandbox 'container' runs each session in a container of this image "
                                  "(e.g. localhost/flywheel-sandbox-python:local, built by `make sandbox-image`)")
-        elif self.env.name in REGISTRIES["env"] and getattr(resolve("env", self.env.name), "runs_model_code", False):
-            self.env.args["sandbox"] = DEFAULT_MODE
+        elif self.env.name in MODEL_CODE_ENVS:
+            self.env.args["sandbox"] = DEFAULT_SANDBOX_MODE
         return self
 
     @property

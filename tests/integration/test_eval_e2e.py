@@ -37,7 +37,7 @@ def eval_setup(database_url: str, tmp_path, name: str, tasks: int, seed: int, **
     """A tiny random-init model, an arithmetic dataset of `tasks` rows stored in Postgres, and an eval run's
     config over them (`config` overrides the defaults). Returns (engine, run id, config)."""
     from harness.tiny_model import build_tiny_model
-    from shared.builtin.datasets import generate
+    from services.jobs.builtin_datasets import generate
 
     model = str(build_tiny_model(tmp_path / "model"))
     engine = make_engine(database_url)

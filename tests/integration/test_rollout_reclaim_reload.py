@@ -22,7 +22,7 @@ from fixtures.rollout_stack import (
 
 from harness.procs import start_service, stop, wait_heartbeat
 from harness.tiny_model import build_tiny_model
-from shared.builtin.datasets import generate
+from services.jobs.builtin_datasets import generate
 from shared.contracts.streams import GROUP_ROLLOUT, ROLLOUT_TASKS, WEIGHTS
 from shared.platform.bus import StreamBus, connect
 from shared.weights.manifest import write_manifest

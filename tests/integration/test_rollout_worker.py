@@ -12,7 +12,7 @@ from fixtures.rollout_stack import collect_results, insert_run, make_task, publi
 
 from harness.procs import start_service, stop, wait_heartbeat
 from harness.tiny_model import build_tiny_model
-from shared.builtin.datasets import generate
+from services.jobs.builtin_datasets import generate
 from shared.contracts.messages import EpisodeResult, decode
 from shared.platform.bus import connect
 from shared.sdk.types import TerminationReason as TR

@@ -4,7 +4,7 @@ run through the real controller, rollout worker and env worker (mock LLM, openai
 A user-code fault (ERROR, ENV_TIMEOUT) ends its episode as `error`, never as a scored episode with reward 0: the
 stored error says where it came from ("env <name>.reset: ...", "agent <Class>.update_from_model: ...") and what;
 a run none of whose units scored ends `failed` with that reason (never `completed`), the ledger, the API and
-`run_error_reasons` count the errored units apart, with nothing lost or doubled (shared.audit); a trajectory
+`run_error_reasons` count the errored units apart, with nothing lost or doubled (tests.support.audit); a trajectory
 that runs past its deadline is still a scored TIMEOUT; and the same worker processes go on to serve a healthy
 run afterwards.
 """

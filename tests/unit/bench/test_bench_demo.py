@@ -84,7 +84,7 @@ def test_the_readme_training_example_is_the_demo_run_on_the_builtin_recall_task(
     import yaml
 
     from bench.demo import ALGORITHM, LR, SAMPLES, STEPS, TASKS, demo_config
-    from shared.builtin.datasets import generate
+    from services.jobs.builtin_datasets import generate
     from shared.contracts.registry import resolve
     from shared.contracts.run_config import RunConfig
 

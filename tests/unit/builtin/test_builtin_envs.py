@@ -5,8 +5,14 @@ import uuid
 
 import pytest
 
-from shared.builtin.agents import CodeAgent, FrozenLakeAgent, MathAgent, ToolAgent, parse_tool_calls
-from shared.builtin.datasets import generate
+from services.jobs.builtin_datasets import generate
+from services.rollout_worker.builtin.agents import (
+    CodeAgent,
+    FrozenLakeAgent,
+    MathAgent,
+    ToolAgent,
+    parse_tool_calls,
+)
 from shared.contracts.registry import resolve
 
 
@@ -278,7 +284,7 @@ def play_digits(task: dict, policy) -> tuple[float, list[bool], list[str]]:
 
 
 def test_digits_env_rewards_at_the_end_and_its_words_follow_the_answers():
-    from shared.builtin.envs import NUMBER_WORDS
+    from services.env_worker.builtin.envs import NUMBER_WORDS
 
     task = generate("digits", 1, seed=1)[0]
     digit = lambda word: str(NUMBER_WORDS.index(word))  # noqa: E731
@@ -294,7 +300,7 @@ def test_digits_env_rewards_at_the_end_and_its_words_follow_the_answers():
 
 
 def test_digits_env_is_not_solved_by_ignoring_the_env_or_by_reading_only_the_first_word():
-    from shared.builtin.envs import NUMBER_WORDS
+    from services.env_worker.builtin.envs import NUMBER_WORDS
 
     rows = generate("digits", 200, seed=0)
     digit = lambda word: str(NUMBER_WORDS.index(word))  # noqa: E731

@@ -7,8 +7,8 @@ import sys
 import pytest
 
 from bench.grading import CASES
-from shared.builtin import rewards
-from shared.builtin.rewards import GRADING_TIMEOUT_S, math_reward
+from services.env_worker.builtin import rewards
+from services.env_worker.builtin.rewards import GRADING_TIMEOUT_S, math_reward
 
 ADVERSARIAL = [c for c in CASES if c[4] == "rejected"]
 # Verdicts here must not depend on how loaded the machine is: a generous limit for the table, the real one

@@ -9,9 +9,9 @@ import uuid
 import pytest
 
 from harness.sandbox_escapes import ESCAPES, Target
+from services.env_worker.sandbox import SandboxLimits, run_python
+from services.env_worker.sandbox import container as sc
 from services.env_worker.sessions import SessionHost
-from shared.builtin import sandbox_container as sc
-from shared.builtin.sandbox import SandboxLimits, run_python
 from shared.contracts.messages import EnvRequest
 from shared.contracts.registry import resolve
 
@@ -154,7 +154,7 @@ def test_a_killed_workers_containers_are_swept_and_a_live_ones_kept():
     import subprocess
     import sys
 
-    make = ("import sys, time\nfrom shared.builtin import sandbox_container as sc\n"
+    make = ("import sys, time\nfrom services.env_worker.sandbox import container as sc\n"
             f"c = sc._create(sc.client(), sc.ContainerSpec({IMAGE!r}))\nprint(c.name, flush=True)\ntime.sleep(600)\n")
     workers = [subprocess.Popen([sys.executable, "-c", make], stdout=subprocess.PIPE, text=True) for _ in range(2)]
     dead, names = workers[0], []

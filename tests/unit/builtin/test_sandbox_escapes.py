@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from harness.sandbox_escapes import ESCAPES, Target, proc_sys_read_only
-from shared.builtin import sandbox_ns
+from services.env_worker.sandbox import ns as sandbox_ns
 
 # Out of mode `none` whatever uid the worker has: its guard is a hook inside the program's own interpreter.
 LEGACY_ESCAPES = {

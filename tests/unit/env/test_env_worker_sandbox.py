@@ -8,7 +8,7 @@ import pytest
 
 from services.env_worker.config import EnvWorkerConfig
 from services.env_worker.main import check_sandbox
-from shared.builtin import sandbox_ns
+from services.env_worker.sandbox import ns as sandbox_ns
 
 
 def test_default_mode_is_checked_and_available_here():

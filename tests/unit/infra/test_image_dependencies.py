@@ -230,7 +230,7 @@ def test_the_check_finds_greenlet_missing_for_sqlalchemy_asyncio(monkeypatch):
 
 def test_the_check_finds_an_extra_the_image_lacks():
     """The trainer image has no `envs` extra: a service there importing the math grader would be caught."""
-    needed = needed_distributions("shared.builtin.rewards")
+    needed = needed_distributions("services.env_worker.builtin.rewards")
     assert "math-verify" in needed
     installed = requirement_closure(dockerfile_requirements("infra/docker/trainer.Dockerfile",
                                                             PYPROJECT["dependencies"]))

@@ -12,10 +12,18 @@ import re
 import uuid
 from typing import Any
 
-from shared.builtin import rewards
-from shared.builtin.sandbox import DEFAULT_MODE, SandboxLimits, container_session, run_python, sandbox_mode
-from shared.builtin.tools import Bm25Index, FinishTool, PythonTool, SearchTool, load_corpus_index
+from services.env_worker.builtin import rewards
+from services.env_worker.builtin.tools import Bm25Index, FinishTool, PythonTool, SearchTool, load_corpus_index
+from services.env_worker.sandbox import (
+    DEFAULT_MODE,
+    SandboxLimits,
+    container_session,
+    run_python,
+    sandbox_mode,
+)
 from shared.sdk.agent import BaseEnv
+from shared.tasks.recall import WORDS as NUMBER_WORDS
+from shared.tasks.recall import recall_reward
 
 
 def _response_text(action: Any) -> str:
@@ -176,7 +184,7 @@ class ToolEnv(BaseEnv):
 
 class CodeEnv(BaseEnv):
     """Grades the response's last ```python block in the sandbox (`sandbox`: namespaces by default; see
-    shared/builtin/sandbox.py). Reward 1 when every test passes; with `max_turns` > 1 a failure is shown as
+    services/env_worker/sandbox/__init__.py). Reward 1 when every test passes; with `max_turns` > 1 a failure is shown as
     feedback. The task's `tests` take one of two forms:
 
     - assert statements (a string, or a list of strings): run after the solution in one program. Solution and
@@ -306,7 +314,6 @@ class SearchEnv(ToolEnv):
                          max_turns=int(info.get("max_turns", 5)))
 
 
-NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 
 
 class DigitsEnv(BaseEnv):
@@ -331,7 +338,7 @@ class DigitsEnv(BaseEnv):
             raise ValueError(f"digits task: 'first' must be a number word ({', '.join(NUMBER_WORDS)}), got {first!r}")
         if not offsets or not all(isinstance(o, int) for o in offsets):
             raise ValueError(f"digits task: 'offsets' must be a non-empty list of integers (one per turn after the "
-                             f"first), got {offsets!r}; rows come from shared.builtin.datasets.generate('digits')")
+                             f"first), got {offsets!r}; rows come from services.jobs.builtin_datasets.generate('digits')")
         self.first, self.offsets, self.all_or_nothing = first, list(offsets), all_or_nothing
         self.word, self.right = first, []
 
@@ -362,5 +369,33 @@ class DigitsEnv(BaseEnv):
         for key in ("first", "offsets"):
             if key not in info:
                 raise ValueError(f"digits task needs {key!r} (got keys {sorted(info)}); rows come from "
-                                 "shared.builtin.datasets.generate('digits', n)")
+                                 "services.jobs.builtin_datasets.generate('digits', n)")
         return DigitsEnv(str(info["first"]), list(info["offsets"]), bool(info.get("all_or_nothing", False)))
+
+
+class RecallEnv(BaseEnv):
+    """One step: shows the question, rewards the response with `recall_reward`, done. The env arg `offset` k makes
+    a variant of the task on the same data: the right answer is (digit + k) mod 10, so runs that each learn their
+    own k on one base tell their adapters apart (another run's adapter scores near 0)."""
+
+    required_fields = (("question",), ("answer",))
+
+    def __init__(self, task: dict, offset: int = 0):
+        for key in ("question", "answer"):
+            if key not in task:
+                raise ValueError(f"recall task needs {key!r} (got keys {sorted(task)}); generate rows with "
+                                 f"`flywheel datasets import recall --generator --name recall`")
+        if offset:
+            task = {**task, "answer": str((int(task["answer"]) + offset) % len(NUMBER_WORDS))}
+        self.task = task
+
+    def reset(self) -> tuple[Any, dict]:
+        return self.task["question"], {}
+
+    def step(self, action: Any) -> tuple[Any, float, bool, dict]:
+        reward = recall_reward(self.task["answer"], str(action or ""))
+        return "", reward, True, {"is_correct": reward > 0}
+
+    @staticmethod
+    def from_dict(info: dict) -> RecallEnv:
+        return RecallEnv(dict(info), offset=int(info.get("offset", 0)))

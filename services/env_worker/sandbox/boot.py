@@ -1,10 +1,10 @@
-"""Runs inside the sandbox child process, before the untrusted program: `python -I sandbox_boot.py CONFIG_JSON`.
+"""Runs inside the sandbox child process, before the untrusted program: `python -I boot.py CONFIG_JSON`.
 
 Applies the limits to itself (so no `preexec_fn` is needed in a threaded parent; soft = hard, and raising a hard
 limit needs CAP_SYS_RESOURCE, which no sandboxed program has), then executes `main.py` from the current
 directory as `__main__`. Config `guard`: "kernel" (inside bubblewrap: the namespaces and seccomp are the
 boundary, `site_packages` are added to sys.path since the interpreter runs with -S) or "hook" (mode `none`:
-the Python audit hook below, a guard against accidents only). See shared/builtin/sandbox.py.
+the Python audit hook below, a guard against accidents only). See services/env_worker/sandbox/__init__.py.
 """
 
 import json

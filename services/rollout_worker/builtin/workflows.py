@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import re
 
-from shared.builtin.agents import MathAgent
+from services.rollout_worker.builtin.agents import MathAgent
 from shared.sdk.agent import Episode, TerminationReason, Trajectory, Workflow
 
 

@@ -259,7 +259,7 @@ _WARM_UP = [("\\frac{1}{2}", ["0.5"]), ("(1,2]", ["(1, 2]"]), ("\\{1,2\\}", ["\\
 
 
 def serve_grader() -> None:
-    """The grader child: `python -m shared.builtin.rewards`; JSON lines {given, truths, budget_s} in, verdicts out."""
+    """The grader child: `python -m services.env_worker.builtin.rewards`; JSON lines {given, truths, budget_s} in, verdicts out."""
     import logging
 
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # "timeout disabled": the soft timer is ours
@@ -279,7 +279,7 @@ class _Grader:
     """One math-verify child process. Killed when a check overruns its limit; the replacement starts at once,
     in the background, so the next check does not wait for sympy's import."""
 
-    COMMAND = [sys.executable, "-m", "shared.builtin.rewards"]
+    COMMAND = [sys.executable, "-m", "services.env_worker.builtin.rewards"]
 
     def __init__(self, command: list[str] | None = None):
         self.command = command or self.COMMAND

@@ -14,7 +14,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from shared.builtin.sandbox import DEFAULT_MODE, SandboxLimits, run_python, sandbox_mode
+from services.env_worker.sandbox import DEFAULT_MODE, SandboxLimits, run_python, sandbox_mode
 
 
 class PythonTool:

@@ -57,19 +57,19 @@ def frozenlake(n: int, seed: int, size: int = 4, p: float = 0.8) -> list[dict]:
 
 
 def recall(n: int, seed: int) -> list[dict]:
-    """A number word -> its digit ("seven" -> "7"): the task a tiny model learns in minutes (shared.builtin.recall)."""
-    from shared.builtin.recall import dataset_rows
+    """A number word -> its digit ("seven" -> "7"): the task a tiny model learns in minutes (shared.tasks.recall)."""
+    from shared.tasks.recall import dataset_rows
 
     return [{"id": f"recall-{seed}-{i}", "question": r["question"], "answer": r["answer"], "data_source": "recall"}
             for i, r in enumerate(dataset_rows(n, seed))]
 
 
 def digits(n: int, seed: int, turns: int = 3) -> list[dict]:
-    """Tasks of the multi-turn digits env (shared/builtin/envs.py: DigitsEnv): the first number word and the
+    """Tasks of the multi-turn digits env (services/env_worker/builtin/envs.py: DigitsEnv): the first number word and the
     secret offset of each later turn. Each run of ten rows starts once from every word."""
     if turns < 1:
         raise ValueError(f"turns must be >= 1, got {turns}")
-    from shared.builtin.envs import NUMBER_WORDS
+    from services.env_worker.builtin.envs import NUMBER_WORDS
 
     rng = random.Random(seed)
     rows = []

@@ -157,7 +157,7 @@ class FrozenLakeAgent(ChatAgent):
         return [{"role": "user", "content": text + "\nYour move?"}]
 
     def parse_action(self, response: str) -> Any:
-        from shared.builtin.rewards import final_answer_text, last_boxed
+        from services.env_worker.builtin.rewards import final_answer_text, last_boxed
 
         text = final_answer_text(response) or ""
         boxed = last_boxed(text)
@@ -181,10 +181,42 @@ class CodeAgent(ChatAgent):
 
 
 class DigitsAgent(ChatAgent):
-    """The digits env's agent (shared/builtin/envs.py: DigitsEnv): each word the env says is one user message,
+    """The digits env's agent (services/env_worker/builtin/envs.py: DigitsEnv): each word the env says is one user message,
     each answer one assistant message, in one growing chat."""
 
     def observation_messages(self, observation: Any) -> list[dict[str, Any]]:
         if not isinstance(observation, dict) or "word" not in observation:
             raise ValueError(f"DigitsAgent expects observations like {{'word': 'seven'}}, got {observation!r}")
         return [{"role": "user", "content": str(observation["word"])}]
+
+
+class RecallAgent(BaseAgent):
+    """Sends the question alone as the user message (the number model's tokenizer knows no other words) and
+    acts with the model's text."""
+
+    def __init__(self, **_: Any):
+        self._trajectory = Trajectory()
+        self._messages: list[dict] = []
+
+    @property
+    def chat_completions(self) -> list[dict]:
+        return self._messages
+
+    @property
+    def trajectory(self) -> Trajectory:
+        return self._trajectory
+
+    def reset(self) -> None:
+        self._trajectory, self._messages = Trajectory(), []
+
+    def update_from_env(self, observation: Any, reward: float, done: bool, info: dict, **kwargs) -> None:
+        if self._trajectory.steps:
+            self._trajectory.steps[-1].reward, self._trajectory.steps[-1].done = reward, done
+        if observation:
+            self._messages.append({"role": "user", "content": str(observation)})
+
+    def update_from_model(self, response: str, **kwargs) -> Action:
+        self._trajectory.steps.append(Step(chat_completions=list(self._messages), model_response=response,
+                                           action=response))
+        self._messages.append({"role": "assistant", "content": response})
+        return Action(response)

@@ -12,7 +12,7 @@ file system plus size-capped tmpfs at /work (its work dir) and /tmp, all capabil
 and KILL (the runner below, root without other capabilities, starts the program as uid 65534 and kills what it
 leaves behind), no-new-privileges, the engine's default seccomp profile,
 removed when the session closes. The program also runs under the namespaces mode's seccomp filter
-(sandbox_seccomp.py), installed by the runner before exec: engines' default profiles let a container create
+(seccomp.py), installed by the runner before exec: engines' default profiles let a container create
 user namespaces and AF_VSOCK sockets (the escape suite showed both under podman). A program runs through one `exec` of RUNNER, as root inside the container: it
 writes the files, starts the program as uid 65534 with rlimits and the wall-clock limit, and prints the result
 as JSON; the program cannot signal or trace its runner (another uid, no capabilities).
@@ -35,8 +35,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from shared.builtin.sandbox_ns import SandboxInfraError, SandboxUnavailable
-from shared.builtin.sandbox_seccomp import bpf_program
+from services.env_worker.sandbox.ns import SandboxInfraError, SandboxUnavailable
+from services.env_worker.sandbox.seccomp import bpf_program
 from shared.platform.logs import get_logger
 
 log = get_logger(__name__)
@@ -201,7 +201,7 @@ class ContainerSession:
         self.container, self.spec, self._on_close = container, spec, on_close
 
     def run_python(self, code: str, *, stdin: str = "", files: dict[str, str] | None = None, limits=None):
-        from shared.builtin.sandbox import SandboxLimits, SandboxResult
+        from services.env_worker.sandbox import SandboxLimits, SandboxResult
 
         limits = limits or SandboxLimits()
         payload = {name: base64.b64encode(text.encode()).decode()

@@ -5,7 +5,7 @@ uid/gid 65534 inside with no capabilities and no_new_privs (setuid binaries do n
 holds only /usr (system libraries), the Python installation and its site-packages, read-only and nosuid, plus
 `/etc/ld.so.cache`; a private size-capped tmpfs as its work dir (`/sandbox`, where `main.py` and the caller's files
 are copied) and another as `/tmp`; a fresh /proc that shows only its own processes; an empty environment but
-PATH/HOME/LANG; a network namespace with only a loopback; the seccomp filter of sandbox_seccomp.py; rlimits set
+PATH/HOME/LANG; a network namespace with only a loopback; the seccomp filter of seccomp.py; rlimits set
 before the program starts (soft = hard: nothing inside may raise them). Nothing else of the worker exists in
 there: its files, repository, weights and data volumes, its environment (secrets), its processes, and other
 sessions' sandboxes. When the sandbox's first process exits or the caller kills bwrap (wall-clock limit), the
@@ -36,9 +36,9 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from shared.builtin.sandbox_seccomp import bpf_program
+from services.env_worker.sandbox.seccomp import bpf_program
 
-BOOT = Path(__file__).with_name("sandbox_boot.py")
+BOOT = Path(__file__).with_name("boot.py")
 SANDBOX_UID = 65534  # "nobody" inside the sandbox and, when the worker is root, outside it too
 WORK, TMP = "/sandbox", "/tmp"
 SYSTEM_LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")

@@ -6,11 +6,11 @@
 Modes (`MODES`; an env takes its mode from its args, `sandbox: namespaces | container | none`):
 - `namespaces` (the default): a kernel boundary per execution, bubblewrap with user/mount/PID/net/IPC/UTS
   namespaces, an unprivileged uid, a read-only view of only the Python installation, a private size-capped work
-  dir, a seccomp filter and rlimits; see sandbox_ns.py for exactly what is and is not visible inside.
+  dir, a seccomp filter and rlimits; see ns.py for exactly what is and is not visible inside.
 - `container`: a container per session from an image the env names (env arg `image`), through the Docker SDK on
-  Docker or podman, from a warm pool; see sandbox_container.py. A container that dies or hangs raises
+  Docker or podman, from a warm pool; see container.py. A container that dies or hangs raises
   SandboxInfraError: the trajectory ends as an infrastructure failure, never a score.
-- `none`: NO kernel boundary: a separate process with rlimits and a Python audit hook (sandbox_boot.py) that
+- `none`: NO kernel boundary: a separate process with rlimits and a Python audit hook (boot.py) that
   refuses processes, sockets, ctypes and file access outside its temp dir. It keeps a buggy program from harming
   the worker, but code running in the interpreter can switch the hook off (tests/unit/builtin/test_sandbox_escapes.py
   shows which escapes it lets through): only for trusted code, and only when asked for by name.
@@ -36,12 +36,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.builtin import sandbox_ns
-from shared.builtin.sandbox_ns import SandboxUnavailable
+from services.env_worker.sandbox import ns as sandbox_ns
+from services.env_worker.sandbox.ns import SandboxUnavailable
+from shared.contracts.run_config import DEFAULT_SANDBOX_MODE, SANDBOX_MODES
 
-BOOT = Path(__file__).with_name("sandbox_boot.py")
-MODES = ("namespaces", "container", "none")
-DEFAULT_MODE = "namespaces"
+BOOT = Path(__file__).with_name("boot.py")
+MODES, DEFAULT_MODE = SANDBOX_MODES, DEFAULT_SANDBOX_MODE  # named in the run config (a contract)
 TRUNCATED = "\n[output truncated]"  # appended to an output cut at `output_bytes`
 EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b")
 __all__ = ["MODES", "DEFAULT_MODE", "SandboxLimits", "SandboxResult", "SandboxUnavailable", "check_mode",
@@ -104,8 +104,7 @@ def check_mode(mode: str) -> None:
     if sandbox_mode(mode) == "namespaces":
         sandbox_ns.layout()
     elif mode == "container":
-        from shared.builtin import sandbox_container
-
+        from services.env_worker.sandbox import container as sandbox_container
         sandbox_container.client()
 
 
@@ -135,8 +134,7 @@ def run_python(code: str, *, stdin: str = "", files: dict[str, str] | None = Non
 
 def container_session(image: str | None, limits: SandboxLimits):
     """A container of `image` for one env session (mode `container`), its limits from `limits`."""
-    from shared.builtin import sandbox_container
-
+    from services.env_worker.sandbox import container as sandbox_container
     if not image:
         raise ValueError("sandbox mode 'container' needs the env arg `image` (e.g. localhost/flywheel-sandbox-python:local)")
     spec = sandbox_container.ContainerSpec(image, memory_bytes=limits.memory_bytes, max_procs=max(16, limits.max_procs),
