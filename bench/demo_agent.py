@@ -42,7 +42,7 @@ from bench.demo import (
     write_result,
 )
 from bench.recall import recall_reward
-from harness.runners import Runners
+from tests.support.runners import Runners
 
 RESULTS = Path("bench/results/agent_program.json")
 SERVICES = ["weight-server", "rollout-worker", "trainer", "controller", "api"]  # no env worker: the program scores

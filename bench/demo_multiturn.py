@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 
 from bench.demo import ALGORITHM, TIMEOUT_S, judge_learning, recall_stack, sql_rows, train_runs, write_result
-from harness.tiny_model import build_number_model
 from services.jobs.builtin_datasets import generate
+from tests.support.tiny_model import build_number_model
 
 __all__ = ["BAR", "judge", "run_inprocess", "run_stack", "summarize"]
 

@@ -92,9 +92,9 @@ async def measure(engine, tokenizer, calls: int) -> dict:
 async def main(calls: int, hf_calls: int) -> dict:
     from transformers import AutoTokenizer
 
-    from harness.tiny_model import build_tiny_model
     from services.rollout_worker.engines import build_engine
     from shared.contracts.run_config import EngineConfig
+    from tests.support.tiny_model import build_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         path = build_tiny_model(Path(tmp) / "model")

@@ -92,9 +92,9 @@ def eager_log_probs(model_dir: Path, t: dict, device: str):
 def logprob_part(model_dir: Path, shape: dict, device: str) -> dict:
     import torch
 
-    from harness.trainer_batches import spread_batch
     from services.trainer.engine import PolicyEngine
     from shared.contracts.run_config import AlgorithmConfig
+    from tests.support.trainer_batches import spread_batch
 
     cuda = device == "cuda"
     prompt = shape["seq"] // 4

@@ -5,8 +5,8 @@ random-init Qwen2-shaped model of ~0.5B parameters (Qwen2.5-0.5B's shape) in bf1
 variant (micro-batching, padding removal, attention kernel, fused log-prob backend, LoRA), each timed on two
 batches of the same size (16 x 1024 by default):
 - `full`: every sequence the full length (no padding anywhere: the pure kernel speed);
-- `rl`: response lengths spread as RL rollouts do (mean ~30% of the maximum, harness/trainer_batches.py's
-  `spread_batch` of harness/trainer_batches.py), where padding removal pays.
+- `rl`: response lengths spread as RL rollouts do (mean ~30% of the maximum, tests/support/trainer_batches.py's
+  `spread_batch` of tests/support/trainer_batches.py), where padding removal pays.
 First, with `--diff`, the weight-delta diff of two versions of the model on the GPU vs the CPU kernel.
 Self-contained: no Redis, Postgres or downloads. Prints one JSON object per variant as it finishes and the whole
 result last (also written to `--out`); tokens/s counts real tokens; MFU is verl's FlopsCounter estimate against
@@ -56,7 +56,7 @@ def build_model(folder: Path, layers: int, hidden: int, heads: int, kv_heads: in
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from harness.tiny_model import build_number_model
+    from tests.support.tiny_model import build_number_model
 
     tiny = build_number_model(folder.parent / "tokenizer")  # a small local tokenizer; only its files are used
     folder.mkdir(parents=True, exist_ok=True)
@@ -230,7 +230,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print(json.dumps({"skipped": "no CUDA device"}))
         return 2
-    from harness.trainer_batches import spread_batch
+    from tests.support.trainer_batches import spread_batch
 
     result: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "dtype": "bf16",
                     "batch": args.batch, "seq": args.seq, "variants": []}

@@ -72,13 +72,13 @@ async def sync(work: Path, model: Path, redis_url: str, database_url: str) -> di
     from safetensors.torch import load_file, save_file
     from sqlalchemy import create_engine
 
-    from harness.stack import LocalStack
-    from harness.tiny_model import random_lora_adapter
+    from infra.local.stack import LocalStack
     from services.rollout_worker.runs import RunRegistry
     from services.trainer.publisher import WeightPublisher
     from shared.contracts.messages import decode
     from shared.contracts.streams import WEIGHTS
     from shared.weights.manifest import BaseModelRef, base_model_digest
+    from tests.support.tiny_model import random_lora_adapter
 
     lora_run, full_run = insert_run(database_url, model, True), insert_run(database_url, model, False)
     env = {"REDIS_URL": redis_url, "DATABASE_URL": database_url, "LOG_LEVEL": "WARNING", "SNAPSHOT_EVERY": "1"}

@@ -4,12 +4,12 @@ The task itself is the built-in `recall` (shared/tasks/recall.py; its agent and 
 workers); the demo plugs its components in by import path, as any user's own would be:
     "env": {"name": "bench.recall:RecallEnv"}, "agent": {"name": "bench.recall:RecallAgent"}
 and trains the tiny random-init model whose tokenizer knows exactly this task's words
-(harness.tiny_model.build_number_model, which bench/demo_agent.py imports from here as `build_tiny_model`).
+(tests.support.tiny_model.build_number_model, which bench/demo_agent.py imports from here as `build_tiny_model`).
 """
 
 from __future__ import annotations
 
-from harness.tiny_model import build_number_model as build_tiny_model  # noqa: F401  (bench/demo_agent.py's name)
 from services.env_worker.builtin.envs import RecallEnv  # noqa: F401  (this module's names, used by the demo)
 from services.rollout_worker.builtin.agents import RecallAgent  # noqa: F401
 from shared.tasks.recall import ANSWERS, CHANCE, WORDS, dataset_rows, recall_reward  # noqa: F401
+from tests.support.tiny_model import build_number_model as build_tiny_model  # noqa: F401  (bench/demo_agent.py's name)

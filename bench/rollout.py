@@ -34,11 +34,8 @@ import psutil
 import redis
 from sqlalchemy import insert, text
 
-from harness.live import TERMINAL, wait_run_ended
-from harness.ports import free_port, port_open
-from harness.procs import ServiceGroup, wait_until
-from harness.servers import postgres_admin, private_redis, scratch_database
-from harness.tiny_model import build_tiny_model
+from infra.local.ports import free_port, port_open
+from infra.local.servers import postgres_admin, private_redis, scratch_database
 from services.controller.store import TABLES, TrajectoryStore, build_rows, copy_rows
 from shared.contracts.db.models import Dataset, DatasetRow, RolloutTaskRow, Run
 from shared.contracts.messages import EnvReply, EnvRequest, EpisodeResult, decode, encode
@@ -46,6 +43,9 @@ from shared.contracts.streams import ENV_REQUESTS, TRAJECTORIES, env_inbox, env_
 from shared.platform.bus import connect_sync
 from shared.platform.db.session import make_engine
 from shared.platform.heartbeats import live_workers
+from tests.support.live import TERMINAL, wait_run_ended
+from tests.support.procs import ServiceGroup, wait_until
+from tests.support.tiny_model import build_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "rollout.json"
@@ -253,7 +253,7 @@ def run_bench(args, tmp: Path, redis_url: str, db_url: str) -> dict:
     add_dataset(engine, args.tasks)
     procs = ServiceGroup(tmp, redis_url=redis_url, database_url=db_url, log_format="json", log_level="WARNING")
     port = free_port()
-    procs.start("mock_llm", "harness.mock_llm", args=["--port", str(port), "--latency-ms", str(args.latency_ms),
+    procs.start("mock_llm", "tests.support.mock_llm", args=["--port", str(port), "--latency-ms", str(args.latency_ms),
                                                       "--tokenizer", model_dir])
     system = [psutil.Process(procs.start(name, module, worker_id=worker_id, **env).pid)
               for name, module, worker_id, env in [

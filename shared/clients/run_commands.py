@@ -46,7 +46,7 @@ from shared.stores.datasets import DatasetNotFound, count_rows, pin_version
 
 CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
 TINY_MODEL_HINT = ("to make the tiny test model the examples name, run "
-                   "`.venv/bin/python -m harness.tiny_model .data/models/tiny-qwen2` in the repo root")
+                   "`.venv/bin/python -m tests.support.tiny_model .data/models/tiny-qwen2` in the repo root")
 
 
 COMMAND_WAIT_S = 10.0  # how long a sender waits for the controller to apply a run command, seconds

@@ -6,8 +6,8 @@ most frequent digit of a uniform task mix), so a reward of 0.8 needs the model t
 
 The agent and env `recall` (RecallAgent in services/rollout_worker/builtin/agents.py, RecallEnv in
 services/env_worker/builtin/envs.py) and the built-in dataset generator `recall` share this task's words, rows
-and reward; the model whose tokenizer knows exactly these words is `python -m harness.tiny_model --number
-FOLDER` (harness.tiny_model.build_number_model). `make demo`, `examples/train_recall_grpo.yaml` and the trainer tests
+and reward; the model whose tokenizer knows exactly these words is `python -m tests.support.tiny_model --number
+FOLDER` (tests.support.tiny_model.build_number_model). `make demo`, `examples/train_recall_grpo.yaml` and the trainer tests
 train on it.
 """
 

@@ -58,9 +58,9 @@ def test_gpu_packed_log_probs_match_padded(tmp_path):
     """Padding removal + token-budget micro-batches on CUDA (sdpa over packed sequences) give the padded
     path's log-probs on an RL-shaped batch (spread lengths), within bf16 rounding."""
     from bench.gpu_smoke import build_model
-    from harness.trainer_batches import spread_batch
     from services.trainer.engine import PolicyEngine
     from shared.contracts.run_config import AlgorithmConfig
+    from tests.support.trainer_batches import spread_batch
 
     model_dir = build_model(tmp_path / "m", layers=2, hidden=256, heads=4, kv_heads=2, intermediate=512, vocab=1024)
     t = spread_batch(8, 32, 96, 1024)
@@ -76,9 +76,9 @@ def test_gpu_chunked_triton_log_probs_and_update_match_verls_torch_kernel(tmp_pa
     """LOG_PROB_KERNEL=chunked_triton (services/trainer/logprob_kernel.py) on CUDA: the same log-probs and entropy
     as verl's torch kernel, and an update from the same start lands on the same loss and gradient norm."""
     from bench.gpu_smoke import build_model
-    from harness.trainer_batches import spread_batch
     from services.trainer.engine import PolicyEngine
     from shared.contracts.run_config import AlgorithmConfig
+    from tests.support.trainer_batches import spread_batch
 
     model_dir = build_model(tmp_path / "m", layers=2, hidden=256, heads=4, kv_heads=2, intermediate=512, vocab=4096)
     t = spread_batch(8, 32, 224, 4096)

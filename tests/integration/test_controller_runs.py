@@ -17,7 +17,6 @@ from fixtures.aio import cancel_and_wait
 from sqlalchemy import insert, select, text, update
 from sqlalchemy.orm import Session
 
-from harness.procs import ServiceGroup, wait_until_async
 from services.controller.ledger import ledger_summary
 from shared.contracts.db.models import Dataset, DatasetRow, Run, RunEvent
 from shared.contracts.messages import (
@@ -42,6 +41,7 @@ from shared.contracts.streams import (
 )
 from shared.platform.bus import StreamBus
 from shared.platform.db.session import make_engine
+from tests.support.procs import ServiceGroup, wait_until_async
 
 
 @pytest.fixture(scope="module")

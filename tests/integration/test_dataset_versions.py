@@ -17,10 +17,10 @@ from api_testlib import run_config, running_api
 from sqlalchemy import insert
 from test_controller_runs import FakeRolloutWorker, run_row, set_run, start_controller  # noqa: F401 (fixture)
 
-from harness.procs import wait_until_async
 from shared.contracts.db.models import Run
 from shared.platform.db.session import make_engine
 from shared.stores.datasets import DatasetInUse, DatasetNotFound, DatasetRegistry
+from tests.support.procs import wait_until_async
 
 
 @pytest.fixture(scope="module")

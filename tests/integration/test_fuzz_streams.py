@@ -23,10 +23,8 @@ import msgpack
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from harness.live import accounting, insert_run, register_dataset, start_mock_llm, wait_run_ended
-from harness.ports import free_port
-from harness.stack import LocalStack
-from harness.tiny_model import build_tiny_model
+from infra.local.ports import free_port
+from infra.local.stack import LocalStack
 from shared.contracts.messages import (
     AcceptedResult,
     EnvReply,
@@ -51,6 +49,8 @@ from shared.contracts.streams import (
 )
 from shared.platform.bus import connect
 from shared.sdk.types import TerminationReason
+from tests.support.live import accounting, insert_run, register_dataset, start_mock_llm, wait_run_ended
+from tests.support.tiny_model import build_tiny_model
 
 LIMIT = 256 * 1024  # MAX_ENTRY_BYTES of the services under test
 ENV_ID, ROLLOUT_ID = "env-worker-0", "rollout-worker-0"

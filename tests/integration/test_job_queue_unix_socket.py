@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness.servers import RedisServer
+from infra.local.servers import RedisServer
 from services.jobs.celery_app import celery_broker_url, celery_client, make_celery
 from services.jobs.config import JobsConfig
 from shared.clients.jobs import JOB_TASKS

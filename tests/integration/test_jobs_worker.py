@@ -20,11 +20,11 @@ from api_testlib import run_config, seed_run, start_api, start_jobs
 from sqlalchemy import create_engine
 from trainer_testlib import WeightServer
 
-from harness.ports import free_port
-from harness.procs import stop, wait_until
+from infra.local.ports import free_port
 from shared.contracts import streams
 from shared.contracts.messages import JobRequest, JobRequestReply
 from shared.platform.bus import announce, await_answer
+from tests.support.procs import stop, wait_until
 
 
 @pytest.fixture(scope="module")

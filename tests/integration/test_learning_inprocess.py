@@ -8,7 +8,7 @@ import torch
 
 from bench.demo import BAR, FINAL_VERSIONS, STEPS, run_inprocess
 from bench.recall import WORDS
-from harness.tiny_model import build_number_model
+from tests.support.tiny_model import build_number_model
 
 
 def test_tiny_model_learns_every_question_of_the_recall_task_inprocess(tmp_path):

@@ -29,7 +29,6 @@ from sqlalchemy import create_engine
 from trainer_testlib import WeightServer
 
 from bench.demo import LORA, LORA_BAR, LORA_INIT_STD, LORA_LR, judge, prompt_ids, run_stack
-from harness.tiny_model import build_number_model
 from services.rollout_worker.engines import AdapterView, SamplingParams
 from services.rollout_worker.runs import RunRegistry
 from services.trainer.publisher import WeightPublisher
@@ -37,6 +36,7 @@ from shared.contracts.messages import decode
 from shared.contracts.run_config import AlgorithmConfig
 from shared.contracts.streams import WEIGHTS
 from shared.weights.manifest import ADAPTER_CONFIG, ADAPTER_WEIGHTS, MANIFEST, BaseModelRef, base_model_digest
+from tests.support.tiny_model import build_number_model
 
 ADAPTERS = {"a": {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]},
             "b": {"rank": 8, "alpha": 16, "target_modules": "all-linear"},
@@ -277,7 +277,7 @@ def test_vllm_serves_each_runs_adapter_in_mixed_batches(tmp_path):
 
     from fixtures.vllm_env import vllm_env, vllm_python
 
-    from harness.tiny_model import build_vllm_tiny_model
+    from tests.support.tiny_model import build_vllm_tiny_model
 
     py = vllm_python()
     model = build_vllm_tiny_model(tmp_path / "model", seed=0)
@@ -323,11 +323,11 @@ async def test_a_vllm_server_serves_each_runs_adapter_through_the_openai_engine(
     import httpx
     from fixtures.vllm_env import start_vllm_server
 
-    from harness.ports import free_port
-    from harness.tiny_model import build_vllm_tiny_model
+    from infra.local.ports import free_port
     from services.rollout_worker.engines import build_engine
     from shared.contracts.run_config import EngineConfig
     from shared.weights.manifest import ChecksumError
+    from tests.support.tiny_model import build_vllm_tiny_model
 
     model = build_vllm_tiny_model(tmp_path / "model", seed=0)
     other = build_vllm_tiny_model(tmp_path / "other", seed=1)

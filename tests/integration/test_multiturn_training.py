@@ -24,12 +24,12 @@ from fixtures.rollout_stack import (
     weights_published,
 )
 
-from harness.procs import start_service, stop, wait_heartbeat
-from harness.tiny_model import build_number_model
 from services.jobs.builtin_datasets import generate
 from shared.contracts.streams import WEIGHTS
 from shared.platform.bus import StreamBus, connect
 from shared.weights.manifest import write_manifest
+from tests.support.procs import start_service, stop, wait_heartbeat
+from tests.support.tiny_model import build_number_model
 
 MAX_TOKENS = 3  # per turn: turns of several tokens, some ending with the model's own EOS
 

@@ -19,7 +19,6 @@ from api_testlib import running_api
 from sqlalchemy import insert, select, update
 from sqlalchemy.orm import Session
 
-from harness.procs import ServiceGroup, wait_heartbeat, wait_until
 from shared.clients.run_commands import ControllerUnavailable, create_run, run_command
 from shared.contracts.db.models import Dataset, DatasetRow, Run, RunEvent
 from shared.contracts.messages import RunCommand, RunCommandReply, RunControl, decode
@@ -27,6 +26,7 @@ from shared.contracts.run_config import RunConfig
 from shared.contracts.streams import RUN_COMMANDS, RUN_CONTROL, command_reply
 from shared.platform.bus import announce, await_answer
 from shared.platform.db.session import make_engine
+from tests.support.procs import ServiceGroup, wait_heartbeat, wait_until
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ import uuid
 import pytest
 from sqlalchemy import text
 
-from harness.procs import wait_until_async
 from services.controller import ledger
 from services.trainer.batch import GroupBuffer
 from services.trainer.config import TrainerSettings
@@ -32,6 +31,7 @@ from shared.platform import leases
 from shared.platform.bus import connect
 from shared.platform.db.session import make_engine
 from shared.sdk.types import TerminationReason
+from tests.support.procs import wait_until_async
 
 
 @pytest.fixture

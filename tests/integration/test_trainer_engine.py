@@ -9,9 +9,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from harness.tiny_model import build_number_model
 from services.trainer.algorithm import compute_advantages, importance_weights
 from shared.contracts.run_config import AlgorithmConfig
+from tests.support.tiny_model import build_number_model
 
 
 @pytest.fixture(scope="module")

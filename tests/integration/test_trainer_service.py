@@ -22,10 +22,8 @@ from safetensors.torch import load_file
 from sqlalchemy import create_engine, text
 from trainer_testlib import REPO, WeightServer
 
-from harness.ports import free_port
-from harness.procs import start_service, wait_until
-from harness.servers import scratch_database
-from harness.tiny_model import build_number_model
+from infra.local.ports import free_port
+from infra.local.servers import scratch_database
 from shared.contracts.messages import (
     AcceptedResult,
     EpisodeResult,
@@ -48,6 +46,8 @@ from shared.contracts.streams import (
 from shared.platform import leases
 from shared.sdk.types import TerminationReason
 from shared.weights.manifest import ADAPTER_CONFIG, ADAPTER_WEIGHTS, MANIFEST
+from tests.support.procs import start_service, wait_until
+from tests.support.tiny_model import build_number_model
 
 TASKS, N = 2, 4  # groups per batch, samples per group
 

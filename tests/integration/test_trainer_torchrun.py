@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from harness.ports import free_port
-from harness.tiny_model import build_number_model
+from infra.local.ports import free_port
+from tests.support.tiny_model import build_number_model
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = r'''

@@ -22,12 +22,12 @@ from fixtures.fake_rollouts import serve_rollout_tasks
 from sqlalchemy import create_engine, text
 from trainer_testlib import REPO, WeightServer
 
-from harness.procs import ServiceGroup, wait_until
-from harness.tiny_model import build_number_model
 from services.controller import ledger
 from shared.contracts.messages import EpisodeResult, RolloutTask, TrajectoryRecord, encode
 from shared.contracts.run_config import RunConfig
 from shared.contracts.streams import TRAJECTORIES
+from tests.support.procs import ServiceGroup, wait_until
+from tests.support.tiny_model import build_number_model
 
 
 @pytest.fixture(scope="module")

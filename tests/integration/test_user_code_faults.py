@@ -20,7 +20,10 @@ import pytest
 from sqlalchemy import text
 from typer.testing import CliRunner
 
-from harness.live import (
+from infra.local.ports import free_port
+from infra.local.stack import LocalStack
+from services.api.cli import app as cli_app
+from tests.support.live import (
     REPO,
     accounting,
     insert_run,
@@ -29,10 +32,7 @@ from harness.live import (
     start_mock_llm,
     wait_run_ended,
 )
-from harness.ports import free_port
-from harness.stack import LocalStack
-from harness.tiny_model import build_tiny_model
-from services.api.cli import app as cli_app
+from tests.support.tiny_model import build_tiny_model
 
 sys.path.insert(0, str(REPO / "tests" / "integration"))
 from api_testlib import start_api  # noqa: E402

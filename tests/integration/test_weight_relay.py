@@ -24,12 +24,12 @@ from fastapi.responses import Response
 from sqlalchemy import create_engine
 from trainer_testlib import WeightServer
 
-from harness.netns import ShapedNetwork
-from harness.procs import start_service
-from harness.servers import PostgresServer, RedisServer
+from infra.local.servers import PostgresServer, RedisServer
 from shared.contracts.db.models import Run
 from shared.contracts.messages import WeightsPublished
 from shared.weights.manifest import PIECE_BYTES, verify_folder
+from tests.support.netns import ShapedNetwork
+from tests.support.procs import start_service
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces and tc need root")
 REPO = Path(__file__).resolve().parents[2]

@@ -8,12 +8,12 @@ import uuid
 
 import pytest
 
-from harness.sandbox_escapes import ESCAPES, Target
 from services.env_worker.sandbox import SandboxLimits, run_python
 from services.env_worker.sandbox import container as sc
 from services.env_worker.sessions import SessionHost
 from shared.contracts.messages import EnvRequest
 from shared.contracts.registry import resolve
+from tests.support.sandbox_escapes import ESCAPES, Target
 
 IMAGE = os.environ.get("SANDBOX_IMAGE", "localhost/flywheel-sandbox-python:local")
 

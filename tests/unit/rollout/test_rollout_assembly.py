@@ -41,7 +41,7 @@ def test_steps_without_tokens_are_ignored():
 
 @pytest.fixture(scope="module")
 def chat(tmp_path_factory):
-    from harness.tiny_model import build_tokenizer
+    from tests.support.tiny_model import build_tokenizer
 
     return ChatTokenizer(build_tokenizer())
 

@@ -56,7 +56,7 @@ async def test_times_out_and_returns_results():
 
 def test_services_and_shared_never_call_asyncio_wait_for():
     found = []
-    for folder in ("services", "shared", "harness"):
+    for folder in ("services", "shared", "infra"):
         for path in sorted((REPO / folder).rglob("*.py")):
             for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
                 if (isinstance(node, ast.Attribute) and node.attr == "wait_for" and isinstance(node.value, ast.Name)

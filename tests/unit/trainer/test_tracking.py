@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from harness.ports import free_port
+from infra.local.ports import free_port
 from services.trainer.config import TrainerSettings
 from services.trainer.tracking import KINDS, RunTrackers, TensorBoardTracker, resolve
 from shared.contracts.run_config import RunConfig

@@ -1,6 +1,6 @@
 """What the local stack started dies with it, however the stack dies (a SIGKILL runs no handler of its own):
 
-    python -m harness.watchdog    # started by LocalStack in a session of its own; reads commands on stdin
+    python -m infra.local.watchdog    # started by LocalStack in a session of its own; reads commands on stdin
 
 The stack holds the write end of this process's stdin; the kernel closes it when the stack exits for any
 reason, and the watchdog reads end-of-file. Lines before that: `+PID` (a process group the stack started),

@@ -27,7 +27,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.builtin.sandbox import SandboxLimits, SandboxResult, run_python
+from services.env_worker.sandbox import SandboxLimits, SandboxResult, run_python
 
 REPO_FILE = Path(__file__).resolve()  # a file of the repository (and of the worker's code)
 SECRET_ENV = "FW_SANDBOX_TEST_SECRET"
@@ -293,12 +293,11 @@ def proc_sys_read_only(argv: list[str]) -> list[str]:
 
 
 def main() -> int:
-    """`python -m harness.sandbox_escapes [MODE]`: every escape against MODE (namespaces) where this runs (e.g.
+    """`python -m tests.support.sandbox_escapes [MODE]`: every escape against MODE (namespaces) where this runs (e.g.
     inside the env-worker container, by `make compose-smoke`); prints a JSON summary, exit 1 if one got out."""
     import json
 
-    from shared.builtin import sandbox_ns
-
+    from services.env_worker.sandbox import ns as sandbox_ns
     mode = sys.argv[1] if len(sys.argv) > 1 else "namespaces"
     summary: dict = {"mode": mode}
     if mode == "namespaces":

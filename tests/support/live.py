@@ -4,10 +4,10 @@ vllm.py) and the system tests (tests/integration/test_fuzz_streams.py, test_user
     mock = start_mock_llm(port, latency_ms=50)                              # OpenAI-compatible, token ids
     register_dataset(engine, "arith", 100)                                  # builtin arithmetic rows
     run_id = insert_run(engine, config)                                    # what POST /v1/runs does
-    wait_run_ended(engine, run_id, 120); accounting(engine, run_id)        # judged by shared.audit
+    wait_run_ended(engine, run_id, 120); accounting(engine, run_id)        # judged by tests.support.audit
 
-The servers come from harness.servers, the services from harness.stack.LocalStack, the model from
-harness.tiny_model.
+The servers come from infra.local.servers, the services from infra.local.stack.LocalStack, the model from
+tests.support.tiny_model.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from pathlib import Path
 
 from sqlalchemy import Engine, text
 
-from harness.ports import wait_port
-from harness.procs import start_service, wait_until
+from infra.local.ports import wait_port
+from tests.support.procs import start_service, wait_until
 
 REPO = Path(__file__).resolve().parents[1]
 TERMINAL = ("completed", "failed", "stopped")
@@ -28,9 +28,9 @@ TERMINAL = ("completed", "failed", "stopped")
 
 def start_mock_llm(port: int, latency_ms: float, answer: str = "The answer is \\boxed{1}.",
                    tokenizer: str | None = None) -> subprocess.Popen:
-    """harness.mock_llm as a process on 127.0.0.1:port; its base URL is http://127.0.0.1:port/v1. `tokenizer`
+    """tests.support.mock_llm as a process on 127.0.0.1:port; its base URL is http://127.0.0.1:port/v1. `tokenizer`
     (a model folder): token-id prompts are decoded, so `answer="correct"` can answer them."""
-    proc = start_service("harness.mock_llm", log=subprocess.DEVNULL,
+    proc = start_service("tests.support.mock_llm", log=subprocess.DEVNULL,
                          args=["--port", str(port), "--latency-ms", str(latency_ms), "--answer", answer,
                                *(["--tokenizer", tokenizer] if tokenizer else [])])
     wait_port(port, proc)
@@ -39,7 +39,7 @@ def start_mock_llm(port: int, latency_ms: float, answer: str = "The answer is \\
 
 def register_dataset(engine: Engine, name: str, n: int, split: str = "test", seed: int = 0) -> None:
     """n builtin arithmetic rows; task ids are `arith-<seed>-<i>`."""
-    from shared.builtin.datasets import generate
+    from services.jobs.builtin_datasets import generate
     from shared.stores.datasets import DatasetRegistry
 
     DatasetRegistry(engine).register(name, generate("arithmetic", n, seed=seed), split)
@@ -47,7 +47,7 @@ def register_dataset(engine: Engine, name: str, n: int, split: str = "test", see
 
 def insert_run(engine: Engine, config: dict) -> str:
     """A pending run as the controller creates it for a `create` command (the config validated the same way),
-    written directly: the harness's shortcut for stacks without an API. A controller then drives it."""
+    written directly: the test support's shortcut for stacks without an API. A controller then drives it."""
     from sqlalchemy.orm import Session
 
     from shared.contracts.db.models import Run
@@ -90,7 +90,7 @@ def wait_run_ended(engine: Engine, run_id: str, timeout_s: float, *, procs=()) -
 
 
 def accounting(engine: Engine, run_id: str) -> dict[str, int]:
-    from shared.audit import run_accounting
+    from tests.support.audit import run_accounting
 
     with engine.connect() as c:
         return run_accounting(c, run_id)

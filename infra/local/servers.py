@@ -28,7 +28,7 @@ from pathlib import Path
 import redis
 from sqlalchemy import text
 
-from harness.ports import free_port
+from infra.local.ports import free_port
 from shared.platform.logs import get_logger
 
 log = get_logger(__name__)

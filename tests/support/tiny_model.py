@@ -1,7 +1,7 @@
 """Tiny random-init models with local tokenizers and a Qwen-style chat template, saved as HF folders
 (config.json, model.safetensors, tokenizer files). Nothing is downloaded.
 
-    from harness.tiny_model import build_tiny_model
+    from tests.support.tiny_model import build_tiny_model
     path = build_tiny_model(tmp_path / "model", seed=0)
     AutoModelForCausalLM.from_pretrained(path); AutoTokenizer.from_pretrained(path)
 
@@ -17,7 +17,7 @@ near-ties that kernels may flip).
 `build_number_model` is the model of the demo's task (bench/recall.py: a number word -> its digit) and of the
 trainer tests: a Llama whose word-level tokenizer has one token per number word and per digit.
 
-`python -m harness.tiny_model [--number] FOLDER` writes the tiny (or, with --number, the number-word) model
+`python -m tests.support.tiny_model [--number] FOLDER` writes the tiny (or, with --number, the number-word) model
 unless FOLDER already holds one (the compose file's `model-init` runs it so that `docker compose up` has a model
 to evaluate and train on CPU out of the box; with FLYWHEEL_MODEL set, the user names their own model and it
 does nothing).
@@ -28,7 +28,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from shared.builtin.recall import WORDS as NUMBER_WORDS  # the recall task's words: one token each
+from shared.tasks.recall import WORDS as NUMBER_WORDS  # the recall task's words: one token each
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (

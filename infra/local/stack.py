@@ -15,7 +15,7 @@ The console entry supervises: a service that exits is restarted after a backoff 
 same way at the same address; every restart is logged with the exit code. Any signal (Ctrl-C, SIGTERM, SIGHUP,
 SIGQUIT) stops everything: SIGTERM to each service's process group, SIGKILL after a timeout; a second signal
 kills what is left at once, and no signal, however many arrive, leaves a process behind; a SIGKILL neither
-(harness/watchdog.py stops what the stack started once it is gone). Signals within
+(infra/local/watchdog.py stops what the stack started once it is gone). Signals within
 SAME_SIGNAL_S of the first are that one stop request delivered twice (a signal to the process group that a
 parent, a wrapper script or a process supervisor also passes on to the stack).
 
@@ -48,8 +48,8 @@ from typing import IO
 
 import httpx
 
-from harness.ports import free_port
-from harness.servers import PostgresServer, RedisServer
+from infra.local.ports import free_port
+from infra.local.servers import PostgresServer, RedisServer
 from shared.platform.logs import get_logger
 
 log = get_logger(__name__)
@@ -172,7 +172,7 @@ class LocalStack:
     `echo` mirrors service output to this process's stdout with a name prefix (logs are always written): every
     line (True or "all"), or only what a user acts on ("important": see `ConsoleFilter`);
     `backoff` shapes the restart delays once `supervise()` was called; `placement(name, index)` says where an
-    instance runs (harness/netns.py's namespaces: the weight-sync bench), default here.
+    instance runs (tests/support/netns.py's namespaces: the weight-sync bench), default here.
     """
 
     def __init__(
@@ -275,12 +275,12 @@ class LocalStack:
         server.start()
         self._tell(f"+{server.pid}")  # its own session: the group is its pid
 
-    # ---- the watchdog: whatever was started dies with this process (harness/watchdog.py)
+    # ---- the watchdog: whatever was started dies with this process (infra/local/watchdog.py)
 
     def _start_watchdog(self) -> None:
         # Its own session, so a signal to our process group (Ctrl-C, a supervisor's SIGKILL) leaves it to act.
         with open(self.data_dir / "logs" / "stack.log", "ab") as out:
-            self._watchdog = subprocess.Popen([sys.executable, "-m", "harness.watchdog"], cwd=REPO,
+            self._watchdog = subprocess.Popen([sys.executable, "-m", "infra.local.watchdog"], cwd=REPO,
                                               stdin=subprocess.PIPE, stdout=out, stderr=out, start_new_session=True)
 
     def _tell(self, line: str) -> None:

@@ -1,6 +1,6 @@
 """An OpenAI-compatible mock LLM for benchmarks and tests: fixed latency, boxed answers, token ids, logprobs.
 
-    python -m harness.mock_llm --port 8100 --latency-ms 50 [--tokenizer DIR] [--answer correct|TEXT]
+    python -m tests.support.mock_llm --port 8100 --latency-ms 50 [--tokenizer DIR] [--answer correct|TEXT]
 
 Speaks the protocol in the ports doc: POST /v1/completions (also /completions) with {"prompt": [ids] or
 text, "max_tokens", ...} -> choices[0].{text, token_ids, logprobs.token_logprobs, finish_reason} and a

@@ -1,5 +1,5 @@
 """The one way tests and benchmarks start a service (or helper) process without a whole stack
-(`harness.stack.LocalStack` starts, supervises and stops many), and the waits that go with it:
+(`infra.local.stack.LocalStack` starts, supervises and stops many), and the waits that go with it:
 
     proc = start_service("services.env_worker.main", redis_url=url, worker_id="env-a")
     health = wait_heartbeat(url, "env-worker", "env-a", proc)   # dict incl. "port" of /healthz and /metrics
