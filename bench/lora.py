@@ -17,7 +17,7 @@ on a base whose weights dominate a process's memory (bench/train.py's 114M-param
    the wrong run scores near 0: `final_reward` per run, trajectories per second over all runs, wall time, and
    the same for one run alone just before (`traj_per_s_one_run`).
 4. trainer (`--part trainer`, also in the full bench), each configuration in a fresh process: the verl engines a
-   trainer holds (services/trainer/shared_base.py) for one LoRA run, for N LoRA runs of one kind (one base,
+   trainer holds (services/trainer/lora_shared_engine.py) for one LoRA run, for N LoRA runs of one kind (one base,
    N adapters + optimizers) and for N full-weight runs, each run taking two real PPO updates: private resident
    MB (`trainer_private_mb_*`: resident less file-backed pages), engines held, and the median update time.
 """
@@ -73,7 +73,7 @@ async def sync(work: Path, model: Path, redis_url: str, database_url: str) -> di
     from sqlalchemy import create_engine
 
     from infra.local.stack import LocalStack
-    from services.rollout_worker.runs import RunRegistry
+    from services.rollout_worker.run_engines import RunRegistry
     from services.trainer.publisher import WeightPublisher
     from shared.contracts.messages import decode
     from shared.contracts.streams import WEIGHTS
@@ -203,7 +203,7 @@ def trainer_engines(model: Path, mode: str, runs: int) -> dict:
     import verl.workers.engine_workers  # noqa: F401  (its import, ~300 MB, is not an engine's)
 
     from bench.train import _ppo_step
-    from services.trainer.shared_base import engines_held, open_engine
+    from services.trainer.lora_shared_engine import engines_held, open_engine
     from shared.contracts.run_config import AlgorithmConfig
 
     def rss() -> float:

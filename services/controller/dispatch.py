@@ -22,8 +22,8 @@ from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import SQLAlchemyError
 
 from services.controller import ledger, lifecycle
-from services.controller.config import ControllerConfig
-from services.controller.run import RunDriver
+from services.controller.run_driver import RunDriver
+from services.controller.settings import ControllerSettings
 from services.controller.share import fair_shares
 from services.controller.stall import gather_facts, stall_reason
 from shared.contracts.db.models import TERMINAL_RUN_STATUSES
@@ -44,7 +44,7 @@ DISPATCH_LATENCY = Histogram("controller_dispatch_latency_seconds", "Ledger inse
 
 
 class DispatchLoop:
-    def __init__(self, cfg: ControllerConfig, worker_id: str, db: Engine, bus: StreamBus,
+    def __init__(self, cfg: ControllerSettings, worker_id: str, db: Engine, bus: StreamBus,
                  drivers: dict[str, RunDriver], wake: asyncio.Event, status: dict):
         self.cfg, self.worker_id, self.db, self.bus = cfg, worker_id, db, bus
         self.drivers, self.wake, self.status = drivers, wake, status

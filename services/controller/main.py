@@ -9,16 +9,16 @@ from __future__ import annotations
 
 import sys
 
-from services.controller.config import ControllerConfig
+from services.controller.settings import ControllerSettings
 from shared.platform.service import Loops, ServiceRuntime, run_service
 
 
 def main() -> int:
-    return run_service(ControllerConfig(), build)
+    return run_service(ControllerSettings(), build)
 
 
-async def build(cfg: ControllerConfig, runtime: ServiceRuntime) -> Loops:
-    from services.controller.controller import Controller
+async def build(cfg: ControllerSettings, runtime: ServiceRuntime) -> Loops:
+    from services.controller.loops import Controller
     from shared.platform.bus import StreamBus, connect
     from shared.platform.db.session import make_engine
 

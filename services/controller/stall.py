@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.controller.run import RunDriver
+from services.controller.run_driver import RunDriver
 from shared.platform.bus import Redis, RedisError
 from shared.platform.heartbeats import Heartbeat, live_workers_async
 

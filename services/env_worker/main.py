@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from services.env_worker.config import EnvWorkerConfig
+from services.env_worker.settings import EnvWorkerSettings
 from shared.platform.logs import get_logger
 from shared.platform.service import Loops, ServiceRuntime, run_service
 
@@ -16,10 +16,10 @@ log = get_logger(__name__)
 
 
 def main() -> int:
-    return run_service(EnvWorkerConfig(), build, dependencies=("redis",))  # no Postgres: ready with Redis alone
+    return run_service(EnvWorkerSettings(), build, dependencies=("redis",))  # no Postgres: ready with Redis alone
 
 
-def check_sandbox(cfg: EnvWorkerConfig) -> None:
+def check_sandbox(cfg: EnvWorkerSettings) -> None:
     """Fail at start, with the reason, when a sandbox mode this worker must give cannot run here (no fall back)."""
     from services.env_worker.sandbox import SandboxUnavailable, check_mode
 
@@ -36,7 +36,7 @@ def check_sandbox(cfg: EnvWorkerConfig) -> None:
                      "bwrap --disable-userns and seccomp" if lay.userns_sysctl else "seccomp (/proc/sys read-only)")
 
 
-async def build(cfg: EnvWorkerConfig, runtime: ServiceRuntime) -> Loops:
+async def build(cfg: EnvWorkerSettings, runtime: ServiceRuntime) -> Loops:
     from services.env_worker.worker import EnvWorker
     from shared.platform.bus import connect
 

@@ -15,7 +15,7 @@ from celery import Celery
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
-from services.jobs.config import JobsConfig
+from services.jobs.settings import JobsSettings
 from services.jobs.tasks import JOBS, JobContext, JobInputError
 from services.jobs.tracking import sync_tracking
 from shared.clients.jobs import JOB_TASKS
@@ -43,7 +43,7 @@ def celery_client(redis_url: str) -> Celery:
     return Celery("flywheel-jobs-intake", broker=celery_broker_url(redis_url))
 
 
-def make_celery(config: JobsConfig) -> Celery:
+def make_celery(config: JobsSettings) -> Celery:
     app = Celery("flywheel-jobs", broker=celery_broker_url(config.redis_url))
     app.conf.update(
         task_acks_late=True, task_reject_on_worker_lost=True, worker_prefetch_multiplier=1,
@@ -134,7 +134,7 @@ def _run_scheduled(ctx: JobContext, app: Celery, kind: str, params: dict) -> Non
     app.tasks[JOB_TASKS[kind]](job_id)
 
 
-def _schedule(config: JobsConfig) -> dict:
+def _schedule(config: JobsSettings) -> dict:
     schedule = {"gc": {"task": "flywheel.scheduled", "schedule": timedelta(seconds=config.gc_interval_s),
                        "args": ("gc", {"keep_checkpoints": config.keep_checkpoints, "trim_streams": True})}}
     if config.wandb_project or config.mlflow_tracking_uri:

@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import sys
 
-from services.jobs.config import JobsConfig
+from services.jobs.settings import JobsSettings
 from shared.platform.service import Loops, ServiceRuntime, run_service
 
 
 def main() -> int:
-    return run_service(JobsConfig(), build, foreground=run_celery)
+    return run_service(JobsSettings(), build, foreground=run_celery)
 
 
-async def build(config: JobsConfig, runtime: ServiceRuntime) -> Loops:
+async def build(config: JobsSettings, runtime: ServiceRuntime) -> Loops:
     from services.jobs.celery_app import celery_client
     from services.jobs.intake import JobIntake
     from shared.platform.bus import StreamBus, connect
@@ -32,7 +32,7 @@ async def build(config: JobsConfig, runtime: ServiceRuntime) -> Loops:
     return [intake.run(runtime.stop)]
 
 
-def run_celery(config: JobsConfig) -> None:
+def run_celery(config: JobsSettings) -> None:
     from services.jobs.celery_app import make_celery
 
     argv = ["worker", f"--pool={config.jobs_pool}", f"--concurrency={config.jobs_concurrency}",

@@ -15,7 +15,7 @@ import httpx
 from sqlalchemy import Engine, func, select, update
 from sqlalchemy.orm import Session
 
-from services.jobs.config import JobsConfig
+from services.jobs.settings import JobsSettings
 from shared.clients.run_commands import RunRefused, create_run
 from shared.contracts import streams
 from shared.contracts.db.models import (
@@ -49,7 +49,7 @@ class JobInputError(ValueError):
 
 @dataclass
 class JobContext:
-    config: JobsConfig
+    config: JobsSettings
     engine: Engine
 
 

@@ -19,7 +19,7 @@ from services.rollout_worker.assembly import assemble
 from services.rollout_worker.builtin.workflows import SingleAgentWorkflow
 from services.rollout_worker.env_client import EnvClient
 from services.rollout_worker.rollout import Rollout
-from services.rollout_worker.runs import RunContext
+from services.rollout_worker.run_engines import RunContext
 from shared.contracts.messages import EpisodeResult, RolloutTask, TrajectoryRecord
 from shared.platform.logs import get_logger
 from shared.platform.service import wait_for

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import sys
 
-from services.rollout_worker.config import RolloutWorkerConfig
+from services.rollout_worker.settings import RolloutWorkerSettings
 from shared.platform.service import Loops, ServiceRuntime, run_service
 
 
@@ -17,11 +17,11 @@ def main() -> int:
     # Prompts are tokenized one at a time from many coroutines: the tokenizers' thread pool only adds
     # contention on 2-core nodes. Set TOKENIZERS_PARALLELISM=true to override.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    cfg = RolloutWorkerConfig()
+    cfg = RolloutWorkerSettings()
     return run_service(cfg, build, shutdown_timeout_s=cfg.drain_timeout_s + 10)
 
 
-async def build(cfg: RolloutWorkerConfig, runtime: ServiceRuntime) -> Loops:
+async def build(cfg: RolloutWorkerSettings, runtime: ServiceRuntime) -> Loops:
     from services.rollout_worker.worker import RolloutWorker, available_engines
     from shared.platform.bus import connect
     from shared.platform.db.session import make_engine

@@ -22,7 +22,7 @@ from prometheus_client import Counter, Histogram
 from services.rollout_worker.assembly import PromptBuilder
 from services.rollout_worker.engines import InferenceError
 from services.rollout_worker.env_client import EnvClient, EnvSessionLost
-from services.rollout_worker.runs import RunContext
+from services.rollout_worker.run_engines import RunContext
 from shared.contracts.messages import EnvReply, RolloutTask
 from shared.platform.logs import get_logger
 from shared.platform.service import wait_for

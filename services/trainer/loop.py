@@ -38,11 +38,11 @@ from prometheus_client import Counter, Gauge, Histogram
 from sqlalchemy import Engine
 
 from services.trainer import batch as batching
-from services.trainer import runs as db
+from services.trainer import run_store as db
 from services.trainer import tracking
 from services.trainer.batch import Group, GroupBuffer, GroupKey, SampleKey
-from services.trainer.config import TrainerSettings
 from services.trainer.publisher import WeightPublisher
+from services.trainer.settings import TrainerSettings
 from services.trainer.state import CheckpointDir, SampleRecord, StepRecord
 from services.trainer.tracking import RunTrackers
 from shared.contracts.messages import AcceptedResult, ConsumedGroup, RunControl, TrainerProgress
@@ -154,7 +154,7 @@ class Trainer:
         self.foreign = set(active) - held
         for run_id in held - set(self.runs):
             await self.open_run(active[run_id])
-        from services.trainer.shared_base import engines_held
+        from services.trainer.lora_shared_engine import engines_held
 
         # model_copies: copies of a model held (LoRA runs of one kind share one)
         self.status.update(runs={r.run_id: r.version for r in self.runs.values()}, trains=sorted(self.runs),

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import sys
 
-from services.trainer.config import TrainerSettings
+from services.trainer.settings import TrainerSettings
 from shared.platform.service import Loops, ServiceRuntime, run_service, setup_service
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from services.weight_server.config import WeightServerSettings
+from services.weight_server.settings import WeightServerSettings
 from shared.platform.service import Loops, ServiceRuntime, run_service
 
 

@@ -1,9 +1,9 @@
 """The one skeleton every service process runs on. A service's `main` is its settings and a `build`:
 
     def main() -> int:
-        return run_service(EnvWorkerConfig(), build, dependencies=("redis",))
+        return run_service(EnvWorkerSettings(), build, dependencies=("redis",))
 
-    async def build(cfg: EnvWorkerConfig, runtime: ServiceRuntime) -> list[Coroutine]:
+    async def build(cfg: EnvWorkerSettings, runtime: ServiceRuntime) -> list[Coroutine]:
         redis = connect(cfg.redis_url)
         runtime.on_stop(redis.aclose)            # cleanups run after the loops end, last registered first
         worker = EnvWorker(cfg, runtime.worker_id, redis)

@@ -249,12 +249,12 @@ def test_gc_keeps_newest_checkpoints_with_what_they_are_built_on_and_trims_strea
 def test_gc_without_the_weight_server_fails_the_job_and_says_where_it_looked(database_url, redis_url, data_dir):
     """GC of a finished run's checkpoints needs their owner: unreachable, the job fails with WEIGHT_SERVER_URL in
     its error, and the worker lives on."""
-    from services.jobs.config import JobsConfig
+    from services.jobs.settings import JobsSettings
     from services.jobs.tasks import JobContext, _gc_checkpoints
 
     seed_run(database_url, name="gc-nobody", status="stopped", versions=3)
     engine = create_engine(database_url)
-    config = JobsConfig(database_url=database_url, redis_url=redis_url, data_dir=data_dir,
+    config = JobsSettings(database_url=database_url, redis_url=redis_url, data_dir=data_dir,
                         weight_server_url=f"http://127.0.0.1:{free_port()}")
     with pytest.raises(RuntimeError, match="WEIGHT_SERVER_URL"):
         _gc_checkpoints(JobContext(config, engine), keep=1)

@@ -30,7 +30,7 @@ from trainer_testlib import WeightServer
 
 from bench.demo import LORA, LORA_BAR, LORA_INIT_STD, LORA_LR, judge, prompt_ids, run_stack
 from services.rollout_worker.engines import AdapterView, SamplingParams
-from services.rollout_worker.runs import RunRegistry
+from services.rollout_worker.run_engines import RunRegistry
 from services.trainer.publisher import WeightPublisher
 from shared.contracts.messages import decode
 from shared.contracts.run_config import AlgorithmConfig
@@ -393,7 +393,7 @@ async def test_a_vllm_server_serves_each_runs_adapter_through_the_openai_engine(
 
 
 def test_lora_runs_over_one_base_share_one_trainer_engine_and_train_as_if_alone(tmp_path):
-    """Two LoRA runs of one kind on one trainer engine (services/trainer/shared_base.py): one copy of the base,
+    """Two LoRA runs of one kind on one trainer engine (services/trainer/lora_shared_engine.py): one copy of the base,
     and the steps of each, interleaved, give bit for bit the adapter that run gets on an engine of its own: its
     adapter, Adam moments and schedule never leak into the other's. A checkpoint written while the other run was
     swapped in restores that run's state into a new engine."""
@@ -403,7 +403,7 @@ def test_lora_runs_over_one_base_share_one_trainer_engine_and_train_as_if_alone(
     from services.trainer.batch import GroupBuffer, samples_from_result
     from services.trainer.engine import PolicyEngine
     from services.trainer.learner import Learner
-    from services.trainer.shared_base import close_engine, engines_held, open_engine
+    from services.trainer.lora_shared_engine import close_engine, engines_held, open_engine
 
     model = build_number_model(tmp_path / "model", init_std=LORA_INIT_STD)
     algo = AlgorithmConfig.model_validate(ALGORITHM | {"lr": 1e-2, "lora": {"rank": 4, "alpha": 8,

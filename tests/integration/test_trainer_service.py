@@ -252,7 +252,7 @@ def test_trainer_trains_whole_groups_reports_and_publishes(stack, redis_url, dat
 
 def test_lora_runs_of_one_kind_share_one_engine_in_the_trainer(stack, redis_url, database_url, model_dir, tmp_path):
     """Two LoRA runs over one base and a full-weight run in one trainer process: two engines (the LoRA runs share
-    theirs, services/trainer/shared_base.py), and each run trains and publishes its own versions."""
+    theirs, services/trainer/lora_shared_engine.py), and each run trains and publishes its own versions."""
     algorithm = {"adv_estimator": "grpo", "lr": 1e-3, "lora": {"rank": 4, "target_modules": ["q_proj", "v_proj"]}}
     runs = [_insert_run(database_url, model_dir, algorithm=algorithm) for _ in range(2)]
     runs.append(_insert_run(database_url, model_dir))

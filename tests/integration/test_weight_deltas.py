@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from sqlalchemy import create_engine
 from trainer_testlib import WeightServer
 
-from services.rollout_worker.runs import RunRegistry
+from services.rollout_worker.run_engines import RunRegistry
 from services.trainer.publisher import WeightPublisher
 from shared.contracts.messages import decode
 from shared.contracts.streams import WEIGHTS

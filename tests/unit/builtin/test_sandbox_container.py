@@ -68,10 +68,10 @@ def test_python_tool_runs_in_a_container():
 
 
 def test_worker_start_check_passes_with_an_engine():
-    from services.env_worker.config import EnvWorkerConfig
     from services.env_worker.main import check_sandbox
+    from services.env_worker.settings import EnvWorkerSettings
 
-    check_sandbox(EnvWorkerConfig(sandbox_modes="namespaces,container"))
+    check_sandbox(EnvWorkerSettings(sandbox_modes="namespaces,container"))
 
 
 def test_pool_hands_out_started_containers_fast_and_removes_them_after():

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from services.controller.ledger import LedgerRow, RunRow
 from services.controller.plan import Plan
-from services.controller.run import RunDriver
+from services.controller.queries import LedgerRow, RunRow
+from services.controller.run_driver import RunDriver
 from shared.contracts.run_config import RunConfig
 
 

@@ -18,7 +18,7 @@ import pytest
 from pydantic import ValidationError
 
 from infra.local.ports import free_port
-from services.trainer.config import TrainerSettings
+from services.trainer.settings import TrainerSettings
 from services.trainer.tracking import KINDS, RunTrackers, TensorBoardTracker, resolve
 from shared.contracts.run_config import RunConfig
 

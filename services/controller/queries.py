@@ -361,7 +361,7 @@ def top_reasons(conn: Connection, run_id: str, limit: int = 5) -> list[dict[str,
     """Why units that never scored ended so, most common first: [{"reason", "status" (error | failed | lost),
     "count" (attempts)}]. A user-code error's reason is its ledger row's error ("<where>: <exception>"); an infrastructure
     failure's is its traceback's last line, numbers and addresses folded together."""
-    from services.controller.run import outcome_reason
+    from services.controller.run_driver import outcome_reason
 
     t, c = RolloutTaskRow, aliased(RolloutTaskRow)
     scored = exists().where(c.run_id == t.run_id, c.task_id == t.task_id, c.sample_idx == t.sample_idx,

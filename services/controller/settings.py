@@ -7,7 +7,7 @@ from pydantic import Field, model_validator
 from shared.platform.settings import ServiceSettings
 
 
-class ControllerConfig(ServiceSettings):
+class ControllerSettings(ServiceSettings):
     service_name: str = "controller"
     poll_interval_s: float = Field(0.5, gt=0, description="how often the runs table is read (status, policy "
                                    "version) and run leases renewed, seconds")
@@ -40,7 +40,7 @@ class ControllerConfig(ServiceSettings):
     store_method: str = Field("copy", description="'copy' (binary COPY + INSERT SELECT) or 'values'")
 
     @model_validator(mode="after")
-    def _check(self) -> ControllerConfig:
+    def _check(self) -> ControllerSettings:
         if self.run_lease_s <= 2 * self.poll_interval_s:
             raise ValueError("RUN_LEASE_S must exceed twice POLL_INTERVAL_S, or leases lapse between renewals")
         if self.store_method not in ("copy", "values"):

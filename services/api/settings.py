@@ -7,7 +7,7 @@ from pydantic import Field, model_validator
 from shared.platform.settings import ServiceSettings
 
 
-class ApiConfig(ServiceSettings):
+class ApiSettings(ServiceSettings):
     service_name: str = "api"
     api_host: str = Field("0.0.0.0", description="interface uvicorn binds")
     api_port: int = Field(8000, ge=0, le=65535, description="HTTP port (API_PORT); 0 picks a free port")
@@ -39,7 +39,7 @@ class ApiConfig(ServiceSettings):
         "POST /v1/runs/{id}/sessions forwards a claim to them (unset when they need none)")
 
     @model_validator(mode="after")
-    def _token(self) -> ApiConfig:
+    def _token(self) -> ApiSettings:
         if self.api_token is not None and len(self.api_token) < 8:
             raise ValueError("API_TOKEN must be at least 8 characters (or unset it and create tokens with the CLI)")
         self.health_host, self.health_port = self.api_host, self.api_port  # one HTTP server: the API serves /healthz

@@ -1,5 +1,5 @@
 """The command loop: group "controller" on `run.commands` -> a run created, paused, resumed or stopped
-(ledger.apply_command: one transaction, idempotent by command id), then:
+(queries.apply_command: one transaction, idempotent by command id), then:
 
 - a pause, resume or stop applied is published on `run.control`, for the controller driving the run and the
   trainer training it (control.py applies it to the driver);
@@ -16,8 +16,8 @@ from __future__ import annotations
 import asyncio
 import time
 
-from services.controller import ledger
-from services.controller.config import ControllerConfig
+from services.controller import queries
+from services.controller.settings import ControllerSettings
 from shared.contracts.messages import RunCommand, RunControl
 from shared.contracts.streams import GROUP_CONTROLLER, RUN_COMMANDS, RUN_CONTROL, command_reply
 from shared.platform.bus import Delivery, StreamBus, StreamConsumer
@@ -27,7 +27,7 @@ log = get_logger(__name__)
 
 
 class CommandLoop:
-    def __init__(self, cfg: ControllerConfig, worker_id: str, db, bus: StreamBus, wake: asyncio.Event):
+    def __init__(self, cfg: ControllerSettings, worker_id: str, db, bus: StreamBus, wake: asyncio.Event):
         self.db, self.bus, self.wake = db, bus, wake
         self.consumer = StreamConsumer(bus, RUN_COMMANDS, GROUP_CONTROLLER, worker_id, expect=RunCommand,
                                        claim_idle_ms=cfg.store_claim_idle_ms)
@@ -38,7 +38,7 @@ class CommandLoop:
     async def apply(self, deliveries: list[Delivery]) -> None:
         for d in deliveries:
             cmd: RunCommand = d.message
-            reply = await asyncio.to_thread(ledger.apply_command, self.db, cmd, time.time() > cmd.expires_at)
+            reply = await asyncio.to_thread(queries.apply_command, self.db, cmd, time.time() > cmd.expires_at)
             log.info("%s: %s (%s)", cmd.action, reply.outcome, reply.status, extra={"run_id": cmd.run_id})
             if reply.outcome == "applied" and cmd.action != "create":
                 await self.bus.publish(RUN_CONTROL, RunControl(run_id=cmd.run_id, action=cmd.action,

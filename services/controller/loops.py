@@ -15,7 +15,7 @@ each:
 - control (control.py): `run.control` -> a user's pause, resume or stop applied to the run's driver at once.
 - trim (trim.py): acknowledged entries of the streams the controller reads or writes.
 
-Its Postgres reads and writes are in ledger.py (runs, leases, the dispatched-task ledger) and store.py (the
+Its Postgres reads and writes are in queries.py (runs, leases, the dispatched-task ledger) and store.py (the
 trajectories).
 """
 
@@ -25,21 +25,21 @@ import asyncio
 
 from sqlalchemy import Engine
 
-from services.controller import ledger
-from services.controller.commands import CommandLoop
-from services.controller.config import ControllerConfig
-from services.controller.control import ControlLoop
+from services.controller import queries
+from services.controller.command_loop import CommandLoop
+from services.controller.control_loop import ControlLoop
 from services.controller.dispatch import DispatchLoop
 from services.controller.ingest import IngestLoop
 from services.controller.progress import ProgressLoop
 from services.controller.reconcile import ReconcileLoop
-from services.controller.run import RunDriver
+from services.controller.run_driver import RunDriver
+from services.controller.settings import ControllerSettings
 from services.controller.trim import trim_loop
 from shared.platform.bus import StreamBus
 
 
 class Controller:
-    def __init__(self, cfg: ControllerConfig, worker_id: str, db: Engine, bus: StreamBus):
+    def __init__(self, cfg: ControllerSettings, worker_id: str, db: Engine, bus: StreamBus):
         self.cfg, self.worker_id, self.db, self.bus = cfg, worker_id, db, bus
         self.drivers: dict[str, RunDriver] = {}  # the runs this controller holds the lease of, by id
         self.wake = asyncio.Event()  # results stored or progress reported: dispatch again now
@@ -57,4 +57,4 @@ class Controller:
 
     async def close(self) -> None:
         """Release the run leases: another controller takes the runs over at once instead of at expiry."""
-        await asyncio.to_thread(ledger.release_runs, self.db, self.worker_id)
+        await asyncio.to_thread(queries.release_runs, self.db, self.worker_id)

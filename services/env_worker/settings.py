@@ -7,7 +7,7 @@ from pydantic import Field
 from shared.platform.settings import ServiceSettings
 
 
-class EnvWorkerConfig(ServiceSettings):
+class EnvWorkerSettings(ServiceSettings):
     service_name: str = "env-worker"
     env_threads: int = Field(32, ge=1, description="threads running env calls (reset/step/close) off the loop")
     read_count: int = Field(128, ge=1, description="requests read per XREADGROUP, entries")

@@ -9,7 +9,7 @@ from pydantic import Field, model_validator
 from shared.platform.settings import ServiceSettings
 
 
-class RolloutWorkerConfig(ServiceSettings):
+class RolloutWorkerSettings(ServiceSettings):
     service_name: str = "rollout-worker"
     max_concurrency: int = Field(64, ge=1, description="trajectories (tasks) run at once, count")
     read_block_ms: int = Field(200, ge=1, description="longest blocking read of rollout.tasks, milliseconds")
@@ -47,7 +47,7 @@ class RolloutWorkerConfig(ServiceSettings):
         "then be fixed (not 0). Such a worker is remote from the weight server: it never reads the server's volume")
 
     @model_validator(mode="after")
-    def _relay_needs_a_port(self) -> RolloutWorkerConfig:
+    def _relay_needs_a_port(self) -> RolloutWorkerSettings:
         if self.relay_host and not self.health_port:
             raise ValueError("RELAY_HOST is set but HEALTH_PORT is 0: other workers need a fixed port to fetch "
                              "relayed checkpoints from; set HEALTH_PORT")

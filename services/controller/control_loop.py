@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import asyncio
 
-from services.controller.config import ControllerConfig
-from services.controller.run import RunDriver
+from services.controller.run_driver import RunDriver
+from services.controller.settings import ControllerSettings
 from shared.contracts.messages import RunControl
 from shared.contracts.streams import GROUP_CONTROLLER, RUN_CONTROL
 from shared.platform.bus import Delivery, StreamBus, StreamConsumer
@@ -24,7 +24,7 @@ log = get_logger(__name__)
 
 
 class ControlLoop:
-    def __init__(self, cfg: ControllerConfig, worker_id: str, bus: StreamBus, drivers: dict[str, RunDriver],
+    def __init__(self, cfg: ControllerSettings, worker_id: str, bus: StreamBus, drivers: dict[str, RunDriver],
                  wake: asyncio.Event):
         self.drivers, self.wake = drivers, wake
         self.consumer = StreamConsumer(bus, RUN_CONTROL, GROUP_CONTROLLER, worker_id, expect=RunControl,

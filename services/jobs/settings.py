@@ -10,7 +10,7 @@ from pydantic import Field
 from shared.platform.settings import ServiceSettings
 
 
-class JobsConfig(ServiceSettings):
+class JobsSettings(ServiceSettings):
     service_name: str = "jobs"
     jobs_concurrency: int = Field(2, ge=1, le=64, description="jobs run at once by this worker (threads)")
     jobs_pool: Literal["threads", "solo", "prefork"] = Field("threads", description="Celery execution pool")
