@@ -12,7 +12,7 @@ on a base whose weights dominate a process's memory (bench/train.py's 114M-param
    alternated, in three processes (the same code varies ~10% from one process to the next): medians.
 
 3. runs (`--part runs`, merged into the file's other results): N LoRA runs learning at once on the demo's stack
-   (bench/demo.py: one rollout worker serving every run's adapter on one base, one trainer, the controller
+   (tests/support/demo.py: one rollout worker serving every run's adapter on one base, one trainer, the controller
    sharing rollout capacity), run k answering (digit + k) mod 10 (RecallEnv's `offset`), so an adapter served to
    the wrong run scores near 0: `final_reward` per run, trajectories per second over all runs, wall time, and
    the same for one run alone just before (`traj_per_s_one_run`).
@@ -55,7 +55,7 @@ def save(parts: dict) -> None:
 def insert_run(database_url: str, model: Path, lora: bool) -> str:
     from sqlalchemy import create_engine, text
 
-    from bench.demo import LORA, demo_config
+    from tests.support.demo import LORA, demo_config
 
     config = demo_config(model, steps=3, tasks=1, n=2, lr=5e-6, max_staleness=0, lora=LORA if lora else None)
     config["engine"] |= {"dtype": "bfloat16", "weights_dtype": "bfloat16"}
@@ -252,7 +252,7 @@ def child(work: Path, model: Path, mode: str, runs: int, trainer: bool = False) 
 
 def learning_runs(n: int, steps: int, timeout_s: float) -> dict:
     """Part 3: n LoRA runs of the demo's task at once, run k rewarded for (digit + k) mod 10."""
-    from bench.demo import (
+    from tests.support.demo import (
         LORA,
         LORA_INIT_STD,
         LORA_LR,

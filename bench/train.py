@@ -367,7 +367,7 @@ def bench_link_sync(work: Path, redis_url: str, database_url: str, hidden: int, 
 def _insert_bench_run(database_url: str, model_dir: Path) -> str:
     from sqlalchemy import create_engine, text
 
-    from bench.demo import demo_config
+    from tests.support.demo import demo_config
 
     run_id = str(uuid.uuid4())
     config = demo_config(model_dir, steps=3, tasks=1, n=2, lr=5e-6, max_staleness=0)

@@ -69,7 +69,7 @@ def digits(n: int, seed: int, turns: int = 3) -> list[dict]:
     secret offset of each later turn. Each run of ten rows starts once from every word."""
     if turns < 1:
         raise ValueError(f"turns must be >= 1, got {turns}")
-    from services.env_worker.builtin.envs import NUMBER_WORDS
+    from shared.tasks.recall import WORDS as NUMBER_WORDS
 
     rng = random.Random(seed)
     rows = []

@@ -33,7 +33,7 @@ ENVS: dict[str, str] = {
 }
 # Built-in envs that run model-written code (`runs_model_code`): the run config gives them an explicit `sandbox`
 # arg without importing them (a test checks this set against the envs).
-MODEL_CODE_ENVS = frozenset({"tool", "code"})
+MODEL_CODE_ENVS = frozenset({"tool", "search", "code"})
 WORKFLOWS: dict[str, str] = {
     "single_agent": "services.rollout_worker.builtin.workflows:SingleAgentWorkflow",
     "solver_judge": "services.rollout_worker.builtin.workflows:SolverJudgeWorkflow",

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from bench.demo import BAR, FINAL_VERSIONS, STEPS, run_inprocess
-from bench.recall import WORDS
+from tests.support.demo import BAR, FINAL_VERSIONS, STEPS, run_inprocess
+from tests.support.recall import WORDS
 from tests.support.tiny_model import build_number_model
 
 

@@ -28,7 +28,6 @@ from safetensors.torch import load_file
 from sqlalchemy import create_engine
 from trainer_testlib import WeightServer
 
-from bench.demo import LORA, LORA_BAR, LORA_INIT_STD, LORA_LR, judge, prompt_ids, run_stack
 from services.rollout_worker.engines import AdapterView, SamplingParams
 from services.rollout_worker.run_engines import RunRegistry
 from services.trainer.publisher import WeightPublisher
@@ -36,6 +35,7 @@ from shared.contracts.messages import decode
 from shared.contracts.run_config import AlgorithmConfig
 from shared.contracts.streams import WEIGHTS
 from shared.weights.manifest import ADAPTER_CONFIG, ADAPTER_WEIGHTS, MANIFEST, BaseModelRef, base_model_digest
+from tests.support.demo import LORA, LORA_BAR, LORA_INIT_STD, LORA_LR, judge, prompt_ids, run_stack
 from tests.support.tiny_model import build_number_model
 
 ADAPTERS = {"a": {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]},
@@ -190,8 +190,8 @@ def test_lora_trainer_reference_checkpoint_and_optimizer_state(tmp_path):
     (the adapter off), not the trained policy; a checkpoint restores the adapter and its optimizer state."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from bench.demo import run_inprocess_parts, sample_results
     from services.trainer.batch import build_tensors
+    from tests.support.demo import run_inprocess_parts, sample_results
 
     model = build_number_model(tmp_path / "model", init_std=LORA_INIT_STD)
     lora = {"rank": 4, "alpha": 8, "dropout": 0.1, "target_modules": ["q_proj", "v_proj"]}
@@ -399,11 +399,11 @@ def test_lora_runs_over_one_base_share_one_trainer_engine_and_train_as_if_alone(
     swapped in restores that run's state into a new engine."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from bench.demo import ALGORITHM, sample_results
     from services.trainer.batch import GroupBuffer, samples_from_result
     from services.trainer.engine import PolicyEngine
     from services.trainer.learner import Learner
     from services.trainer.lora_shared_engine import close_engine, engines_held, open_engine
+    from tests.support.demo import ALGORITHM, sample_results
 
     model = build_number_model(tmp_path / "model", init_std=LORA_INIT_STD)
     algo = AlgorithmConfig.model_validate(ALGORITHM | {"lr": 1e-2, "lora": {"rank": 4, "alpha": 8,

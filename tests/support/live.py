@@ -1,4 +1,4 @@
-"""Driving and judging a live flywheel system, shared by the benchmarks (bench/chaos.py, load.py, train.py,
+"""Driving and judging a live flywheel system, shared by the benchmarks (tests/support/chaos.py, load.py, train.py,
 vllm.py) and the system tests (tests/integration/test_fuzz_streams.py, test_user_code_faults.py, ...):
 
     mock = start_mock_llm(port, latency_ms=50)                              # OpenAI-compatible, token ids

@@ -14,7 +14,7 @@ output layer as a packed matrix at load, so after a reload it still computes wit
 weights are drawn wider than the HF default so greedy decoding has clear winners (random init at 0.02 gives
 near-ties that kernels may flip).
 
-`build_number_model` is the model of the demo's task (bench/recall.py: a number word -> its digit) and of the
+`build_number_model` is the model of the demo's task (tests/support/recall.py: a number word -> its digit) and of the
 trainer tests: a Llama whose word-level tokenizer has one token per number word and per digit.
 
 `python -m tests.support.tiny_model [--number] FOLDER` writes the tiny (or, with --number, the number-word) model

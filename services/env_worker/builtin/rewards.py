@@ -45,7 +45,8 @@ from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
-THINK_END = "</think>"
+from shared.tasks.answers import THINK_END, final_answer_text, last_boxed  # noqa: F401  (graded here too)
+
 GRADING_TIMEOUT_S = 1.0  # hard bound on one grading's symbolic work
 GRADER_SOFT_FRACTION = 0.9  # the grader interrupts itself at this fraction of the bound, keeping its process
 GRADER_START_TIMEOUT_S = 60.0
@@ -59,32 +60,6 @@ class RewardOutput:
     reward: float
     is_correct: bool
     metadata: dict[str, Any] = field(default_factory=dict)
-
-
-# -- answer extraction ---------------------------------------------------------------------------------------
-def last_boxed(text: str) -> str | None:
-    """Content of the last \\boxed{...} (or \\fbox{...}), braces balanced; None if there is none."""
-    start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
-    if start < 0:
-        return None
-    i = text.index("{", start)
-    depth = 0
-    for j in range(i, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[j], 0)
-        if depth == 0:
-            return text[i + 1 : j]
-    return None
-
-
-def final_answer_text(response: str) -> str | None:
-    """The part of a response that may hold the answer: after </think> when thinking was used.
-
-    An unterminated <think> block has no answer (the model never finished thinking)."""
-    if THINK_END in response:
-        return response.rsplit(THINK_END, 1)[1]
-    if "<think>" in response:
-        return None
-    return response
 
 
 # -- normalization -------------------------------------------------------------------------------------------

@@ -157,7 +157,7 @@ class FrozenLakeAgent(ChatAgent):
         return [{"role": "user", "content": text + "\nYour move?"}]
 
     def parse_action(self, response: str) -> Any:
-        from services.env_worker.builtin.rewards import final_answer_text, last_boxed
+        from shared.tasks.answers import final_answer_text, last_boxed
 
         text = final_answer_text(response) or ""
         boxed = last_boxed(text)

@@ -308,3 +308,10 @@ def test_digits_env_is_not_solved_by_ignoring_the_env_or_by_reading_only_the_fir
     assert constant == pytest.approx(0.1, abs=0.02)  # 1/10 per turn in expectation; the best of ten digits
     first_only = sum(play_digits(r, lambda t, w: digit(w[0]))[0] for r in rows) / len(rows)
     assert 0.3 < first_only < 0.5  # the first turn right, later ones by chance (an offset of 0)
+
+
+def test_the_registry_names_every_env_that_runs_model_code():
+    """The run config gives these envs a `sandbox` arg from the registry's list, without importing them."""
+    from shared.contracts.registry import ENVS, MODEL_CODE_ENVS, resolve
+
+    assert {name for name in ENVS if getattr(resolve("env", name), "runs_model_code", False)} == MODEL_CODE_ENVS

@@ -1,4 +1,4 @@
-"""GPU smoke and tuning: `make gpu-smoke` (python -m bench.gpu_smoke [--variants a,b] [--layers 24 ...]).
+"""GPU smoke and tuning: `make gpu-smoke` (python -m tests.support.gpu_smoke [--variants a,b] [--layers 24 ...]).
 
 verl FSDP2 training steps (the trainer's PolicyEngine: forward, PPO loss, backward, optimizer step) on a
 random-init Qwen2-shaped model of ~0.5B parameters (Qwen2.5-0.5B's shape) in bf16, on CUDA, one engine per
@@ -10,7 +10,7 @@ batches of the same size (16 x 1024 by default):
 First, with `--diff`, the weight-delta diff of two versions of the model on the GPU vs the CPU kernel.
 Self-contained: no Redis, Postgres or downloads. Prints one JSON object per variant as it finishes and the whole
 result last (also written to `--out`); tokens/s counts real tokens; MFU is verl's FlopsCounter estimate against
-the GPU's peak bf16 FLOPS. Exits 2 without CUDA. For several GPUs: `torchrun --nproc_per_node=N -m bench.gpu_smoke`.
+the GPU's peak bf16 FLOPS. Exits 2 without CUDA. For several GPUs: `torchrun --nproc_per_node=N -m tests.support.gpu_smoke`.
 """
 
 from __future__ import annotations

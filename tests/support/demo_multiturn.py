@@ -1,4 +1,4 @@
-"""The multi-turn learning demo: `make demo-multiturn` (python -m bench.demo_multiturn).
+"""The multi-turn learning demo: `make demo-multiturn` (python -m tests.support.demo_multiturn).
 
 A tiny random-init model learns by RL, from scratch, on 2 CPU cores, the built-in `digits` task
 (services/env_worker/builtin/envs.py: DigitsEnv): three model turns per episode; each turn the env says a number word and
@@ -22,8 +22,16 @@ import json
 import time
 from pathlib import Path
 
-from bench.demo import ALGORITHM, TIMEOUT_S, judge_learning, recall_stack, sql_rows, train_runs, write_result
 from services.jobs.builtin_datasets import generate
+from tests.support.demo import (
+    ALGORITHM,
+    TIMEOUT_S,
+    judge_learning,
+    recall_stack,
+    sql_rows,
+    train_runs,
+    write_result,
+)
 from tests.support.tiny_model import build_number_model
 
 __all__ = ["BAR", "judge", "run_inprocess", "run_stack", "summarize"]
@@ -31,7 +39,7 @@ __all__ = ["BAR", "judge", "run_inprocess", "run_stack", "summarize"]
 TURNS = 3
 FINAL_VERSIONS = 3
 BAR = {"initial_reward_max": 0.2, "final_reward_min": 0.8, "turn_accuracy_min": 0.7, "versions_served_min": 10}
-# make demo's algorithm and batch (GRPO, entropy bonus 0.05, 8 tasks x 32 episodes, lr 3e-3: bench/demo.py says
+# make demo's algorithm and batch (GRPO, entropy bonus 0.05, 8 tasks x 32 episodes, lr 3e-3: tests/support/demo.py says
 # why). In-process these reach 0.8 at version ~55; 16 episodes at lr 5e-3 were as fast there but through the
 # stack (samples one version stale) climbed to 0.4 and fell back to 0.2 in one of two runs.
 STEPS, TASKS, SAMPLES, LR = 100, 8, 32, 3e-3
@@ -98,8 +106,8 @@ def run_inprocess(model_dir: Path, steps: int = STEPS, tasks: int = TASKS, n: in
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from bench.demo import run_inprocess_parts
     from services.rollout_worker.assembly import ChatTokenizer
+    from tests.support.demo import run_inprocess_parts
 
     learner, engine, buffer_of = run_inprocess_parts(model_dir, tasks, n, lr, **algorithm)
     chat = ChatTokenizer(AutoTokenizer.from_pretrained(model_dir))
@@ -159,7 +167,7 @@ def run_stack(data_dir: Path, *, steps: int = STEPS, tasks: int = TASKS, n: int 
               timeout_s: float = 1.5 * TIMEOUT_S, env: dict | None = None, log=print) -> dict:
     """Start every service, create the training run through the REST API, print reward per version until
     `steps` versions are trained, and read reward and per-turn accuracy back through the API's SQL."""
-    from bench.demo import SERVICES
+    from tests.support.demo import SERVICES
 
     started = time.monotonic()
     with recall_stack(data_dir, SERVICES, STACK_ENV | (env or {}), log, dataset=("digits", dataset_rows(2 * tasks * steps))) \

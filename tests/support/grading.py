@@ -1,6 +1,6 @@
 """Math grading cases: each graded by services.env_worker.builtin.rewards.math_reward, with its verdict and the time it took.
 
-    python -m bench.grading            # writes bench/results/grading.json
+    python -m tests.support.grading            # writes bench/results/grading.json
 
 The same table is asserted case by case in tests/unit/builtin/test_math_grading.py. A case is
 (name, response, reference, correct, verdict): `verdict` is the one math_reward must report, or None where

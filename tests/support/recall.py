@@ -2,7 +2,7 @@
 
 The task itself is the built-in `recall` (shared/tasks/recall.py; its agent and env live in the rollout and env
 workers); the demo plugs its components in by import path, as any user's own would be:
-    "env": {"name": "bench.recall:RecallEnv"}, "agent": {"name": "bench.recall:RecallAgent"}
+    "env": {"name": "tests.support.recall:RecallEnv"}, "agent": {"name": "tests.support.recall:RecallAgent"}
 and trains the tiny random-init model whose tokenizer knows exactly this task's words
 (tests.support.tiny_model.build_number_model, which bench/demo_agent.py imports from here as `build_tiny_model`).
 """

