@@ -1,5 +1,5 @@
 """The trim loop, every trim_interval_s: drop the acknowledged entries of the streams the controller reads or
-writes (an entry is kept until every group of its stream acknowledged it: shared/platform/bus.py)."""
+writes (an entry is kept until every group of its stream acknowledged it: shared/platform/bus/publish.py)."""
 
 from __future__ import annotations
 

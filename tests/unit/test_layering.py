@@ -1,4 +1,4 @@
-"""Services reach Redis only through `shared/` (shared/platform/bus.py builds the clients and re-exports their types and
+"""Services reach Redis only through `shared/` (shared/platform/bus/connect.py builds the clients and re-exports their types and
 `RedisError`; shared/platform/heartbeats.py reads heartbeats; shared/contracts/streams.py names every key): no file under services/
 imports the `redis` package, at module level or inside a function.
 
