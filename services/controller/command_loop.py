@@ -2,7 +2,7 @@
 (queries.apply_command: one transaction, idempotent by command id), then:
 
 - a pause, resume or stop applied is published on `run.control`, for the controller driving the run and the
-  trainer training it (control.py applies it to the driver);
+  trainer training it (control_loop.py applies it to the driver);
 - the `RunCommandReply` goes on the command's reply stream, which expires after a minute (`StreamBus.answer`);
 - the dispatch loop is woken (a new run is leased at its next poll; a stopped one takes back its tasks).
 

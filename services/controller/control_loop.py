@@ -1,5 +1,5 @@
 """The control loop: group "controller" on `run.control` -> a user's pause, resume or stop applied to the run's
-driver at once (commands.py already changed `runs.status`; shared/contracts/messages/control.py), then the dispatch loop is
+driver at once (command_loop.py already changed `runs.status`; shared/contracts/messages/control.py), then the dispatch loop is
 woken to act on it: a paused run dispatches nothing more, a stopping one takes back its queued tasks. Without
 it the dispatch loop would learn of the change at its next poll of the runs table, which remains the fallback
 (a command lost with Redis's data, one for a run another controller drives).

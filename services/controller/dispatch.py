@@ -82,7 +82,7 @@ class DispatchLoop:
     # -- runs: leases, drivers -------------------------------------------------------------------------------
     async def poll_runs(self) -> None:
         """Renew/take leases; runs no longer returned (lease lost, finished elsewhere) are dropped."""
-        read_at = time.time()  # before the read: a status committed earlier is in it (control.py)
+        read_at = time.time()  # before the read: a status committed earlier is in it (control_loop.py)
         rows = await asyncio.to_thread(ledger.lease_runs, self.db, self.worker_id, self.cfg.run_lease_s,
                                        self.cfg.max_runs)
         seen = set()

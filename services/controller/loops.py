@@ -10,9 +10,9 @@ each:
 - progress (progress.py): `trainer.progress` -> the runs' policy version and the groups the trainer consumed.
 - reconcile (reconcile.py): dead-lettered rollout tasks -> failed attempts; after Redis lost its data, a
   replay of `results.accepted` from Postgres.
-- commands (commands.py): `run.commands` -> a run created, paused, resumed or stopped, answered to the sender
+- commands (command_loop.py): `run.commands` -> a run created, paused, resumed or stopped, answered to the sender
   (the API, an eval job), and each change announced on `run.control`.
-- control (control.py): `run.control` -> a user's pause, resume or stop applied to the run's driver at once.
+- control (control_loop.py): `run.control` -> a user's pause, resume or stop applied to the run's driver at once.
 - trim (trim.py): acknowledged entries of the streams the controller reads or writes.
 
 Its Postgres reads and writes are in queries.py (runs, leases, the dispatched-task ledger) and store.py (the

@@ -2,7 +2,7 @@
 
     REDIS_URL=... DATABASE_URL=... python -m services.controller.main
 
-Applies run commands and drives every active run it can lease (controller.py: its loops); several controllers
+Applies run commands and drives every active run it can lease (loops.py); several controllers
 may run side by side."""
 
 from __future__ import annotations

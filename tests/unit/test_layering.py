@@ -1,6 +1,8 @@
-"""Services reach Redis only through `shared/` (shared/platform/bus/connect.py builds the clients and re-exports their types and
-`RedisError`; shared/platform/heartbeats.py reads heartbeats; shared/contracts/streams.py names every key): no file under services/
-imports the `redis` package, at module level or inside a function.
+"""Who may import whom. Services reach Redis only through `shared/` (shared/platform/bus/connect.py builds the
+clients and re-exports their types and `RedisError`; shared/platform/heartbeats.py reads heartbeats;
+shared/contracts/streams.py names every key): no file under services/ imports the `redis` package. The contracts
+import no platform, service or sandbox module; no service imports another; production code imports neither tests/
+nor bench/; no test imports bench/. Pure AST scans: every spelling, at module level or inside a function.
 
     pytest -q tests/unit/test_layering.py
 """
