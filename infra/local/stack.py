@@ -53,7 +53,7 @@ from infra.local.servers import PostgresServer, RedisServer
 from shared.platform.logs import get_logger
 
 log = get_logger(__name__)
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ from tests.support.live import (
 from tests.support.procs import wait_until
 from tests.support.tiny_model import build_number_model, build_tiny_model
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "bench" / "results" / "chaos.json"
 TOKEN = "chaos-token"
 SERVICE_ENV = {

@@ -22,7 +22,7 @@ from sqlalchemy import Engine, text
 from infra.local.ports import wait_port
 from tests.support.procs import start_service, wait_until
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TERMINAL = ("completed", "failed", "stopped")
 
 

@@ -34,7 +34,7 @@ import redis
 
 from shared.contracts.streams import heartbeat_key
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def start_service(target: str, *, log: IO | Path | int | None = None, launcher: Iterable[str] = (),
