@@ -53,6 +53,8 @@ OPTIONAL = {
     ("infra/docker/trainer.Dockerfile", "math-verify"): "built-in rewards run in env/rollout workers",
     ("infra/docker/trainer.Dockerfile", "gymnasium"): "built-in envs run in env workers",
     ("infra/docker/trainer.Dockerfile", "rank-bm25"): "built-in search tool runs in env workers",
+    ("infra/docker/trainer.Dockerfile", "pyseccomp"): "the sandbox of model-written code runs in env workers",
+    ("infra/docker/trainer.Dockerfile", "docker"): "the sandbox's container mode runs in env workers",
 }
 
 
