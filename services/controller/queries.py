@@ -4,7 +4,7 @@ by run commands, and its leases),
 consuming (`consumed_groups`, from `trainer.progress`). Sync SQLAlchemy; callers run these in a thread.
 
 A function taking `db` (an Engine) is one transaction of its own:
-    rows = await asyncio.to_thread(ledger.lease_runs, db, owner, lease_s, limit)
+    rows = await asyncio.to_thread(queries.lease_runs, db, owner, lease_s, limit)
 one taking `conn` (a Connection) is a step of its caller's transaction (the dispatch pass, dispatch.py).
 
 Every write is conditional (compare-and-set on the status it expects) so that a controller that lost its
