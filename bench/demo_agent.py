@@ -14,7 +14,7 @@ script's runners claim sessions over REST (`POST /v1/runs/<id>/sessions` on the 
 session's base URL and post the reward. Tokens, logprobs and versions are captured by the gateway; the trainer
 learns from them. Writes bench/results/agent_program.json (initial_reward, final_reward, versions_served,
 trajectories, mismatches, wall_s, per-question accuracy), keeping the `overhead` section that
-bench/gateway_overhead.py writes; exits 1 unless the reward meets the learning bar of `make demo` (bench/demo.py BAR).
+bench/gateway_overhead.py writes; exits 1 unless the reward meets the learning bar of `make demo` (tests/support/demo.py BAR).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import time
 import uuid
 from pathlib import Path
 
-from bench.demo import (
+from tests.support.demo import (
     BAR,
     LR,
     SAMPLES,
@@ -41,8 +41,8 @@ from bench.demo import (
     watch,
     write_result,
 )
-from bench.recall import recall_reward
-from harness.runners import Runners
+from tests.support.recall import recall_reward
+from tests.support.runners import Runners
 
 RESULTS = Path("bench/results/agent_program.json")
 SERVICES = ["weight-server", "rollout-worker", "trainer", "controller", "api"]  # no env worker: the program scores

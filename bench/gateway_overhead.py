@@ -47,7 +47,7 @@ async def measure(engine, tokenizer, calls: int) -> dict:
     from services.rollout_worker.assembly import ChatTokenizer
     from services.rollout_worker.engines.base import SamplingParams
     from services.rollout_worker.gateway import Gateway
-    from shared.run_config import RunConfig
+    from shared.contracts.run_config import RunConfig
 
     chat = ChatTokenizer(tokenizer)
     cfg = RunConfig.model_validate(dict(name="bench", kind="eval", model="m", dataset="d", max_response_tokens=8,
@@ -92,9 +92,9 @@ async def measure(engine, tokenizer, calls: int) -> dict:
 async def main(calls: int, hf_calls: int) -> dict:
     from transformers import AutoTokenizer
 
-    from harness.tiny_model import build_tiny_model
     from services.rollout_worker.engines import build_engine
-    from shared.run_config import EngineConfig
+    from shared.contracts.run_config import EngineConfig
+    from tests.support.tiny_model import build_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         path = build_tiny_model(Path(tmp) / "model")

@@ -27,7 +27,7 @@ import time
 import traceback
 from pathlib import Path
 
-from bench.gpu_smoke import VARIANTS, batch, build_model, run_variant, time_steps
+from tests.support.gpu_smoke import VARIANTS, batch, build_model, run_variant, time_steps
 
 # The 0.5B shape (Qwen2.5-0.5B's) on the GPU; a tiny one on CPU, where only the code path is checked.
 SHAPES = {
@@ -42,7 +42,7 @@ MFU_VARIANTS = ("padded_mb16", "padded_mb16_chunked_triton", "padded_mb16_chunke
 # liger-kernel's own fused linear + log-prob runs, on Hopper, a CuTe DSL kernel whose libraries
 # (nvidia-cutlass-dsl-libs-cu13, 92 MB) are over what a device call carries: not measured here.
 LORA = {"lora_rank": 32, "lora_alpha": 64, "target_modules": "all-linear"}
-# The recall run: the demo's (bench/demo.py) on the device; on CPU a few versions only check the path.
+# The recall run: the demo's (tests/support/demo.py) on the device; on CPU a few versions only check the path.
 RECALL_STEPS = {"cuda": 100, "cpu": 3}
 BIG_RUN = {"cuda": {"tasks": 8, "samples": 8, "response_tokens": 256, "steps": 4},
            "cpu": {"tasks": 2, "samples": 2, "response_tokens": 8, "steps": 2}}
@@ -92,9 +92,9 @@ def eager_log_probs(model_dir: Path, t: dict, device: str):
 def logprob_part(model_dir: Path, shape: dict, device: str) -> dict:
     import torch
 
-    from harness.trainer_batches import spread_batch
     from services.trainer.engine import PolicyEngine
-    from shared.run_config import AlgorithmConfig
+    from shared.contracts.run_config import AlgorithmConfig
+    from tests.support.trainer_batches import spread_batch
 
     cuda = device == "cuda"
     prompt = shape["seq"] // 4
@@ -152,7 +152,7 @@ def lora_part(model_dir: Path, shape: dict, device: str, work: Path) -> dict:
     import torch
 
     from services.trainer.engine import PolicyEngine
-    from shared.run_config import AlgorithmConfig
+    from shared.contracts.run_config import AlgorithmConfig
 
     cuda = device == "cuda"
     engine = PolicyEngine(str(model_dir), AlgorithmConfig(lr=1e-4), device=device, dtype="bf16" if cuda else "fp32",
@@ -183,10 +183,10 @@ def adapter_swap(model_dir: Path, work: Path, device: str) -> dict:
     """The `hf` engine serving the exported adapter: a new adapter, then its next version, then 64 requests."""
     from transformers import AutoTokenizer
 
-    from bench.demo import prompt_ids
     from services.rollout_worker.engines import AdapterView, SamplingParams, build_engine
-    from shared.run_config import EngineConfig
-    from shared.weights import BaseModelRef, base_model_digest
+    from shared.contracts.run_config import EngineConfig
+    from shared.weights.manifest import BaseModelRef, base_model_digest
+    from tests.support.demo import prompt_ids
 
     cuda = device == "cuda"
 
@@ -244,7 +244,7 @@ class ServingWatch:
 
 
 def big_run_config(model_dir: Path, device: str, shape: dict) -> dict:
-    from bench.demo import demo_config
+    from tests.support.demo import demo_config
 
     big = BIG_RUN[device]
     # lr: bf16 weights move by at least a rounding step at 1e-4 (at 1e-6 none would, and every delta were empty)
@@ -257,7 +257,7 @@ def big_run_config(model_dir: Path, device: str, shape: dict) -> dict:
 
 def run_seconds(api, run_id: str) -> dict:
     """Rollout and trainer throughput of a run, from what the services stored (SQL through the API)."""
-    from bench.demo import sql_rows
+    from tests.support.demo import sql_rows
 
     rollout = sql_rows(api, """
         SELECT sum(t.response_tokens) AS tokens, extract(epoch FROM max(t.created_at) - min(t.created_at)) AS span_s
@@ -287,7 +287,14 @@ def publish_to_serving(api, run_id: str, watch: ServingWatch) -> list[dict]:
 
 
 def stack_part(work: Path, shape: dict, device: str) -> dict:
-    from bench.demo import SERVICES, answers_by_version, demo_config, recall_stack, summarize, train_runs
+    from tests.support.demo import (
+        SERVICES,
+        answers_by_version,
+        demo_config,
+        recall_stack,
+        summarize,
+        train_runs,
+    )
 
     cuda = device == "cuda"
     # sdpa: flex attention compiles a kernel per new packed length, which a short run would spend its time on

@@ -2,15 +2,15 @@
 
     python -m bench.load [--tasks 10000] [--latency-ms 20] [--in-flight 256] [--out bench/results/load.json]
 
-Brings up a fresh system (restartable real Redis and PostgreSQL from harness/servers.py, the controller, 2 env
-workers and 2 rollout workers of harness.stack, the mock LLM with the openai engine), inserts an eval run
+Brings up a fresh system (restartable real Redis and PostgreSQL from infra/local/servers.py, the controller, 2 env
+workers and 2 rollout workers of infra.local.stack, the mock LLM with the openai engine), inserts an eval run
 of `--tasks` arithmetic tasks (one sample each) and, until it completes, samples every `--sample-s` seconds:
 the length of every stream (rollout.tasks, trajectories, env.requests, env.inbox.*, env.replies.*) and the
 RSS of every service process. The report gives, per stream, the max and final length, whether it was seen
 getting shorter during the run (someone trims it), and `bounded` (trimmed, or never above a tenth of the task
 count); RSS per process at start (idle, healthy), once a tenth of the run is stored (warm), and at the end;
 Postgres row counts (episodes, trajectories, steps, token_arrays: one per step plus the trajectory's assembled
-stream) against the ledger (rollout_tasks) and shared.audit's accounting; failed attempts by reason; what
+stream) against the ledger (rollout_tasks) and tests.support.audit's accounting; failed attempts by reason; what
 consumer groups still hold pending after the run; wall time and traj/s.
 """
 
@@ -29,7 +29,9 @@ import psutil
 import redis
 from sqlalchemy import text
 
-from harness.live import (
+from infra.local.ports import free_port
+from infra.local.servers import PostgresServer, RedisServer
+from tests.support.live import (
     accounting,
     insert_run,
     register_dataset,
@@ -37,9 +39,7 @@ from harness.live import (
     stored_count,
     wait_run_ended,
 )
-from harness.ports import free_port
-from harness.servers import PostgresServer, RedisServer
-from harness.tiny_model import build_tiny_model
+from tests.support.tiny_model import build_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "load.json"
@@ -154,8 +154,8 @@ def run_config(model: str, base_url: str, args) -> dict:
 
 
 def measure(tmp: Path, args) -> dict:
-    from harness.stack import LocalStack
-    from shared.db.session import make_engine
+    from infra.local.stack import LocalStack
+    from shared.platform.db.session import make_engine
 
     rs, pg = RedisServer(tmp / "redis"), PostgresServer(tmp / "postgres")
     rs.start()

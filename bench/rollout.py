@@ -34,18 +34,18 @@ import psutil
 import redis
 from sqlalchemy import insert, text
 
-from harness.live import TERMINAL, wait_run_ended
-from harness.ports import free_port, port_open
-from harness.procs import ServiceGroup, wait_until
-from harness.servers import postgres_admin, private_redis, scratch_database
-from harness.tiny_model import build_tiny_model
+from infra.local.ports import free_port, port_open
+from infra.local.servers import postgres_admin, private_redis, scratch_database
 from services.controller.store import TABLES, TrajectoryStore, build_rows, copy_rows
-from shared.bus import connect_sync
-from shared.db.models import Dataset, DatasetRow, RolloutTaskRow, Run
-from shared.db.session import make_engine
-from shared.messages import EnvReply, EnvRequest, EpisodeResult, decode, encode
-from shared.streams import ENV_REQUESTS, TRAJECTORIES, env_inbox, env_replies
-from shared.workers import live_workers
+from shared.contracts.db.models import Dataset, DatasetRow, RolloutTaskRow, Run
+from shared.contracts.messages import EnvReply, EnvRequest, EpisodeResult, decode, encode
+from shared.contracts.streams import ENV_REQUESTS, TRAJECTORIES, env_inbox, env_replies
+from shared.platform.bus import connect_sync
+from shared.platform.db.session import make_engine
+from shared.platform.heartbeats import live_workers
+from tests.support.live import TERMINAL, wait_run_ended
+from tests.support.procs import ServiceGroup, wait_until
+from tests.support.tiny_model import build_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "rollout.json"
@@ -92,7 +92,7 @@ def pg_backends(engine) -> list[psutil.Process]:
 
 # -- the workload ------------------------------------------------------------------------------------------------
 def add_dataset(engine, n: int) -> str:
-    from shared.builtin.datasets import generate
+    from services.jobs.builtin_datasets import generate
 
     rows, ds = generate("arithmetic", n, seed=0), uuid.uuid4()
     with engine.begin() as c:
@@ -174,8 +174,8 @@ def read_results(redis_url: str, run_id: str, limit: int) -> list[EpisodeResult]
 # -- env round trip ----------------------------------------------------------------------------------------------
 def measure_env_rtt(redis_url: str, n: int) -> dict:
     """Sequential math-env steps: through Redis + the env worker vs calling the env in-process."""
-    from shared.builtin.datasets import generate
-    from shared.registry import resolve
+    from services.jobs.builtin_datasets import generate
+    from shared.contracts.registry import resolve
 
     tasks = generate("arithmetic", n, seed=1)
     action = "The answer is \\boxed{42}."
@@ -253,7 +253,7 @@ def run_bench(args, tmp: Path, redis_url: str, db_url: str) -> dict:
     add_dataset(engine, args.tasks)
     procs = ServiceGroup(tmp, redis_url=redis_url, database_url=db_url, log_format="json", log_level="WARNING")
     port = free_port()
-    procs.start("mock_llm", "harness.mock_llm", args=["--port", str(port), "--latency-ms", str(args.latency_ms),
+    procs.start("mock_llm", "tests.support.mock_llm", args=["--port", str(port), "--latency-ms", str(args.latency_ms),
                                                       "--tokenizer", model_dir])
     system = [psutil.Process(procs.start(name, module, worker_id=worker_id, **env).pid)
               for name, module, worker_id, env in [

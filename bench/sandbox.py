@@ -5,7 +5,7 @@
 - exec_p50_ms / exec_p99_ms per mode: wall time of `run_python("print(1)")`, start to output read, measured
   alternately (none, namespaces, none, ...) so both see the same machine load; `namespaces_added_p50_ms` is the
   difference of the p50s (target <= 30 ms);
-- escapes_tried / escapes_contained per mode: harness/sandbox_escapes.py run against each mode, with the
+- escapes_tried / escapes_contained per mode: tests/support/sandbox_escapes.py run against each mode, with the
   names of those that got out;
 - container mode (when DOCKER_HOST answers and SANDBOX_IMAGE is there; `make sandbox-image` builds it; else the
   JSON says why it was skipped): session_start_p50_ms / p99 = taking a started container from the warm pool
@@ -23,8 +23,8 @@ import statistics
 import time
 from pathlib import Path
 
-from harness.sandbox_escapes import ESCAPES, Target
-from shared.builtin.sandbox import SandboxLimits, SandboxUnavailable, check_mode, run_python
+from services.env_worker.sandbox import SandboxLimits, SandboxUnavailable, check_mode, run_python
+from tests.support.sandbox_escapes import ESCAPES, Target
 
 IMAGE = os.environ.get("SANDBOX_IMAGE", "localhost/flywheel-sandbox-python:local")
 
@@ -54,8 +54,7 @@ def exec_times(runs: int) -> dict[str, list[float]]:
 
 
 def container_times(runs: int) -> dict:
-    from shared.builtin import sandbox_container as sc
-
+    from services.env_worker.sandbox import container as sc
     try:
         sc.check_image(IMAGE)
     except SandboxUnavailable as e:

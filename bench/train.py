@@ -41,7 +41,7 @@ def log(msg: str) -> None:
 # -- 1. weight sync -------------------------------------------------------------------------------------------
 def build_model(folder: Path, hidden: int, layers: int) -> Path:
     """The tests' tiny Qwen2 (byte-level BPE, 512 tokens), `hidden` wide and `layers` deep."""
-    from harness.tiny_model import build_tiny_model
+    from tests.support.tiny_model import build_tiny_model
 
     return build_tiny_model(folder, hidden_size=hidden, num_layers=layers, intermediate_size=2 * hidden)
 
@@ -103,10 +103,10 @@ def bench_weight_sync(work: Path, redis_url: str, database_url: str, workers: in
     import numpy as np
     import redis
 
-    from harness.stack import LocalStack
+    from infra.local.stack import LocalStack
     from services.trainer.engine import PolicyEngine
     from services.trainer.publisher import WeightPublisher
-    from shared.run_config import AlgorithmConfig
+    from shared.contracts.run_config import AlgorithmConfig
 
     model_dir = build_model(work / "model", hidden=hidden, layers=layers)
     run_id = _insert_bench_run(database_url, model_dir)
@@ -256,7 +256,7 @@ LINK_VERSIONS = 6
 def link_sync(work: Path, redis_url: str, database_url: str, small: bool = False) -> dict:
     """Weight sync as deployed: the weight server (with the trainer beside it, publishing through the shared
     volume) in one network namespace, each rollout worker in its own, joined by a bridge, every link shaped by
-    `tc tbf` (harness/netns.py). Workers fetch over HTTP only, relaying to each other (shared/weight_relay.py).
+    `tc tbf` (tests/support/netns.py). Workers fetch over HTTP only, relaying to each other (services/rollout_worker/weight_relay.py).
     Per rate and worker count: full and delta versions (publish call -> every worker serving) and the weight
     server's egress bytes per version; per rate, the raw transfer of the full checkpoint (one plain HTTP GET)."""
     hidden, layers = (256, 2) if small else (1024, 12)
@@ -267,12 +267,12 @@ def bench_link_sync(work: Path, redis_url: str, database_url: str, hidden: int, 
     import httpx
     import redis
 
-    from harness.netns import ShapedNetwork, namespaces
-    from harness.ports import free_port
-    from harness.stack import LocalStack, Placement
+    from infra.local.ports import free_port
+    from infra.local.stack import LocalStack, Placement
     from services.trainer.engine import PolicyEngine
     from services.trainer.publisher import WeightPublisher
-    from shared.run_config import AlgorithmConfig
+    from shared.contracts.run_config import AlgorithmConfig
+    from tests.support.netns import ShapedNetwork, namespaces
 
     if not redis_url.startswith("unix://") or "host=/" not in database_url:
         raise RuntimeError("the link bench reaches Redis and Postgres on unix sockets from every namespace: "
@@ -367,7 +367,7 @@ def bench_link_sync(work: Path, redis_url: str, database_url: str, hidden: int, 
 def _insert_bench_run(database_url: str, model_dir: Path) -> str:
     from sqlalchemy import create_engine, text
 
-    from bench.demo import demo_config
+    from tests.support.demo import demo_config
 
     run_id = str(uuid.uuid4())
     config = demo_config(model_dir, steps=3, tasks=1, n=2, lr=5e-6, max_staleness=0)
@@ -381,8 +381,8 @@ def _insert_bench_run(database_url: str, model_dir: Path) -> str:
 
 def _warm_up(client, run_id: str, urls: list[str], http) -> None:
     """Send tasks until every worker serves the run (a worker builds a run's context at its first task)."""
-    from shared.messages import RolloutTask, encode
-    from shared.streams import ROLLOUT_TASKS
+    from shared.contracts.messages import RolloutTask, encode
+    from shared.contracts.streams import ROLLOUT_TASKS
 
     deadline, i = time.monotonic() + 600, 0
     while any(_served_version(u, run_id, http) is None for u in urls):
@@ -449,7 +449,7 @@ def bench_async(work: Path, redis_url: str, database_url: str, versions: int = 1
     on verl, weight server), max_staleness 0 vs 2. Inference is the mock LLM behind the openai engine (it
     follows each hot reload's version), its latency set so that a batch's rollout takes about as long as the
     trainer's cycle for one version, measured first with near-zero latency."""
-    from harness.stack import LocalStack
+    from infra.local.stack import LocalStack
 
     model_dir = build_model(work / "async-model", hidden=256, layers=4)
     env = {"REDIS_URL": redis_url, "DATABASE_URL": database_url, "LOG_LEVEL": "WARNING"}
@@ -489,15 +489,15 @@ class AsyncBench:
     def __init__(self, database_url: str, model_dir: Path, work: Path, tasks: int, n: int):
         from sqlalchemy import create_engine
 
-        from harness.live import register_dataset
+        from tests.support.live import register_dataset
 
         self.db = create_engine(database_url)
         self.model_dir, self.work, self.tasks, self.n = model_dir, work, tasks, n
         register_dataset(self.db, "bench-async", 512, split="train")
 
     def run(self, *, max_staleness: int, latency_s: float, versions: int, warmup: int) -> dict:
-        from harness.live import insert_run, start_mock_llm, wait_run_ended
-        from harness.ports import free_port
+        from infra.local.ports import free_port
+        from tests.support.live import insert_run, start_mock_llm, wait_run_ended
 
         port = free_port()
         mock = start_mock_llm(port, latency_s * 1000, answer="correct", tokenizer=str(self.model_dir))
@@ -545,7 +545,7 @@ def bench_engine(work: Path, iters: int = 9) -> dict:
     from verl.trainer.ppo import core_algos
 
     from services.trainer.engine import PolicyEngine
-    from shared.run_config import AlgorithmConfig
+    from shared.contracts.run_config import AlgorithmConfig
 
     model_dir = build_model(work / "engine-model", hidden=512, layers=4)
     B, P, R = 32, 32, 32
@@ -635,9 +635,9 @@ def main() -> None:
 
 def private_backends():
     """Embedded Redis and Postgres in a temp folder (migrated), so the bench never touches shared data."""
-    from harness.servers import PostgresServer, RedisServer
-    from shared.db.migrate import upgrade
-    from shared.settings import ServiceSettings
+    from infra.local.servers import PostgresServer, RedisServer
+    from shared.platform.db.migrate import upgrade
+    from shared.platform.settings import ServiceSettings
 
     folder = Path(tempfile.mkdtemp(prefix="flywheel-bench-db-"))
     redis_server, pg = RedisServer(folder / "redis", unix_socket=True), PostgresServer(folder / "pg")

@@ -7,7 +7,7 @@ response ~30% of the maximum, prompts of varied length), on the same model and b
 - packed: verl's padding removal (sequences end to end, attention per sequence) and token-budget
   micro-batches (`micro_batch_tokens`).
 tokens/s counts real tokens only (prompt + response, no padding), so both figures are work a user asked for.
-The batch is harness/trainer_batches.py's `spread_batch`, also the GPU smoke's RL-shaped batch.
+The batch is tests/support/trainer_batches.py's `spread_batch`, also the GPU smoke's RL-shaped batch.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import statistics
 import time
 from pathlib import Path
 
-from harness.trainer_batches import spread_batch
+from tests.support.trainer_batches import spread_batch
 
 
 def update_fn(engine, t: dict, seed: int = 0):
@@ -38,9 +38,9 @@ def bench_step(work: Path, iters: int = 5, *, hidden: int = 512, intermediate: i
     """A model whose width, not its attention over the sequence, sets the cost per token (as in real models:
     Qwen2.5-0.5B is 896 wide, its MLP 4864), on the tests' 512-token vocabulary."""
     from bench.train import timed_pair
-    from harness.tiny_model import build_tiny_model
     from services.trainer.engine import PolicyEngine
-    from shared.run_config import AlgorithmConfig
+    from shared.contracts.run_config import AlgorithmConfig
+    from tests.support.tiny_model import build_tiny_model
 
     model_dir = build_tiny_model(work / "step-model", hidden_size=hidden, num_layers=layers,
                                  intermediate_size=intermediate)

@@ -1,6 +1,6 @@
 """vLLM vs HF rollouts, and vLLM hot-reload latency: `make bench-vllm` (python -m bench.vllm [--tasks 1024]).
 
-The same tiny model (harness/tiny_model.py's vLLM shape: hidden 128, 4 heads of 32, untied) and the same
+The same tiny model (tests/support/tiny_model.py's vLLM shape: hidden 128, 4 heads of 32, untied) and the same
 workload (an eval run of `tasks` single-step arithmetic tasks, sampling at temperature 1, `max_tokens`
 generated tokens at most) through the real services on real Redis/Postgres: env worker and controller from
 this environment, one rollout worker with `engine.type: hf` (this environment), then one with
@@ -30,11 +30,11 @@ import redis
 from sqlalchemy import text
 
 from bench.rollout import steady_rate
-from harness.live import REPO, register_dataset, stored_count, wait_run_ended
-from harness.procs import start_service, stop, wait_heartbeat
-from harness.servers import leased_redis_db, scratch_database
-from harness.tiny_model import build_vllm_tiny_model
-from shared.streams import heartbeat_key
+from infra.local.servers import leased_redis_db, scratch_database
+from shared.contracts.streams import heartbeat_key
+from tests.support.live import REPO, register_dataset, stored_count, wait_run_ended
+from tests.support.procs import start_service, stop, wait_heartbeat
+from tests.support.tiny_model import build_vllm_tiny_model
 
 RESULTS = REPO / "bench" / "results" / "vllm.json"
 VLLM_PYTHON = REPO / os.environ.get("VLLM_VENV", ".venv-vllm") / "bin" / "python"
@@ -73,7 +73,7 @@ def served_version(http: httpx.Client, url: str, run_id: str) -> int:
 
 def measure_run(db, url: str, model: Path, engine: dict, args) -> tuple[dict, str]:
     """One eval run on the worker serving `url`: (figures, run id)."""
-    from harness.live import insert_run
+    from tests.support.live import insert_run
 
     run_id = insert_run(db, run_config(model, engine, args.tasks, args))
     if not wait_run_ended(db, run_id, args.timeout_s) == "completed":
@@ -91,9 +91,9 @@ def measure_run(db, url: str, model: Path, engine: dict, args) -> tuple[dict, st
 
 def measure_reloads(redis_url: str, url: str, run_id: str, folders: list[Path]) -> list[float]:
     """Publish versions 1.. one after another; seconds from each publish to the worker serving it."""
-    from shared.messages import WeightsPublished, encode
-    from shared.streams import WEIGHTS
-    from shared.weights import write_manifest
+    from shared.contracts.messages import WeightsPublished, encode
+    from shared.contracts.streams import WEIGHTS
+    from shared.weights.manifest import write_manifest
 
     client, seconds = redis.Redis.from_url(redis_url), []
     with httpx.Client(timeout=10) as http:
@@ -112,8 +112,8 @@ def measure_reloads(redis_url: str, url: str, run_id: str, folders: list[Path]) 
 
 
 def run_bench(args, tmp: Path, redis_url: str, database_url: str) -> dict:
-    from harness.stack import LocalStack
-    from shared.db.session import make_engine
+    from infra.local.stack import LocalStack
+    from shared.platform.db.session import make_engine
 
     if not VLLM_PYTHON.exists():
         raise SystemExit(f"{VLLM_PYTHON} is missing: run `make vllm-venv` first")

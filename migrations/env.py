@@ -1,11 +1,11 @@
 """Alembic environment: the URL comes from the caller's config or from DATABASE_URL (same settings as the
-services), the target metadata from shared.db.models."""
+services), the target metadata from shared.contracts.db.models."""
 
 from alembic import context
 from sqlalchemy import create_engine
 
-from shared.db.models import Base
-from shared.settings import ServiceSettings
+from shared.contracts.db.models import Base
+from shared.platform.settings import ServiceSettings
 
 config = context.config
 

@@ -1,4 +1,4 @@
-"""Fixtures shared by every tier. Tests that touch Redis or Postgres use real servers (harness.servers):
+"""Fixtures shared by every tier. Tests that touch Redis or Postgres use real servers (infra.local.servers):
 
 - REDIS_URL / DATABASE_URL set (CI: the servers on 127.0.0.1): each test session leases its own Redis logical
   database (SET NX lease in db 0, so parallel sessions never share streams) and creates its own Postgres
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.servers import postgres_admin, private_redis, scratch_database
+from infra.local.servers import postgres_admin, private_redis, scratch_database
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures"
@@ -107,7 +107,7 @@ def isolated_urls(redis_url: str, pg_admin_url: str):
 
 @pytest.fixture
 async def redis_client(redis_url):
-    from shared.bus import connect
+    from shared.platform.bus import connect
 
     client = connect(redis_url)
     await client.flushdb()
@@ -121,7 +121,7 @@ def vllm_models(tmp_path_factory) -> list[Path]:
     `.venv-vllm` it skips (fails in CI) before building anything."""
     from fixtures.vllm_env import vllm_python
 
-    from harness.tiny_model import build_vllm_tiny_model
+    from tests.support.tiny_model import build_vllm_tiny_model
 
     vllm_python()
     root = tmp_path_factory.mktemp("vllm-models")

@@ -26,12 +26,12 @@ COPY infra/constraints-cpu.txt infra/
 RUN pip install -c infra/constraints-cpu.txt ".[${EXTRAS}]" && pip uninstall -y flywheel-rl
 
 COPY . .
-# Editable: shared.db.migrate finds migrations/ next to the source tree.
+# Editable: shared.platform.db.migrate finds migrations/ next to the source tree.
 RUN pip install --no-deps -e . \
     && useradd --create-home --uid 1000 flywheel \
     && mkdir -p /data /weights && chown flywheel /data /weights
 USER flywheel
 # The delta kernels' machine code in the image (numba's cache, in the service user's home): a container on a CPU
 # like the builder's loads it instead of compiling (~6 s of a core when a run opens; another CPU compiles anew).
-RUN python -c "from shared.delta_kernels import warm_up; warm_up()"
+RUN python -c "from shared.weights.kernels import warm_up; warm_up()"
 CMD ["flywheel-api"]

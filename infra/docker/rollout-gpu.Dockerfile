@@ -17,5 +17,5 @@ RUN pip install -r infra/requirements-vllm-gpu.txt -e ".[envs,hf,agents]" \
 USER flywheel
 # The delta kernels' machine code in the image (numba's cache, in the service user's home): a container on a CPU
 # like the builder's loads it instead of compiling (~6 s of a core when a run opens; another CPU compiles anew).
-RUN python -c "from shared.delta_kernels import warm_up; warm_up()"
+RUN python -c "from shared.weights.kernels import warm_up; warm_up()"
 CMD ["flywheel-rollout-worker"]

@@ -13,18 +13,18 @@ from fastapi.staticfiles import StaticFiles
 from prometheus_client import Counter, Histogram
 
 from services.api.auth import authorize
-from services.api.config import ApiConfig
 from services.api.errors import add_error_handlers, errors
 from services.api.routers import agent_sessions, datasets, jobs, runs, sql, system, tokens, trajectories
-from shared.bus import connect_sync
-from shared.db.session import make_engine, session_factory
+from services.api.settings import ApiSettings
+from shared.platform.bus import connect_sync
+from shared.platform.db.session import make_engine, session_factory
 
 STATIC_DIR = Path(__file__).parent / "static"
 REQUESTS = Counter("api_requests_total", "HTTP requests", ["method", "handler", "status"])
 LATENCY = Histogram("api_request_seconds", "HTTP request latency, seconds", ["method", "handler"])
 
 
-def create_app(config: ApiConfig) -> FastAPI:
+def create_app(config: ApiSettings) -> FastAPI:
     app = FastAPI(title="flywheel", version="0.1.0", description="RL post-training for LLM agents: control plane")
     engine = make_engine(config.database_url)
     app.state.config = config

@@ -478,10 +478,10 @@ def sql(query: str, max_rows: int = 1000, as_json: Annotated[bool, typer.Option(
 
 @app.command("up", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def up(ctx: typer.Context) -> None:
-    """Start every service as local processes (harness.stack; options pass through, see `flywheel-stack
+    """Start every service as local processes (infra.local.stack; options pass through, see `flywheel-stack
     --help`); embedded Redis/Postgres when REDIS_URL/DATABASE_URL are unset."""
     try:
-        from harness.stack import main as stack_main
+        from infra.local.stack import main as stack_main
     except ImportError as e:
         _fail(f"the local stack is not available ({e}); use `docker compose up`")
     sys.argv = ["flywheel-stack", *ctx.args]  # the stack parses its own options

@@ -9,7 +9,7 @@ from fastapi import Depends, Request
 from sqlalchemy.orm import Session
 
 from services.api.auth import Principal, authorize
-from services.api.config import ApiConfig
+from services.api.settings import ApiSettings
 
 
 def get_session(request: Request) -> Iterator[Session]:
@@ -17,10 +17,10 @@ def get_session(request: Request) -> Iterator[Session]:
         yield session
 
 
-def get_config(request: Request) -> ApiConfig:
+def get_config(request: Request) -> ApiSettings:
     return request.app.state.config
 
 
 DB = Annotated[Session, Depends(get_session)]
-Config = Annotated[ApiConfig, Depends(get_config)]
+Config = Annotated[ApiSettings, Depends(get_config)]
 User = Annotated[Principal, Depends(authorize)]

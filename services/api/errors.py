@@ -21,7 +21,7 @@ from sqlalchemy.exc import DataError, IntegrityError
 from starlette.exceptions import HTTPException
 
 from services.api.schemas import ErrorBody, ErrorItem
-from shared.runs import RunRefused
+from shared.clients.run_commands import RunRefused
 
 
 def _integral(value: Any) -> Any:
@@ -57,7 +57,7 @@ class ApiError(HTTPException):
 
 
 def refused(e: RunRefused) -> ApiError:
-    """A run shared/runs.py refused, answered with its status and every problem as an error item."""
+    """A run shared/clients/run_commands.py refused, answered with its status and every problem as an error item."""
     return ApiError(e.status, items=[ErrorItem(**p.model_dump()) for p in e.problems])
 
 

@@ -1,4 +1,4 @@
-"""Asking the jobs service for a job (shared.jobs.request_job: it stores the `queued` row and sends the task, so
+"""Asking the jobs service for a job (shared.clients.jobs.request_job: it stores the `queued` row and sends the task, so
 the API writes no `jobs` row), and waiting for one to finish."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
 from services.api.errors import ApiError
-from shared.bus import RedisError
-from shared.db.models import Job
-from shared.jobs import JobsUnavailable, request_job
+from shared.clients.jobs import JobsUnavailable, request_job
+from shared.contracts.db.models import Job
+from shared.platform.bus import RedisError
 
 
 def submit_job(request: Request, session: Session, kind: str, params: dict[str, Any],

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import sys
 
-from services.api.config import ApiConfig
-from shared.service import Loops, ServiceRuntime, run_service
+from services.api.settings import ApiSettings
+from shared.platform.service import Loops, ServiceRuntime, run_service
 
 
 def main() -> int:
-    return run_service(ApiConfig(), build)
+    return run_service(ApiSettings(), build)
 
 
-async def build(config: ApiConfig, runtime: ServiceRuntime) -> Loops:
+async def build(config: ApiSettings, runtime: ServiceRuntime) -> Loops:
     from services.api.app import create_app
 
     app = create_app(config)

@@ -9,8 +9,8 @@ from typing import Any
 from sqlalchemy import case, func, select, text
 from sqlalchemy.orm import Session
 
-from shared.db.models import EpisodeRow, Metric, Run, TrajectoryRow
-from shared.passk import pass_at_k as pass_at_k_one
+from shared.contracts.db.models import EpisodeRow, Metric, Run, TrajectoryRow
+from shared.contracts.passk import pass_at_k as pass_at_k_one
 
 UNIT_COLUMNS = ("total", "completed", "in_flight", "retrying", "errored", "failed", "cancelled")
 ATTEMPT_COLUMNS = ("total", "completed", "in_flight", "errored", "failed", "lost", "cancelled")

@@ -18,7 +18,7 @@ from sqlalchemy import String, cast, select
 
 from services.api.deps import DB
 from services.api.errors import ApiError
-from shared.db.models import Run
+from shared.contracts.db.models import Run
 
 HEX_PREFIX = re.compile(r"^[0-9a-fA-F-]+$")
 SHOWN = 10  # matches listed in an ambiguity error

@@ -21,20 +21,20 @@ from pydantic import ValidationError
 from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import SQLAlchemyError
 
-from services.controller import ledger, lifecycle
-from services.controller.config import ControllerConfig
-from services.controller.run import RunDriver
+from services.controller import lifecycle, queries
+from services.controller.run_driver import RunDriver
+from services.controller.settings import ControllerSettings
 from services.controller.share import fair_shares
 from services.controller.stall import gather_facts, stall_reason
-from shared.bus import RedisError, StreamBus
-from shared.db.models import TERMINAL_RUN_STATUSES
-from shared.db.session import DB_DOWN
-from shared.logs import get_logger
-from shared.messages import RolloutTask
-from shared.run_config import RunConfig
-from shared.service import sleep_or_stop, wait_for
-from shared.streams import ACCEPTED_RESULTS, GROUP_ROLLOUT, ROLLOUT_TASKS
-from shared.workers import live_workers_async
+from shared.contracts.db.models import TERMINAL_RUN_STATUSES
+from shared.contracts.messages import RolloutTask
+from shared.contracts.run_config import RunConfig
+from shared.contracts.streams import ACCEPTED_RESULTS, GROUP_ROLLOUT, ROLLOUT_TASKS
+from shared.platform.bus import RedisError, StreamBus
+from shared.platform.db.session import DB_DOWN
+from shared.platform.heartbeats import live_workers_async
+from shared.platform.logs import get_logger
+from shared.platform.service import sleep_or_stop, wait_for
 
 log = get_logger(__name__)
 DISPATCHED = Counter("controller_tasks_dispatched_total", "Rollout tasks put on rollout.tasks")
@@ -44,7 +44,7 @@ DISPATCH_LATENCY = Histogram("controller_dispatch_latency_seconds", "Ledger inse
 
 
 class DispatchLoop:
-    def __init__(self, cfg: ControllerConfig, worker_id: str, db: Engine, bus: StreamBus,
+    def __init__(self, cfg: ControllerSettings, worker_id: str, db: Engine, bus: StreamBus,
                  drivers: dict[str, RunDriver], wake: asyncio.Event, status: dict):
         self.cfg, self.worker_id, self.db, self.bus = cfg, worker_id, db, bus
         self.drivers, self.wake, self.status = drivers, wake, status
@@ -82,8 +82,8 @@ class DispatchLoop:
     # -- runs: leases, drivers -------------------------------------------------------------------------------
     async def poll_runs(self) -> None:
         """Renew/take leases; runs no longer returned (lease lost, finished elsewhere) are dropped."""
-        read_at = time.time()  # before the read: a status committed earlier is in it (control.py)
-        rows = await asyncio.to_thread(ledger.lease_runs, self.db, self.worker_id, self.cfg.run_lease_s,
+        read_at = time.time()  # before the read: a status committed earlier is in it (control_loop.py)
+        rows = await asyncio.to_thread(queries.lease_runs, self.db, self.worker_id, self.cfg.run_lease_s,
                                        self.cfg.max_runs)
         seen = set()
         for row in rows:
@@ -116,14 +116,14 @@ class DispatchLoop:
         except KeyError:
             pass
 
-    async def take_run(self, row: ledger.RunRow) -> None:
+    async def take_run(self, row: queries.RunRow) -> None:
         """Build a driver from config + dataset + ledger; a config that cannot run fails the run."""
         try:
             cfg = RunConfig.model_validate(row.config)
             driver = await asyncio.to_thread(self.load_driver, row, cfg)
         except (ValidationError, ValueError) as e:
             log.warning("run %s cannot start: %s", row.id, e, extra={"run_id": row.id})
-            await asyncio.to_thread(ledger.fail_run, self.db, row.id, row.status, str(e))
+            await asyncio.to_thread(queries.fail_run, self.db, row.id, row.status, str(e))
             return
         driver.last_progress = time.monotonic()
         self.drivers[row.id] = driver
@@ -132,13 +132,13 @@ class DispatchLoop:
         log.info("driving run %s (%s, %d in flight, %d completed)", row.id, row.status, len(driver.in_flight),
                  driver.num_completed, extra={"run_id": row.id})
 
-    def load_driver(self, row: ledger.RunRow, cfg: RunConfig) -> RunDriver:
+    def load_driver(self, row: queries.RunRow, cfg: RunConfig) -> RunDriver:
         """The run's state rebuilt from its dataset and ledger; final failures recorded (in case a controller
         crashed before recording them) and announced again, like errored slots."""
         with self.db.begin() as conn:
-            tasks = ledger.load_tasks(conn, cfg.dataset, cfg.dataset_split, cfg.dataset_version, cfg.max_tasks)
+            tasks = queries.load_tasks(conn, cfg.dataset, cfg.dataset_split, cfg.dataset_version, cfg.max_tasks)
             driver = RunDriver(row, cfg, tasks)
-            driver.rebuild(ledger.ledger_rows(conn, row.id))
+            driver.rebuild(queries.ledger_rows(conn, row.id))
             if not driver.plan.is_eval:
                 count_dropped(conn, driver)
             for task_id, sample_idx in driver.final_failed:
@@ -188,14 +188,14 @@ class DispatchLoop:
                 count_dropped(conn, d)
             if time.monotonic() >= d.next_ledger_scan:
                 d.next_ledger_scan = time.monotonic() + self.cfg.poll_interval_s
-                for ended in ledger.ended_among(conn, d.run_id, d.in_flight_keys()):
+                for ended in queries.ended_among(conn, d.run_id, d.in_flight_keys()):
                     lifecycle.ended(conn, d, *ended)
             if d.fail_reason is None and d.nothing_scored():
-                d.fail_reason = lifecycle.nothing_scored_reason(d, ledger.top_reasons(conn, d.run_id))
+                d.fail_reason = lifecycle.nothing_scored_reason(d, queries.top_reasons(conn, d.run_id))
             if d.fail_reason and d.status in ("pending", "running", "paused"):
                 lifecycle.fail(conn, d)
                 return []
-            if d.status == "pending" and ledger.set_status(conn, d.run_id, "pending", "running"):
+            if d.status == "pending" and queries.set_status(conn, d.run_id, "pending", "running"):
                 d.status = "running"
             if d.status == "stopping":
                 lifecycle.stopping(conn, d, self.cfg.stop_timeout_s)
@@ -214,7 +214,7 @@ class DispatchLoop:
         if not items:
             return []
         lease_s = d.cfg.trajectory_timeout_s + self.cfg.ledger_lease_margin_s
-        inserted = ledger.insert_dispatched(conn, d.run_id, items, d.policy_version, lease_s)
+        inserted = queries.insert_dispatched(conn, d.run_id, items, d.policy_version, lease_s)
         d.mark_dispatched(items, inserted)
         if len(inserted) < len(items):  # someone else dispatched some of these: re-read the ledger next poll
             log.warning("%d slots were already in the ledger", len(items) - len(inserted), extra={"run_id": d.run_id})
@@ -291,11 +291,11 @@ class DispatchLoop:
         """Dispatched rows past their lease are lost: recorded as such and retried while attempts remain. Those a
         live rollout worker says it runs (`held`, from its heartbeat) have their lease renewed instead."""
         with self.db.begin() as conn:
-            lost = ledger.expire_leases(conn, d.run_id, held, d.cfg.trajectory_timeout_s + self.cfg.ledger_lease_margin_s)
+            lost = queries.expire_leases(conn, d.run_id, held, d.cfg.trajectory_timeout_s + self.cfg.ledger_lease_margin_s)
             if not lost:
                 return
             LOST.inc(len(lost))
-            ledger.add_event(conn, d.run_id, "lost", f"{len(lost)} dispatched tasks had no result before their "
+            queries.add_event(conn, d.run_id, "lost", f"{len(lost)} dispatched tasks had no result before their "
                              "lease", {"count": len(lost), "keys": [list(k) for k in lost[:100]]})
             for key in lost:
                 lifecycle.ended(conn, d, *key, "lost", "no result before the task lease expired")
@@ -338,13 +338,13 @@ class DispatchLoop:
                 facts = facts or await gather_facts(self.bus.redis)
                 reason = stall_reason(d, facts, window)
             if reason != d.stall_reason:
-                await asyncio.to_thread(ledger.set_stall, self.db, d.run_id, reason)
+                await asyncio.to_thread(queries.set_stall, self.db, d.run_id, reason)
                 if reason:
                     log.warning("run stalled: %s", reason, extra={"run_id": d.run_id})
                 d.stall_reason = reason
             if not d.plan.is_eval and d.policy_version != d.signal_checked_version:
                 d.signal_checked_version = d.policy_version
-                warning = await asyncio.to_thread(ledger.update_run_warning, self.db, d.run_id,
+                warning = await asyncio.to_thread(queries.update_run_warning, self.db, d.run_id,
                                                   self.cfg.no_signal_versions)
                 if warning:
                     log.warning("%s", warning, extra={"run_id": d.run_id})
@@ -362,4 +362,4 @@ class DispatchLoop:
 
 def count_dropped(conn: Connection, d: RunDriver) -> None:
     """Groups the trainer consumed without a step widen the dispatch window, so dropped groups are refilled."""
-    d.dropped_groups = ledger.dropped_groups(conn, d.run_id, d.final_failed_groups())
+    d.dropped_groups = queries.dropped_groups(conn, d.run_id, d.final_failed_groups())

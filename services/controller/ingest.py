@@ -10,15 +10,15 @@ import asyncio
 from prometheus_client import Counter
 from sqlalchemy import Engine
 
-from services.controller import ledger
-from services.controller.config import ControllerConfig
-from services.controller.run import RunDriver
+from services.controller import queries
+from services.controller.run_driver import RunDriver
+from services.controller.settings import ControllerSettings
 from services.controller.store import TrajectoryStore
-from shared.bus import REDIS_DOWN, Delivery, StreamBus, StreamConsumer
-from shared.db.session import DB_DOWN
-from shared.logs import get_logger
-from shared.messages import AcceptedResult, EpisodeResult
-from shared.streams import ACCEPTED_RESULTS, GROUP_STORE, TRAJECTORIES
+from shared.contracts.messages import AcceptedResult, EpisodeResult
+from shared.contracts.streams import ACCEPTED_RESULTS, GROUP_STORE, TRAJECTORIES
+from shared.platform.bus import REDIS_DOWN, Delivery, StreamBus, StreamConsumer
+from shared.platform.db.session import DB_DOWN
+from shared.platform.logs import get_logger
 
 log = get_logger(__name__)
 STORED = Counter("controller_results_stored_total", "Completed results stored")
@@ -27,7 +27,7 @@ LATE = Counter("controller_late_results_total", "Results from attempts no longer
 
 
 class IngestLoop:
-    def __init__(self, cfg: ControllerConfig, worker_id: str, db: Engine, bus: StreamBus,
+    def __init__(self, cfg: ControllerSettings, worker_id: str, db: Engine, bus: StreamBus,
                  drivers: dict[str, RunDriver], wake: asyncio.Event):
         self.db, self.bus, self.drivers, self.wake = db, bus, drivers, wake
         self.store = TrajectoryStore(db, cfg.store_method)
@@ -68,7 +68,7 @@ class IngestLoop:
 
     def record_dead_letter(self, msg: EpisodeResult, entry_id: str, reason: str) -> None:
         with self.db.begin() as conn:
-            ledger.add_event(conn, msg.run_id, "dead_lettered",
+            queries.add_event(conn, msg.run_id, "dead_lettered",
                              f"trajectories entry {entry_id} could not be stored: {reason[-2000:]}",
                              {"stream": TRAJECTORIES, "task_id": msg.task_id, "sample_idx": msg.sample_idx,
                               "attempt": msg.attempt})

@@ -2,25 +2,25 @@
 
     REDIS_URL=... DATABASE_URL=... python -m services.controller.main
 
-Applies run commands and drives every active run it can lease (controller.py: its loops); several controllers
+Applies run commands and drives every active run it can lease (loops.py); several controllers
 may run side by side."""
 
 from __future__ import annotations
 
 import sys
 
-from services.controller.config import ControllerConfig
-from shared.service import Loops, ServiceRuntime, run_service
+from services.controller.settings import ControllerSettings
+from shared.platform.service import Loops, ServiceRuntime, run_service
 
 
 def main() -> int:
-    return run_service(ControllerConfig(), build)
+    return run_service(ControllerSettings(), build)
 
 
-async def build(cfg: ControllerConfig, runtime: ServiceRuntime) -> Loops:
-    from services.controller.controller import Controller
-    from shared.bus import StreamBus, connect
-    from shared.db.session import make_engine
+async def build(cfg: ControllerSettings, runtime: ServiceRuntime) -> Loops:
+    from services.controller.loops import Controller
+    from shared.platform.bus import StreamBus, connect
+    from shared.platform.db.session import make_engine
 
     engine = make_engine(cfg.database_url, pool_size=4)
     runtime.on_stop(engine.dispose)

@@ -20,7 +20,7 @@ import random
 from dataclasses import dataclass
 from functools import lru_cache
 
-from shared.run_config import RunConfig
+from shared.contracts.run_config import RunConfig
 
 
 @dataclass(frozen=True)

@@ -9,17 +9,17 @@ import time
 
 from sqlalchemy import Engine
 
-from services.controller import ledger
-from services.controller.config import ControllerConfig
-from services.controller.run import RunDriver
-from shared.bus import Delivery, StreamBus, StreamConsumer
-from shared.db.session import DB_DOWN
-from shared.messages import TrainerProgress
-from shared.streams import GROUP_CONTROLLER, TRAINER_PROGRESS
+from services.controller import queries
+from services.controller.run_driver import RunDriver
+from services.controller.settings import ControllerSettings
+from shared.contracts.messages import TrainerProgress
+from shared.contracts.streams import GROUP_CONTROLLER, TRAINER_PROGRESS
+from shared.platform.bus import Delivery, StreamBus, StreamConsumer
+from shared.platform.db.session import DB_DOWN
 
 
 class ProgressLoop:
-    def __init__(self, cfg: ControllerConfig, worker_id: str, db: Engine, bus: StreamBus,
+    def __init__(self, cfg: ControllerSettings, worker_id: str, db: Engine, bus: StreamBus,
                  drivers: dict[str, RunDriver], wake: asyncio.Event):
         self.db, self.drivers, self.wake = db, drivers, wake
         self.consumer = StreamConsumer(bus, TRAINER_PROGRESS, GROUP_CONTROLLER, worker_id, expect=TrainerProgress,
@@ -30,7 +30,7 @@ class ProgressLoop:
 
     async def record(self, deliveries: list[Delivery]) -> None:
         msgs = [d.message for d in deliveries]
-        await asyncio.to_thread(ledger.record_progress, self.db, msgs)
+        await asyncio.to_thread(queries.record_progress, self.db, msgs)
         for m in msgs:  # runs we drive see it at once; others at their controller's next poll
             driver = self.drivers.get(m.run_id)
             if driver is not None:

@@ -9,21 +9,21 @@ import asyncio
 
 from sqlalchemy import Engine
 
-from services.controller import ledger
-from services.controller.config import ControllerConfig
+from services.controller import queries
+from services.controller.settings import ControllerSettings
 from services.controller.store import load_results
-from shared.bus import Delivery, RedisError, StreamBus, StreamConsumer
-from shared.db.session import DB_DOWN
-from shared.logs import get_logger
-from shared.messages import AcceptedResult, RolloutTask
-from shared.service import sleep_or_stop
-from shared.streams import ACCEPTED_RESULTS, GROUP_CONTROLLER, ROLLOUT_TASKS, dead_letter, epoch_key
+from shared.contracts.messages import AcceptedResult, RolloutTask
+from shared.contracts.streams import ACCEPTED_RESULTS, GROUP_CONTROLLER, ROLLOUT_TASKS, dead_letter, epoch_key
+from shared.platform.bus import Delivery, RedisError, StreamBus, StreamConsumer
+from shared.platform.db.session import DB_DOWN
+from shared.platform.logs import get_logger
+from shared.platform.service import sleep_or_stop
 
 log = get_logger(__name__)
 
 
 class ReconcileLoop:
-    def __init__(self, cfg: ControllerConfig, worker_id: str, db: Engine, bus: StreamBus):
+    def __init__(self, cfg: ControllerSettings, worker_id: str, db: Engine, bus: StreamBus):
         self.cfg, self.worker_id, self.db, self.bus = cfg, worker_id, db, bus
         self.dead_tasks = StreamConsumer(bus, dead_letter(ROLLOUT_TASKS), GROUP_CONTROLLER, worker_id,
                                          expect=RolloutTask, batch_size=100, block_ms=None, transient=DB_DOWN,
@@ -48,8 +48,8 @@ class ReconcileLoop:
 
     def fail_attempt(self, task: RolloutTask, reason: str) -> None:
         with self.db.begin() as conn:
-            if ledger.fail_dispatched(conn, task.run_id, (task.task_id, task.sample_idx, task.attempt), reason):
-                ledger.add_event(conn, task.run_id, "dead_lettered", f"rollout task dead-lettered: {reason[-2000:]}",
+            if queries.fail_dispatched(conn, task.run_id, (task.task_id, task.sample_idx, task.attempt), reason):
+                queries.add_event(conn, task.run_id, "dead_lettered", f"rollout task dead-lettered: {reason[-2000:]}",
                                  {"stream": ROLLOUT_TASKS, "task_id": task.task_id, "sample_idx": task.sample_idx,
                                   "attempt": task.attempt})
 
@@ -66,7 +66,7 @@ class ReconcileLoop:
         crash before the key is set just replays again."""
         if await self.bus.redis.exists(epoch_key()):
             return
-        for run_id in await asyncio.to_thread(ledger.active_train_runs, self.db):
+        for run_id in await asyncio.to_thread(queries.active_train_runs, self.db):
             msgs = await asyncio.to_thread(self.unconsumed, run_id)
             for i in range(0, len(msgs), 100):
                 await self.bus.publish_many(ACCEPTED_RESULTS, msgs[i:i + 100])
@@ -79,7 +79,7 @@ class ReconcileLoop:
         """The accepted results of the run's groups the trainer has not reported consuming, and the notices of
         its slots out of attempts or errored."""
         with self.db.connect() as conn:
-            groups = ledger.unconsumed_groups(conn, run_id)
+            groups = queries.unconsumed_groups(conn, run_id)
             results = [AcceptedResult.stored(r) for r in load_results(conn, run_id, groups)] if groups else []
             return results + [AcceptedResult(run_id=run_id, task_id=t, sample_idx=s, attempt=a, batch_idx=b,
-                                             greedy=g) for t, s, a, b, g in ledger.final_failures(conn, run_id)]
+                                             greedy=g) for t, s, a, b, g in queries.final_failures(conn, run_id)]

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.controller.run import RunDriver
-from shared.bus import Redis, RedisError
-from shared.workers import Heartbeat, live_workers_async
+from services.controller.run_driver import RunDriver
+from shared.platform.bus import Redis, RedisError
+from shared.platform.heartbeats import Heartbeat, live_workers_async
 
 
 @dataclass

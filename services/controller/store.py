@@ -47,8 +47,8 @@ from psycopg.types.json import Jsonb
 from sqlalchemy import Column, Engine, Table, and_, select
 from sqlalchemy.dialects import postgresql
 
-from shared.db.models import EpisodeRow, StepRow, TokenArrayRow, TrajectoryRow
-from shared.messages.trajectory import EpisodeResult, TrajectoryRecord
+from shared.contracts.db.models import EpisodeRow, StepRow, TokenArrayRow, TrajectoryRow
+from shared.contracts.messages.trajectory import EpisodeResult, TrajectoryRecord
 
 _ID_NAMESPACE = uuid.UUID("5b0c4cf0-6f5e-4c1d-9a56-6a1f0f8f4f10")
 _MAX_PARAMS = 60_000  # Postgres caps bind parameters per statement at 65535
@@ -65,7 +65,7 @@ def _copy_spec(table: Table) -> list[tuple[str, str]]:
     return [(c.name, pg_type(c)) for c in table.columns if c.server_default is None]
 
 
-# The four tables a result writes, derived from shared/db/models.py (the one copy of the schema).
+# The four tables a result writes, derived from shared/contracts/db/models.py (the one copy of the schema).
 TABLES: dict[str, list[tuple[str, str]]] = {
     model.__tablename__: _copy_spec(model.__table__) for model in (EpisodeRow, TrajectoryRow, StepRow, TokenArrayRow)
 }

@@ -1,14 +1,11 @@
 """The trim loop, every trim_interval_s: drop the acknowledged entries of the streams the controller reads or
-writes (an entry is kept until every group of its stream acknowledged it: shared/bus.py)."""
+writes (an entry is kept until every group of its stream acknowledged it: shared/platform/bus/publish.py)."""
 
 from __future__ import annotations
 
 import asyncio
 
-from shared.bus import RedisError, StreamBus
-from shared.logs import get_logger
-from shared.service import sleep_or_stop
-from shared.streams import (
+from shared.contracts.streams import (
     ACCEPTED_RESULTS,
     ROLLOUT_TASKS,
     RUN_COMMANDS,
@@ -16,6 +13,9 @@ from shared.streams import (
     TRAINER_PROGRESS,
     TRAJECTORIES,
 )
+from shared.platform.bus import RedisError, StreamBus
+from shared.platform.logs import get_logger
+from shared.platform.service import sleep_or_stop
 
 log = get_logger(__name__)
 STREAMS = (ROLLOUT_TASKS, TRAJECTORIES, ACCEPTED_RESULTS, TRAINER_PROGRESS, RUN_COMMANDS, RUN_CONTROL)

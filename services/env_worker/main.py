@@ -8,20 +8,20 @@ from __future__ import annotations
 
 import sys
 
-from services.env_worker.config import EnvWorkerConfig
-from shared.logs import get_logger
-from shared.service import Loops, ServiceRuntime, run_service
+from services.env_worker.settings import EnvWorkerSettings
+from shared.platform.logs import get_logger
+from shared.platform.service import Loops, ServiceRuntime, run_service
 
 log = get_logger(__name__)
 
 
 def main() -> int:
-    return run_service(EnvWorkerConfig(), build, dependencies=("redis",))  # no Postgres: ready with Redis alone
+    return run_service(EnvWorkerSettings(), build, dependencies=("redis",))  # no Postgres: ready with Redis alone
 
 
-def check_sandbox(cfg: EnvWorkerConfig) -> None:
+def check_sandbox(cfg: EnvWorkerSettings) -> None:
     """Fail at start, with the reason, when a sandbox mode this worker must give cannot run here (no fall back)."""
-    from shared.builtin.sandbox import SandboxUnavailable, check_mode
+    from services.env_worker.sandbox import SandboxUnavailable, check_mode
 
     for mode in filter(None, (m.strip() for m in cfg.sandbox_modes.split(","))):
         try:
@@ -29,16 +29,16 @@ def check_sandbox(cfg: EnvWorkerConfig) -> None:
         except (SandboxUnavailable, ValueError) as e:
             raise SystemExit(f"env-worker: SANDBOX_MODES={cfg.sandbox_modes!r}: {e}") from None
         if mode == "namespaces":  # what this host let the sandbox have (a container: no /proc, no sysctl)
-            from shared.builtin.sandbox_ns import layout
+            from services.env_worker.sandbox.ns import layout
 
             lay = layout()
             log.info("sandbox mode namespaces: fresh /proc %s; nested user namespaces refused by %s", lay.proc,
                      "bwrap --disable-userns and seccomp" if lay.userns_sysctl else "seccomp (/proc/sys read-only)")
 
 
-async def build(cfg: EnvWorkerConfig, runtime: ServiceRuntime) -> Loops:
+async def build(cfg: EnvWorkerSettings, runtime: ServiceRuntime) -> Loops:
     from services.env_worker.worker import EnvWorker
-    from shared.bus import connect
+    from shared.platform.bus import connect
 
     check_sandbox(cfg)
     redis = connect(cfg.redis_url)

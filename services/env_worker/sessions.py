@@ -19,10 +19,10 @@ from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from shared.builtin.sandbox_ns import SandboxInfraError, SandboxUnavailable
-from shared.logs import get_logger
-from shared.messages import EnvReply, EnvRequest
-from shared.registry import resolve
+from services.env_worker.sandbox.ns import SandboxInfraError, SandboxUnavailable
+from shared.contracts.messages import EnvReply, EnvRequest
+from shared.contracts.registry import resolve
+from shared.platform.logs import get_logger
 
 log = get_logger(__name__)
 REQUESTS = Counter("env_requests_total", "Env requests handled", ["op", "outcome"])

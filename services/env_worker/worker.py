@@ -9,19 +9,19 @@ from __future__ import annotations
 import asyncio
 import time
 
-from services.env_worker.config import EnvWorkerConfig
 from services.env_worker.sessions import SessionHost
-from shared.bus import REDIS_DOWN, Delivery, Redis, RequestServer, StreamBus
-from shared.logs import get_logger
-from shared.messages import EnvRequest
-from shared.service import sleep_or_stop
-from shared.streams import ENV_REQUESTS, GROUP_ENV, env_inbox
+from services.env_worker.settings import EnvWorkerSettings
+from shared.contracts.messages import EnvRequest
+from shared.contracts.streams import ENV_REQUESTS, GROUP_ENV, env_inbox
+from shared.platform.bus import REDIS_DOWN, Delivery, Redis, RequestServer, StreamBus
+from shared.platform.logs import get_logger
+from shared.platform.service import sleep_or_stop
 
 log = get_logger(__name__)
 
 
 class EnvWorker:
-    def __init__(self, cfg: EnvWorkerConfig, worker_id: str, redis: Redis):
+    def __init__(self, cfg: EnvWorkerSettings, worker_id: str, redis: Redis):
         self.cfg, self.worker_id = cfg, worker_id
         self.requests = RequestServer(StreamBus(redis), ENV_REQUESTS, env_inbox(worker_id), GROUP_ENV, worker_id,
                                       EnvRequest, read_count=cfg.read_count, block_ms=cfg.read_block_ms,

@@ -1,4 +1,4 @@
-"""The Celery app: Redis broker (REDIS_URL), one task per job kind (names in shared.jobs), each wrapped so the
+"""The Celery app: Redis broker (REDIS_URL), one task per job kind (names in shared.clients.jobs), each wrapped so the
 `jobs` row records running -> succeeded (result) | failed (error). Bad params fail the job without retry;
 a worker that dies mid-job leaves the task unacknowledged, so another worker runs it again (acks_late). A job's
 task delivered twice runs once: one delivery at a time holds the job (a Postgres advisory lock on its id) and a
@@ -15,13 +15,13 @@ from celery import Celery
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
-from services.jobs.config import JobsConfig
+from services.jobs.settings import JobsSettings
 from services.jobs.tasks import JOBS, JobContext, JobInputError
 from services.jobs.tracking import sync_tracking
-from shared.db.models import RUN_STATUSES, Job, Run
-from shared.db.session import make_engine
-from shared.jobs import JOB_TASKS
-from shared.logs import get_logger
+from shared.clients.jobs import JOB_TASKS
+from shared.contracts.db.models import RUN_STATUSES, Job, Run
+from shared.platform.db.session import make_engine
+from shared.platform.logs import get_logger
 
 log = get_logger(__name__)
 
@@ -43,7 +43,7 @@ def celery_client(redis_url: str) -> Celery:
     return Celery("flywheel-jobs-intake", broker=celery_broker_url(redis_url))
 
 
-def make_celery(config: JobsConfig) -> Celery:
+def make_celery(config: JobsSettings) -> Celery:
     app = Celery("flywheel-jobs", broker=celery_broker_url(config.redis_url))
     app.conf.update(
         task_acks_late=True, task_reject_on_worker_lost=True, worker_prefetch_multiplier=1,
@@ -134,7 +134,7 @@ def _run_scheduled(ctx: JobContext, app: Celery, kind: str, params: dict) -> Non
     app.tasks[JOB_TASKS[kind]](job_id)
 
 
-def _schedule(config: JobsConfig) -> dict:
+def _schedule(config: JobsSettings) -> dict:
     schedule = {"gc": {"task": "flywheel.scheduled", "schedule": timedelta(seconds=config.gc_interval_s),
                        "args": ("gc", {"keep_checkpoints": config.keep_checkpoints, "trim_streams": True})}}
     if config.wandb_project or config.mlflow_tracking_uri:

@@ -1,5 +1,5 @@
 """The intake: group "jobs" on `jobs.requests` -> the job's `queued` row (its id the one the sender chose), the
-Celery task sent by name, then the `JobRequestReply` on the request's answer stream (shared/messages/jobs.py).
+Celery task sent by name, then the `JobRequestReply` on the request's answer stream (shared/contracts/messages/jobs.py).
 It runs beside the Celery worker in each jobs service process; with several, each request is stored by one.
 
 Idempotent by job id: a request delivered again (its intake died before the ack) finds its row. While that row
@@ -20,12 +20,12 @@ from sqlalchemy import Engine, func, update
 from sqlalchemy.exc import OperationalError as DatabaseUnreachable
 from sqlalchemy.orm import Session
 
-from shared.bus import Delivery, StreamBus, StreamConsumer
-from shared.db.models import Job
-from shared.jobs import JOB_TASKS
-from shared.logs import get_logger
-from shared.messages import JobRequest, JobRequestReply
-from shared.streams import GROUP_JOBS, JOB_REQUESTS, job_reply
+from shared.clients.jobs import JOB_TASKS
+from shared.contracts.db.models import Job
+from shared.contracts.messages import JobRequest, JobRequestReply
+from shared.contracts.streams import GROUP_JOBS, JOB_REQUESTS, job_reply
+from shared.platform.bus import Delivery, StreamBus, StreamConsumer
+from shared.platform.logs import get_logger
 
 log = get_logger(__name__)
 

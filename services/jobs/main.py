@@ -3,26 +3,26 @@ runs the jobs (Redis as broker); beside it the intake stores the jobs callers as
 sends their tasks (intake.py).
 
 Celery's worker owns the main thread and its signals; beside it the service runtime runs the intake, serves
-/healthz and /metrics on HEALTH_PORT and refreshes the Redis heartbeat key (shared.service.run_service's
+/healthz and /metrics on HEALTH_PORT and refreshes the Redis heartbeat key (shared.platform.service.run_service's
 `foreground`)."""
 
 from __future__ import annotations
 
 import sys
 
-from services.jobs.config import JobsConfig
-from shared.service import Loops, ServiceRuntime, run_service
+from services.jobs.settings import JobsSettings
+from shared.platform.service import Loops, ServiceRuntime, run_service
 
 
 def main() -> int:
-    return run_service(JobsConfig(), build, foreground=run_celery)
+    return run_service(JobsSettings(), build, foreground=run_celery)
 
 
-async def build(config: JobsConfig, runtime: ServiceRuntime) -> Loops:
+async def build(config: JobsSettings, runtime: ServiceRuntime) -> Loops:
     from services.jobs.celery_app import celery_client
     from services.jobs.intake import JobIntake
-    from shared.bus import StreamBus, connect
-    from shared.db.session import make_engine
+    from shared.platform.bus import StreamBus, connect
+    from shared.platform.db.session import make_engine
 
     engine = make_engine(config.database_url, pool_size=2)
     runtime.on_stop(engine.dispose)
@@ -32,7 +32,7 @@ async def build(config: JobsConfig, runtime: ServiceRuntime) -> Loops:
     return [intake.run(runtime.stop)]
 
 
-def run_celery(config: JobsConfig) -> None:
+def run_celery(config: JobsSettings) -> None:
     from services.jobs.celery_app import make_celery
 
     argv = ["worker", f"--pool={config.jobs_pool}", f"--concurrency={config.jobs_concurrency}",

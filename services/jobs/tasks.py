@@ -15,11 +15,10 @@ import httpx
 from sqlalchemy import Engine, func, select, update
 from sqlalchemy.orm import Session
 
-from services.jobs.config import JobsConfig
-from shared import streams
-from shared.bus import connect_sync
-from shared.datasets import DatasetError, DatasetInUse, DatasetNotFound, DatasetRegistry, load_rows
-from shared.db.models import (
+from services.jobs.settings import JobsSettings
+from shared.clients.run_commands import RunRefused, create_run
+from shared.contracts import streams
+from shared.contracts.db.models import (
     TERMINAL_RUN_STATUSES,
     Checkpoint,
     EpisodeRow,
@@ -29,9 +28,10 @@ from shared.db.models import (
     TokenArrayRow,
     TrajectoryRow,
 )
-from shared.logs import get_logger
-from shared.run_config import RunConfig
-from shared.runs import RunRefused, create_run
+from shared.contracts.run_config import RunConfig
+from shared.platform.bus import connect_sync
+from shared.platform.logs import get_logger
+from shared.stores.datasets import DatasetError, DatasetInUse, DatasetNotFound, DatasetRegistry, load_rows
 
 log = get_logger(__name__)
 TRIMMED_STREAMS = (streams.ROLLOUT_TASKS, streams.ENV_REQUESTS, streams.TRAJECTORIES, streams.RUN_COMMANDS,
@@ -39,7 +39,7 @@ TRIMMED_STREAMS = (streams.ROLLOUT_TASKS, streams.ENV_REQUESTS, streams.TRAJECTO
 
 
 class JobInputError(ValueError):
-    """The job's params are wrong: recorded as the job's error, with `reason` (shared.jobs.JOB_REFUSALS) as
+    """The job's params are wrong: recorded as the job's error, with `reason` (shared.clients.jobs.JOB_REFUSALS) as
     `result.refused`, never retried."""
 
     def __init__(self, message: str, reason: str = "invalid"):
@@ -49,7 +49,7 @@ class JobInputError(ValueError):
 
 @dataclass
 class JobContext:
-    config: JobsConfig
+    config: JobsSettings
     engine: Engine
 
 
@@ -96,9 +96,9 @@ def delete_dataset(ctx: JobContext, job: Job) -> dict[str, Any]:
 
 def _generated_rows(name: str, n: int, seed: int) -> tuple[list[dict], str]:
     try:
-        from shared.builtin.datasets import generate
+        from services.jobs.builtin_datasets import generate
     except ImportError as e:
-        raise JobInputError("built-in dataset generators are not installed (shared/builtin/datasets.py)") from e
+        raise JobInputError("built-in dataset generators are not installed (services/jobs/builtin_datasets.py)") from e
     try:
         return list(generate(name, n, seed)), f"generator:{name}?n={n}&seed={seed}"
     except (KeyError, ValueError) as e:
@@ -244,7 +244,7 @@ def _gc_checkpoints(ctx: JobContext, keep: int) -> dict[str, Any]:
 
 
 async def _trim_streams(redis_url: str) -> dict[str, int]:
-    from shared.bus import StreamBus, connect
+    from shared.platform.bus import StreamBus, connect
 
     redis = connect(redis_url)
     try:

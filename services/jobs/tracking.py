@@ -12,9 +12,9 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from services.jobs.tasks import JobContext, JobInputError
-from shared.bus import connect_sync
-from shared.db.models import Job, Metric, Run
-from shared.streams import tracking_cursor_key
+from shared.contracts.db.models import Job, Metric, Run
+from shared.contracts.streams import tracking_cursor_key
+from shared.platform.bus import connect_sync
 
 
 def _wandb_log(ctx: JobContext, run: Run, rows: list[Metric]) -> None:

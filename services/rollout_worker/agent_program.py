@@ -34,12 +34,12 @@ from prometheus_client import Counter
 
 from services.rollout_worker.episodes import completed, trajectory_budget
 from services.rollout_worker.gateway import Gateway, GatewaySession
-from shared.logs import get_logger
-from shared.messages import EpisodeResult, RolloutTask
-from shared.registry import EXTERNAL_AGENT_PROGRAM
-from shared.service import wait_for
-from shared.types import Episode
-from shared.types import TerminationReason as TR
+from shared.contracts.messages import EpisodeResult, RolloutTask
+from shared.contracts.registry import EXTERNAL_AGENT_PROGRAM
+from shared.platform.logs import get_logger
+from shared.platform.service import wait_for
+from shared.sdk.types import Episode
+from shared.sdk.types import TerminationReason as TR
 
 log = get_logger(__name__)
 PROGRAMS = Counter("agent_program_runs_total", "Managed agent program runs", ["outcome"])

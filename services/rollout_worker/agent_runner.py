@@ -48,7 +48,7 @@ def limit_self(limits: dict) -> None:
 async def main() -> int:
     spec = json.loads(sys.stdin.read())
     limit_self(spec.get("limits") or {})
-    from shared.registry import resolve
+    from shared.contracts.registry import resolve
 
     fn = resolve("agent_program", spec["program"])
     params = inspect.signature(fn).parameters

@@ -18,7 +18,7 @@ import copy
 from collections.abc import Callable
 from typing import Any
 
-from shared.types import Step, TokenSequence
+from shared.sdk.types import Step, TokenSequence
 
 
 class ChatTokenizer:

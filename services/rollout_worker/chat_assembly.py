@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.rollout_worker.assembly import ChatTokenizer, extend_context
-from shared.types import Step, Trajectory
+from shared.sdk.types import Step, Trajectory
 
 TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 FALLBACK_TOOL_PROMPT = (

@@ -13,10 +13,10 @@ from typing import Any
 
 from prometheus_client import Histogram
 
-from shared.bus import REDIS_DOWN, RequestClient, StreamBus
-from shared.logs import get_logger
-from shared.messages import EnvReply, EnvRequest
-from shared.streams import ENV_REQUESTS, env_inbox, env_replies
+from shared.contracts.messages import EnvReply, EnvRequest
+from shared.contracts.streams import ENV_REQUESTS, env_inbox, env_replies
+from shared.platform.bus import REDIS_DOWN, RequestClient, StreamBus
+from shared.platform.logs import get_logger
 
 log = get_logger(__name__)
 ENV_RTT = Histogram("rollout_env_rtt_seconds", "Env request round trip through Redis", ["op"],

@@ -16,16 +16,16 @@ import traceback
 from prometheus_client import Counter, Histogram
 
 from services.rollout_worker.assembly import assemble
+from services.rollout_worker.builtin.workflows import SingleAgentWorkflow
 from services.rollout_worker.env_client import EnvClient
 from services.rollout_worker.rollout import Rollout
-from services.rollout_worker.runs import RunContext
-from shared.agent import Episode, WorkflowTerminated
-from shared.builtin.workflows import SingleAgentWorkflow
-from shared.logs import get_logger
-from shared.messages import EpisodeResult, RolloutTask, TrajectoryRecord
-from shared.service import wait_for
-from shared.types import TerminationReason as TR
-from shared.types import compute_mc_returns
+from services.rollout_worker.run_engines import RunContext
+from shared.contracts.messages import EpisodeResult, RolloutTask, TrajectoryRecord
+from shared.platform.logs import get_logger
+from shared.platform.service import wait_for
+from shared.sdk.agent import Episode, WorkflowTerminated
+from shared.sdk.types import TerminationReason as TR
+from shared.sdk.types import compute_mc_returns
 
 log = get_logger(__name__)
 EPISODES = Counter("rollout_episodes_total", "Episodes finished", ["status", "termination"])

@@ -35,8 +35,8 @@ from prometheus_client import Counter, Histogram
 
 from services.rollout_worker.chat_assembly import AgentCalls, BadRequest, ChatFormat, Prompt, parse_tool_calls
 from services.rollout_worker.engines import InferenceError, SamplingParams
-from shared.logs import get_logger
-from shared.service import wait_for
+from shared.platform.logs import get_logger
+from shared.platform.service import wait_for
 
 log = get_logger(__name__)
 AGENT_HEADER = "X-Flywheel-Agent"

@@ -9,22 +9,22 @@ from __future__ import annotations
 import os
 import sys
 
-from services.rollout_worker.config import RolloutWorkerConfig
-from shared.service import Loops, ServiceRuntime, run_service
+from services.rollout_worker.settings import RolloutWorkerSettings
+from shared.platform.service import Loops, ServiceRuntime, run_service
 
 
 def main() -> int:
     # Prompts are tokenized one at a time from many coroutines: the tokenizers' thread pool only adds
     # contention on 2-core nodes. Set TOKENIZERS_PARALLELISM=true to override.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    cfg = RolloutWorkerConfig()
+    cfg = RolloutWorkerSettings()
     return run_service(cfg, build, shutdown_timeout_s=cfg.drain_timeout_s + 10)
 
 
-async def build(cfg: RolloutWorkerConfig, runtime: ServiceRuntime) -> Loops:
+async def build(cfg: RolloutWorkerSettings, runtime: ServiceRuntime) -> Loops:
     from services.rollout_worker.worker import RolloutWorker, available_engines
-    from shared.bus import connect
-    from shared.db.session import make_engine
+    from shared.platform.bus import connect
+    from shared.platform.db.session import make_engine
 
     redis = connect(cfg.redis_url)
     runtime.on_stop(redis.aclose)
@@ -32,7 +32,7 @@ async def build(cfg: RolloutWorkerConfig, runtime: ServiceRuntime) -> Loops:
     runtime.on_stop(db.dispose)
     relay = None
     if cfg.relay_url:  # checkpoints through the relay chain; serve them to the workers after this one
-        from shared.weight_relay import Relay, relay_router
+        from services.rollout_worker.weight_relay import Relay, relay_router
 
         relay = Relay(cfg.relay_url)
         runtime.app.include_router(relay_router(relay))

@@ -22,13 +22,13 @@ from prometheus_client import Counter, Histogram
 from services.rollout_worker.assembly import PromptBuilder
 from services.rollout_worker.engines import InferenceError
 from services.rollout_worker.env_client import EnvClient, EnvSessionLost
-from services.rollout_worker.runs import RunContext
-from shared.agent import BaseAgent, WorkflowTerminated
-from shared.logs import get_logger
-from shared.messages import EnvReply, RolloutTask
-from shared.service import wait_for
-from shared.types import Action, Step, Trajectory
-from shared.types import TerminationReason as TR
+from services.rollout_worker.run_engines import RunContext
+from shared.contracts.messages import EnvReply, RolloutTask
+from shared.platform.logs import get_logger
+from shared.platform.service import wait_for
+from shared.sdk.agent import BaseAgent, WorkflowTerminated
+from shared.sdk.types import Action, Step, Trajectory
+from shared.sdk.types import TerminationReason as TR
 
 log = get_logger(__name__)
 GEN_SECONDS = Histogram("rollout_generation_seconds", "One model call, queueing included")
@@ -40,7 +40,7 @@ class InfraFailure(Exception):
 
 
 class Rollout:
-    """The handle a workflow drives agents through (see shared/builtin/workflows.py)."""
+    """The handle a workflow drives agents through (see services/rollout_worker/builtin/workflows.py)."""
 
     def __init__(self, ctx: RunContext, envs: EnvClient, task: RolloutTask, deadline: float):
         self.ctx, self.envs, self.task, self.deadline = ctx, envs, task, deadline
@@ -76,7 +76,7 @@ class AgentSession:
         self.builder = PromptBuilder(rollout.ctx.chat)
         self.info: dict[str, Any] = {}
         self.timings = {"gen_s": 0.0, "env_s": 0.0}
-        self.trusted = type(agent).__module__.startswith("shared.builtin.")
+        self.trusted = type(agent).__module__.startswith("services.rollout_worker.builtin.")
         self.stage = f"agent {type(agent).__name__}"  # the user code running now: where an exception came from
 
     async def run(self) -> Trajectory:
@@ -171,7 +171,7 @@ class AgentSession:
         agent = type(self.agent).__name__
         if not isinstance(action, Action):
             raise TypeError(f"{agent}.update_from_model returned {type(action).__name__}; it must return an "
-                            "Action (shared.agent.Action), e.g. `return Action(action=response)`")
+                            "Action (shared.sdk.agent.Action), e.g. `return Action(action=response)`")
         if not isinstance(step, Step):
             raise TypeError(f"{agent}.get_current_state() returned {type(step).__name__} after update_from_model; "
                             "update_from_model must append a Step to the agent's trajectory")

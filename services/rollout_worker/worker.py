@@ -25,18 +25,18 @@ from prometheus_client import Counter, Gauge
 from sqlalchemy import Engine
 
 from services.rollout_worker.agent_program import AgentPrograms
-from services.rollout_worker.config import RolloutWorkerConfig
 from services.rollout_worker.env_client import EnvClient
 from services.rollout_worker.episodes import failed, run_episode
 from services.rollout_worker.gateway import Gateway
-from services.rollout_worker.runs import RunContext, RunRegistry, RunUnavailable
-from shared.bus import REDIS_DOWN, BroadcastReader, Delivery, Redis, StreamBus, StreamConsumer
-from shared.logs import get_logger
-from shared.messages import EpisodeResult, RolloutTask, WeightsPublished
-from shared.retry import RetryPolicy
-from shared.service import sleep_or_stop
-from shared.streams import GROUP_ROLLOUT, ROLLOUT_TASKS, TRAJECTORIES, WEIGHTS
-from shared.weight_relay import Relay
+from services.rollout_worker.run_engines import RunContext, RunRegistry, RunUnavailable
+from services.rollout_worker.settings import RolloutWorkerSettings
+from services.rollout_worker.weight_relay import Relay
+from shared.contracts.messages import EpisodeResult, RolloutTask, WeightsPublished
+from shared.contracts.streams import GROUP_ROLLOUT, ROLLOUT_TASKS, TRAJECTORIES, WEIGHTS
+from shared.platform.bus import REDIS_DOWN, BroadcastReader, Delivery, Redis, StreamBus, StreamConsumer
+from shared.platform.logs import get_logger
+from shared.platform.retry import RetryPolicy
+from shared.platform.service import sleep_or_stop
 
 log = get_logger(__name__)
 INFLIGHT = Gauge("rollout_tasks_inflight", "Tasks being run")
@@ -49,7 +49,7 @@ RUN_CHECK_S = 2.0  # how often the runs of the tasks in hand are checked for hav
 
 
 class RolloutWorker:
-    def __init__(self, cfg: RolloutWorkerConfig, worker_id: str, redis: Redis, db: Engine,
+    def __init__(self, cfg: RolloutWorkerSettings, worker_id: str, redis: Redis, db: Engine,
                  relay: Relay | None = None):
         self.cfg, self.worker_id = cfg, worker_id
         self.bus = StreamBus(redis)

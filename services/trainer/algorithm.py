@@ -10,7 +10,7 @@ from verl.trainer.ppo import core_algos
 from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
 from verl.workers.config import FSDPActorConfig, FSDPEngineConfig, FSDPOptimizerConfig, PolicyLossConfig
 
-from shared.run_config import AlgorithmConfig
+from shared.contracts.run_config import AlgorithmConfig
 
 
 def compute_advantages(algo: AlgorithmConfig, t: dict, values: torch.Tensor | None = None):

@@ -15,8 +15,8 @@ import numpy as np
 import torch
 from prometheus_client import Counter
 
-from shared.messages import EpisodeResult
-from shared.types import TerminationReason
+from shared.contracts.messages import EpisodeResult
+from shared.sdk.types import TerminationReason
 
 SampleKey = tuple[str, str, int]  # (run_id, task_id, sample_idx): the acceptance rule's identity
 GroupKey = tuple[str, int]  # (task_id, batch_idx): every episode of one task in one batch

@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from shared.logs import get_logger
-from shared.run_config import AlgorithmConfig
+from shared.contracts.run_config import AlgorithmConfig
+from shared.platform.logs import get_logger
 
 log = get_logger(__name__)
 TENSOR_KEYS = ("prompts", "responses", "input_ids", "attention_mask", "position_ids", "response_mask")
@@ -289,7 +289,7 @@ class PolicyEngine:
         names `PeftModel.save_pretrained` writes), in `dtype` as `export_hf`. Returns the tensors on rank 0."""
         from safetensors.torch import save_file
 
-        from shared.weights import ADAPTER_WEIGHTS
+        from shared.weights.manifest import ADAPTER_WEIGHTS
 
         folder.mkdir(parents=True, exist_ok=True)
         gen, _ = self.actor.engine.get_per_tensor_param(base_sync_done=True)  # the adapter's tensors only

@@ -12,7 +12,7 @@ import torch
 from services.trainer.algorithm import compute_advantages, rollout_correction
 from services.trainer.batch import Group, Sample, build_tensors, staleness
 from services.trainer.engine import PolicyEngine
-from shared.run_config import AlgorithmConfig
+from shared.contracts.run_config import AlgorithmConfig
 
 
 class Learner:

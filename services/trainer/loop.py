@@ -20,7 +20,7 @@ missing a slot the controller announced out of attempts, recorded `abandoned`, o
 has nothing to train on, recorded `excluded`) is recorded in `train_samples` with that reason at once,
 reported, then acknowledged; the controller counts such groups and dispatches replacements.
 
-Several trainers may share the "train" group, each training the runs whose lease (shared/leases.py) it holds.
+Several trainers may share the "train" group, each training the runs whose lease (shared/platform/leases.py) it holds.
 Entries a trainer held when it died stay pending under its name, so whenever this process opens a run (at
 start-up or taking over a dead trainer's lease) it claims every pending entry and keeps those of runs it owns;
 entries of runs another trainer owns stay pending (re-owned by name only: XACK by id works from any consumer).
@@ -38,20 +38,20 @@ from prometheus_client import Counter, Gauge, Histogram
 from sqlalchemy import Engine
 
 from services.trainer import batch as batching
-from services.trainer import runs as db
+from services.trainer import run_store as db
 from services.trainer import tracking
 from services.trainer.batch import Group, GroupBuffer, GroupKey, SampleKey
-from services.trainer.config import TrainerSettings
 from services.trainer.learner import rollout_idle_ratio
 from services.trainer.publisher import WeightPublisher
+from services.trainer.settings import TrainerSettings
 from services.trainer.state import CheckpointDir, SampleRecord, StepRecord
 from services.trainer.tracking import RunTrackers
-from shared.bus import Delivery, Redis, RedisError, StreamBus, StreamConsumer
-from shared.logs import get_logger
-from shared.messages import AcceptedResult, ConsumedGroup, RunControl, TrainerProgress
-from shared.run_config import RunConfig
-from shared.streams import ACCEPTED_RESULTS, GROUP_TRAIN, RUN_CONTROL, TRAINER_PROGRESS
-from shared.weights import BaseModelRef, base_model_digest
+from shared.contracts.messages import AcceptedResult, ConsumedGroup, RunControl, TrainerProgress
+from shared.contracts.run_config import RunConfig
+from shared.contracts.streams import ACCEPTED_RESULTS, GROUP_TRAIN, RUN_CONTROL, TRAINER_PROGRESS
+from shared.platform.bus import Delivery, Redis, RedisError, StreamBus, StreamConsumer
+from shared.platform.logs import get_logger
+from shared.weights.manifest import BaseModelRef, base_model_digest
 
 log = get_logger(__name__)
 STEPS = Counter("trainer_steps_total", "Optimizer steps (policy versions) completed", ["run_id"])
@@ -157,7 +157,7 @@ class Trainer:
         self.foreign = set(active) - held
         for run_id in held - set(self.runs):
             await self.open_run(active[run_id])
-        from services.trainer.shared_base import engines_held
+        from services.trainer.lora_shared_engine import engines_held
 
         # model_copies: copies of a model held (LoRA runs of one kind share one)
         self.status.update(runs={r.run_id: r.version for r in self.runs.values()}, trains=sorted(self.runs),

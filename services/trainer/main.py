@@ -10,8 +10,8 @@ from __future__ import annotations
 import os
 import sys
 
-from services.trainer.config import TrainerSettings
-from shared.service import Loops, ServiceRuntime, run_service, setup_service
+from services.trainer.settings import TrainerSettings
+from shared.platform.service import Loops, ServiceRuntime, run_service, setup_service
 
 
 def main() -> int:
@@ -33,7 +33,7 @@ async def build(settings: TrainerSettings, runtime: ServiceRuntime) -> Loops:
 
         setup_distributed(settings.device)
     from services.trainer.loop import Trainer
-    from shared.db.session import make_engine
+    from shared.platform.db.session import make_engine
 
     db_engine = make_engine(settings.database_url)
     runtime.on_stop(db_engine.dispose)

@@ -24,19 +24,17 @@ from pathlib import Path
 
 import httpx
 
-from shared.delta_kernels import warm_up_in_background
-from shared.logs import get_logger
-from shared.messages import WeightsPublished
-from shared.retry import RetryPolicy
-from shared.weights import (
+from shared.contracts.messages import WeightsPublished
+from shared.platform.logs import get_logger
+from shared.platform.retry import RetryPolicy
+from shared.weights.delta import compress_delta, delta_parts, read_safetensors
+from shared.weights.kernels import warm_up_in_background
+from shared.weights.manifest import (
     CHUNK,
     DELTA_FILE,
     BaseModelRef,
     TensorEntry,
-    compress_delta,
-    delta_parts,
     fsync_path,
-    read_safetensors,
     sha256_file,
     tensor_entries,
 )

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from services.trainer.shared_base import close_engine, engine_of, open_engine
+from services.trainer.lora_shared_engine import close_engine, engine_of, open_engine
 
 ROW_METHODS = ("log_probs", "values")  # results with one row per sample: gathered across ranks
 
@@ -82,7 +82,7 @@ class ShardedEngine:
 
 def open_run_engine(run_id: str, *args, **kwargs):
     """Run `run_id`'s engine: on every rank under torchrun, else in this process (either way LoRA runs of one
-    kind share one engine, services/trainer/shared_base.py)."""
+    kind share one engine, services/trainer/lora_shared_engine.py)."""
     if world_size() > 1:
         return ShardedEngine(run_id, *args, **kwargs)
     return open_engine(run_id, *args, **kwargs)

@@ -11,7 +11,7 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from services.trainer.engine import PolicyEngine
-from shared.weights import fsync_path, fsync_tree
+from shared.weights.manifest import fsync_path, fsync_tree
 
 MARKER = "STEP.json"
 

@@ -15,9 +15,9 @@ import re
 import time
 from pathlib import Path
 
-from shared.logs import get_logger
-from shared.run_config import RunConfig
-from shared.settings import mask_url
+from shared.contracts.run_config import RunConfig
+from shared.platform.logs import get_logger
+from shared.platform.settings import mask_url
 
 log = get_logger(__name__)
 

@@ -25,7 +25,7 @@ from pydantic import BaseModel, Field
 
 from services.weight_server.chains import RelayChains
 from services.weight_server.store import CheckpointStore, PublishError, check_name
-from shared.weights import MANIFEST, BaseModelRef, ChecksumError, TensorEntry
+from shared.weights.manifest import MANIFEST, BaseModelRef, ChecksumError, TensorEntry
 
 PUBLISHED = Counter("weight_server_published_total", "Checkpoint versions published")
 REJECTED = Counter("weight_server_rejected_total", "Publishes or uploads rejected", ["reason"])

@@ -1,6 +1,6 @@
 """Relay chains: per file of a version, the rollout workers fetching it, in the order they asked. Each is told
 to fetch from the worker before it (the first from the weight server), so the server sends the file once
-whatever the number of workers; the protocol is in shared/weight_relay.py. Held in memory: after a restart the
+whatever the number of workers; the protocol is in services/rollout_worker/weight_relay.py. Held in memory: after a restart the
 chains start again empty (workers then fetch from the server and relay anew)."""
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import sys
 
-from services.weight_server.config import WeightServerSettings
-from shared.service import Loops, ServiceRuntime, run_service
+from services.weight_server.settings import WeightServerSettings
+from shared.platform.service import Loops, ServiceRuntime, run_service
 
 
 def main() -> int:
@@ -19,8 +19,8 @@ def main() -> int:
 async def build(settings: WeightServerSettings, runtime: ServiceRuntime) -> Loops:
     from services.weight_server.app import build_router
     from services.weight_server.store import CheckpointStore
-    from shared.bus import connect_sync
-    from shared.db.session import make_engine
+    from shared.platform.bus import connect_sync
+    from shared.platform.db.session import make_engine
 
     engine = make_engine(settings.database_url)
     runtime.on_stop(engine.dispose)

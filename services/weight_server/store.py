@@ -1,7 +1,7 @@
 """Versioned checkpoint storage: WEIGHTS_DIR/<run_id>/v<version>/ (files + MANIFEST.json).
 
 A version is a full snapshot (HF files) or a delta on the version before it (one compressed file; see
-shared/weights.py). `plan` tells the publisher which to send: a full snapshot every `snapshot_every` versions
+shared/weights/manifest.py). `plan` tells the publisher which to send: a full snapshot every `snapshot_every` versions
 (and whenever the previous version is missing or has no per-tensor hashes), deltas in between. Retention keeps
 each kept version's whole chain (its snapshot and every delta after it), so every kept version can be rebuilt.
 
@@ -30,12 +30,12 @@ from pathlib import Path
 from sqlalchemy import Engine, select, update
 from sqlalchemy.dialects.postgresql import insert
 
-from shared.bus import SyncRedis, announce
-from shared.db.models import Checkpoint
-from shared.logs import get_logger
-from shared.messages import WeightsPublished
-from shared.streams import WEIGHTS
-from shared.weights import (
+from shared.contracts.db.models import Checkpoint
+from shared.contracts.messages import WeightsPublished
+from shared.contracts.streams import WEIGHTS
+from shared.platform.bus import SyncRedis, announce
+from shared.platform.logs import get_logger
+from shared.weights.manifest import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
     MANIFEST,

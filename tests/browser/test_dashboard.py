@@ -21,7 +21,7 @@ import pytest
 from sqlalchemy import create_engine, update
 from sqlalchemy.orm import Session
 
-from shared.db.models import Metric
+from shared.contracts.db.models import Metric
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
 from api_testlib import running_api, seed_run  # noqa: E402
@@ -192,7 +192,7 @@ def test_a_stalled_run_shows_why_its_warning_and_its_errored_units(api, page, da
     whose own code failed counted apart from scored ones, with the top reason."""
     from datetime import UTC, datetime
 
-    from shared.db.models import RolloutTaskRow, Run
+    from shared.contracts.db.models import RolloutTaskRow, Run
 
     run_id = seed_run(database_url, name="browser-stalled", status="running", num_tasks=3, samples=2, versions=2)
     reason = "env my_pkg:MyEnv.reset: KeyError: 'answer'"
@@ -226,7 +226,7 @@ def test_every_legend_entry_has_a_line_axes_say_what_they_measure_and_one_token_
     """The items a user reported: legend entries without a visible line (kl_ref drawn under an identical
     kl_behaviour), a share and logprob differences on one axis, a throughput axis without a unit, "16-16" version
     ranges, a one-token answer missing from its trajectory, and a stopped run without data."""
-    from shared.db.models import StepRow, TrajectoryRow
+    from shared.contracts.db.models import StepRow, TrajectoryRow
 
     run_id = seed_run(database_url, name="browser-items", num_tasks=2, samples=1, versions=3, status="completed")
     _flatten(database_url, run_id, {"ppo_kl": 0.0, "kl_behaviour": 0.0})

@@ -1,4 +1,4 @@
-"""Each fault-injection scenario of bench/chaos.py as a test: the run completes, nothing lost, nothing doubled.
+"""Each fault-injection scenario of tests/support/chaos.py as a test: the run completes, nothing lost, nothing doubled.
 
 Every scenario brings up its own system (restartable Redis and PostgreSQL, the services, the mock LLM), so
 these tests need no fixtures; `make chaos` runs the same scenarios and writes bench/results/chaos.json.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.chaos import SCENARIOS, run_scenario
+from tests.support.chaos import SCENARIOS, run_scenario
 
 pytestmark = pytest.mark.chaos
 

@@ -112,10 +112,10 @@ def served_routes() -> set[tuple[str, str]]:
     from fastapi import FastAPI
 
     from services.api.app import create_app
-    from services.api.config import ApiConfig
+    from services.api.settings import ApiConfig
     from services.rollout_worker.gateway import Gateway
     from services.weight_server.app import build_router
-    from shared.weight_relay import relay_router
+    from services.rollout_worker.weight_relay import relay_router
 
     app = FastAPI()
     app.include_router(build_router(store=None))  # the store is used per request only
@@ -157,7 +157,7 @@ def settings_names() -> set[str]:
     """Every service setting (a field of a ServiceSettings class) and every variable the code reads itself."""
     import pkgutil
 
-    from shared.settings import ServiceSettings
+    from shared.platform.settings import ServiceSettings
 
     for service in pkgutil.iter_modules([str(REPO / "services")]):
         if (REPO / "services" / service.name / "config.py").exists():
@@ -229,7 +229,7 @@ def test_the_checker_sees_what_the_docs_name():
     texts = [d.read_text() for d in DOCS]
     assert sum(len(links(t)) for t in texts) >= 20
     assert {"up", "test", "demo", "chaos", "k8s-validate"} <= set().union(*map(make_targets, texts))
-    assert {"harness.tiny_model", "bench.grading", "services.trainer.main"} <= set().union(*map(python_modules, texts))
+    assert {"tests.support.tiny_model", "tests.support.grading", "services.trainer.main"} <= set().union(*map(python_modules, texts))
     assert {("runs", "start"), ("runs", "pause"), ("datasets", "import"), ("sql",)} <= set().union(
         *map(cli_commands, texts))
     routes = set().union(*map(rest_routes, texts))
@@ -242,7 +242,7 @@ def test_the_checker_fails_on_what_does_not_exist(tmp_path):
     (tmp_path / "other.md").write_text("# Other\n\n## A heading\n")
     good = tmp_path / "good.md"
     good.write_text("# Good\n\n[a](other.md#a-heading) [b](#good) [c](https://example.com/x)\n\n"
-                    "```bash\nmake up\npython -m harness.tiny_model x\nflywheel runs show r\n```\n\n"
+                    "```bash\nmake up\npython -m tests.support.tiny_model x\nflywheel runs show r\n```\n\n"
                     "`GET /v1/runs/{id}`, `POST /v1/runs/<run>/pause|resume`, `/v1/datasets/import`, "
                     "`PUT /v1/runs/{run_id}/versions/{version}/files/{name}`, `DELETE /v1/datasets/...`\n")
     assert problems(good) == []

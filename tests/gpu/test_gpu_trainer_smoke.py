@@ -1,4 +1,4 @@
-"""verl training step on CUDA through the trainer's PolicyEngine (bench/gpu_smoke.py, a smaller model)."""
+"""verl training step on CUDA through the trainer's PolicyEngine (tests/support/gpu_smoke.py, a smaller model)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_gpu_smoke_trains_one_step_in_bf16():
-    out = subprocess.run([sys.executable, "-m", "bench.gpu_smoke", "--layers", "2", "--hidden", "256",
+    out = subprocess.run([sys.executable, "-m", "tests.support.gpu_smoke", "--layers", "2", "--hidden", "256",
                           "--intermediate", "512", "--heads", "4", "--kv-heads", "2", "--vocab", "1024",
                           "--batch", "8", "--seq", "256", "--steps", "2", "--variants", "padded_mb4,packed_4k"],
                          cwd=REPO, capture_output=True, text=True, timeout=600)
@@ -32,9 +32,9 @@ def test_gpu_fused_log_probs_match_plain_hf(tmp_path):
     they must still be the model's log-probs: compare with a plain HF forward pass of the same bf16 weights."""
     from transformers import AutoModelForCausalLM
 
-    from bench.gpu_smoke import batch, build_model
     from services.trainer.engine import PolicyEngine
-    from shared.run_config import AlgorithmConfig
+    from shared.contracts.run_config import AlgorithmConfig
+    from tests.support.gpu_smoke import batch, build_model
 
     model_dir = build_model(tmp_path / "m", layers=2, hidden=256, heads=4, kv_heads=2, intermediate=512, vocab=1024)
     t = batch(8, 128, 1024)
@@ -57,10 +57,10 @@ def test_gpu_fused_log_probs_match_plain_hf(tmp_path):
 def test_gpu_packed_log_probs_match_padded(tmp_path):
     """Padding removal + token-budget micro-batches on CUDA (sdpa over packed sequences) give the padded
     path's log-probs on an RL-shaped batch (spread lengths), within bf16 rounding."""
-    from bench.gpu_smoke import build_model
-    from harness.trainer_batches import spread_batch
     from services.trainer.engine import PolicyEngine
-    from shared.run_config import AlgorithmConfig
+    from shared.contracts.run_config import AlgorithmConfig
+    from tests.support.gpu_smoke import build_model
+    from tests.support.trainer_batches import spread_batch
 
     model_dir = build_model(tmp_path / "m", layers=2, hidden=256, heads=4, kv_heads=2, intermediate=512, vocab=1024)
     t = spread_batch(8, 32, 96, 1024)
@@ -75,10 +75,10 @@ def test_gpu_packed_log_probs_match_padded(tmp_path):
 def test_gpu_chunked_triton_log_probs_and_update_match_verls_torch_kernel(tmp_path):
     """LOG_PROB_KERNEL=chunked_triton (services/trainer/logprob_kernel.py) on CUDA: the same log-probs and entropy
     as verl's torch kernel, and an update from the same start lands on the same loss and gradient norm."""
-    from bench.gpu_smoke import build_model
-    from harness.trainer_batches import spread_batch
     from services.trainer.engine import PolicyEngine
-    from shared.run_config import AlgorithmConfig
+    from shared.contracts.run_config import AlgorithmConfig
+    from tests.support.gpu_smoke import build_model
+    from tests.support.trainer_batches import spread_batch
 
     model_dir = build_model(tmp_path / "m", layers=2, hidden=256, heads=4, kv_heads=2, intermediate=512, vocab=4096)
     t = spread_batch(8, 32, 224, 4096)

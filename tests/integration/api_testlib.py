@@ -15,9 +15,8 @@ import httpx
 from sqlalchemy import create_engine
 from sqlalchemy.orm import Session
 
-from harness.ports import free_port
-from harness.procs import start_service, stop, wait_heartbeat, wait_http
-from shared.db.models import (
+from infra.local.ports import free_port
+from shared.contracts.db.models import (
     Checkpoint,
     EpisodeRow,
     Metric,
@@ -29,6 +28,7 @@ from shared.db.models import (
     TrainSample,
     TrajectoryRow,
 )
+from tests.support.procs import start_service, stop, wait_heartbeat, wait_http
 
 REPO = Path(__file__).resolve().parents[2]
 # A model folder POST /v1/runs accepts without a hub (config.json only): for runs no worker loads.

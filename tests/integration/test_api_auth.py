@@ -16,7 +16,7 @@ import pytest
 from api_testlib import running_api
 
 from services.api.app import create_app
-from services.api.config import ApiConfig
+from services.api.settings import ApiSettings
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +27,7 @@ def api(database_url, redis_url, tmp_path_factory):
 
 
 def v1_operations(database_url: str, redis_url: str) -> list[tuple[str, str]]:
-    app = create_app(ApiConfig(database_url=database_url, redis_url=redis_url))
+    app = create_app(ApiSettings(database_url=database_url, redis_url=redis_url))
     ops = [(method.upper(), path) for path, item in app.openapi()["paths"].items() if path.startswith("/v1")
            for method in item if method in ("get", "post", "put", "patch", "delete")]
     app.state.engine.dispose()

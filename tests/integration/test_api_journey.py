@@ -19,9 +19,9 @@ from api_testlib import run_config, service_env, start_api
 from fixtures.fake_rollouts import serve_rollout_tasks
 
 import services.controller.main  # noqa: F401  (a controller that cannot import fails here, not as a timeout)
-from harness.procs import start_service, stop, wait_until
-from shared.messages.rollout import RolloutTask
-from shared.messages.trajectory import EpisodeResult, TrajectoryRecord, TrajectoryStep
+from shared.contracts.messages.rollout import RolloutTask
+from shared.contracts.messages.trajectory import EpisodeResult, TrajectoryRecord, TrajectoryStep
+from tests.support.procs import start_service, stop, wait_until
 
 
 @pytest.fixture(scope="module")

@@ -15,8 +15,8 @@ import pytest
 import redis
 from api_testlib import run_config, seed_run, start_api, trainer_metrics
 
-from shared.messages import RunControl, decode
-from shared.streams import RUN_CONTROL
+from shared.contracts.messages import RunControl, decode
+from shared.contracts.streams import RUN_CONTROL
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""POST /v1/runs refuses a run that cannot work (shared/runs.py, the checks the eval job makes too), with the
+"""POST /v1/runs refuses a run that cannot work (shared/clients/run_commands.py, the checks the eval job makes too), with the
 field, the reason and how to fix it, before anything is stored: a model folder that does not exist, a relative
 path that is no folder and no hub id, token budgets past the model's context, an engine no live rollout worker
 offers, dataset rows without the env's fields.
@@ -17,7 +17,7 @@ import pytest
 import redis
 from api_testlib import run_config, running_api, start_api
 
-from shared.runs import _hub_problem
+from shared.clients.run_commands import _hub_problem
 
 ROWS = [{"id": f"q{i}", "question": f"{i}+{i}?", "answer": str(2 * i)} for i in range(3)]
 
@@ -94,7 +94,7 @@ def test_model_that_cannot_load_is_refused(client, model, words):
 
 def test_missing_model_hint_says_how_to_make_the_tiny_model(client):
     item = refused(client.post("/v1/runs", json=run_config("checks", model=".data/models/tiny-qwen2-x")), 400, "model")
-    assert "python -m harness.tiny_model" in item["hint"]
+    assert "python -m tests.support.tiny_model" in item["hint"]
 
 
 def test_a_file_is_not_a_model(client, model_dir):
@@ -154,7 +154,7 @@ def test_several_problems_are_listed_together(client, redis_url):
 
 
 def test_lora_target_modules_the_model_lacks_are_refused(client, tmp_path):
-    from harness.tiny_model import build_number_model
+    from tests.support.tiny_model import build_number_model
 
     model = str(build_number_model(tmp_path / "number"))
     lora = {"rank": 4, "target_modules": ["q_proj", "qkv_proj"]}

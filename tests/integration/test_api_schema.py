@@ -18,7 +18,7 @@ import pytest
 from api_testlib import REPO, running_api
 
 from services.api.app import create_app
-from services.api.config import ApiConfig
+from services.api.settings import ApiSettings
 
 SCHEMATHESIS = Path(sys.executable).with_name("schemathesis")
 
@@ -41,7 +41,7 @@ def test_schemathesis_checks_all_pass(live_api, tmp_path):
 
 
 def test_every_route_declares_a_response_model():
-    app = create_app(ApiConfig(database_url="postgresql+psycopg://x@127.0.0.1:1/x", redis_url="redis://127.0.0.1:1"))
+    app = create_app(ApiSettings(database_url="postgresql+psycopg://x@127.0.0.1:1/x", redis_url="redis://127.0.0.1:1"))
     spec = app.openapi()
     assert len([op for ops in spec["paths"].values() for op in ops]) >= 30
     for path, ops in spec["paths"].items():
@@ -62,7 +62,7 @@ def test_every_route_declares_a_response_model():
 
 def test_cli_calls_exist_in_the_schema():
     """Each `call("METHOD", "/v1/...")` in the CLI names an operation of the API (path parameters as {x})."""
-    spec = create_app(ApiConfig(database_url="postgresql+psycopg://x@127.0.0.1:1/x",
+    spec = create_app(ApiSettings(database_url="postgresql+psycopg://x@127.0.0.1:1/x",
                                 redis_url="redis://127.0.0.1:1")).openapi()
     operations = {(m.upper(), re.sub(r"\{[^}]+\}", "{}", p)) for p, ops in spec["paths"].items() for m in ops}
     source = (REPO / "services/api/cli.py").read_text()

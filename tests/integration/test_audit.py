@@ -6,9 +6,9 @@ import uuid
 
 from sqlalchemy import create_engine
 
-from shared.audit import run_accounting
-from shared.db.models import EpisodeRow, RolloutTaskRow, Run, RunEvent
-from shared.db.session import session_factory
+from shared.contracts.db.models import EpisodeRow, RolloutTaskRow, Run, RunEvent
+from shared.platform.db.session import session_factory
+from tests.support.audit import run_accounting
 
 
 def _episode(run_id, task, sample, attempt, status="completed"):

@@ -13,9 +13,9 @@ import time
 
 import pytest
 
-from shared.bus import StreamBus, StreamConsumer
-from shared.messages import RolloutTask, decode
-from shared.streams import dead_letter
+from shared.contracts.messages import RolloutTask, decode
+from shared.contracts.streams import dead_letter
+from shared.platform.bus import StreamBus, StreamConsumer
 
 STREAM, GROUP = "test.tasks", "workers"
 
@@ -86,8 +86,8 @@ async def test_poison_message_dead_lettered_with_reason(redis_client):
 
 CONSUMER_SCRIPT = textwrap.dedent("""
     import asyncio, sys, os
-    from shared.bus import StreamBus, StreamConsumer, connect
-    from shared.messages import RolloutTask
+    from shared.platform.bus import StreamBus, StreamConsumer, connect
+    from shared.contracts.messages import RolloutTask
 
     async def main():
         bus = StreamBus(connect(sys.argv[1]))
@@ -228,7 +228,7 @@ async def test_consumer_recreates_group_after_redis_lost_its_data(redis_client):
 
 
 async def test_consumer_survives_unreachable_redis():
-    from shared.bus import connect
+    from shared.platform.bus import connect
 
     dead = connect("redis://127.0.0.1:1/0")  # nothing listens there
     consumer = StreamConsumer(StreamBus(dead), STREAM, GROUP, "c1", expect=RolloutTask, block_ms=20)
@@ -280,7 +280,7 @@ async def test_transient_failures_are_retried_not_dead_lettered(redis_client):
 
 
 async def test_command_batcher_shares_round_trips_and_keeps_per_command_results(redis_client):
-    from shared.bus import CommandBatcher
+    from shared.platform.bus import CommandBatcher
 
     batcher = CommandBatcher(redis_client)
     pipelines = 0
@@ -306,7 +306,7 @@ async def test_command_batcher_shares_round_trips_and_keeps_per_command_results(
 
 
 async def test_command_batcher_fails_every_caller_when_redis_is_unreachable():
-    from shared.bus import REDIS_DOWN, CommandBatcher, connect
+    from shared.platform.bus import REDIS_DOWN, CommandBatcher, connect
 
     dead = connect("redis://127.0.0.1:1/0", pool_timeout_s=1)
     batcher = CommandBatcher(dead)

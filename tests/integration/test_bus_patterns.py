@@ -1,4 +1,4 @@
-"""The delivery guarantee each pattern of shared/bus.py states, against a real Redis: the work queue's hold and
+"""The delivery guarantee each pattern of shared/platform/bus.py states, against a real Redis: the work queue's hold and
 take-over (test_bus.py covers its at-least-once core), request/reply, broadcast, and read-only inspection."""
 
 from __future__ import annotations
@@ -10,7 +10,9 @@ import uuid
 import pytest
 import redis
 
-from shared.bus import (
+from shared.contracts.messages import EnvReply, EnvRequest, RolloutTask, WeightsPublished, encode
+from shared.contracts.streams import dead_letter
+from shared.platform.bus import (
     BroadcastReader,
     RequestClient,
     RequestServer,
@@ -20,8 +22,6 @@ from shared.bus import (
     connect,
     stream_stats,
 )
-from shared.messages import EnvReply, EnvRequest, RolloutTask, WeightsPublished, encode
-from shared.streams import dead_letter
 
 QUEUE, GROUP = "test.queue", "workers"
 SHARED, INBOX_A, INBOX_B, REPLIES = "test.requests", "test.inbox.a", "test.inbox.b", "test.replies.c"

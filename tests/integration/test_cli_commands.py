@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session
 from typer.testing import CliRunner
 
 from services.api.cli import app
-from shared.db.models import RolloutTaskRow, Run
+from shared.contracts.db.models import RolloutTaskRow, Run
 
 runner = CliRunner()
 MATH_ROWS = '{"id": 1, "question": "1+1?", "answer": "2"}\n{"id": 2, "question": "2+2?", "answer": "4"}\n'

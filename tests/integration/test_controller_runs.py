@@ -17,12 +17,9 @@ from fixtures.aio import cancel_and_wait
 from sqlalchemy import insert, select, text, update
 from sqlalchemy.orm import Session
 
-from harness.procs import ServiceGroup, wait_until_async
-from services.controller.ledger import ledger_summary
-from shared.bus import StreamBus
-from shared.db.models import Dataset, DatasetRow, Run, RunEvent
-from shared.db.session import make_engine
-from shared.messages import (
+from services.controller.queries import ledger_summary
+from shared.contracts.db.models import Dataset, DatasetRow, Run, RunEvent
+from shared.contracts.messages import (
     AcceptedResult,
     ConsumedGroup,
     EpisodeResult,
@@ -32,8 +29,8 @@ from shared.messages import (
     decode,
     encode,
 )
-from shared.passk import pass_at_k_table
-from shared.streams import (
+from shared.contracts.passk import pass_at_k_table
+from shared.contracts.streams import (
     ACCEPTED_RESULTS,
     GROUP_ROLLOUT,
     ROLLOUT_TASKS,
@@ -42,6 +39,9 @@ from shared.streams import (
     dead_letter,
     heartbeat_key,
 )
+from shared.platform.bus import StreamBus
+from shared.platform.db.session import make_engine
+from tests.support.procs import ServiceGroup, wait_until_async
 
 
 @pytest.fixture(scope="module")

@@ -14,10 +14,10 @@ import uuid
 import redis
 from api_testlib import running_api, start_jobs
 
-from harness.procs import stop, wait_until
-from shared import streams
-from shared.datasets import DatasetRegistry
-from shared.db.session import make_engine
+from shared.contracts import streams
+from shared.platform.db.session import make_engine
+from shared.stores.datasets import DatasetRegistry
+from tests.support.procs import stop, wait_until
 
 
 def test_with_no_jobs_service_an_upload_is_refused_and_nothing_is_queued(isolated_urls, tmp_path):

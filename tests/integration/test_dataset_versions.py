@@ -17,10 +17,10 @@ from api_testlib import run_config, running_api
 from sqlalchemy import insert
 from test_controller_runs import FakeRolloutWorker, run_row, set_run, start_controller  # noqa: F401 (fixture)
 
-from harness.procs import wait_until_async
-from shared.datasets import DatasetInUse, DatasetNotFound, DatasetRegistry
-from shared.db.models import Run
-from shared.db.session import make_engine
+from shared.contracts.db.models import Run
+from shared.platform.db.session import make_engine
+from shared.stores.datasets import DatasetInUse, DatasetNotFound, DatasetRegistry
+from tests.support.procs import wait_until_async
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +149,7 @@ async def test_reimport_while_a_run_runs_leaves_its_rows_unchanged(client, engin
 
 def test_a_redelivered_import_job_finds_its_version_instead_of_adding_one(engine, tmp_path):
     from services.jobs.tasks import JobContext, import_dataset
-    from shared.db.models import Job
+    from shared.contracts.db.models import Job
 
     name = f"ds-{uuid.uuid4().hex[:8]}"
     (tmp_path / "rows.jsonl").write_text("\n".join(json.dumps(r) for r in rows("x", 3)))

@@ -1,4 +1,4 @@
-"""numba's disk cache of the delta kernels (shared/delta_kernels.py) shared by many processes: each makes its
+"""numba's disk cache of the delta kernels (shared/weights/kernels.py) shared by many processes: each makes its
 specializations holding the machine-wide lock file, and what one saved, others load and compute right with."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ import sys
 import time
 from pathlib import Path
 
-from shared import delta_kernels
+from shared.weights import kernels as delta_kernels
 
 CHECK = """
 import numpy as np
-from shared.delta_kernels import GAP_DTYPES, ELEMENT_DTYPES, changes, patch, unpatch
+from shared.weights.kernels import GAP_DTYPES, ELEMENT_DTYPES, changes, patch, unpatch
 rng = np.random.default_rng(1)
 for dtype in ELEMENT_DTYPES:
     old = rng.integers(-100, 100, 1003).astype(dtype)
@@ -41,7 +41,7 @@ def _python(code: str, cache: Path) -> subprocess.Popen:
 
 def test_processes_that_share_a_cache_save_in_turn_and_load_correct_kernels(tmp_path):
     cache = tmp_path / "numba"
-    warmers = [_python("from shared.delta_kernels import warm_up; warm_up()", cache) for _ in range(3)]
+    warmers = [_python("from shared.weights.kernels import warm_up; warm_up()", cache) for _ in range(3)]
     for p in warmers:
         _, err = p.communicate(timeout=300)
         assert p.returncode == 0, err[-2000:]
@@ -58,7 +58,7 @@ def test_a_process_waits_for_the_lock_before_it_compiles_or_saves(tmp_path):
     fd = os.open(delta_kernels._LOCK_FILE, os.O_RDONLY | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)  # another process is making the kernels
-        waiting = _python("import shared.delta_kernels\nprint('imported', flush=True)\n" + CHECK, cache)
+        waiting = _python("import shared.weights.kernels\nprint('imported', flush=True)\n" + CHECK, cache)
         assert waiting.stdout.readline().strip() == "imported"
         time.sleep(2.0)
         assert waiting.poll() is None and not list(cache.rglob("*.nb*"))  # blocked: nothing compiled or saved

@@ -9,9 +9,9 @@ import uuid
 import httpx
 import pytest
 
-from harness.procs import start_service, stop, wait_heartbeat
-from shared.messages import EnvReply, EnvRequest, decode, encode
-from shared.streams import ENV_REQUESTS, dead_letter, env_inbox
+from shared.contracts.messages import EnvReply, EnvRequest, decode, encode
+from shared.contracts.streams import ENV_REQUESTS, dead_letter, env_inbox
+from tests.support.procs import start_service, stop, wait_heartbeat
 
 REPLIES = "env.replies.test"
 

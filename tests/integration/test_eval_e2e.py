@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 from sqlalchemy import insert, text
 
-from harness.live import wait_run_ended
-from harness.procs import ServiceGroup
-from services.controller.ledger import ledger_summary
-from shared.db.models import Dataset, DatasetRow, Run
-from shared.db.session import make_engine
+from services.controller.queries import ledger_summary
+from shared.contracts.db.models import Dataset, DatasetRow, Run
+from shared.platform.db.session import make_engine
+from tests.support.live import wait_run_ended
+from tests.support.procs import ServiceGroup
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(not (REPO / "services" / "rollout_worker" / "main.py").exists(),
@@ -36,8 +36,8 @@ def services(isolated_urls, tmp_path):
 def eval_setup(database_url: str, tmp_path, name: str, tasks: int, seed: int, **config):
     """A tiny random-init model, an arithmetic dataset of `tasks` rows stored in Postgres, and an eval run's
     config over them (`config` overrides the defaults). Returns (engine, run id, config)."""
-    from harness.tiny_model import build_tiny_model
-    from shared.builtin.datasets import generate
+    from services.jobs.builtin_datasets import generate
+    from tests.support.tiny_model import build_tiny_model
 
     model = str(build_tiny_model(tmp_path / "model"))
     engine = make_engine(database_url)

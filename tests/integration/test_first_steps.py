@@ -16,7 +16,7 @@ import yaml
 from api_testlib import REPO
 from typer.testing import CliRunner
 
-from harness.stack import LocalStack
+from infra.local.stack import LocalStack
 from services.api.cli import app
 
 TOKEN = "first-steps-token-0123"
@@ -28,11 +28,11 @@ NUMBER_MODEL = REPO / ".data/models/tiny-number"
 def stack(isolated_urls, tmp_path_factory):
     redis_url, database_url = isolated_urls
     if not (MODEL / "config.json").exists():
-        from harness.tiny_model import build_tiny_model
+        from tests.support.tiny_model import build_tiny_model
 
         build_tiny_model(MODEL)
     if not (NUMBER_MODEL / "config.json").exists():
-        from harness.tiny_model import build_number_model
+        from tests.support.tiny_model import build_number_model
 
         build_number_model(NUMBER_MODEL)
     env = {"REDIS_URL": redis_url, "DATABASE_URL": database_url, "API_TOKEN": TOKEN}

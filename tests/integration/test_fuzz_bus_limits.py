@@ -11,10 +11,10 @@ import msgpack
 import pytest
 from prometheus_client import REGISTRY
 
-from shared.bus import StreamBus, StreamConsumer, connect, dead_letter_entry, decode_or_skip
-from shared.messages import MessageDecodeError, RolloutTask, WeightsPublished, decode, encode
-from shared.messages.codec import DEFAULT_MAX_ENTRY_BYTES, set_max_entry_bytes
-from shared.streams import dead_letter
+from shared.contracts.messages import MessageDecodeError, RolloutTask, WeightsPublished, decode, encode
+from shared.contracts.messages.codec import DEFAULT_MAX_ENTRY_BYTES, set_max_entry_bytes
+from shared.contracts.streams import dead_letter
+from shared.platform.bus import StreamBus, StreamConsumer, connect, dead_letter_entry, decode_or_skip
 
 
 def _task() -> RolloutTask:

@@ -23,12 +23,9 @@ import msgpack
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from harness.live import accounting, insert_run, register_dataset, start_mock_llm, wait_run_ended
-from harness.ports import free_port
-from harness.stack import LocalStack
-from harness.tiny_model import build_tiny_model
-from shared.bus import connect
-from shared.messages import (
+from infra.local.ports import free_port
+from infra.local.stack import LocalStack
+from shared.contracts.messages import (
     AcceptedResult,
     EnvReply,
     EnvRequest,
@@ -39,7 +36,7 @@ from shared.messages import (
     decode,
     encode,
 )
-from shared.streams import (
+from shared.contracts.streams import (
     ACCEPTED_RESULTS,
     ENV_REQUESTS,
     ROLLOUT_TASKS,
@@ -50,7 +47,10 @@ from shared.streams import (
     env_inbox,
     env_replies,
 )
-from shared.types import TerminationReason
+from shared.platform.bus import connect
+from shared.sdk.types import TerminationReason
+from tests.support.live import accounting, insert_run, register_dataset, start_mock_llm, wait_run_ended
+from tests.support.tiny_model import build_tiny_model
 
 LIMIT = 256 * 1024  # MAX_ENTRY_BYTES of the services under test
 ENV_ID, ROLLOUT_ID = "env-worker-0", "rollout-worker-0"
@@ -111,7 +111,7 @@ READERS = {
 
 @pytest.fixture(scope="module")
 def live(isolated_urls, tmp_path_factory):
-    from shared.db.session import make_engine
+    from shared.platform.db.session import make_engine
 
     redis_url, database_url = isolated_urls
     tmp = tmp_path_factory.mktemp("fuzz")

@@ -11,11 +11,11 @@ import openai
 import pytest
 from fixtures.rollout_stack import run_config
 
-from harness.tiny_model import build_tokenizer
 from services.rollout_worker.assembly import ChatTokenizer, assemble
 from services.rollout_worker.chat_assembly import ChatFormat
 from services.rollout_worker.engines.base import Generation, InferenceEngine, SamplingParams
 from services.rollout_worker.gateway import Gateway
+from tests.support.tiny_model import build_tokenizer
 
 CALC = {"type": "function", "function": {"name": "calc", "description": "evaluate arithmetic",
                                          "parameters": {"type": "object", "properties": {"expr": {"type": "string"}},

@@ -17,14 +17,14 @@ from fixtures.rollout_stack import collect_results, insert_run, make_task, publi
 from sqlalchemy import insert, text
 from trainer_testlib import WeightServer
 
-from harness.procs import start_service, stop, wait_heartbeat, wait_until
-from harness.runners import Runners
-from harness.tiny_model import build_tiny_model
 from services.controller.store import TrajectoryStore
-from shared.bus import connect
-from shared.db.models import RolloutTaskRow
-from shared.db.session import make_engine
-from shared.types import TerminationReason as TR
+from shared.contracts.db.models import RolloutTaskRow
+from shared.platform.bus import connect
+from shared.platform.db.session import make_engine
+from shared.sdk.types import TerminationReason as TR
+from tests.support.procs import start_service, stop, wait_heartbeat, wait_until
+from tests.support.runners import Runners
+from tests.support.tiny_model import build_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -111,9 +111,9 @@ async def test_a_lora_runs_program_is_served_its_published_adapter(worker, redis
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from harness.tiny_model import random_lora_adapter
     from services.trainer.publisher import WeightPublisher
-    from shared.weights import BaseModelRef, base_model_digest
+    from shared.weights.manifest import BaseModelRef, base_model_digest
+    from tests.support.tiny_model import random_lora_adapter
 
     server = WeightServer(redis_url, database_url, tmp_path / "weights", ANNOUNCE_PATH="false").start()
     try:

@@ -12,7 +12,7 @@ import pytest
 import redis
 from sqlalchemy import create_engine, text
 
-from harness.servers import PostgresServer, RedisServer
+from infra.local.servers import PostgresServer, RedisServer
 
 
 @pytest.mark.parametrize("unix_socket", [False, True], ids=["tcp", "unix"])

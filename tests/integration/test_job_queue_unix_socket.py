@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import pytest
 
-from harness.servers import RedisServer
+from infra.local.servers import RedisServer
 from services.jobs.celery_app import celery_broker_url, celery_client, make_celery
-from services.jobs.config import JobsConfig
-from shared.bus import connect_sync
-from shared.jobs import JOB_TASKS
+from services.jobs.settings import JobsSettings
+from shared.clients.jobs import JOB_TASKS
+from shared.platform.bus import connect_sync
 
 
 def test_celery_broker_url_translates_unix_sockets_only():
@@ -37,7 +37,7 @@ def test_the_intake_enqueues_and_the_jobs_worker_reads_over_a_unix_socket(unix_r
     celery_client(unix_redis_url).send_task(JOB_TASKS["gc"], args=["job-1"], task_id="job-1")
     assert connect_sync(unix_redis_url).llen("celery") == 1  # on the socket, in the URL's database
 
-    worker = make_celery(JobsConfig(redis_url=unix_redis_url, database_url="postgresql+psycopg://nobody@127.0.0.1/x"))
+    worker = make_celery(JobsSettings(redis_url=unix_redis_url, database_url="postgresql+psycopg://nobody@127.0.0.1/x"))
     with worker.connection_for_read() as conn:
         queue = conn.SimpleQueue("celery")
         message = queue.get(timeout=10)

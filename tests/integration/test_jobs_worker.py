@@ -20,11 +20,11 @@ from api_testlib import run_config, seed_run, start_api, start_jobs
 from sqlalchemy import create_engine
 from trainer_testlib import WeightServer
 
-from harness.ports import free_port
-from harness.procs import stop, wait_until
-from shared import streams
-from shared.bus import announce, await_answer
-from shared.messages import JobRequest, JobRequestReply
+from infra.local.ports import free_port
+from shared.contracts import streams
+from shared.contracts.messages import JobRequest, JobRequestReply
+from shared.platform.bus import announce, await_answer
+from tests.support.procs import stop, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +159,7 @@ def test_bad_import_fails_the_job_with_the_reason(client, tmp_path):
 
 
 def test_evaluate_checkpoint_creates_eval_run(client, database_url, tmp_path):
-    """The job creates the run through shared/runs.py, with the checks POST /v1/runs makes."""
+    """The job creates the run through shared/clients/run_commands.py, with the checks POST /v1/runs makes."""
     (tmp_path / "e.jsonl").write_text("\n".join(json.dumps({"id": i, "question": f"{i}+1", "answer": str(i + 1)})
                                                 for i in range(3)))
     finished_job(client, client.post("/v1/datasets/import", json={"name": "eval-ds", "path": str(tmp_path / "e.jsonl")}).json())
@@ -249,12 +249,12 @@ def test_gc_keeps_newest_checkpoints_with_what_they_are_built_on_and_trims_strea
 def test_gc_without_the_weight_server_fails_the_job_and_says_where_it_looked(database_url, redis_url, data_dir):
     """GC of a finished run's checkpoints needs their owner: unreachable, the job fails with WEIGHT_SERVER_URL in
     its error, and the worker lives on."""
-    from services.jobs.config import JobsConfig
+    from services.jobs.settings import JobsSettings
     from services.jobs.tasks import JobContext, _gc_checkpoints
 
     seed_run(database_url, name="gc-nobody", status="stopped", versions=3)
     engine = create_engine(database_url)
-    config = JobsConfig(database_url=database_url, redis_url=redis_url, data_dir=data_dir,
+    config = JobsSettings(database_url=database_url, redis_url=redis_url, data_dir=data_dir,
                         weight_server_url=f"http://127.0.0.1:{free_port()}")
     with pytest.raises(RuntimeError, match="WEIGHT_SERVER_URL"):
         _gc_checkpoints(JobContext(config, engine), keep=1)

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from bench.demo import BAR, FINAL_VERSIONS, STEPS, run_inprocess
-from bench.recall import WORDS
-from harness.tiny_model import build_number_model
+from tests.support.demo import BAR, FINAL_VERSIONS, STEPS, run_inprocess
+from tests.support.recall import WORDS
+from tests.support.tiny_model import build_number_model
 
 
 def test_tiny_model_learns_every_question_of_the_recall_task_inprocess(tmp_path):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.demo import judge, run_stack
+from tests.support.demo import judge, run_stack
 
 
 @pytest.mark.slow

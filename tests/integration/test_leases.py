@@ -1,4 +1,4 @@
-"""shared/leases.py over a real Postgres: one owner per run in each lease table, expiry, takeover, release."""
+"""shared/platform/leases.py over a real Postgres: one owner per run in each lease table, expiry, takeover, release."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import uuid
 import pytest
 from sqlalchemy import insert
 
-from shared import leases
-from shared.db.models import Run
-from shared.db.session import make_engine
+from shared.contracts.db.models import Run
+from shared.platform import leases
+from shared.platform.db.session import make_engine
 
 
 @pytest.fixture(scope="module")

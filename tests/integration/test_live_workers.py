@@ -1,4 +1,4 @@
-"""shared/workers.py, the one reader of heartbeats, against a real Redis: the sync and asyncio readers see the
+"""shared/platform/heartbeats.py, the one reader of heartbeats, against a real Redis: the sync and asyncio readers see the
 same live processes of one service, typed; malformed heartbeats are skipped; a Redis that is down raises
 RedisError for the caller to judge.
 
@@ -11,9 +11,9 @@ import json
 
 import pytest
 
-from shared.bus import RedisError, connect, connect_sync
-from shared.streams import heartbeat_key
-from shared.workers import Heartbeat, live_workers, live_workers_async
+from shared.contracts.streams import heartbeat_key
+from shared.platform.bus import RedisError, connect, connect_sync
+from shared.platform.heartbeats import Heartbeat, live_workers, live_workers_async
 
 BEATS = {
     heartbeat_key("rollout-worker", "a"): {"service": "rollout-worker", "worker_id": "a", "pid": 11, "port": 9001,

@@ -28,15 +28,15 @@ from safetensors.torch import load_file
 from sqlalchemy import create_engine
 from trainer_testlib import WeightServer
 
-from bench.demo import LORA, LORA_BAR, LORA_INIT_STD, LORA_LR, judge, prompt_ids, run_stack
-from harness.tiny_model import build_number_model
 from services.rollout_worker.engines import AdapterView, SamplingParams
-from services.rollout_worker.runs import RunRegistry
+from services.rollout_worker.run_engines import RunRegistry
 from services.trainer.publisher import WeightPublisher
-from shared.messages import decode
-from shared.run_config import AlgorithmConfig
-from shared.streams import WEIGHTS
-from shared.weights import ADAPTER_CONFIG, ADAPTER_WEIGHTS, MANIFEST, BaseModelRef, base_model_digest
+from shared.contracts.messages import decode
+from shared.contracts.run_config import AlgorithmConfig
+from shared.contracts.streams import WEIGHTS
+from shared.weights.manifest import ADAPTER_CONFIG, ADAPTER_WEIGHTS, MANIFEST, BaseModelRef, base_model_digest
+from tests.support.demo import LORA, LORA_BAR, LORA_INIT_STD, LORA_LR, judge, prompt_ids, run_stack
+from tests.support.tiny_model import build_number_model
 
 ADAPTERS = {"a": {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]},
             "b": {"rank": 8, "alpha": 16, "target_modules": "all-linear"},
@@ -190,8 +190,8 @@ def test_lora_trainer_reference_checkpoint_and_optimizer_state(tmp_path):
     (the adapter off), not the trained policy; a checkpoint restores the adapter and its optimizer state."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from bench.demo import run_inprocess_parts, sample_results
     from services.trainer.batch import build_tensors
+    from tests.support.demo import run_inprocess_parts, sample_results
 
     model = build_number_model(tmp_path / "model", init_std=LORA_INIT_STD)
     lora = {"rank": 4, "alpha": 8, "dropout": 0.1, "target_modules": ["q_proj", "v_proj"]}
@@ -277,7 +277,7 @@ def test_vllm_serves_each_runs_adapter_in_mixed_batches(tmp_path):
 
     from fixtures.vllm_env import vllm_env, vllm_python
 
-    from harness.tiny_model import build_vllm_tiny_model
+    from tests.support.tiny_model import build_vllm_tiny_model
 
     py = vllm_python()
     model = build_vllm_tiny_model(tmp_path / "model", seed=0)
@@ -323,11 +323,11 @@ async def test_a_vllm_server_serves_each_runs_adapter_through_the_openai_engine(
     import httpx
     from fixtures.vllm_env import start_vllm_server
 
-    from harness.ports import free_port
-    from harness.tiny_model import build_vllm_tiny_model
+    from infra.local.ports import free_port
     from services.rollout_worker.engines import build_engine
-    from shared.run_config import EngineConfig
-    from shared.weights import ChecksumError
+    from shared.contracts.run_config import EngineConfig
+    from shared.weights.manifest import ChecksumError
+    from tests.support.tiny_model import build_vllm_tiny_model
 
     model = build_vllm_tiny_model(tmp_path / "model", seed=0)
     other = build_vllm_tiny_model(tmp_path / "other", seed=1)
@@ -393,17 +393,17 @@ async def test_a_vllm_server_serves_each_runs_adapter_through_the_openai_engine(
 
 
 def test_lora_runs_over_one_base_share_one_trainer_engine_and_train_as_if_alone(tmp_path):
-    """Two LoRA runs of one kind on one trainer engine (services/trainer/shared_base.py): one copy of the base,
+    """Two LoRA runs of one kind on one trainer engine (services/trainer/lora_shared_engine.py): one copy of the base,
     and the steps of each, interleaved, give bit for bit the adapter that run gets on an engine of its own: its
     adapter, Adam moments and schedule never leak into the other's. A checkpoint written while the other run was
     swapped in restores that run's state into a new engine."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from bench.demo import ALGORITHM, sample_results
     from services.trainer.batch import GroupBuffer, samples_from_result
     from services.trainer.engine import PolicyEngine
     from services.trainer.learner import Learner
-    from services.trainer.shared_base import close_engine, engines_held, open_engine
+    from services.trainer.lora_shared_engine import close_engine, engines_held, open_engine
+    from tests.support.demo import ALGORITHM, sample_results
 
     model = build_number_model(tmp_path / "model", init_std=LORA_INIT_STD)
     algo = AlgorithmConfig.model_validate(ALGORITHM | {"lr": 1e-2, "lora": {"rank": 4, "alpha": 8,

@@ -10,8 +10,8 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import create_engine, inspect, text
 
-from shared.db.migrate import downgrade, upgrade
-from shared.db.models import Base
+from shared.contracts.db.models import Base
+from shared.platform.db.migrate import downgrade, upgrade
 
 
 def user_tables(url: str) -> set[str]:

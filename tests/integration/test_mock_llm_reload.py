@@ -1,4 +1,4 @@
-"""The mock LLM (harness/mock_llm.py, a process) speaks the reload protocol the openai engine speaks to a real vLLM
+"""The mock LLM (tests/support/mock_llm.py, a process) speaks the reload protocol the openai engine speaks to a real vLLM
 server: a full reload and a weight delta both succeed against it and relabel what it serves. The benchmarks and
 chaos tests that hot-reload a rollout worker against the mock rely on this; a mock that drifts from the engine
 would make every reload there fail while the run still trains."""
@@ -8,12 +8,12 @@ from __future__ import annotations
 import torch
 from fixtures.weight_deltas import load_update, step, write_delta
 
-from harness.live import start_mock_llm
-from harness.ports import free_port
-from harness.tiny_model import build_tiny_model
+from infra.local.ports import free_port
 from services.rollout_worker.engines import SamplingParams, build_engine
-from shared.run_config import EngineConfig
-from shared.weights import read_safetensors
+from shared.contracts.run_config import EngineConfig
+from shared.weights.delta import read_safetensors
+from tests.support.live import start_mock_llm
+from tests.support.tiny_model import build_tiny_model
 
 
 async def test_full_reload_and_delta_against_the_mock_relabel_what_it_serves(tmp_path):

@@ -24,12 +24,12 @@ from fixtures.rollout_stack import (
     weights_published,
 )
 
-from harness.procs import start_service, stop, wait_heartbeat
-from harness.tiny_model import build_number_model
-from shared.builtin.datasets import generate
-from shared.bus import StreamBus, connect
-from shared.streams import WEIGHTS
-from shared.weights import write_manifest
+from services.jobs.builtin_datasets import generate
+from shared.contracts.streams import WEIGHTS
+from shared.platform.bus import StreamBus, connect
+from shared.weights.manifest import write_manifest
+from tests.support.procs import start_service, stop, wait_heartbeat
+from tests.support.tiny_model import build_number_model
 
 MAX_TOKENS = 3  # per turn: turns of several tokens, some ending with the model's own EOS
 
@@ -128,7 +128,7 @@ def test_episode_carries_both_versions_token_by_token(episode):
 def test_only_model_tokens_are_trained_and_env_tokens_get_no_advantage(episode):
     from services.trainer.algorithm import compute_advantages
     from services.trainer.batch import GroupBuffer, build_tensors, samples_from_result
-    from shared.run_config import AlgorithmConfig
+    from shared.contracts.run_config import AlgorithmConfig
 
     result, tokenizer = episode
     [traj] = result.trajectories
@@ -179,7 +179,7 @@ def test_trainer_corrects_each_token_for_the_version_that_generated_it(episode, 
     from services.trainer.batch import GroupBuffer, build_tensors, samples_from_result
     from services.trainer.engine import PolicyEngine
     from services.trainer.learner import Learner, mismatch_metrics, same_version_diffs
-    from shared.run_config import AlgorithmConfig
+    from shared.contracts.run_config import AlgorithmConfig
 
     result, tokenizer = episode
     [traj] = result.trajectories

@@ -14,12 +14,12 @@ import time
 import pytest
 from sqlalchemy import text
 
-from harness.live import accounting, insert_run, register_dataset, run_status, start_mock_llm
-from harness.ports import free_port
-from harness.stack import LocalStack
-from harness.tiny_model import build_tiny_model
-from shared.bus import connect
-from shared.db.session import make_engine
+from infra.local.ports import free_port
+from infra.local.stack import LocalStack
+from shared.platform.bus import connect
+from shared.platform.db.session import make_engine
+from tests.support.live import accounting, insert_run, register_dataset, run_status, start_mock_llm
+from tests.support.tiny_model import build_tiny_model
 
 SERVICES = ["env-worker", "rollout-worker", "controller", "trainer"]
 

@@ -5,9 +5,9 @@ reference, which also checks vLLM's)."""
 import pytest
 from fixtures.vllm_env import reference_logprobs
 
-from harness.tiny_model import build_tiny_model
 from services.rollout_worker.engines import SamplingParams, build_engine
-from shared.run_config import EngineConfig
+from shared.contracts.run_config import EngineConfig
+from tests.support.tiny_model import build_tiny_model
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, -1, 1.0), (0.7, 20, 0.9)])

@@ -20,12 +20,12 @@ from fixtures.rollout_stack import (
     weights_published,
 )
 
-from harness.procs import start_service, stop, wait_heartbeat
-from harness.tiny_model import build_tiny_model
-from shared.builtin.datasets import generate
-from shared.bus import StreamBus, connect
-from shared.streams import GROUP_ROLLOUT, ROLLOUT_TASKS, WEIGHTS
-from shared.weights import write_manifest
+from services.jobs.builtin_datasets import generate
+from shared.contracts.streams import GROUP_ROLLOUT, ROLLOUT_TASKS, WEIGHTS
+from shared.platform.bus import StreamBus, connect
+from shared.weights.manifest import write_manifest
+from tests.support.procs import start_service, stop, wait_heartbeat
+from tests.support.tiny_model import build_tiny_model
 
 
 @pytest.fixture(scope="module")

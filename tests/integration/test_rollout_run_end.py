@@ -17,10 +17,10 @@ import pytest
 from fixtures.rollout_stack import collect_results, insert_run, make_task, publish_tasks, run_config
 from sqlalchemy import create_engine, update
 
-from harness.procs import REPO, start_service, stop, wait_heartbeat, wait_until
-from shared.bus import connect
-from shared.db.models import Run
-from shared.streams import GROUP_ROLLOUT, ROLLOUT_TASKS
+from shared.contracts.db.models import Run
+from shared.contracts.streams import GROUP_ROLLOUT, ROLLOUT_TASKS
+from shared.platform.bus import connect
+from tests.support.procs import REPO, start_service, stop, wait_heartbeat, wait_until
 
 CONFIG_ONLY = str(REPO / "tests" / "fixtures" / "config-only-model")  # config.json, no tokenizer
 

@@ -10,12 +10,12 @@ import httpx
 import pytest
 from fixtures.rollout_stack import collect_results, insert_run, make_task, publish_tasks, run_config
 
-from harness.procs import start_service, stop, wait_heartbeat
-from harness.tiny_model import build_tiny_model
-from shared.builtin.datasets import generate
-from shared.bus import connect
-from shared.messages import EpisodeResult, decode
-from shared.types import TerminationReason as TR
+from services.jobs.builtin_datasets import generate
+from shared.contracts.messages import EpisodeResult, decode
+from shared.platform.bus import connect
+from shared.sdk.types import TerminationReason as TR
+from tests.support.procs import start_service, stop, wait_heartbeat
+from tests.support.tiny_model import build_tiny_model
 
 
 @pytest.fixture(scope="module")

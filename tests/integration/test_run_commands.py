@@ -1,6 +1,6 @@
-"""Run control as commands (shared/messages/control.py): the controller is the one writer of `runs` and
+"""Run control as commands (shared/contracts/messages/control.py): the controller is the one writer of `runs` and
 `run_events`; the API and eval jobs send `RunCommand`s on `run.commands` and wait for its reply
-(shared/runs.py). A real controller process on the real Postgres and Redis:
+(shared/clients/run_commands.py). A real controller process on the real Postgres and Redis:
 
 - a command is applied once, however often it is delivered, and answered the same way each time;
 - a pause, resume or stop applied is announced on `run.control`; a refused one is not;
@@ -19,14 +19,14 @@ from api_testlib import running_api
 from sqlalchemy import insert, select, update
 from sqlalchemy.orm import Session
 
-from harness.procs import ServiceGroup, wait_heartbeat, wait_until
-from shared.bus import announce, await_answer
-from shared.db.models import Dataset, DatasetRow, Run, RunEvent
-from shared.db.session import make_engine
-from shared.messages import RunCommand, RunCommandReply, RunControl, decode
-from shared.run_config import RunConfig
-from shared.runs import ControllerUnavailable, create_run, run_command
-from shared.streams import RUN_COMMANDS, RUN_CONTROL, command_reply
+from shared.clients.run_commands import ControllerUnavailable, create_run, run_command
+from shared.contracts.db.models import Dataset, DatasetRow, Run, RunEvent
+from shared.contracts.messages import RunCommand, RunCommandReply, RunControl, decode
+from shared.contracts.run_config import RunConfig
+from shared.contracts.streams import RUN_COMMANDS, RUN_CONTROL, command_reply
+from shared.platform.bus import announce, await_answer
+from shared.platform.db.session import make_engine
+from tests.support.procs import ServiceGroup, wait_heartbeat, wait_until
 
 
 @pytest.fixture(scope="module")

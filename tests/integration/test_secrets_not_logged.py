@@ -7,7 +7,7 @@ from __future__ import annotations
 import httpx
 from sqlalchemy.engine import make_url
 
-from harness.stack import LocalStack
+from infra.local.stack import LocalStack
 
 DB_PASSWORD = "pg-secret-8c1f"  # the local Postgres trusts loopback, so any password connects
 API_TOKEN = "api-secret-3e9a7d"

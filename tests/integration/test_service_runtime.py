@@ -1,4 +1,4 @@
-"""The service runtime (shared/service.py) on real Redis: a stop lets the HTTP requests in flight
+"""The service runtime (shared/platform/service.py) on real Redis: a stop lets the HTTP requests in flight
 finish, then runs the `on_stop` cleanups, the last registered first; the heartbeat key is there while it runs
 and gone after. And in a process of its own: a loop that dies beside a foreground framework stops the process."""
 
@@ -8,9 +8,9 @@ import asyncio
 
 import httpx
 
-from shared.service import ServiceRuntime
-from shared.settings import ServiceSettings
-from shared.streams import heartbeat_key
+from shared.contracts.streams import heartbeat_key
+from shared.platform.service import ServiceRuntime
+from shared.platform.settings import ServiceSettings
 
 
 async def wait_serving(client: httpx.AsyncClient, runtime: ServiceRuntime) -> str:
@@ -60,8 +60,8 @@ async def test_stop_drains_requests_then_runs_cleanups_last_registered_first(red
 
 FOREGROUND_PROGRAM = """
 import signal, sys, threading
-from shared.service import run_service
-from shared.settings import ServiceSettings
+from shared.platform.service import run_service
+from shared.platform.settings import ServiceSettings
 
 async def build(settings, runtime):
     async def dies():

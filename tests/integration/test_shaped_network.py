@@ -1,4 +1,4 @@
-"""harness/netns.py, which the weight-sync bench runs on: the shaping is real (bytes cross a link at the rate
+"""tests/support/netns.py, which the weight-sync bench runs on: the shaping is real (bytes cross a link at the rate
 asked for, not at memory speed), and every namespace and link it made is gone afterwards, after an error too,
 and after a process that made them died."""
 
@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from harness.netns import PREFIX, ShapedNetwork, ip, namespaces, remove_leftovers
-from harness.procs import start_service
+from tests.support.netns import PREFIX, ShapedNetwork, ip, namespaces, remove_leftovers
+from tests.support.procs import start_service
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces and tc need root")
 
@@ -70,7 +70,7 @@ def test_everything_is_removed_after_an_error_inside(tmp_path):
 
 
 def test_leftovers_of_a_dead_process_are_removed():
-    code = ("from harness.netns import ShapedNetwork; import os; n = ShapedNetwork(['a'], '1gbit').__enter__(); "
+    code = ("from tests.support.netns import ShapedNetwork; import os; n = ShapedNetwork(['a'], '1gbit').__enter__(); "
             "print(n.tag, flush=True); os._exit(0)")  # dies without cleaning up
     tag = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert tag.startswith(PREFIX) and [n for n in namespaces() if n.startswith(tag)]

@@ -18,7 +18,7 @@ from sqlalchemy import create_engine
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session
 
-from shared.db.models import EpisodeRow, RolloutTaskRow
+from shared.contracts.db.models import EpisodeRow, RolloutTaskRow
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]  # every query, wherever it is documented
@@ -73,7 +73,7 @@ def test_documented_metric_names_are_the_trainers():
     from api_testlib import trainer_metrics
 
     from services.trainer.algorithm import rollout_correction
-    from shared.run_config import AlgorithmConfig
+    from shared.contracts.run_config import AlgorithmConfig
 
     trainer = "".join((REPO / f"services/trainer/{f}.py").read_text() for f in ("learner", "loop"))
     verl_names = set(rollout_correction(-torch.ones(1, 2), -torch.ones(1, 2), torch.ones(1, 2), AlgorithmConfig())[2])

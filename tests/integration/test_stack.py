@@ -27,20 +27,20 @@ import redis
 from sqlalchemy import create_engine, insert, select
 from sqlalchemy.orm import Session
 
-from harness.ports import free_port
-from harness.procs import wait_until
-from harness.servers import RedisServer
-from harness.stack import REPO, SERVICES, Backoff, LocalStack, ServiceSpec
-from shared.db.models import Dataset, Run
-from shared.streams import heartbeat_key
+from infra.local.ports import free_port
+from infra.local.servers import RedisServer
+from infra.local.stack import REPO, SERVICES, Backoff, LocalStack, ServiceSpec
+from shared.contracts.db.models import Dataset, Run
+from shared.contracts.streams import heartbeat_key
+from tests.support.procs import wait_until
 
 # A minimal service on the real runtime: /healthz, /metrics and a heartbeat, nothing else. It exercises the
 # stack's mechanics (ports, restart, signals) independently of how far the real services have come.
 PROBE = ServiceSpec((
     "-c",
     "import asyncio\n"
-    "from shared.service import ServiceRuntime\n"
-    "from shared.settings import ServiceSettings\n"
+    "from shared.platform.service import ServiceRuntime\n"
+    "from shared.platform.settings import ServiceSettings\n"
     "async def main():\n"
     "    rt = ServiceRuntime(ServiceSettings(), 'probe')\n"
     "    raise SystemExit(await rt.run([rt.stop.wait()]))\n"
@@ -159,9 +159,9 @@ def test_embedded_servers_keep_data_across_restarts(tmp_path, monkeypatch):
 
 
 def start_console_stack(env: dict[str, str], services: str) -> tuple[subprocess.Popen, list[str]]:
-    """`python -m harness.stack --services ...` (what `make up` runs), its output read until it reports every
+    """`python -m infra.local.stack --services ...` (what `make up` runs), its output read until it reports every
     service healthy or exits; the caller stops it."""
-    stack = subprocess.Popen([sys.executable, "-m", "harness.stack", "--services", services], env=env,
+    stack = subprocess.Popen([sys.executable, "-m", "infra.local.stack", "--services", services], env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
     for line in stack.stdout:
@@ -207,7 +207,7 @@ def test_supervised_stack_restarts_crashed_services_with_backoff(redis_url, data
     env = {"REDIS_URL": redis_url, "DATABASE_URL": database_url}
     stack = LocalStack(tmp_path, env=env, specs={"probe": PROBE, "crasher": CRASHER},
                        backoff=Backoff(base_s=0.2, cap_s=5.0))
-    caplog.set_level(logging.INFO, logger="harness.stack")
+    caplog.set_level(logging.INFO, logger="infra.local.stack")
     try:
         stack.start(["probe"])
         stack.wait_healthy(30)
@@ -238,7 +238,7 @@ def test_killed_embedded_redis_is_restarted_and_readiness_reports_the_outage(ser
     # Redis stays down 3 s before its restart: long enough to see every probe say so.
     stack = LocalStack(server_dir, env={"API_TOKEN": token, "HEARTBEAT_INTERVAL_S": "0.5"},
                        specs={"probe": PROBE, "api": SERVICES["api"]}, backoff=Backoff(base_s=3.0))
-    caplog.set_level(logging.INFO, logger="harness.stack")
+    caplog.set_level(logging.INFO, logger="infra.local.stack")
     try:
         stack.start()
         stack.wait_healthy(120)
@@ -331,7 +331,7 @@ def test_a_sigkilled_stack_takes_every_process_it_started_with_it(server_dir):
         assert "all services healthy" in lines[-1], "".join(lines)[-4000:]
         procs = psutil.Process(stack.pid).children(recursive=True) + [_postmaster(server_dir)]
         commands = " ".join(" ".join(p.cmdline()) for p in procs)
-        for part in ("services.controller.main", "services.api.main", "redis-server", "harness.watchdog", "postgres"):
+        for part in ("services.controller.main", "services.api.main", "redis-server", "infra.local.watchdog", "postgres"):
             assert part in commands, commands
         stack.kill()
         stack.wait()
@@ -385,7 +385,7 @@ def test_make_up_console_shows_what_a_user_acts_on_and_one_signal_to_the_group_s
     env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "DATABASE_URL")}
     api_port = free_port()
     env.update(DATA_DIR=str(server_dir), API_PORT=str(api_port), WEIGHT_SERVER_PORT=str(free_port()))
-    (tmp_path / "Makefile").write_text(f"up:\n\t{sys.executable} -m harness.stack --services jobs,api\n")
+    (tmp_path / "Makefile").write_text(f"up:\n\t{sys.executable} -m infra.local.stack --services jobs,api\n")
     make = subprocess.Popen(["make", "-f", str(tmp_path / "Makefile"), "up"], cwd=REPO, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     lines = []
@@ -395,7 +395,7 @@ def test_make_up_console_shows_what_a_user_acts_on_and_one_signal_to_the_group_s
             if "all services healthy" in line:
                 break
         procs = psutil.Process(make.pid).children(recursive=True)
-        stack_pid = next(p.pid for p in procs if "harness.stack" in " ".join(p.cmdline()))
+        stack_pid = next(p.pid for p in procs if "infra.local.stack" in " ".join(p.cmdline()))
         # the jobs service answers /healthz beside Celery's start-up, so Celery's root warning can come after
         # "healthy": wait for it to reach the log file before stopping (then check it never reached the console)
         jobs_log = server_dir / "logs" / "jobs-0.log"
@@ -442,7 +442,7 @@ def test_a_worker_started_by_hand_joins_a_running_stack(server_dir, monkeypatch)
 def test_killed_embedded_postgres_is_restarted_at_the_same_address(server_dir, monkeypatch, caplog):
     monkeypatch.delenv("REDIS_URL", raising=False)
     monkeypatch.delenv("DATABASE_URL", raising=False)
-    caplog.set_level(logging.INFO, logger="harness.stack")
+    caplog.set_level(logging.INFO, logger="infra.local.stack")
     with LocalStack(server_dir, specs={"probe": PROBE}, backoff=Backoff(base_s=3.0)) as stack:
         stack.start()
         stack.wait_healthy(60)

@@ -7,12 +7,12 @@ import uuid
 import pytest
 from sqlalchemy import insert, select, text, update
 
-from services.controller.ledger import ledger_summary
+from services.controller.queries import ledger_summary
 from services.controller.store import TrajectoryStore
-from shared.db.models import RolloutTaskRow, Run, RunEvent
-from shared.db.session import make_engine
-from shared.messages import EpisodeResult, TrajectoryRecord, TrajectoryStep, decode, encode
-from shared.types import TerminationReason
+from shared.contracts.db.models import RolloutTaskRow, Run, RunEvent
+from shared.contracts.messages import EpisodeResult, TrajectoryRecord, TrajectoryStep, decode, encode
+from shared.platform.db.session import make_engine
+from shared.sdk.types import TerminationReason
 
 
 @pytest.fixture(scope="module")

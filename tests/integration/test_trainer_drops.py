@@ -12,15 +12,11 @@ import uuid
 import pytest
 from sqlalchemy import text
 
-from harness.procs import wait_until_async
-from services.controller import ledger
+from services.controller import queries
 from services.trainer.batch import GroupBuffer
-from services.trainer.config import TrainerSettings
 from services.trainer.loop import RunState, Trainer
-from shared import leases
-from shared.bus import connect
-from shared.db.session import make_engine
-from shared.messages import (
+from services.trainer.settings import TrainerSettings
+from shared.contracts.messages import (
     AcceptedResult,
     EpisodeResult,
     RunControl,
@@ -29,9 +25,13 @@ from shared.messages import (
     decode,
     encode,
 )
-from shared.run_config import RunConfig
-from shared.streams import ACCEPTED_RESULTS, GROUP_TRAIN, RUN_CONTROL, TRAINER_PROGRESS
-from shared.types import TerminationReason
+from shared.contracts.run_config import RunConfig
+from shared.contracts.streams import ACCEPTED_RESULTS, GROUP_TRAIN, RUN_CONTROL, TRAINER_PROGRESS
+from shared.platform import leases
+from shared.platform.bus import connect
+from shared.platform.db.session import make_engine
+from shared.sdk.types import TerminationReason
+from tests.support.procs import wait_until_async
 
 
 @pytest.fixture
@@ -85,9 +85,9 @@ async def _final_failure(trainer: Trainer, run_id: str, task: str, sample: int, 
 async def _controller_count(trainer: Trainer, run_id: str, final_failed: list[tuple[str, int]]) -> int:
     """The controller's count of dropped groups after it applied every `trainer.progress` report so far."""
     reports = [decode(f, TrainerProgress) for _, f in await trainer.redis.xrange(TRAINER_PROGRESS)]
-    ledger.record_progress(trainer.db, reports)
+    queries.record_progress(trainer.db, reports)
     with trainer.db.connect() as c:
-        return ledger.dropped_groups(c, run_id, final_failed)
+        return queries.dropped_groups(c, run_id, final_failed)
 
 
 def _recorded(trainer: Trainer, run_id: str) -> dict[tuple[str, int], str]:
@@ -241,7 +241,7 @@ async def test_a_stored_result_never_trained_on_drops_its_group_even_after_a_res
     with trainer.db.begin() as c:
         c.execute(text("INSERT INTO train_samples (run_id, task_id, sample_idx, attempt, status, version, batch_idx) "
                        "VALUES (:r, 'gone', 1, 0, 'excluded', 0, 0)"), {"r": r})
-    from services.trainer import runs as db
+    from services.trainer import run_store as db
     run.unfinishable = db.unfinishable_groups(trainer.db, r)  # as _build_run loads it
     assert ("gone", 0) in run.unfinishable
     await _accepted(trainer, late)

@@ -9,9 +9,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from harness.tiny_model import build_number_model
 from services.trainer.algorithm import compute_advantages, rollout_correction
-from shared.run_config import AlgorithmConfig
+from shared.contracts.run_config import AlgorithmConfig
+from tests.support.tiny_model import build_number_model
 
 
 @pytest.fixture(scope="module")
@@ -93,10 +93,10 @@ def test_engine_loss_is_verls_policy_loss_and_export_has_new_weights(engine, tmp
 
 
 def test_ppo_with_gae_critic_trains_both_and_checkpoints(model_dir, tmp_path):
-    from bench.demo import sample_results
     from services.trainer.batch import GroupBuffer, samples_from_result
     from services.trainer.engine import PolicyEngine
     from services.trainer.learner import Learner
+    from tests.support.demo import sample_results
 
     algo = AlgorithmConfig(adv_estimator="gae", lr=1e-2, critic_lr=1e-2, lam=0.95)
     engine = PolicyEngine(str(model_dir), algo, micro_batch_size=8, group_size=1)

@@ -12,10 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness.tiny_model import build_number_model
-from harness.trainer_batches import spread_batch
 from services.trainer.algorithm import compute_advantages
-from shared.run_config import POLICY_LOSSES, AlgorithmConfig
+from shared.contracts.run_config import POLICY_LOSSES, AlgorithmConfig
+from tests.support.tiny_model import build_number_model
+from tests.support.trainer_batches import spread_batch
 
 # the trainer service's settings: several micro-batches, none the padded path's; verl's fused log-prob kernel
 FUSED = {"fused_backend": "torch"}
@@ -129,8 +129,8 @@ def test_packed_log_probs_equal_plain_hf(model_dir, batch, plain_forward):
 def test_an_untied_model_trains_packed(tmp_path, batch):
     """verl's fused log-prob kernel fails on an untied output layer under FSDP2 (it reads the still-sharded
     lm_head weight): the engine leaves it out for such a model and the trainer's settings still train it."""
-    from harness.tiny_model import build_tiny_model
     from services.trainer.engine import PolicyEngine
+    from tests.support.tiny_model import build_tiny_model
 
     untied = build_tiny_model(tmp_path / "untied", vocab_size=64, hidden_size=32, tie_word_embeddings=False)
     algo = AlgorithmConfig(lr=1e-2, adv_estimator="grpo")

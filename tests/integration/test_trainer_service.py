@@ -22,12 +22,9 @@ from safetensors.torch import load_file
 from sqlalchemy import create_engine, text
 from trainer_testlib import REPO, WeightServer
 
-from harness.ports import free_port
-from harness.procs import start_service, wait_until
-from harness.servers import scratch_database
-from harness.tiny_model import build_number_model
-from shared import leases
-from shared.messages import (
+from infra.local.ports import free_port
+from infra.local.servers import scratch_database
+from shared.contracts.messages import (
     AcceptedResult,
     EpisodeResult,
     RolloutTask,
@@ -36,8 +33,8 @@ from shared.messages import (
     decode,
     encode,
 )
-from shared.run_config import RunConfig
-from shared.streams import (
+from shared.contracts.run_config import RunConfig
+from shared.contracts.streams import (
     ACCEPTED_RESULTS,
     GROUP_TRAIN,
     ROLLOUT_TASKS,
@@ -46,8 +43,11 @@ from shared.streams import (
     WEIGHTS,
     heartbeat_key,
 )
-from shared.types import TerminationReason
-from shared.weights import ADAPTER_CONFIG, ADAPTER_WEIGHTS, MANIFEST
+from shared.platform import leases
+from shared.sdk.types import TerminationReason
+from shared.weights.manifest import ADAPTER_CONFIG, ADAPTER_WEIGHTS, MANIFEST
+from tests.support.procs import start_service, wait_until
+from tests.support.tiny_model import build_number_model
 
 TASKS, N = 2, 4  # groups per batch, samples per group
 
@@ -257,7 +257,7 @@ def test_trainer_trains_whole_groups_reports_and_publishes(stack, redis_url, dat
 
 def test_lora_runs_of_one_kind_share_one_engine_in_the_trainer(stack, redis_url, database_url, model_dir, tmp_path):
     """Two LoRA runs over one base and a full-weight run in one trainer process: two engines (the LoRA runs share
-    theirs, services/trainer/shared_base.py), and each run trains and publishes its own versions."""
+    theirs, services/trainer/lora_shared_engine.py), and each run trains and publishes its own versions."""
     algorithm = {"adv_estimator": "grpo", "lr": 1e-3, "lora": {"rank": 4, "target_modules": ["q_proj", "v_proj"]}}
     runs = [_insert_run(database_url, model_dir, algorithm=algorithm) for _ in range(2)]
     runs.append(_insert_run(database_url, model_dir))

@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from harness.ports import free_port
-from harness.tiny_model import build_number_model
+from infra.local.ports import free_port
+from tests.support.tiny_model import build_number_model
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = r'''
@@ -22,7 +22,7 @@ import sys, torch, numpy as np
 from pathlib import Path
 from services.trainer.engine import PolicyEngine, setup_distributed
 from services.trainer.algorithm import compute_advantages
-from shared.run_config import AlgorithmConfig
+from shared.contracts.run_config import AlgorithmConfig
 
 model_dir, out, mode = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
 setup_distributed("cpu")

@@ -4,7 +4,7 @@ run through the real controller, rollout worker and env worker (mock LLM, openai
 A user-code fault (ERROR, ENV_TIMEOUT) ends its episode as `error`, never as a scored episode with reward 0: the
 stored error says where it came from ("env <name>.reset: ...", "agent <Class>.update_from_model: ...") and what;
 a run none of whose units scored ends `failed` with that reason (never `completed`), the ledger, the API and
-`run_error_reasons` count the errored units apart, with nothing lost or doubled (shared.audit); a trajectory
+`run_error_reasons` count the errored units apart, with nothing lost or doubled (tests.support.audit); a trajectory
 that runs past its deadline is still a scored TIMEOUT; and the same worker processes go on to serve a healthy
 run afterwards.
 """
@@ -20,7 +20,10 @@ import pytest
 from sqlalchemy import text
 from typer.testing import CliRunner
 
-from harness.live import (
+from infra.local.ports import free_port
+from infra.local.stack import LocalStack
+from services.api.cli import app as cli_app
+from tests.support.live import (
     REPO,
     accounting,
     insert_run,
@@ -29,10 +32,7 @@ from harness.live import (
     start_mock_llm,
     wait_run_ended,
 )
-from harness.ports import free_port
-from harness.stack import LocalStack
-from harness.tiny_model import build_tiny_model
-from services.api.cli import app as cli_app
+from tests.support.tiny_model import build_tiny_model
 
 sys.path.insert(0, str(REPO / "tests" / "integration"))
 from api_testlib import start_api  # noqa: E402
@@ -68,7 +68,7 @@ TASKS = 2
 @pytest.fixture(scope="module")
 def live(isolated_urls, tmp_path_factory):
     redis_url, database_url = isolated_urls  # its controller would otherwise resume earlier modules' runs
-    from shared.db.session import make_engine
+    from shared.platform.db.session import make_engine
 
     tmp = tmp_path_factory.mktemp("faults")
     model = str(build_tiny_model(tmp / "model"))

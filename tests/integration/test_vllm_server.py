@@ -18,10 +18,10 @@ from fixtures.vllm_env import hf_generate, reference_logprobs, start_vllm_server
 from fixtures.weight_deltas import STEPS, corrupted, expected_digests, export, load_update, step, write_delta
 from safetensors.torch import load_file
 
-from harness.ports import free_port
+from infra.local.ports import free_port
 from services.rollout_worker.engines import InferenceError, SamplingParams, build_engine
-from shared.run_config import EngineConfig
-from shared.weights import ChecksumError
+from shared.contracts.run_config import EngineConfig
+from shared.weights.manifest import ChecksumError
 
 pytestmark = pytest.mark.slow
 PROMPTS = [[5, 6, 7, 8], [40, 41, 42], [100, 7, 300, 12, 9], [1, 2]]

@@ -22,15 +22,16 @@ from fixtures.vllm_env import hf_generate, reference_logprobs, vllm_env, vllm_py
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
-from harness.live import register_dataset, wait_run_ended
-from harness.procs import start_service, stop, wait_heartbeat
-from harness.stack import LocalStack
-from harness.tiny_model import build_vllm_tiny_model
-from shared.db.models import Checkpoint, Run
-from shared.db.session import make_engine
-from shared.messages import WeightsPublished
-from shared.run_config import RunConfig
-from shared.weights import materialize, write_manifest
+from infra.local.stack import LocalStack
+from shared.contracts.db.models import Checkpoint, Run
+from shared.contracts.messages import WeightsPublished
+from shared.contracts.run_config import RunConfig
+from shared.platform.db.session import make_engine
+from shared.weights.fetch import materialize
+from shared.weights.manifest import write_manifest
+from tests.support.live import register_dataset, wait_run_ended
+from tests.support.procs import start_service, stop, wait_heartbeat
+from tests.support.tiny_model import build_vllm_tiny_model
 
 pytestmark = pytest.mark.slow
 VLLM_ENGINE = {"type": "vllm", "max_model_len": 512, "enforce_eager": True}

@@ -19,12 +19,12 @@ from safetensors.torch import load_file, save_file
 from sqlalchemy import create_engine
 from trainer_testlib import WeightServer
 
-from harness.tiny_model import build_tiny_model
-from services.rollout_worker.runs import RunRegistry
+from services.rollout_worker.run_engines import RunRegistry
 from services.trainer.publisher import WeightPublisher
-from shared.messages import decode
-from shared.streams import WEIGHTS
-from shared.weights import DELTA_FILE, MANIFEST, CheckpointManifest, tensor_entries
+from shared.contracts.messages import decode
+from shared.contracts.streams import WEIGHTS
+from shared.weights.manifest import DELTA_FILE, MANIFEST, CheckpointManifest, tensor_entries
+from tests.support.tiny_model import build_tiny_model
 
 VERSIONS = 24
 SNAPSHOT_EVERY = 5  # snapshots at 1, 6, 11, 16, 21

@@ -1,4 +1,4 @@
-"""Relayed weight sync (shared/weight_relay.py) between real processes on separate network namespaces behind
+"""Relayed weight sync (services/rollout_worker/weight_relay.py) between real processes on separate network namespaces behind
 shaped links: the weight server sends a version's bytes once however many workers fetch it, every worker ends
 with a verified copy, a relay that dies mid-transfer or sends bad bytes is routed around, a late joiner still
 gets the version. The weight server and the relaying workers (tests/fixtures/relay_peer.py: the rollout
@@ -24,12 +24,12 @@ from fastapi.responses import Response
 from sqlalchemy import create_engine
 from trainer_testlib import WeightServer
 
-from harness.netns import ShapedNetwork
-from harness.procs import start_service
-from harness.servers import PostgresServer, RedisServer
-from shared.db.models import Run
-from shared.messages import WeightsPublished
-from shared.weights import PIECE_BYTES, verify_folder
+from infra.local.servers import PostgresServer, RedisServer
+from shared.contracts.db.models import Run
+from shared.contracts.messages import WeightsPublished
+from shared.weights.manifest import PIECE_BYTES, verify_folder
+from tests.support.netns import ShapedNetwork
+from tests.support.procs import start_service
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces and tc need root")
 REPO = Path(__file__).resolve().parents[2]
@@ -40,8 +40,8 @@ PEERS = ["a", "b", "c", "late"]
 def net():
     """server + 4 worker hosts at 100 Mbit/s (24 MB take ~2 s per link: time to kill a relay mid-transfer),
     the weight server running in `server`, on private unix-socket Redis and Postgres."""
-    from shared.db.migrate import upgrade
-    from shared.settings import ServiceSettings
+    from shared.platform.db.migrate import upgrade
+    from shared.platform.settings import ServiceSettings
 
     # not under pytest's tmp folders (owner-only): the embedded Postgres runs as its own user
     folder = Path(tempfile.mkdtemp(prefix="fw-relay-"))

@@ -16,10 +16,11 @@ import redis
 from sqlalchemy import create_engine, select
 from trainer_testlib import WeightServer
 
-from shared.db.models import Checkpoint, Run
-from shared.messages import WeightsPublished, decode
-from shared.streams import WEIGHTS
-from shared.weights import MANIFEST, fetch_checkpoint, verify_folder
+from shared.contracts.db.models import Checkpoint, Run
+from shared.contracts.messages import WeightsPublished, decode
+from shared.contracts.streams import WEIGHTS
+from shared.weights.fetch import fetch_checkpoint
+from shared.weights.manifest import MANIFEST, verify_folder
 
 
 @pytest.fixture
@@ -149,7 +150,7 @@ def test_staging_publish_retention_and_restart(server, run_id, redis_url, tmp_pa
     orphan = tmp_path / "weights" / run_id / "v7"
     orphan.mkdir()
     (orphan / "config.json").write_bytes(b"{}")
-    from shared.weights import write_manifest
+    from shared.weights.manifest import write_manifest
     write_manifest(orphan, run_id, 7)
     (tmp_path / "weights" / run_id / ".tmp-v8-deadbeef").mkdir()
     server.start()

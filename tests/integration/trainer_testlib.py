@@ -5,8 +5,8 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from harness.ports import free_port
-from harness.procs import start_service, stop, wait_http
+from infra.local.ports import free_port
+from tests.support.procs import start_service, stop, wait_http
 
 REPO = Path(__file__).resolve().parents[2]
 

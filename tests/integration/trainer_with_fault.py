@@ -13,7 +13,7 @@ import os
 import signal
 import sys
 
-from services.trainer import runs
+from services.trainer import run_store as runs
 from services.trainer.loop import Trainer
 from services.trainer.main import main
 from services.trainer.state import CheckpointDir

@@ -1,4 +1,4 @@
-"""Every table has one writing owner (shared/db/owners.py), read off the code: a service that writes a table it
+"""Every table has one writing owner (shared/contracts/db/owners.py), read off the code: a service that writes a table it
 does not own (SQLAlchemy insert/update/delete/`session.add` of its model, an attribute set on a row it loaded,
 or INSERT/UPDATE/DELETE/COPY in SQL text), itself or through a `shared/` function it imports, fails here. Readers
 are checked the same way, and the "Who owns what" table of docs/architecture.md shows the map.
@@ -14,8 +14,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared.db import models
-from shared.db.owners import OWNERS, SERVICES
+from shared.contracts.db import models
+from shared.contracts.db.owners import OWNERS, SERVICES
 
 REPO = Path(__file__).resolve().parents[2]
 TABLES = {c.__tablename__: c.__name__ for c in vars(models).values()
@@ -186,7 +186,7 @@ def test_only_the_owner_writes_a_table():
     written, _ = table_access(REPO)
     stray = {(t, s): sorted(files) for t, by in written.items() for s, files in by.items()
              if s != OWNERS[t].owner}
-    assert stray == {}, "services writing tables they do not own (shared/db/owners.py): send the owner a " \
+    assert stray == {}, "services writing tables they do not own (shared/contracts/db/owners.py): send the owner a " \
         f"message instead: {stray}"
 
 
@@ -222,12 +222,12 @@ def test_the_scan_sees_every_spelling(tmp_path):
     (tmp_path / "services/c/w.py").write_text("from shared import slots\n\ndef k(c):\n    slots.put(c, slots.B)\n")
     (tmp_path / "services/c/v.py").write_text("from shared.slots import put\n\ndef j(c, t):\n    put(c, t)\n")
     (tmp_path / "services/a/x.py").write_text(
-        "from sqlalchemy import insert\nfrom shared.db.models import Run, Metric\n\n"
+        "from sqlalchemy import insert\nfrom shared.contracts.db.models import Run, Metric\n\n"
         "def f(s, c):\n    c.execute(insert(Run).values())\n    m = Metric(name='x')\n    s.add(m)\n")
     (tmp_path / "services/a/y.py").write_text(
         "def g(cur, table):\n    cur.execute(f'INSERT INTO {table} SELECT 1')\n\nROWS = {'episodes': []}\n")
     (tmp_path / "services/b/rows.py").write_text(  # rows loaded, then changed or deleted through the session
-        "from sqlalchemy import select\nfrom shared.db.models import Checkpoint, Job, Run\n\n"
+        "from sqlalchemy import select\nfrom shared.contracts.db.models import Checkpoint, Job, Run\n\n"
         "def gc(s, done):\n    old = s.execute(select(Checkpoint).where(Checkpoint.run_id.in_(done))).scalars()\n"
         "    for c in old:\n        c.status = 'deleted'\n    s.delete(s.get(Job, 1))\n    j = s.get(Job, 2)\n"
         "    s.delete(j)\n    r = s.get(Run, 3)\n    print(r.status)\n")

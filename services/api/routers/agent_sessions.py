@@ -22,10 +22,10 @@ from services.api.deps import Config
 from services.api.errors import ApiError, errors
 from services.api.run_refs import resolve_run
 from services.api.schemas import AgentSessionPublic, ClaimRequest
-from shared.bus import RedisError, SyncRedis
-from shared.db.models import TERMINAL_RUN_STATUSES, Run
-from shared.registry import EXTERNAL_AGENT_PROGRAM
-from shared.workers import live_workers
+from shared.contracts.db.models import TERMINAL_RUN_STATUSES, Run
+from shared.contracts.registry import EXTERNAL_AGENT_PROGRAM
+from shared.platform.bus import RedisError, SyncRedis
+from shared.platform.heartbeats import live_workers
 
 router = APIRouter(prefix="/runs", tags=["agent programs"])
 POLL_S = 1.0  # with several workers, how long each is asked to wait before the next is asked

@@ -21,7 +21,7 @@ from services.api.deps import DB, Config
 from services.api.errors import ApiError, Int, StrictBody, errors
 from services.api.job_queue import job_out, submit_job, wait_for_job
 from services.api.schemas import DatasetDetail, DatasetPublic, DatasetRowsPage, JobPublic, Page
-from shared.datasets import (
+from shared.stores.datasets import (
     DatasetCatalog,
     DatasetError,
     DatasetNotFound,

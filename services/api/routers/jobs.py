@@ -15,8 +15,8 @@ from services.api.errors import ApiError, Int, StrictBody, errors, int_in
 from services.api.job_queue import job_out, submit_job
 from services.api.run_refs import resolve_run
 from services.api.schemas import JobPublic, Page
-from shared.db.models import Checkpoint, Job, Run
-from shared.run_config import RunConfig
+from shared.contracts.db.models import Checkpoint, Job, Run
+from shared.contracts.run_config import RunConfig
 
 router = APIRouter(tags=["jobs"])
 

@@ -28,9 +28,9 @@ from services.api.schemas import (
     TrajectoryPublic,
     VersionReward,
 )
-from shared.bus import RedisError
-from shared.datasets import count_rows
-from shared.db.models import (
+from shared.clients.run_commands import ControllerUnavailable, RunRefused, run_command
+from shared.clients.run_commands import create_run as add_run
+from shared.contracts.db.models import (
     RUN_STATUSES,
     TERMINAL_RUN_STATUSES,
     Checkpoint,
@@ -39,11 +39,11 @@ from shared.db.models import (
     RunEvent,
     TrajectoryRow,
 )
-from shared.messages.control import Action
-from shared.run_config import RunConfig
-from shared.runs import ControllerUnavailable, RunRefused, run_command
-from shared.runs import create_run as add_run
-from shared.types import TerminationReason
+from shared.contracts.messages.control import Action
+from shared.contracts.run_config import RunConfig
+from shared.platform.bus import RedisError
+from shared.sdk.types import TerminationReason
+from shared.stores.datasets import count_rows
 
 # 400 on every route: a run reference (name, id prefix) that matches several runs (services/api/run_refs.py).
 router = APIRouter(prefix="/runs", tags=["runs"], responses=errors(400))
@@ -128,7 +128,7 @@ def show_run(run_id: RunId, request: Request, session: DB) -> dict:
 
 def _control(request: Request, session, run_id: uuid.UUID, action: Action, config) -> dict:
     """Ask the controller (a `RunCommand` on `run.commands`) and answer with what it did: the new status, 409
-    when the run is in no status the action starts from (shared/messages/control.py TRANSITIONS), 503 when no
+    when the run is in no status the action starts from (shared/contracts/messages/control.py TRANSITIONS), 503 when no
     controller answered (nothing changed). The controller then tells the trainer on `run.control`."""
     get_run(session, run_id)
     with commanding():

@@ -10,9 +10,9 @@ from sqlalchemy import func, select, text
 from sqlalchemy.exc import SQLAlchemyError
 
 from services.api.schemas import Health, Readiness
-from shared import streams
-from shared.bus import RedisError, stream_stats
-from shared.db.models import RUN_STATUSES, Run
+from shared.contracts import streams
+from shared.contracts.db.models import RUN_STATUSES, Run
+from shared.platform.bus import RedisError, stream_stats
 
 router = APIRouter(tags=["system"])
 STREAM_LENGTH = Gauge("stream_length", "XLEN of a stream", ["stream"])

@@ -13,7 +13,7 @@ from services.api.auth import hash_token, needs, new_token
 from services.api.deps import DB
 from services.api.errors import ApiError, StrictBody, errors
 from services.api.schemas import Page, TokenCreated, TokenPublic
-from shared.db.models import ApiToken
+from shared.contracts.db.models import ApiToken
 
 router = APIRouter(prefix="/tokens", tags=["tokens"])
 

@@ -11,7 +11,7 @@ from services.api.deps import DB
 from services.api.errors import ApiError, errors
 from services.api.routers.runs import trajectory_out
 from services.api.schemas import TrajectoryDetail
-from shared.db.models import EpisodeRow, StepRow, TokenArrayRow, TrajectoryRow
+from shared.contracts.db.models import EpisodeRow, StepRow, TokenArrayRow, TrajectoryRow
 
 router = APIRouter(prefix="/trajectories", tags=["trajectories"])
 

@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:
-    from shared.weights import BaseModelRef, WeightUpdate
+    from shared.weights.delta import WeightUpdate
+    from shared.weights.manifest import BaseModelRef
 
 
 class InferenceError(Exception):
@@ -132,7 +133,7 @@ class InferenceEngine(ABC):
 async def check_adapter_base(model_path: str | Path, run_id: str, version: int, base_model: BaseModelRef) -> None:
     """ChecksumError unless the adapter (run `run_id`'s `version`) was trained on the base at `model_path`: an
     adapter is applied to its own base only."""
-    from shared.weights import ChecksumError, base_model_digest
+    from shared.weights.manifest import ChecksumError, base_model_digest
 
     loaded = await asyncio.to_thread(base_model_digest, str(model_path))
     if base_model.sha256 != loaded:
@@ -150,7 +151,7 @@ def zero_adapter(like: Path, parent: Path | None = None) -> Path:
 
     from safetensors.torch import load_file, save_file
 
-    from shared.weights import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+    from shared.weights.manifest import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
     if parent is not None:
         parent.mkdir(parents=True, exist_ok=True)

@@ -18,12 +18,13 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from shared.weights import ChecksumError, read_safetensors
+from shared.weights.delta import read_safetensors
+from shared.weights.manifest import ChecksumError
 
 if TYPE_CHECKING:
     import torch
 
-    from shared.weights import WeightUpdate
+    from shared.weights.delta import WeightUpdate
 
 
 class ServedTensors:

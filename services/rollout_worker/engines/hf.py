@@ -34,11 +34,13 @@ from services.rollout_worker.engines.base import (
     SamplingParams,
     check_adapter_base,
 )
-from shared.logs import get_logger
-from shared.weights import ADAPTER_CONFIG, ADAPTER_WEIGHTS, read_safetensors
+from shared.platform.logs import get_logger
+from shared.weights.delta import read_safetensors
+from shared.weights.manifest import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
 if TYPE_CHECKING:
-    from shared.weights import BaseModelRef, WeightUpdate
+    from shared.weights.delta import WeightUpdate
+    from shared.weights.manifest import BaseModelRef
 
 log = get_logger(__name__)
 BATCH_SIZE = Histogram("hf_batch_size", "Requests per HF generate call", buckets=(1, 2, 4, 8, 16, 32, 64, 128))

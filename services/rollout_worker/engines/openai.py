@@ -7,7 +7,7 @@ every token is an InferenceError (never filled in). For vLLM, start the server w
 `--logprobs-mode processed_logprobs` so logprobs are of the sampling distribution, as every engine's are.
 
 Transient failures (connection errors, 408/429/5xx, timeouts of one request after `request_timeout_s`) are
-retried with backoff `max_retries` times (shared/retry.py), then raised as InferenceError.
+retried with backoff `max_retries` times (shared/platform/retry.py), then raised as InferenceError.
 
 Hot reload uses vLLM's routes on the server root (dev-mode ones need VLLM_SERVER_DEV_MODE=1): new requests wait at a gate, ours in flight finish on their version, then
 pause(wait) -> collective_rpc flywheel_reload (the server runs with `--worker-extension-cls
@@ -52,11 +52,12 @@ from services.rollout_worker.engines.base import (
 )
 from services.rollout_worker.engines.deltas import ServedTensors
 from services.rollout_worker.engines.vllm_worker import reload_failure
-from shared.logs import get_logger
-from shared.retry import RetryPolicy
+from shared.platform.logs import get_logger
+from shared.platform.retry import RetryPolicy
 
 if TYPE_CHECKING:
-    from shared.weights import BaseModelRef, WeightUpdate
+    from shared.weights.delta import WeightUpdate
+    from shared.weights.manifest import BaseModelRef
 
 log = get_logger(__name__)
 RETRYABLE_STATUS = {408, 429, 500, 502, 503, 504}

@@ -40,10 +40,11 @@ from services.rollout_worker.engines.base import (
 )
 from services.rollout_worker.engines.deltas import ServedTensors
 from services.rollout_worker.engines.vllm_worker import reload_failure
-from shared.logs import get_logger
+from shared.platform.logs import get_logger
 
 if TYPE_CHECKING:
-    from shared.weights import BaseModelRef, WeightUpdate
+    from shared.weights.delta import WeightUpdate
+    from shared.weights.manifest import BaseModelRef
 
 log = get_logger(__name__)
 WORKER_EXTENSION = "services.rollout_worker.engines.vllm_worker.FlywheelWorkerExtension"

@@ -11,7 +11,7 @@ import pytest
 from services.api.auth import Principal, hash_token, new_token
 from services.api.progress import planned_units, progress
 from services.api.routers.sql import FORBIDDEN, _cell
-from shared.datasets import (
+from shared.stores.datasets import (
     DatasetError,
     LoadedDataset,
     detect_format,

@@ -1,4 +1,4 @@
-"""The demo's task and its bar (bench/recall.py, bench/demo.py): the answer depends on the prompt, and the
+"""The demo's task and its bar (tests/support/recall.py, tests/support/demo.py): the answer depends on the prompt, and the
 judgement of a run rejects a policy that ignores it."""
 
 import time
@@ -6,8 +6,8 @@ from collections import Counter
 
 import pytest
 
-from bench.demo import BAR, LORA_BAR, judge, summarize, watch
-from bench.recall import ANSWERS, CHANCE, WORDS, RecallEnv, dataset_rows
+from tests.support.demo import BAR, LORA_BAR, judge, summarize, watch
+from tests.support.recall import ANSWERS, CHANCE, WORDS, RecallEnv, dataset_rows
 
 
 def test_every_question_is_asked_equally_and_the_best_constant_answer_scores_chance():
@@ -83,10 +83,10 @@ def test_the_readme_training_example_is_the_demo_run_on_the_builtin_recall_task(
     registered `recall` agent, env and generator."""
     import yaml
 
-    from bench.demo import ALGORITHM, LR, SAMPLES, STEPS, TASKS, demo_config
-    from shared.builtin.datasets import generate
-    from shared.registry import resolve
-    from shared.run_config import RunConfig
+    from services.jobs.builtin_datasets import generate
+    from shared.contracts.registry import resolve
+    from shared.contracts.run_config import RunConfig
+    from tests.support.demo import ALGORITHM, LR, SAMPLES, STEPS, TASKS, demo_config
 
     example = yaml.safe_load(open("examples/train_recall_grpo.yaml"))
     RunConfig.model_validate(example)

@@ -1,6 +1,6 @@
-"""The multi-turn demo's judgement (bench/demo_multiturn.py): a policy that learned only some turns fails it."""
+"""The multi-turn demo's judgement (tests/support/demo_multiturn.py): a policy that learned only some turns fails it."""
 
-from bench.demo_multiturn import BAR, TURNS, judge, summarize
+from tests.support.demo_multiturn import BAR, TURNS, judge, summarize
 
 
 def sql_rows(accuracy_by_turn: list[float], versions=range(12), num: int = 100):

@@ -5,9 +5,15 @@ import uuid
 
 import pytest
 
-from shared.builtin.agents import CodeAgent, FrozenLakeAgent, MathAgent, ToolAgent, parse_tool_calls
-from shared.builtin.datasets import generate
-from shared.registry import resolve
+from services.jobs.builtin_datasets import generate
+from services.rollout_worker.builtin.agents import (
+    CodeAgent,
+    FrozenLakeAgent,
+    MathAgent,
+    ToolAgent,
+    parse_tool_calls,
+)
+from shared.contracts.registry import resolve
 
 
 def build(name: str, task: dict, **args):
@@ -278,7 +284,7 @@ def play_digits(task: dict, policy) -> tuple[float, list[bool], list[str]]:
 
 
 def test_digits_env_rewards_at_the_end_and_its_words_follow_the_answers():
-    from shared.builtin.envs import NUMBER_WORDS
+    from services.env_worker.builtin.envs import NUMBER_WORDS
 
     task = generate("digits", 1, seed=1)[0]
     digit = lambda word: str(NUMBER_WORDS.index(word))  # noqa: E731
@@ -294,7 +300,7 @@ def test_digits_env_rewards_at_the_end_and_its_words_follow_the_answers():
 
 
 def test_digits_env_is_not_solved_by_ignoring_the_env_or_by_reading_only_the_first_word():
-    from shared.builtin.envs import NUMBER_WORDS
+    from services.env_worker.builtin.envs import NUMBER_WORDS
 
     rows = generate("digits", 200, seed=0)
     digit = lambda word: str(NUMBER_WORDS.index(word))  # noqa: E731
@@ -302,3 +308,10 @@ def test_digits_env_is_not_solved_by_ignoring_the_env_or_by_reading_only_the_fir
     assert constant == pytest.approx(0.1, abs=0.02)  # 1/10 per turn in expectation; the best of ten digits
     first_only = sum(play_digits(r, lambda t, w: digit(w[0]))[0] for r in rows) / len(rows)
     assert 0.3 < first_only < 0.5  # the first turn right, later ones by chance (an offset of 0)
+
+
+def test_the_registry_names_every_env_that_runs_model_code():
+    """The run config gives these envs a `sandbox` arg from the registry's list, without importing them."""
+    from shared.contracts.registry import ENVS, MODEL_CODE_ENVS, resolve
+
+    assert {name for name in ENVS if getattr(resolve("env", name), "runs_model_code", False)} == MODEL_CODE_ENVS

@@ -1,7 +1,13 @@
 import pytest
 
-from shared.builtin import rewards
-from shared.builtin.rewards import countdown_reward, last_boxed, math_reward, normalize_answer, search_reward
+from services.env_worker.builtin import rewards
+from services.env_worker.builtin.rewards import (
+    countdown_reward,
+    last_boxed,
+    math_reward,
+    normalize_answer,
+    search_reward,
+)
 
 
 def test_last_boxed_handles_nesting_and_takes_the_last():
@@ -67,7 +73,7 @@ def test_search_reward_exact_match_and_f1():
 
 
 def test_plain_numbers_are_compared_exactly_without_the_symbolic_grader():
-    from shared.builtin.rewards import math_reward
+    from services.env_worker.builtin.rewards import math_reward
 
     assert math_reward({"ground_truth": "2.5"}, "\\boxed{2.50}").metadata["match"] == "numeric"
     wrong = math_reward({"ground_truth": "-48"}, "so \\boxed{-47}")

@@ -8,8 +8,7 @@ import uuid
 
 import pytest
 
-from shared.builtin import sandbox_ns
-from shared.builtin.sandbox import (
+from services.env_worker.sandbox import (
     TRUNCATED,
     SandboxLimits,
     SandboxResult,
@@ -17,6 +16,7 @@ from shared.builtin.sandbox import (
     check_mode,
     run_python,
 )
+from services.env_worker.sandbox import ns as sandbox_ns
 
 LIMITS = SandboxLimits(wall_s=5, cpu_s=2, memory_bytes=512 << 20, output_bytes=4096)
 

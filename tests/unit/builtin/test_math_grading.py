@@ -1,14 +1,14 @@
 """Math grading: equivalent forms, percent, exact decimals, huge numbers and expensive expressions.
 
-The case table lives in bench/grading.py (which also times every case into bench/results/grading.json)."""
+The case table lives in tests/support/grading.py (which also times every case into bench/results/grading.json)."""
 
 import sys
 
 import pytest
 
-from bench.grading import CASES
-from shared.builtin import rewards
-from shared.builtin.rewards import GRADING_TIMEOUT_S, math_reward
+from services.env_worker.builtin import rewards
+from services.env_worker.builtin.rewards import GRADING_TIMEOUT_S, math_reward
+from tests.support.grading import CASES
 
 ADVERSARIAL = [c for c in CASES if c[4] == "rejected"]
 # Verdicts here must not depend on how loaded the machine is: a generous limit for the table, the real one
@@ -83,7 +83,7 @@ def test_decimals_become_exact_fractions():
 def test_grader_interrupts_itself_at_its_soft_limit_and_keeps_serving():
     """The child's own timer ends a slow check (deeply nested fractions, sent past the screen) with a timeout
     verdict before the parent's limit, and the same process keeps serving."""
-    from bench.grading import _nested_fractions
+    from tests.support.grading import _nested_fractions
 
     pool = rewards.GraderPool(size=1)
     grader = pool.idle.queue[0]

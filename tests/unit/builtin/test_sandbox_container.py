@@ -8,12 +8,12 @@ import uuid
 
 import pytest
 
-from harness.sandbox_escapes import ESCAPES, Target
+from services.env_worker.sandbox import SandboxLimits, run_python
+from services.env_worker.sandbox import container as sc
 from services.env_worker.sessions import SessionHost
-from shared.builtin import sandbox_container as sc
-from shared.builtin.sandbox import SandboxLimits, run_python
-from shared.messages import EnvRequest
-from shared.registry import resolve
+from shared.contracts.messages import EnvRequest
+from shared.contracts.registry import resolve
+from tests.support.sandbox_escapes import ESCAPES, Target
 
 IMAGE = os.environ.get("SANDBOX_IMAGE", "localhost/flywheel-sandbox-python:local")
 
@@ -68,10 +68,10 @@ def test_python_tool_runs_in_a_container():
 
 
 def test_worker_start_check_passes_with_an_engine():
-    from services.env_worker.config import EnvWorkerConfig
     from services.env_worker.main import check_sandbox
+    from services.env_worker.settings import EnvWorkerSettings
 
-    check_sandbox(EnvWorkerConfig(sandbox_modes="namespaces,container"))
+    check_sandbox(EnvWorkerSettings(sandbox_modes="namespaces,container"))
 
 
 def test_pool_hands_out_started_containers_fast_and_removes_them_after():
@@ -154,7 +154,7 @@ def test_a_killed_workers_containers_are_swept_and_a_live_ones_kept():
     import subprocess
     import sys
 
-    make = ("import sys, time\nfrom shared.builtin import sandbox_container as sc\n"
+    make = ("import sys, time\nfrom services.env_worker.sandbox import container as sc\n"
             f"c = sc._create(sc.client(), sc.ContainerSpec({IMAGE!r}))\nprint(c.name, flush=True)\ntime.sleep(600)\n")
     workers = [subprocess.Popen([sys.executable, "-c", make], stdout=subprocess.PIPE, text=True) for _ in range(2)]
     dead, names = workers[0], []

@@ -1,4 +1,4 @@
-"""The escape suite (harness/sandbox_escapes.py): every hostile program is contained by the namespaces mode,
+"""The escape suite (tests/support/sandbox_escapes.py): every hostile program is contained by the namespaces mode,
 also where /proc/sys is read-only (a container: no --disable-userns, the seccomp filter alone refuses nested
 user namespaces), and the tests show which of them get out of mode `none` (the audit-hook guard), so the suite
 can fail."""
@@ -12,8 +12,8 @@ import sys
 
 import pytest
 
-from harness.sandbox_escapes import ESCAPES, Target, proc_sys_read_only
-from shared.builtin import sandbox_ns
+from services.env_worker.sandbox import ns as sandbox_ns
+from tests.support.sandbox_escapes import ESCAPES, Target, proc_sys_read_only
 
 # Out of mode `none` whatever uid the worker has: its guard is a hook inside the program's own interpreter.
 LEGACY_ESCAPES = {
@@ -73,7 +73,7 @@ def test_without_the_sysctl_the_seccomp_filter_alone_refuses_new_namespaces(targ
 def test_where_proc_sys_is_read_only_the_sandbox_starts_and_contains_every_escape():
     """As in a container (the issue that made the compose env worker crash-loop): the start-up check picks the
     layout without the sysctl and without /proc, and the whole suite, run in there, gets nothing out."""
-    proc = subprocess.run(proc_sys_read_only([sys.executable, "-m", "harness.sandbox_escapes"]),
+    proc = subprocess.run(proc_sys_read_only([sys.executable, "-m", "tests.support.sandbox_escapes"]),
                           capture_output=True, text=True, timeout=600)
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["userns_sysctl"] is False and summary["proc"] is False, summary

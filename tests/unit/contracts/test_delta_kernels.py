@@ -1,4 +1,4 @@
-"""The compiled loops of weight deltas (shared/delta_kernels.py) against numpy's slow but obvious answer: every
+"""The compiled loops of weight deltas (shared/weights/kernels.py) against numpy's slow but obvious answer: every
 element width, sizes that do not fill a whole 8-byte word, sparse and dense changes, and malformed positions
 that must leave the tensor as it was."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from shared.delta_kernels import GAP_DTYPES, PatchError, changes, patch, unpatch
+from shared.weights.kernels import GAP_DTYPES, PatchError, changes, patch, unpatch
 
 
 def _reference(old: np.ndarray, new: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -100,7 +100,7 @@ def test_the_kernels_work_where_numba_has_nowhere_to_cache_them():
     code = ("import numba.core.caching as c\n"
             "(getattr(c, 'CacheImpl', None) or c._CacheImpl)._locator_classes = []  # no place to cache\n"
             "import numpy as np\n"
-            "from shared.delta_kernels import changes, patch\n"
+            "from shared.weights.kernels import changes, patch\n"
             "old = np.zeros(9, np.int16); new = old.copy(); new[[2, 8]] = 5\n"
             "gaps, vals = changes(old, new); patch(old, gaps, vals); assert (old == new).all(); print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -114,7 +114,7 @@ def test_the_diff_on_the_weights_device_encodes_what_the_host_kernel_does(dtype,
     over the integer views of the same bits; run here on CPU tensors, on a GPU by `make gpu-smoke`."""
     import torch
 
-    from shared.delta_kernels import changes_on_device
+    from shared.weights.kernels import changes_on_device
 
     g = torch.Generator().manual_seed(7)
     size = 70_001  # gaps past a uint8's range at the sparse share

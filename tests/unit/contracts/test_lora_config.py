@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from shared.run_config import RunConfig
+from shared.contracts.run_config import RunConfig
 
 BASE = {"name": "demo", "model": "/models/tiny", "dataset": "arith", "agent": {"name": "math"},
         "env": {"name": "math"}, "samples_per_task": 4}

@@ -7,7 +7,7 @@ import time
 import msgpack
 import pytest
 
-from shared.messages import (
+from shared.contracts.messages import (
     MESSAGE_TYPES,
     AcceptedResult,
     ConsumedGroup,
@@ -28,7 +28,7 @@ from shared.messages import (
     decode,
     encode,
 )
-from shared.types import Step, TerminationReason, TokenSequence, Trajectory
+from shared.sdk.types import Step, TerminationReason, TokenSequence, Trajectory
 
 NOW = time.time()
 SAMPLES = {

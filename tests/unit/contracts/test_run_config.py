@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from shared.run_config import RunConfig
-from shared.settings import ServiceSettings
+from shared.contracts.run_config import RunConfig
+from shared.platform.settings import ServiceSettings
 
 BASE = {
     "name": "demo", "model": "/models/tiny", "dataset": "arith",
@@ -31,14 +31,14 @@ def test_minimal_config_defaults():
 
 
 def test_user_import_path_that_resolves():
-    cfg = RunConfig.model_validate(_cfg(env={"name": "shared.agent:BaseEnv"}))
-    assert cfg.env.name == "shared.agent:BaseEnv"
+    cfg = RunConfig.model_validate(_cfg(env={"name": "shared.sdk.agent:BaseEnv"}))
+    assert cfg.env.name == "shared.sdk.agent:BaseEnv"
 
 
 @pytest.mark.parametrize("data, field, reason", [
     (_cfg(env={"name": "nosuchenv"}), "env", "unknown env 'nosuchenv'"),
     (_cfg(agent={"name": "my_pkg.nowhere:Agent"}), "agent", "cannot import module 'my_pkg.nowhere'"),
-    (_cfg(agent={"name": "shared.agent:Missing"}), "agent", "has no attribute 'Missing'"),
+    (_cfg(agent={"name": "shared.sdk.agent:Missing"}), "agent", "has no attribute 'Missing'"),
     (_cfg(algorithm={"adv_estimator": "ppo2"}), "algorithm.adv_estimator", "unknown advantage estimator"),
     (_cfg(algorithm={"policy_loss": "clipz"}), "algorithm.policy_loss", "unknown policy loss"),
     (_cfg(samples_per_task=0), "samples_per_task", "greater than or equal to 1"),

@@ -12,7 +12,7 @@ import json
 import os
 from pathlib import Path
 
-from shared.messages import MESSAGE_TYPES
+from shared.contracts.messages import MESSAGE_TYPES
 
 SNAPSHOT = Path(__file__).with_name("message_schemas.json")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 
-from shared.agent import Action, BaseAgent, Step, Trajectory
+from shared.sdk.agent import Action, BaseAgent, Step, Trajectory
 
 
 # --- verbatim from ../shared/seeds/000 (only the imports above differ) ------------------------------------

@@ -1,6 +1,6 @@
 """Start-up config logging masks secrets: URL passwords and token/password/secret/key fields."""
 
-from shared.settings import ServiceSettings, mask_url
+from shared.platform.settings import ServiceSettings, mask_url
 
 
 class WithSecrets(ServiceSettings):
@@ -29,7 +29,7 @@ def test_mask_url_leaves_urls_without_password_alone():
 def test_a_service_logs_its_config_once_at_start_masked(capsys):
     import logging
 
-    from shared.service import setup_service
+    from shared.platform.service import setup_service
 
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level

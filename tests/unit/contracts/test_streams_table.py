@@ -1,4 +1,4 @@
-"""The stream table in shared/streams.py names every stream the module defines, its key table every plain key
+"""The stream table in shared/contracts/streams.py names every stream the module defines, its key table every plain key
 the module builds, and docs/architecture.md carries the same tables (producer, consumer group, message type, when
 acknowledged; writer, reader, what)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import inspect
 from pathlib import Path
 
-from shared import streams
+from shared.contracts import streams
 
 REPO = Path(__file__).resolve().parents[3]
 

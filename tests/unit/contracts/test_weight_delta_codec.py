@@ -1,4 +1,4 @@
-"""Weight deltas (shared/weights.py): encode what changed, apply it to the base, and refuse any result that is
+"""Weight deltas (shared/weights/delta.py): encode what changed, apply it to the base, and refuse any result that is
 not bit for bit the version the manifest describes."""
 
 from __future__ import annotations
@@ -7,15 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from shared.weights import (
-    DELTA_FILE,
-    CheckpointManifest,
-    ChecksumError,
-    WeightUpdate,
-    delta_parts,
-    encode_delta,
-    tensor_entries,
-)
+from shared.weights.delta import WeightUpdate, delta_parts, encode_delta
+from shared.weights.manifest import DELTA_FILE, CheckpointManifest, ChecksumError, tensor_entries
 
 
 def _versions():

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from services.controller.ledger import LedgerRow, RunRow
 from services.controller.plan import Plan
-from services.controller.run import RunDriver
-from shared.run_config import RunConfig
+from services.controller.queries import LedgerRow, RunRow
+from services.controller.run_driver import RunDriver
+from shared.contracts.run_config import RunConfig
 
 
 def config(**kw) -> RunConfig:

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from services.controller.ledger import RunRow
-from services.controller.run import RunDriver
+from services.controller.queries import RunRow
+from services.controller.run_driver import RunDriver
 from services.controller.stall import Facts, stall_reason
-from shared.run_config import RunConfig
-from shared.workers import Heartbeat
+from shared.contracts.run_config import RunConfig
+from shared.platform.heartbeats import Heartbeat
 
 
 def driver(**kw) -> RunDriver:

@@ -3,7 +3,7 @@
 import time
 
 from services.env_worker.sessions import SessionHost
-from shared.messages import EnvRequest
+from shared.contracts.messages import EnvRequest
 
 
 def request(op: str, session: str = "s", env: str = "math", **kw) -> EnvRequest:

@@ -6,21 +6,21 @@ import sys
 
 import pytest
 
-from services.env_worker.config import EnvWorkerConfig
 from services.env_worker.main import check_sandbox
-from shared.builtin import sandbox_ns
+from services.env_worker.sandbox import ns as sandbox_ns
+from services.env_worker.settings import EnvWorkerSettings
 
 
 def test_default_mode_is_checked_and_available_here():
-    check_sandbox(EnvWorkerConfig())  # namespaces: bubblewrap really runs a probe sandbox
+    check_sandbox(EnvWorkerSettings())  # namespaces: bubblewrap really runs a probe sandbox
 
 
 def test_unknown_or_unavailable_mode_stops_the_worker_with_the_reason(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match="unknown sandbox mode 'gvisor'"):
-        check_sandbox(EnvWorkerConfig(sandbox_modes="namespaces,gvisor"))
+        check_sandbox(EnvWorkerSettings(sandbox_modes="namespaces,gvisor"))
     monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path}/no-engine.sock")
     with pytest.raises(SystemExit, match="'container' needs a Docker-compatible engine"):
-        check_sandbox(EnvWorkerConfig(sandbox_modes="container"))
+        check_sandbox(EnvWorkerSettings(sandbox_modes="container"))
 
 
 def test_a_worker_without_bubblewrap_exits_at_start_saying_so(tmp_path):
@@ -39,7 +39,7 @@ def test_a_host_that_refuses_the_sandbox_is_told_what_to_change_for_each_engine(
     sandbox_ns.layout.cache_clear()
     try:
         with pytest.raises(SystemExit) as stopped:
-            check_sandbox(EnvWorkerConfig())
+            check_sandbox(EnvWorkerSettings())
     finally:
         sandbox_ns.layout.cache_clear()
     message = str(stopped.value)
@@ -57,7 +57,7 @@ async def test_a_sandbox_the_worker_cannot_give_is_an_infra_failure_not_a_user_e
     import uuid
 
     from services.env_worker.sessions import SessionHost
-    from shared.messages import EnvRequest
+    from shared.contracts.messages import EnvRequest
 
     monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path}/no-engine.sock")
     host, sid = SessionHost("w-test", threads=1, max_sessions=4), uuid.uuid4().hex

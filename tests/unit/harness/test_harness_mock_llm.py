@@ -1,8 +1,8 @@
-"""harness/mock_llm.py speaks the completions protocol the openai engine uses (ids in, ids + logprobs out)."""
+"""tests/support/mock_llm.py speaks the completions protocol the openai engine uses (ids in, ids + logprobs out)."""
 
 import httpx
 
-from harness.mock_llm import MockLLM
+from tests.support.mock_llm import MockLLM
 
 
 async def post(app: MockLLM, body: dict) -> dict:

@@ -9,8 +9,8 @@ import importlib.util
 import tomllib
 from pathlib import Path
 
-from harness.servers import _redis_socket_path
-from harness.stack import SERVICES, Backoff, ConsoleFilter
+from infra.local.servers import _redis_socket_path
+from infra.local.stack import SERVICES, Backoff, ConsoleFilter
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -20,8 +20,8 @@ def test_service_table_matches_the_console_scripts():
     for name, spec in SERVICES.items():
         assert spec.args[0] == "-m"
         assert scripts[f"flywheel-{name}"] == f"{spec.args[1]}:main", f"{name}: stack and console script differ"
-    assert scripts["flywheel-stack"] == "harness.stack:main"
-    assert importlib.util.find_spec("harness.stack") is not None
+    assert scripts["flywheel-stack"] == "infra.local.stack:main"
+    assert importlib.util.find_spec("infra.local.stack") is not None
 
 
 def test_http_services_are_probed_on_their_own_port():

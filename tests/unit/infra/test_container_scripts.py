@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.ports import free_port
+from infra.local.ports import free_port
 
 
 class Handler(http.server.BaseHTTPRequestHandler):

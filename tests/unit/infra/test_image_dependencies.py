@@ -53,6 +53,8 @@ OPTIONAL = {
     ("infra/docker/trainer.Dockerfile", "math-verify"): "built-in rewards run in env/rollout workers",
     ("infra/docker/trainer.Dockerfile", "gymnasium"): "built-in envs run in env workers",
     ("infra/docker/trainer.Dockerfile", "rank-bm25"): "built-in search tool runs in env workers",
+    ("infra/docker/trainer.Dockerfile", "pyseccomp"): "the sandbox of model-written code runs in env workers",
+    ("infra/docker/trainer.Dockerfile", "docker"): "the sandbox's container mode runs in env workers",
 }
 
 
@@ -230,7 +232,7 @@ def test_the_check_finds_greenlet_missing_for_sqlalchemy_asyncio(monkeypatch):
 
 def test_the_check_finds_an_extra_the_image_lacks():
     """The trainer image has no `envs` extra: a service there importing the math grader would be caught."""
-    needed = needed_distributions("shared.builtin.rewards")
+    needed = needed_distributions("services.env_worker.builtin.rewards")
     assert "math-verify" in needed
     installed = requirement_closure(dockerfile_requirements("infra/docker/trainer.Dockerfile",
                                                             PYPROJECT["dependencies"]))

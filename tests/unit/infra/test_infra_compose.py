@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from harness.stack import SERVICES
+from infra.local.stack import SERVICES
 
 REPO = Path(__file__).resolve().parents[3]
 COMPOSE_TEXT = (REPO / "docker-compose.yml").read_text()

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from shared.registry import REGISTRIES
-from shared.run_config import RunConfig
+from shared.contracts.registry import REGISTRIES
+from shared.contracts.run_config import RunConfig
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[3] / "examples").glob("*.yaml"))
 

@@ -25,5 +25,5 @@ def test_every_shared_module_imports_without_torch():
     out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, f"a shared module failed to import:\n{out.stderr[-3000:]}"
     report = json.loads(out.stdout.strip().splitlines()[-1])
-    assert {"shared.bus", "shared.messages.codec", "shared.db.models"} <= set(report["modules"])
+    assert {"shared.platform.bus", "shared.contracts.messages.codec", "shared.contracts.db.models"} <= set(report["modules"])
     assert report["heavy"] == [], f"importing shared pulled in {report['heavy']}; import them inside functions"

@@ -14,7 +14,7 @@ import functools
 import pytest
 
 from infra.k8s import validate as k8s
-from shared import streams
+from shared.contracts import streams
 
 OVERLAYS = {p.name: p for p in k8s.OVERLAYS}
 SECRET_VARS = {"DATABASE_URL", "API_TOKEN", "POSTGRES_PASSWORD"}

@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from harness.tiny_model import CHAT_TEMPLATE, build_tokenizer
 from services.rollout_worker.assembly import ChatTokenizer, assemble
 from services.rollout_worker.chat_assembly import AgentCalls, BadRequest, ChatFormat, parse_tool_calls
 from services.rollout_worker.engines.base import Generation
+from tests.support.tiny_model import CHAT_TEMPLATE, build_tokenizer
 
 TOOLS = [{"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}]
 NATIVE_TEMPLATE = (

@@ -9,10 +9,10 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client import REGISTRY
 
-import services.rollout_worker.runs as runs
+import services.rollout_worker.run_engines as runs
 from services.rollout_worker.engines import InferenceError
-from shared.messages import WeightsPublished
-from shared.weights import CheckpointManifest, ChecksumError
+from shared.contracts.messages import WeightsPublished
+from shared.weights.manifest import CheckpointManifest, ChecksumError
 
 
 class Engine:

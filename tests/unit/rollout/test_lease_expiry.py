@@ -13,8 +13,8 @@ from prometheus_client import REGISTRY
 
 from services.rollout_worker.episodes import trajectory_budget
 from services.rollout_worker.worker import RolloutWorker
-from shared.bus import Delivery
-from shared.messages import EpisodeResult, RolloutTask
+from shared.contracts.messages import EpisodeResult, RolloutTask
+from shared.platform.bus import Delivery
 
 
 def task(lease_in_s: float | None, deadline_s: float = 100.0) -> RolloutTask:

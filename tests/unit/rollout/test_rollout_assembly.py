@@ -3,7 +3,7 @@
 import pytest
 
 from services.rollout_worker.assembly import ChatTokenizer, PromptBuilder, assemble
-from shared.types import Step
+from shared.sdk.types import Step
 
 
 def step(prompt, response, version=0):
@@ -41,7 +41,7 @@ def test_steps_without_tokens_are_ignored():
 
 @pytest.fixture(scope="module")
 def chat(tmp_path_factory):
-    from harness.tiny_model import build_tokenizer
+    from tests.support.tiny_model import build_tokenizer
 
     return ChatTokenizer(build_tokenizer())
 
@@ -100,7 +100,7 @@ def test_fast_encode_equals_the_tokenizers_own_encoding(chat):
 def test_step_without_logprobs_leaves_the_trajectory_without_any():
     """Unknown behaviour logprobs are reported as unknown (empty), never filled in with a guess."""
     from services.rollout_worker.assembly import assemble
-    from shared.types import Step
+    from shared.sdk.types import Step
 
     seq = assemble([Step(prompt_ids=[1, 2], response_ids=[3, 4], logprobs=[-0.1, -0.2], weight_version=0),
                     Step(prompt_ids=[1, 2, 3, 4, 5], response_ids=[6], weight_version=0)])

@@ -5,7 +5,7 @@ import pytest
 from aiohttp import web
 
 from services.rollout_worker.engines import InferenceError, SamplingParams, build_engine
-from shared.run_config import EngineConfig
+from shared.contracts.run_config import EngineConfig
 
 
 class FakeServer:

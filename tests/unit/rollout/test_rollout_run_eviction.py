@@ -7,7 +7,7 @@ import asyncio
 import time
 from pathlib import Path
 
-from services.rollout_worker.runs import RunContext, RunRegistry
+from services.rollout_worker.run_engines import RunContext, RunRegistry
 
 
 class Engine:

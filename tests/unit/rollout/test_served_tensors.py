@@ -10,7 +10,7 @@ from fixtures.weight_deltas import load_update, write_delta
 from safetensors.torch import load_file, save_file
 
 from services.rollout_worker.engines.deltas import ServedTensors
-from shared.weights import ChecksumError, tensor_entries
+from shared.weights.manifest import ChecksumError, tensor_entries
 
 BASE = {"l.0.attn.q_proj.weight": torch.zeros(2, 2), "l.0.attn.k_proj.weight": torch.ones(2, 2),
         "l.0.mlp.down_proj.weight": torch.full((2, 2), 2.0), "norm.weight": torch.ones(2)}

@@ -1,4 +1,4 @@
-"""shared/workers.py reads every service's heartbeat: a field the model types must not collide with a status
+"""shared/platform/heartbeats.py reads every service's heartbeat: a field the model types must not collide with a status
 entry some service writes in another shape (a rollout worker's `runs` is a count, a controller's a dict of
 dispatch states), or that service's processes would be skipped as unreadable, i.e. counted as dead."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from shared.workers import parse_heartbeats
+from shared.platform.heartbeats import parse_heartbeats
 
 BEATS = {
     "rollout-worker": {"service": "rollout-worker", "worker_id": "w", "port": 1, "engines": ["hf"],

@@ -1,4 +1,4 @@
-"""shared/retry.py: retries only the named errors, waits between attempts, gives up within its budget."""
+"""shared/platform/retry.py: retries only the named errors, waits between attempts, gives up within its budget."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from itertools import pairwise
 
 import pytest
 
-from shared.retry import RetryPolicy
+from shared.platform.retry import RetryPolicy
 
 
 class Flaky(Exception):

@@ -1,4 +1,4 @@
-"""shared.service.wait_for never loses a cancellation, where Python 3.11's asyncio.wait_for returns the result
+"""shared.platform.service.wait_for never loses a cancellation, where Python 3.11's asyncio.wait_for returns the result
 when the cancel lands as the awaited thing completes; services and shared/ use it, never asyncio's."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.service import wait_for
+from shared.platform.service import wait_for
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -56,10 +56,10 @@ async def test_times_out_and_returns_results():
 
 def test_services_and_shared_never_call_asyncio_wait_for():
     found = []
-    for folder in ("services", "shared", "harness"):
+    for folder in ("services", "shared", "infra"):
         for path in sorted((REPO / folder).rglob("*.py")):
             for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
                 if (isinstance(node, ast.Attribute) and node.attr == "wait_for" and isinstance(node.value, ast.Name)
                         and node.value.id == "asyncio"):
                     found.append(f"{path.relative_to(REPO)}:{node.lineno}")
-    assert found == [], f"{found} call asyncio.wait_for: use shared.service.wait_for (keeps the cancel on 3.11)"
+    assert found == [], f"{found} call asyncio.wait_for: use shared.platform.service.wait_for (keeps the cancel on 3.11)"

@@ -4,7 +4,7 @@ from itertools import combinations
 
 import pytest
 
-from shared.passk import pass_at_k, pass_at_k_table
+from shared.contracts.passk import pass_at_k, pass_at_k_table
 
 
 def brute_force(n: int, c: int, k: int) -> float:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import uuid
 
 from services.controller.store import TABLES, build_rows
-from shared.db.models import EpisodeRow, StepRow, TokenArrayRow, TrajectoryRow
-from shared.messages import EpisodeResult, TrajectoryRecord, TrajectoryStep
+from shared.contracts.db.models import EpisodeRow, StepRow, TokenArrayRow, TrajectoryRow
+from shared.contracts.messages import EpisodeResult, TrajectoryRecord, TrajectoryStep
 
 
 def test_tables_are_the_models_columns_the_store_writes():

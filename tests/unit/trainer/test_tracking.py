@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from harness.ports import free_port
-from services.trainer.config import TrainerSettings
+from infra.local.ports import free_port
+from services.trainer.settings import TrainerSettings
 from services.trainer.tracking import KINDS, RunTrackers, TensorBoardTracker, resolve
-from shared.run_config import RunConfig
+from shared.contracts.run_config import RunConfig
 
 METRICS = {1: {"reward_mean": 0.25, "pass_rate": 0.5, "loss": 1.5, "trajectories_per_s": 3.0, "staleness_0": 8.0},
            2: {"reward_mean": 0.75, "pass_rate": 1.0, "loss": 0.5, "trajectories_per_s": 4.0, "staleness_1": 8.0}}

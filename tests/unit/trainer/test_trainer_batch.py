@@ -17,8 +17,8 @@ from services.trainer.batch import (
     select_groups,
     staleness,
 )
-from shared.messages import EpisodeResult, TrajectoryRecord, decode, encode
-from shared.types import TerminationReason as TR
+from shared.contracts.messages import EpisodeResult, TrajectoryRecord, decode, encode
+from shared.sdk.types import TerminationReason as TR
 
 
 def result(task: str, sample: int, reward: float, *, versions=(0, 0), prompt=(5, 6, 7), response=(8, 9),
@@ -203,7 +203,7 @@ def test_groups_without_learning_signal_are_read_off_the_estimators_advantages(e
     does, and counting it signal-free there would warn a healthy run."""
     from services.trainer.algorithm import compute_advantages
     from services.trainer.learner import groups_without_signal
-    from shared.run_config import AlgorithmConfig
+    from shared.contracts.run_config import AlgorithmConfig
 
     algo = AlgorithmConfig(adv_estimator=estimator)
     groups = buffer_of([result("a", 0, 0.0), result("a", 1, 0.0), result("b", 0, 1.0), result("b", 1, 0.0)]

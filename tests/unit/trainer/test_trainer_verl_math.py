@@ -9,7 +9,7 @@ from verl.trainer.ppo import core_algos
 from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig
 
 from services.trainer.algorithm import actor_config, compute_advantages, rollout_correction, verl_algo_config
-from shared.run_config import AlgorithmConfig
+from shared.contracts.run_config import AlgorithmConfig
 
 
 def batch(seed=0, groups=3, n=4, length=5) -> dict:
@@ -118,7 +118,7 @@ def test_rollout_rs_names_are_verls_and_a_bad_one_is_refused_with_the_choices():
     from pydantic import ValidationError
     from verl.trainer.ppo.rollout_corr_helper import SUPPORTED_ROLLOUT_RS_OPTIONS
 
-    from shared.run_config import ROLLOUT_RS_OPTIONS
+    from shared.contracts.run_config import ROLLOUT_RS_OPTIONS
 
     assert set(ROLLOUT_RS_OPTIONS) == SUPPORTED_ROLLOUT_RS_OPTIONS
     with pytest.raises(ValidationError, match="unknown rollout_rs 'token_k9'.*token_k1"):

@@ -1,0 +1,46 @@
+"""API settings (environment variables; see ServiceSettings for REDIS_URL, DATABASE_URL, DATA_DIR, ...)."""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+
+from shared.platform.settings import ServiceSettings
+
+
+class ApiSettings(ServiceSettings):
+    service_name: str = "api"
+    api_host: str = Field("0.0.0.0", description="interface uvicorn binds")
+    api_port: int = Field(8000, ge=0, le=65535, description="HTTP port (API_PORT); 0 picks a free port")
+    api_token: str | None = Field(
+        None, description="API_TOKEN: one bearer token with every scope (local/dev); others live in api_tokens"
+    )
+    sql_timeout_s: float = Field(30.0, gt=0, le=600, description="statement timeout of POST /v1/sql, seconds")
+    sql_database_url: str | None = Field(
+        None, description="SQL_DATABASE_URL: a LOGIN role that is a member of flywheel_reader, used for POST /v1/sql"
+        " (safest for untrusted users); unset: DATABASE_URL's user switches to flywheel_reader (SET ROLE)",
+    )
+    sql_max_rows: int = Field(10_000, ge=1, description="rows returned by POST /v1/sql at most")
+    max_upload_mb: int = Field(200, ge=1, description="largest dataset upload, MiB")
+    check_model_paths: bool = Field(
+        True, description="CHECK_MODEL_PATHS: refuse runs whose local model folder does not exist here (relative "
+        "paths resolve against the API's working directory); false when the API does not see the workers' files")
+    run_command_wait_s: float = Field(
+        10.0, gt=0, le=120, description="how long POST /v1/runs and a pause, resume or stop wait for the "
+        "controller to apply them before answering 503 (nothing changed), seconds")
+    job_request_wait_s: float = Field(
+        10.0, gt=0, le=120, description="how long a route that queues a job waits for the jobs service to store it "
+        "before answering 503 (nothing queued), seconds")
+    dataset_job_wait_s: float = Field(
+        30.0, ge=0, le=600, description="how long an upload (POST /v1/datasets) or a DELETE waits for its job "
+        "(the jobs service stores datasets) before answering 202 with the job to follow, seconds; 0: at once")
+    page_limit_max: int = Field(1000, ge=1, description="largest `limit` a list route accepts")
+    gateway_token: str | None = Field(
+        None, description="GATEWAY_TOKEN: the rollout workers' token for claiming agent sessions, sent when "
+        "POST /v1/runs/{id}/sessions forwards a claim to them (unset when they need none)")
+
+    @model_validator(mode="after")
+    def _token(self) -> ApiSettings:
+        if self.api_token is not None and len(self.api_token) < 8:
+            raise ValueError("API_TOKEN must be at least 8 characters (or unset it and create tokens with the CLI)")
+        self.health_host, self.health_port = self.api_host, self.api_port  # one HTTP server: the API serves /healthz
+        return self

@@ -1,0 +1,60 @@
+"""The controller: one process drives many runs; each run is driven by whichever controller holds its
+controller lease (shared/platform/leases.py). It is the one writer of `runs` and `run_events`. Seven loops, one module
+each:
+
+- dispatch (dispatch.py): run leases, the run drivers (run.py), status changes (lifecycle.py), dispatch into
+  the staleness window, lease expiry, why a run stalls (stall.py). The only loop that changes the drivers'
+  dispatch state; the others hand it what they learn and wake it.
+- store (ingest.py): `trajectories` -> TrajectoryStore (store.py, the one place that decides acceptance) ->
+  `results.accepted` for the trainer.
+- progress (progress.py): `trainer.progress` -> the runs' policy version and the groups the trainer consumed.
+- reconcile (reconcile.py): dead-lettered rollout tasks -> failed attempts; after Redis lost its data, a
+  replay of `results.accepted` from Postgres.
+- commands (command_loop.py): `run.commands` -> a run created, paused, resumed or stopped, answered to the sender
+  (the API, an eval job), and each change announced on `run.control`.
+- control (control_loop.py): `run.control` -> a user's pause, resume or stop applied to the run's driver at once.
+- trim (trim.py): acknowledged entries of the streams the controller reads or writes.
+
+Its Postgres reads and writes are in queries.py (runs, leases, the dispatched-task ledger) and store.py (the
+trajectories).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from sqlalchemy import Engine
+
+from services.controller import queries
+from services.controller.command_loop import CommandLoop
+from services.controller.control_loop import ControlLoop
+from services.controller.dispatch import DispatchLoop
+from services.controller.ingest import IngestLoop
+from services.controller.progress import ProgressLoop
+from services.controller.reconcile import ReconcileLoop
+from services.controller.run_driver import RunDriver
+from services.controller.settings import ControllerSettings
+from services.controller.trim import trim_loop
+from shared.platform.bus import StreamBus
+
+
+class Controller:
+    def __init__(self, cfg: ControllerSettings, worker_id: str, db: Engine, bus: StreamBus):
+        self.cfg, self.worker_id, self.db, self.bus = cfg, worker_id, db, bus
+        self.drivers: dict[str, RunDriver] = {}  # the runs this controller holds the lease of, by id
+        self.wake = asyncio.Event()  # results stored or progress reported: dispatch again now
+        self.status: dict = {}  # reported by /healthz and the heartbeat (the runs driven)
+        self.dispatch = DispatchLoop(cfg, worker_id, db, bus, self.drivers, self.wake, self.status)
+        self.ingest = IngestLoop(cfg, worker_id, db, bus, self.drivers, self.wake)
+        self.progress = ProgressLoop(cfg, worker_id, db, bus, self.drivers, self.wake)
+        self.reconcile = ReconcileLoop(cfg, worker_id, db, bus)
+        self.commands = CommandLoop(cfg, worker_id, db, bus, self.wake)
+        self.control = ControlLoop(cfg, worker_id, bus, self.drivers, self.wake)
+
+    def loops(self, stop: asyncio.Event) -> list:
+        return [self.dispatch.run(stop), self.ingest.run(stop), self.progress.run(stop), self.reconcile.run(stop),
+                self.commands.run(stop), self.control.run(stop), trim_loop(self.bus, self.cfg.trim_interval_s, stop)]
+
+    async def close(self) -> None:
+        """Release the run leases: another controller takes the runs over at once instead of at expiry."""
+        await asyncio.to_thread(queries.release_runs, self.db, self.worker_id)

@@ -1,0 +1,1 @@
+"""Built-in agents and workflows (registered by name in shared.contracts.registry)."""

@@ -1,2 +1,0 @@
-"""Built-in agents, environments, rewards, tools, workflows and dataset generators (registered by name in
-shared.registry). Importing this package imports nothing heavy; each module pulls in its own libraries."""

@@ -1,0 +1,77 @@
+"""Run control as messages. Two streams:
+
+- `run.commands` (API, eval jobs -> controller): `RunCommand`, a request to create, pause, resume or stop a
+  run. The controller is the one writer of `runs` and `run_events`: it applies the command in one transaction
+  (create: the row and its `created` event; the others: a compare-and-set of the status along `TRANSITIONS`
+  and a `status_changed` event carrying the command's id), then answers on the command's reply stream with a
+  `RunCommandReply` and acknowledges it. Applying is idempotent by `command_id`, so a command delivered twice
+  (its controller died before the ack) is applied once and answered the same way. A command read after its
+  `expires_at` is answered `expired` and not applied: its sender has stopped waiting and told its caller that
+  nothing changed (shared/clients/run_commands.py).
+- `run.control` (controller -> controller and trainer): `RunControl`, published once a pause, resume or stop
+  has been applied. The controller (group "controller") and the trainer (group "train") apply it to the run
+  they drive or train as soon as they read it, and acknowledge it then. One that does not drive or train the
+  run acknowledges it untouched: with several controllers (or trainers) in a group, the one holding the run then
+  reads the status at its next poll of the runs it leases, which is also how a command lost with Redis's data
+  still takes effect.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from shared.contracts.messages.codec import Message
+
+Action = Literal["pause", "resume", "stop"]
+CommandAction = Literal["create", "pause", "resume", "stop"]
+Outcome = Literal["applied", "refused", "not_found", "expired"]
+
+# action -> (statuses it is allowed from, status it sets)
+TRANSITIONS: dict[str, tuple[tuple[str, ...], str]] = {
+    "pause": (("running",), "paused"),
+    "resume": (("paused",), "running"),
+    "stop": (("pending", "running", "paused"), "stopping"),
+}
+
+
+class RunCommand(Message):
+    TYPE = "run_command"
+    SCHEMA_VERSION = 1
+
+    command_id: str
+    run_id: str  # create: the id the new run gets (chosen by the sender, so a redelivery cannot make two)
+    action: CommandAction
+    config: dict[str, Any] | None = None  # create: the checked RunConfig, its dataset version pinned
+    rows: int | None = None  # create: the dataset's row count when it was checked
+    created_by: str | None = None  # create: who asked ("job <id>"), for the `created` event
+    sent_at: float  # unix seconds, the sender's clock
+    expires_at: float  # unix seconds: not applied when read later (the sender gave up at this time)
+
+
+class RunCommandReply(Message):
+    TYPE = "run_command_reply"
+    SCHEMA_VERSION = 1
+
+    command_id: str
+    outcome: Outcome  # applied; refused (the run's status allows no such action); not_found; expired
+    status: str | None = None  # the run's status after the command (None: no such run)
+    message: str = ""
+
+
+class RunControl(Message):
+    TYPE = "run_control"
+    SCHEMA_VERSION = 1
+
+    run_id: str
+    action: Action
+    sent_at: float = 0.0  # unix seconds, the controller's clock once the change committed
+
+    @property
+    def status(self) -> str:
+        """The status the action sets."""
+        return TRANSITIONS[self.action][1]
+
+    def applies_to(self, status: str) -> bool:
+        """Whether a run in `status` is one this action starts from (a command read late, after the run moved on
+        through another, is not applied)."""
+        return status in TRANSITIONS[self.action][0]

@@ -1,0 +1,62 @@
+"""Streams between the store, the trainer and the controller (see shared/contracts/streams.py for the whole table).
+
+`results.accepted` (controller -> trainer): the only input the trainer trains on. The store publishes one
+`AcceptedResult` per completed result it accepted (after its transaction committed, before the `trajectories`
+entry is acknowledged), and the controller one with `result=None` per slot that ran out of attempts, so the
+trainer knows that slot's group can never complete. At-least-once: a result may be published again (a
+re-delivered `trajectories` entry of a stored attempt); the trainer takes one result per (run, task, sample).
+
+`trainer.progress` (trainer -> controller): what the controller needs from the trainer, instead of reading its
+tables: the policy version it reached and the groups it consumed (used by a step, or dropped with a reason), or
+why it cannot train a run at all (`error`: the controller records it in the run's history and its stall reason).
+Idempotent and cumulative on the controller's side (greatest version, one row per group, one event per error),
+so the trainer re-sends it freely, e.g. everything it recorded when it opens a run.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from shared.contracts.messages.codec import Message
+from shared.contracts.messages.trajectory import EpisodeResult
+
+
+class AcceptedResult(Message):
+    TYPE = "accepted_result"
+    SCHEMA_VERSION = 1
+
+    run_id: str
+    task_id: str
+    sample_idx: int = Field(ge=0)
+    attempt: int = Field(ge=0)
+    batch_idx: int = Field(ge=0, description="training batch of the slot: with task_id, its group")
+    greedy: bool = False
+    result: EpisodeResult | None = Field(
+        None, description="the stored completed result; None: the slot is out of attempts (final failure)")
+
+    @classmethod
+    def stored(cls, result: EpisodeResult) -> AcceptedResult:
+        return cls(run_id=result.run_id, task_id=result.task_id, sample_idx=result.sample_idx,
+                   attempt=result.attempt, batch_idx=result.batch_idx, greedy=result.greedy, result=result)
+
+
+class ConsumedGroup(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    task_id: str
+    batch_idx: int = Field(ge=0)
+    status: str = Field(description="used (by the step that made `version`), or why it was dropped: stale, "
+                        "filtered, incomplete, excluded")
+
+
+class TrainerProgress(Message):
+    TYPE = "trainer_progress"
+    SCHEMA_VERSION = 1
+
+    run_id: str
+    version: int = Field(ge=0, description="the trainer's policy version (steps committed) for this run; 0 with "
+                         "`error`")
+    groups: list[ConsumedGroup] = Field(default_factory=list)
+    error: str | None = Field(
+        None, description="the trainer cannot train this run (its model or checkpoint will not load): why; it "
+        "lets the run's lease go and does not try it again until it restarts")

@@ -1,0 +1,121 @@
+"""Stream `trajectories`: rollout workers -> the trajectory store (group "store"), which passes what it accepts on
+to the trainer (`results.accepted`, see shared/contracts/messages/training.py).
+
+One `EpisodeResult` per (run, task, sample, attempt). `status="failed"` is an infrastructure failure (lost env
+session, inference down after retries): recorded, re-dispatched by the controller as a new attempt, never
+trained on. A user env raising is `completed` with termination reason `error` (stored, masked from the loss).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from shared.contracts.messages.codec import Logprobs, Message, TokenIds
+from shared.sdk.types import Step, TerminationReason, TokenSequence, Trajectory
+
+
+class TrajectoryStep(BaseModel):
+    """One step (one model call and what the env answered) of a trajectory on the wire."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    prompt_ids: TokenIds = Field(default_factory=list)
+    response_ids: TokenIds = Field(default_factory=list)
+    logprobs: Logprobs = Field(default_factory=list)
+    chat_completions: list[dict[str, Any]] = Field(default_factory=list)
+    observation: Any = None
+    thought: str = ""
+    action: Any = None
+    model_response: str = ""
+    info: dict[str, Any] = Field(default_factory=dict)
+    reward: float = 0.0
+    done: bool = False
+    mc_return: float = 0.0
+    weight_version: int | None = None
+    gen_ms: float = 0.0
+    env_ms: float = 0.0
+
+    @classmethod
+    def from_step(cls, step: Step, **timing: float) -> TrajectoryStep:
+        action = step.action.action if hasattr(step.action, "action") else step.action
+        return cls(
+            prompt_ids=step.prompt_ids, response_ids=step.response_ids, logprobs=step.logprobs,
+            chat_completions=step.chat_completions, observation=step.observation, thought=step.thought,
+            action=action, model_response=step.model_response, info=step.info, reward=step.reward,
+            done=step.done, mc_return=step.mc_return, weight_version=step.weight_version,
+            **({"gen_ms": step.gen_ms, "env_ms": step.env_ms} | timing),
+        )
+
+
+class TrajectoryRecord(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    uid: str
+    name: str = "agent"
+    reward: float = 0.0
+    termination_reason: TerminationReason = TerminationReason.UNKNOWN
+    info: dict[str, Any] = Field(default_factory=dict)
+    steps: list[TrajectoryStep] = Field(default_factory=list)
+    # Assembled multi-turn token stream (see shared.sdk.types.TokenSequence).
+    prompt_ids: TokenIds = Field(default_factory=list)
+    response_ids: TokenIds = Field(default_factory=list)
+    loss_mask: TokenIds = Field(default_factory=list)
+    logprobs: Logprobs = Field(default_factory=list)
+    versions: TokenIds = Field(default_factory=list)
+    mismatch: bool = False
+
+    @classmethod
+    def from_trajectory(cls, traj: Trajectory) -> TrajectoryRecord:
+        tokens = traj.tokens or TokenSequence()
+        return cls(
+            uid=traj.uid, name=traj.name,
+            reward=float(traj.reward if traj.reward is not None else sum(s.reward for s in traj.steps)),
+            termination_reason=traj.termination_reason or TerminationReason.UNKNOWN, info=traj.info,
+            steps=[TrajectoryStep.from_step(s) for s in traj.steps],
+            prompt_ids=tokens.prompt_ids, response_ids=tokens.response_ids, loss_mask=tokens.loss_mask,
+            logprobs=tokens.logprobs, versions=tokens.versions, mismatch=tokens.mismatch,
+        )
+
+    @property
+    def policy_versions(self) -> tuple[int | None, int | None]:
+        v = [s.weight_version for s in self.steps if s.weight_version is not None]
+        return (min(v), max(v)) if v else (None, None)
+
+
+class EpisodeResult(Message):
+    TYPE = "episode_result"
+    SCHEMA_VERSION = 1
+
+    run_id: str
+    task_id: str
+    sample_idx: int = Field(ge=0)
+    attempt: int = Field(0, ge=0)
+    # completed: a scored result; error: the user's code (env, reward fn, agent, workflow, agent program) raised,
+    # returned the wrong type or hung, `error` says where and why (never trained on, never scored, not retried);
+    # failed: infrastructure failed (re-dispatched while attempts remain).
+    status: Literal["completed", "error", "failed"]
+    termination_reason: TerminationReason
+    is_correct: bool = False
+    reward: float = 0.0
+    task: dict[str, Any] = Field(default_factory=dict)
+    trajectories: list[TrajectoryRecord] = Field(default_factory=list)
+    metrics: dict[str, Any] = Field(default_factory=dict)
+    info: dict[str, Any] = Field(default_factory=dict)
+    error: str | None = None
+    worker_id: str = ""
+    batch_idx: int = 0
+    greedy: bool = False
+    started_at: float = 0.0
+    finished_at: float = 0.0
+
+    @property
+    def key(self) -> tuple[str, str, int, int]:
+        return (self.run_id, self.task_id, self.sample_idx, self.attempt)
+
+    @property
+    def policy_versions(self) -> tuple[int | None, int | None]:
+        lo = [t.policy_versions[0] for t in self.trajectories if t.policy_versions[0] is not None]
+        hi = [t.policy_versions[1] for t in self.trajectories if t.policy_versions[1] is not None]
+        return (min(lo) if lo else None, max(hi) if hi else None)

@@ -1,1 +1,0 @@
-"""Postgres: models (the schema) and engine/session factories."""
