@@ -112,15 +112,15 @@ def served_routes() -> set[tuple[str, str]]:
     from fastapi import FastAPI
 
     from services.api.app import create_app
-    from services.api.settings import ApiConfig
+    from services.api.settings import ApiSettings
     from services.rollout_worker.gateway import Gateway
-    from services.weight_server.app import build_router
     from services.rollout_worker.weight_relay import relay_router
+    from services.weight_server.app import build_router
 
     app = FastAPI()
     app.include_router(build_router(store=None))  # the store is used per request only
     app.include_router(relay_router(relay=None))
-    routes = {(m.upper(), path) for a in (create_app(ApiConfig()), app) for path, ops in a.openapi()["paths"].items()
+    routes = {(m.upper(), path) for a in (create_app(ApiSettings()), app) for path, ops in a.openapi()["paths"].items()
               for m in ops}
     gateway = Gateway().app.router.routes()
     return routes | {(r.method, r.resource.canonical.removeprefix("/s/{key}")) for r in gateway}
@@ -160,8 +160,8 @@ def settings_names() -> set[str]:
     from shared.platform.settings import ServiceSettings
 
     for service in pkgutil.iter_modules([str(REPO / "services")]):
-        if (REPO / "services" / service.name / "config.py").exists():
-            importlib.import_module(f"services.{service.name}.config")
+        if (REPO / "services" / service.name / "settings.py").exists():
+            importlib.import_module(f"services.{service.name}.settings")
     classes, todo = set(), [ServiceSettings]
     while todo:
         cls = todo.pop()
