@@ -19,7 +19,7 @@ controller on `trainer.progress`; nothing crosses services through another servi
 | `run.commands.reply.<command id>` | controller | the command's sender (no group, waits with XREAD; expires after a minute) | `RunCommandReply` | never (the key expires) |
 | `jobs.requests` | API (`POST /v1/datasets`, `/v1/datasets/import`, `DELETE /v1/datasets/...`, `/v1/evals`, `/v1/jobs/gc`, `/v1/runs/{id}/export`) | jobs service's intake (`jobs`) | `JobRequest` | the job's `queued` row is stored and its Celery task sent (or the request expired), and the `JobRequestReply` is on the request's answer stream |
 | `jobs.requests.reply.<job id>` | jobs service | the request's sender (no group, waits with XREAD; expires after a minute) | `JobRequestReply` | never (the key expires) |
-| `run.control` | controller, after a pause / resume / stop changed `runs.status` | controller (`controller`), trainer (`train`) | `RunControl` | applied to the run it drives / trains; one that does not hold the run acknowledges it untouched (the holder reads the status at its next poll of the runs it leases) |
+| `run.control` | controller, after a pause / resume / stop changed `runs.status` | every controller (no group, own cursor), trainer (`train`) | `RunControl` | controllers: never (read by cursor; the one driving the run applies it, ordered by `status_version`); trainer: applied to the run it trains, or acknowledged untouched by one that does not hold it (the holder reads the status at its next poll) |
 
 Plain keys (no stream):
 

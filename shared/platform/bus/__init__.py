@@ -53,6 +53,7 @@ from shared.platform.bus.connect import (
     data_lost,
     dead_letter_entry,
     decode_or_skip,
+    redis_time,
     surviving_data_loss,
 )
 from shared.platform.bus.consumer import DeadLetterHook, Handler, StreamConsumer
@@ -64,6 +65,6 @@ __all__ = [
     "ANSWER_GRACE_S", "ANSWER_TTL_S", "DEFAULT_MAXLEN", "REDIS_DOWN", "REPLY_RETRY", "BroadcastReader", "CommandBatcher",
     "DataLoss", "DeadLetterHook", "Delivery", "GroupStats", "Handler", "Redis", "RedisError", "RequestClient",
     "RequestServer", "StreamBus", "StreamConsumer", "StreamStats", "SyncRedis", "announce", "ask", "await_answer",
-    "connect", "connect_sync", "data_lost", "dead_letter_entry", "decode_or_skip", "stream_stats",
+    "connect", "connect_sync", "data_lost", "dead_letter_entry", "decode_or_skip", "redis_time", "stream_stats",
     "surviving_data_loss",
 ]
