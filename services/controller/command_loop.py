@@ -6,9 +6,9 @@
 - the `RunCommandReply` goes on the command's reply stream, which expires after a minute (`StreamBus.answer`);
 - the dispatch loop is woken (a new run is leased at its next poll; a stopped one takes back its tasks).
 
-A command read after its `expires_at` is answered `expired` and not applied: its sender has already told its
-caller that nothing changed. The controller's clock judges it against the sender's, so a skew between hosts
-shortens or lengthens the wait by that much.
+A command read more than `expires_at - sent_at` seconds (the sender's wait) after it entered the stream is
+answered `expired` and not applied: its sender has already told its caller that nothing changed. The age is
+read on Redis's clock (`Delivery.age_s`), so hosts whose clocks disagree wait exactly what was asked.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from services.controller import queries
 from services.controller.settings import ControllerSettings
 from shared.contracts.messages import RunCommand, RunControl
 from shared.contracts.streams import GROUP_CONTROLLER, RUN_COMMANDS, RUN_CONTROL, command_reply
-from shared.platform.bus import Delivery, StreamBus, StreamConsumer
+from shared.platform.bus import Delivery, StreamBus, StreamConsumer, redis_time
 from shared.platform.logs import get_logger
 
 log = get_logger(__name__)
@@ -36,12 +36,15 @@ class CommandLoop:
         await self.consumer.run(self.apply, stop)
 
     async def apply(self, deliveries: list[Delivery]) -> None:
+        now = await redis_time(self.bus.redis)
         for d in deliveries:
             cmd: RunCommand = d.message
-            reply = await asyncio.to_thread(queries.apply_command, self.db, cmd, time.time() > cmd.expires_at)
+            expired = d.age_s(now) > cmd.expires_at - cmd.sent_at
+            reply = await asyncio.to_thread(queries.apply_command, self.db, cmd, expired)
             log.info("%s: %s (%s)", cmd.action, reply.outcome, reply.status, extra={"run_id": cmd.run_id})
-            if reply.outcome == "applied" and cmd.action != "create":
+            if reply.status_version is not None and cmd.action != "create":  # applied now, not a redelivery
                 await self.bus.publish(RUN_CONTROL, RunControl(run_id=cmd.run_id, action=cmd.action,
-                                                               sent_at=time.time()))
+                                                               sent_at=time.time(),
+                                                               status_version=reply.status_version))
             await self.bus.answer(command_reply(cmd.command_id), reply)
             self.wake.set()

@@ -1,12 +1,14 @@
-"""The control loop: group "controller" on `run.control` -> a user's pause, resume or stop applied to the run's
-driver at once (command_loop.py already changed `runs.status`; shared/contracts/messages/control.py), then the dispatch loop is
-woken to act on it: a paused run dispatches nothing more, a stopping one takes back its queued tasks. Without
-it the dispatch loop would learn of the change at its next poll of the runs table, which remains the fallback
-(a command lost with Redis's data, one for a run another controller drives).
+"""The control loop: every controller reads `run.control` as a broadcast (its own cursor, no group) -> a
+user's pause, resume or stop applied at once by the controller driving the run (command_loop.py, in whichever
+controller read the command, already changed `runs.status`; shared/contracts/messages/control.py), then the
+dispatch loop is woken: a paused run dispatches nothing more, a stopping one takes back its queued tasks. The
+next poll of the runs table remains the fallback (a message missed while the controller was down or lost with
+Redis's data).
 
-A command is applied only when it is newer than the driver's last read of the runs table (`status_read_at`,
-against the `sent_at` of the controller that applied it) and the driver's status is one it starts from: one
-read late, after that read or a later command, would otherwise undo a newer status until the next poll.
+A message is applied only when its `status_version` (runs.status_version its change committed) is above the
+driver's (the last it read from the runs table or applied) and the driver's status is one it starts from: one
+read late would otherwise undo a newer status until the next poll. A sequence, not clocks: controllers whose
+clocks disagree still order pause and stop right.
 """
 
 from __future__ import annotations
@@ -14,31 +16,29 @@ from __future__ import annotations
 import asyncio
 
 from services.controller.run_driver import RunDriver
-from services.controller.settings import ControllerSettings
 from shared.contracts.messages import RunControl
-from shared.contracts.streams import GROUP_CONTROLLER, RUN_CONTROL
-from shared.platform.bus import Delivery, StreamBus, StreamConsumer
+from shared.contracts.streams import RUN_CONTROL
+from shared.platform.bus import BroadcastReader, StreamBus
 from shared.platform.logs import get_logger
 
 log = get_logger(__name__)
 
 
 class ControlLoop:
-    def __init__(self, cfg: ControllerSettings, worker_id: str, bus: StreamBus, drivers: dict[str, RunDriver],
-                 wake: asyncio.Event):
+    def __init__(self, bus: StreamBus, drivers: dict[str, RunDriver], wake: asyncio.Event):
         self.drivers, self.wake = drivers, wake
-        self.consumer = StreamConsumer(bus, RUN_CONTROL, GROUP_CONTROLLER, worker_id, expect=RunControl,
-                                       claim_idle_ms=cfg.store_claim_idle_ms)
+        self.reader = BroadcastReader(bus.redis, RUN_CONTROL, RunControl)
 
     async def run(self, stop: asyncio.Event) -> None:
-        await self.consumer.run(self.apply, stop)
+        await self.reader.start()
+        while not stop.is_set():
+            self.apply(await self.reader.read())
 
-    async def apply(self, deliveries: list[Delivery]) -> None:
-        for d in deliveries:
-            cmd: RunControl = d.message
+    def apply(self, messages: list[RunControl]) -> None:
+        for cmd in messages:
             driver = self.drivers.get(cmd.run_id)
-            if driver is None or cmd.sent_at <= driver.status_read_at or not cmd.applies_to(driver.status):
+            if driver is None or cmd.status_version <= driver.status_version or not cmd.applies_to(driver.status):
                 continue  # not ours, or already known from the runs table
             log.info("%s: %s -> %s", cmd.action, driver.status, cmd.status, extra={"run_id": cmd.run_id})
-            driver.status = cmd.status
+            driver.status, driver.status_version = cmd.status, cmd.status_version
             self.wake.set()

@@ -82,7 +82,6 @@ class DispatchLoop:
     # -- runs: leases, drivers -------------------------------------------------------------------------------
     async def poll_runs(self) -> None:
         """Renew/take leases; runs no longer returned (lease lost, finished elsewhere) are dropped."""
-        read_at = time.time()  # before the read: a status committed earlier is in it (control_loop.py)
         rows = await asyncio.to_thread(queries.lease_runs, self.db, self.worker_id, self.cfg.run_lease_s,
                                        self.cfg.max_runs)
         seen = set()
@@ -94,9 +93,9 @@ class DispatchLoop:
             else:
                 if row.policy_version != driver.policy_version:
                     driver.last_progress = time.monotonic()
-                driver.status, driver.policy_version = row.status, row.policy_version
-            if row.id in self.drivers:
-                self.drivers[row.id].status_read_at = read_at
+                if row.status_version >= driver.status_version:  # a newer run.control already applied stays
+                    driver.status, driver.status_version = row.status, row.status_version
+                driver.policy_version = row.policy_version
         for run_id in set(self.drivers) - seen:
             self.drop(run_id)
         train = [d for d in self.drivers.values() if not d.plan.is_eval]

@@ -49,7 +49,7 @@ class Controller:
         self.progress = ProgressLoop(cfg, worker_id, db, bus, self.drivers, self.wake)
         self.reconcile = ReconcileLoop(cfg, worker_id, db, bus)
         self.commands = CommandLoop(cfg, worker_id, db, bus, self.wake)
-        self.control = ControlLoop(cfg, worker_id, bus, self.drivers, self.wake)
+        self.control = ControlLoop(bus, self.drivers, self.wake)
 
     def loops(self, stop: asyncio.Event) -> list:
         return [self.dispatch.run(stop), self.ingest.run(stop), self.progress.run(stop), self.reconcile.run(stop),

@@ -68,6 +68,7 @@ class RunRow:
     status: str
     config: dict
     policy_version: int
+    status_version: int = 0
 
 
 @dataclass
@@ -89,7 +90,7 @@ def lease_runs(db: Engine, owner: str, lease_s: float, limit: int) -> list[RunRo
         active = conn.execute(active_runs).scalars().all()
         held = leases.acquire(conn, leases.CONTROLLER, owner,
                               leases.free_or_ours(conn, leases.CONTROLLER, owner, active)[:limit], lease_s)
-        rows = conn.execute(select(cast(Run.id, Text), Run.status, Run.config, Run.policy_version)
+        rows = conn.execute(select(cast(Run.id, Text), Run.status, Run.config, Run.policy_version, Run.status_version)
                             .where(Run.id.in_(list(held)), Run.status.in_(ACTIVE_STATUSES))
                             .order_by(Run.created_at)).all()
     return [RunRow(*r) for r in rows]
@@ -114,7 +115,8 @@ def set_status(conn: Connection, run_id: str, old: str, new: str, *, error: str 
     stamps = {"running": {"started_at": func.coalesce(Run.started_at, func.now())},
               **dict.fromkeys(("stopped", "completed", "failed"), ended)}
     done = conn.execute(update(Run).where(Run.id == run_id, Run.status == old).values(
-        status=new, error=func.coalesce(error, Run.error), **stamps.get(new, {}))).rowcount == 1
+        status=new, status_version=Run.status_version + 1, error=func.coalesce(error, Run.error),
+        **stamps.get(new, {}))).rowcount == 1
     if done:
         add_event(conn, run_id, "status_changed", f"{old} -> {new}" + (f": {error}" if error else ""),
                   {"from": old, "to": new, **(because or {})})
@@ -140,7 +142,8 @@ def apply_command(db: Engine, cmd: RunCommand, expired: bool) -> RunCommandReply
             return _reply(cmd, "refused", status, f"cannot {cmd.action} a run that is {status}; {cmd.action} "
                                                   f"needs status {' or '.join(allowed)}")
         set_status(conn, cmd.run_id, status, new, because={"command": cmd.command_id, "action": cmd.action})
-        return _reply(cmd, "applied", new)
+        version = conn.execute(select(Run.status_version).where(Run.id == cmd.run_id)).scalar()
+        return _reply(cmd, "applied", new).model_copy(update={"status_version": version})
 
 
 def create_run(conn: Connection, cmd: RunCommand) -> RunCommandReply:

@@ -32,7 +32,7 @@ class RunDriver:
     def __init__(self, run: RunRow, cfg: RunConfig, tasks: list[tuple[str, dict, str]]):
         self.run_id, self.cfg = run.id, cfg
         self.status, self.policy_version = run.status, run.policy_version
-        self.status_read_at = 0.0  # unix time the runs table was read for `status` (control_loop.py)
+        self.status_version = run.status_version  # runs.status_version of `status` (control_loop.py)
         self.plan = Plan(cfg, [t[0] for t in tasks])
         self.task_data = {t[0]: t[1] for t in tasks}
         self.states: dict[SlotKey, SlotState] = {}

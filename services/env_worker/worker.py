@@ -13,7 +13,7 @@ from services.env_worker.sessions import SessionHost
 from services.env_worker.settings import EnvWorkerSettings
 from shared.contracts.messages import EnvRequest
 from shared.contracts.streams import ENV_REQUESTS, GROUP_ENV, env_inbox
-from shared.platform.bus import REDIS_DOWN, Delivery, Redis, RequestServer, StreamBus
+from shared.platform.bus import REDIS_DOWN, Delivery, Redis, RequestServer, StreamBus, redis_time
 from shared.platform.logs import get_logger
 from shared.platform.service import sleep_or_stop
 
@@ -76,9 +76,11 @@ class EnvWorker:
                 continue
 
     async def reclaim_once(self) -> None:
-        for request in await self.requests.reclaim(self.cfg.reclaim_idle_ms):
+        requests = await self.requests.reclaim(self.cfg.reclaim_idle_ms)
+        now = await redis_time(self.requests.redis) if requests else 0.0
+        for request in requests:
             req: EnvRequest = request.message
-            if time.time() - req.sent_at > req.timeout_s:  # the rollout worker stopped waiting
+            if request.age_s(now) > req.timeout_s:  # the rollout worker stopped waiting (ages on Redis's clock)
                 await self.requests.drop(request)
             else:
                 self.spawn(request)

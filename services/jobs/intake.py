@@ -4,14 +4,13 @@ It runs beside the Celery worker in each jobs service process; with several, eac
 
 Idempotent by job id: a request delivered again (its intake died before the ack) finds its row. While that row
 is still `queued` the task is sent again, since the first send may not have happened; the worker runs a job's
-task delivered twice once (celery_app). A request read after its `expires_at` is answered `expired` and stored
-nowhere: its sender has already told its caller that nothing was queued. An unknown kind is stored as a failed
-job that says so."""
+task delivered twice once (celery_app). A request read after its sender's wait (`expires_at - sent_at`, its age
+on Redis's clock) is answered `expired` and stored nowhere: its sender has already told its caller that nothing
+was queued. An unknown kind is stored as a failed job that says so."""
 
 from __future__ import annotations
 
 import asyncio
-import time
 import uuid
 
 from celery import Celery
@@ -24,7 +23,7 @@ from shared.clients.jobs import JOB_TASKS
 from shared.contracts.db.models import Job
 from shared.contracts.messages import JobRequest, JobRequestReply
 from shared.contracts.streams import GROUP_JOBS, JOB_REQUESTS, job_reply
-from shared.platform.bus import Delivery, StreamBus, StreamConsumer
+from shared.platform.bus import Delivery, StreamBus, StreamConsumer, redis_time
 from shared.platform.logs import get_logger
 
 log = get_logger(__name__)
@@ -41,9 +40,10 @@ class JobIntake:
         await self.consumer.run(self.apply, stop)
 
     async def apply(self, deliveries: list[Delivery]) -> None:
+        now = await redis_time(self.bus.redis)  # the request's age on one clock, Redis's (Delivery.age_s)
         for d in deliveries:
             req: JobRequest = d.message
-            reply = await asyncio.to_thread(self.store, req, time.time() > req.expires_at)
+            reply = await asyncio.to_thread(self.store, req, d.age_s(now) > req.expires_at - req.sent_at)
             log.info("job %s (%s): %s", req.job_id, req.kind, reply.outcome)
             await self.bus.answer(job_reply(req.job_id), reply)
 

@@ -1,37 +1,15 @@
-"""Every Redis key and stream name the system uses, in one place.
+"""Every Redis key and stream name the system uses, in one place, and the tables that say who writes and reads
+each (STREAM_TABLE, KEY_TABLE): the one source of the streams table in docs/architecture.md, which
+`python -m shared.contracts.streams` prints and a test compares.
 
 The path of a trajectory is linear: rollout worker -> `trajectories` -> the store (the one place that decides
 acceptance, under row locks on the ledger) -> `results.accepted` -> trainer. The trainer reports back to the
 controller on `trainer.progress`; nothing crosses services through another service's tables.
-
-| stream | producer | consumer (group) | message | acknowledged when |
-|---|---|---|---|---|
-| `rollout.tasks` | controller (after the ledger row commits) | rollout workers (`rollout`) | `RolloutTask` | the task's `EpisodeResult` is on `trajectories` |
-| `env.requests` | rollout worker: first `reset` of a session | any env worker (`env`) | `EnvRequest` | the reply is written (the session now lives in that worker) |
-| `env.inbox.<env worker>` | rollout worker: `step` / `close` of a session | that env worker (`env`) | `EnvRequest` | the reply is written |
-| `env.replies.<rollout worker>` | env workers | that rollout worker (no group, own cursor) | `EnvReply` | never (read by cursor; trimmed by MAXLEN) |
-| `trajectories` | rollout workers | controller's store (`store`) | `EpisodeResult` | the store transaction committed and every accepted result's `AcceptedResult` is on `results.accepted` |
-| `results.accepted` | controller: completed results the store accepted (after commit) and slots out of attempts | trainer (`train`) | `AcceptedResult` | the trainer's effect is durable: the step that used it committed, or its drop / exclusion recorded in `train_samples` |
-| `trainer.progress` | trainer, after each step is recorded and published / each drop is recorded (and again when it opens a run); once when it cannot load a run it leased (`error`) | controller (`controller`) | `TrainerProgress` | `runs.policy_version` and `consumed_groups` are updated; an error becomes a `trainer_error` event and fails the run with it as the reason |
-| `weights` | weight server, after a checkpoint is durable | rollout workers (no group, own cursor) | `WeightsPublished` | never (read by cursor; trimmed by MAXLEN) |
-| `<stream>.dlq` | `StreamConsumer` of `<stream>` | controller (`controller`) for `rollout.tasks.dlq`; people otherwise | the original entry + `dlq_*` fields | the failure is recorded in the ledger (`rollout.tasks.dlq`) |
-| `run.commands` | API (`POST /v1/runs`, pause / resume / stop), jobs worker (an eval job's run) | controller (`controller`) | `RunCommand` | applied (the run created or its status changed, in one transaction with its event) or refused, and the `RunCommandReply` is on the command's reply stream |
-| `run.commands.reply.<command id>` | controller | the command's sender (no group, waits with XREAD; expires after a minute) | `RunCommandReply` | never (the key expires) |
-| `jobs.requests` | API (`POST /v1/datasets`, `/v1/datasets/import`, `DELETE /v1/datasets/...`, `/v1/evals`, `/v1/jobs/gc`, `/v1/runs/{id}/export`) | jobs service's intake (`jobs`) | `JobRequest` | the job's `queued` row is stored and its Celery task sent (or the request expired), and the `JobRequestReply` is on the request's answer stream |
-| `jobs.requests.reply.<job id>` | jobs service | the request's sender (no group, waits with XREAD; expires after a minute) | `JobRequestReply` | never (the key expires) |
-| `run.control` | controller, after a pause / resume / stop changed `runs.status` | controller (`controller`), trainer (`train`) | `RunControl` | applied to the run it drives / trains; one that does not hold the run acknowledges it untouched (the holder reads the status at its next poll of the runs it leases) |
-
-Plain keys (no stream):
-
-| key | written by | read by | what |
-|---|---|---|---|
-| `heartbeat:<service>:<worker id>` | every service process (shared/platform/service.py), expiring | controller, API (shared/platform/heartbeats.py) | the process's health JSON |
-| `streams:epoch` | controller | controller | Redis still holds the streams (absent: its data was lost) |
-| `bus:failures:<stream>:<group>` | `StreamConsumer` (hash: entry id -> handler failures) | the same | when to dead-letter |
-| `tracking:<sink>:<run id>` | jobs worker (`sync_tracking`) | the same | the highest metrics.id sent to W&B / MLflow |
-
-Celery (the jobs queue) keeps its own keys (`celery`, `_kombu.*`, `unacked*`) in the same database.
 """
+
+from __future__ import annotations
+
+from typing import NamedTuple
 
 ROLLOUT_TASKS = "rollout.tasks"
 ENV_REQUESTS = "env.requests"
@@ -100,3 +78,117 @@ def failures_key(stream: str, group: str) -> str:
 def tracking_cursor_key(sink: str, run_id: str) -> str:
     """The highest metrics.id of run `run_id` the tracking job sent to `sink` (wandb, mlflow)."""
     return f"tracking:{sink}:{run_id}"
+
+
+class StreamRow(NamedTuple):
+    stream: str
+    pattern: str  # the shared.platform.bus pattern it travels by
+    producer: str
+    consumer: str  # (group) or how it is read
+    message: str
+    acknowledged: str
+
+
+STREAM_TABLE: tuple[StreamRow, ...] = (
+    StreamRow('rollout.tasks', 'work queue',
+              'controller (after the ledger row commits)',
+              'rollout workers (`rollout`)',
+              '`RolloutTask`',
+              "the task's `EpisodeResult` is on `trajectories`"),
+    StreamRow('env.requests', 'request/reply',
+              'rollout worker: first `reset` of a session',
+              'any env worker (`env`)',
+              '`EnvRequest`',
+              'the reply is written (the session now lives in that worker)'),
+    StreamRow('env.inbox.<env worker>', 'request/reply',
+              'rollout worker: `step` / `close` of a session',
+              'that env worker (`env`)',
+              '`EnvRequest`',
+              'the reply is written'),
+    StreamRow('env.replies.<rollout worker>', 'request/reply',
+              'env workers',
+              'that rollout worker (no group, own cursor)',
+              '`EnvReply`',
+              'never (read by cursor; trimmed by MAXLEN)'),
+    StreamRow('trajectories', 'work queue',
+              'rollout workers',
+              "controller's store (`store`)",
+              '`EpisodeResult`',
+              "the store transaction committed and every accepted result's `AcceptedResult` is on `results.accepted`"),
+    StreamRow('results.accepted', 'work queue',
+              'controller: completed results the store accepted (after commit) and slots out of attempts',
+              'trainer (`train`)',
+              '`AcceptedResult`',
+              "the trainer's effect is durable: the step that used it committed, or its drop / exclusion recorded in `train_samples`"),
+    StreamRow('trainer.progress', 'work queue',
+              'trainer, after each step is recorded and published / each drop is recorded (and again when it opens a run); once when it cannot load a run it leased (`error`)',
+              'controller (`controller`)',
+              '`TrainerProgress`',
+              '`runs.policy_version` and `consumed_groups` are updated; an error becomes a `trainer_error` event and fails the run with it as the reason'),
+    StreamRow('weights', 'broadcast',
+              'weight server, after a checkpoint is durable',
+              'rollout workers (no group, own cursor)',
+              '`WeightsPublished`',
+              'never (read by cursor; trimmed by MAXLEN)'),
+    StreamRow('<stream>.dlq', 'work queue',
+              '`StreamConsumer` of `<stream>`',
+              'controller (`controller`) for `rollout.tasks.dlq`; people otherwise',
+              'the original entry + `dlq_*` fields',
+              'the failure is recorded in the ledger (`rollout.tasks.dlq`)'),
+    StreamRow('run.commands', 'command',
+              "API (`POST /v1/runs`, pause / resume / stop), jobs worker (an eval job's run)",
+              'controller (`controller`)',
+              '`RunCommand`',
+              "applied (the run created or its status changed, in one transaction with its event) or refused, and the `RunCommandReply` is on the command's reply stream"),
+    StreamRow('run.commands.reply.<command id>', 'command',
+              'controller',
+              "the command's sender (no group, waits with XREAD; expires after a minute)",
+              '`RunCommandReply`',
+              'never (the key expires)'),
+    StreamRow('jobs.requests', 'command',
+              'API (`POST /v1/datasets`, `/v1/datasets/import`, `DELETE /v1/datasets/...`, `/v1/evals`, `/v1/jobs/gc`, `/v1/runs/{id}/export`)',
+              "jobs service's intake (`jobs`)",
+              '`JobRequest`',
+              "the job's `queued` row is stored and its Celery task sent (or the request expired), and the `JobRequestReply` is on the request's answer stream"),
+    StreamRow('jobs.requests.reply.<job id>', 'command',
+              'jobs service',
+              "the request's sender (no group, waits with XREAD; expires after a minute)",
+              '`JobRequestReply`',
+              'never (the key expires)'),
+    StreamRow('run.control', 'broadcast (controllers), work queue (trainer)',
+              'controller, after a pause / resume / stop changed `runs.status`',
+              'every controller (no group, own cursor), trainer (`train`)',
+              '`RunControl`',
+              'controllers: never (read by cursor; the one driving the run applies it, ordered by `status_version`); trainer: applied to the run it trains, or acknowledged untouched by one that does not hold it (the holder reads the status at its next poll)'),
+)
+
+
+class KeyRow(NamedTuple):
+    key: str
+    written_by: str
+    read_by: str
+    what: str
+
+
+KEY_TABLE: tuple[KeyRow, ...] = (
+    KeyRow('heartbeat:<service>:<worker id>', 'every service process (shared/platform/service.py), expiring', 'controller, API (shared/platform/heartbeats.py)', "the process's health JSON"),
+    KeyRow('streams:epoch', 'controller', 'controller', 'Redis still holds the streams (absent: its data was lost)'),
+    KeyRow('bus:failures:<stream>:<group>', '`StreamConsumer` (hash: entry id -> handler failures)', 'the same', 'when to dead-letter'),
+    KeyRow('tracking:<sink>:<run id>', 'jobs worker (`sync_tracking`)', 'the same', 'the highest metrics.id sent to W&B / MLflow'),
+)
+OTHER_KEYS = "Celery (the jobs queue) keeps its own keys (`celery`, `_kombu.*`, `unacked*`) in the same database."
+
+
+def markdown() -> str:
+    """The streams table and the keys table as Markdown (docs/architecture.md holds this text)."""
+    streams = ["| stream | pattern | producer | consumer (group) | message | acknowledged when |",
+               "|---|---|---|---|---|---|"]
+    streams += [f"| `{r.stream}` | {r.pattern} | {r.producer} | {r.consumer} | {r.message} | {r.acknowledged} |"
+                for r in STREAM_TABLE]
+    keys = ["| key | written by | read by | what |", "|---|---|---|---|"]
+    keys += [f"| `{r.key}` | {r.written_by} | {r.read_by} | {r.what} |" for r in KEY_TABLE]
+    return "\n".join([*streams, "", "Plain keys (no stream):", "", *keys, "", OTHER_KEYS]) + "\n"
+
+
+if __name__ == "__main__":
+    print(markdown(), end="")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import subprocess
 import time
@@ -41,7 +42,7 @@ from shared.contracts.streams import (
 )
 from shared.platform.bus import StreamBus
 from shared.platform.db.session import make_engine
-from tests.support.procs import ServiceGroup, wait_until_async
+from tests.support.procs import REPO, ServiceGroup, wait_until_async
 
 
 @pytest.fixture(scope="module")
@@ -766,3 +767,35 @@ async def test_a_training_run_in_which_nothing_scores_fails_instead_of_running_f
     assert row.error.startswith("no unit produced a scored result (2 errored, 2 out of attempts); most common "
                                 "reason (2 attempts, failed): env session lost"), row.error
     assert len(worker.received) == 4  # the first window only: nothing re-dispatched or refilled after it
+
+
+@pytest.mark.parametrize("api_skew_s", [-30, 30])
+async def test_pause_and_stop_apply_within_a_second_on_hosts_whose_clocks_disagree(
+        engine, redis_client, start_controller, database_url, redis_url, tmp_path, api_skew_s):
+    """The API host's clock `api_skew_s` off, the controller's as much the other way (a minute apart): a pause,
+    resume or stop is applied within a second. Commands expire by their age on Redis's clock (a 10 s wait is
+    not 'expired' on a host a minute ahead), and run.control is ordered by runs.status_version, not by clocks
+    (time faked per process: tests/support/skewed_clock)."""
+    skewed = os.pathsep.join([str(REPO / "tests/support/skewed_clock"), os.environ["PYTHONPATH"]])
+    run = add_run(engine, add_dataset(engine, 400), kind="eval", samples_per_task=1, max_in_flight=2)
+    with running_api(database_url, redis_url, tmp_path / "api", controller=False, PYTHONPATH=skewed,
+                     FAKE_CLOCK_SKEW_S=str(api_skew_s), RUN_COMMAND_WAIT_S="10") as api, api.client() as client:
+        # it never polls the runs table within the test: what changes, changes by command
+        start_controller(POLL_INTERVAL_S="60", RUN_LEASE_S="150", PYTHONPATH=skewed,
+                         FAKE_CLOCK_SKEW_S=str(-api_skew_s))
+        async with FakeRolloutWorker(redis_client, run, lambda t: "correct", hold_s=0.05) as worker:
+            await wait_until_async(lambda: len(worker.received) >= 4, 30, "first dispatches")
+            for _ in range(3):
+                assert client.post(f"/v1/runs/{run}/pause").json()["status"] == "paused"
+                await asyncio.sleep(1.0)
+                frozen = len(worker.received)
+                await asyncio.sleep(0.5)
+                assert len(worker.received) == frozen, "a pause not applied within a second"
+                assert client.post(f"/v1/runs/{run}/resume").json()["status"] == "running"
+                await wait_until_async(lambda f=frozen: len(worker.received) >= f + 2, 5, "dispatch after resume")
+            assert client.post(f"/v1/runs/{run}/stop").json()["status"] == "stopping"
+            await wait_until_async(lambda: run_row(engine, run).status == "stopped", 1.5, "stopped")
+            count = len(worker.received)
+            await asyncio.sleep(0.6)
+            assert len(worker.received) == count < 400
+    assert run_row(engine, run).status_version == 9  # pending -> running, 3 x (pause, resume), stopping, stopped

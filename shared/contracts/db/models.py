@@ -51,6 +51,8 @@ class Run(Base):
     name: Mapped[str] = mapped_column(String(200), nullable=False)
     kind: Mapped[str] = mapped_column(String(16), nullable=False)  # train | eval
     status: Mapped[str] = mapped_column(String(16), nullable=False, default="pending", index=True)
+    # +1 with every status change, in its transaction: run control is ordered by it, not by hosts' clocks
+    status_version: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0, server_default="0")
     config: Mapped[dict] = mapped_column(JSONB, nullable=False)
     policy_version: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
     error: Mapped[str | None] = mapped_column(Text)

@@ -5,8 +5,9 @@
   (create: the row and its `created` event; the others: a compare-and-set of the status along `TRANSITIONS`
   and a `status_changed` event carrying the command's id), then answers on the command's reply stream with a
   `RunCommandReply` and acknowledges it. Applying is idempotent by `command_id`, so a command delivered twice
-  (its controller died before the ack) is applied once and answered the same way. A command read after its
-  `expires_at` is answered `expired` and not applied: its sender has stopped waiting and told its caller that
+  (its controller died before the ack) is applied once and answered the same way. A command read more than
+  `expires_at - sent_at` seconds after it entered the stream (Redis's clock, its entry id against Redis TIME) is
+  answered `expired` and not applied: its sender has stopped waiting and told its caller that
   nothing changed (shared/clients/run_commands.py).
 - `run.control` (controller -> controller and trainer): `RunControl`, published once a pause, resume or stop
   has been applied. The controller (group "controller") and the trainer (group "train") apply it to the run
@@ -19,6 +20,8 @@
 from __future__ import annotations
 
 from typing import Any, Literal
+
+from pydantic import Field
 
 from shared.contracts.messages.codec import Message
 
@@ -56,6 +59,7 @@ class RunCommandReply(Message):
     outcome: Outcome  # applied; refused (the run's status allows no such action); not_found; expired
     status: str | None = None  # the run's status after the command (None: no such run)
     message: str = ""
+    status_version: int | None = None  # runs.status_version after the change it applied (None: none applied)
 
 
 class RunControl(Message):
@@ -64,7 +68,9 @@ class RunControl(Message):
 
     run_id: str
     action: Action
-    sent_at: float = 0.0  # unix seconds, the controller's clock once the change committed
+    sent_at: float = 0.0  # unix seconds, the controller's clock once the change committed (for people only)
+    status_version: int = Field(0, ge=0, description="runs.status_version the change committed: receivers order "
+                                "control by it against their own read of the runs table, never by clocks")
 
     @property
     def status(self) -> str:

@@ -1,14 +1,15 @@
 """The Redis streams transport every service uses (redis-py asyncio), one module per pattern. No service issues
 stream commands itself; it uses one of these patterns, each of whose class docstring states its delivery guarantee (checked by
-tests/integration/test_bus.py and test_bus_patterns.py):
+tests/integration/test_bus.py and test_bus_patterns.py); which stream travels by which: STREAM_TABLE in
+shared/contracts/streams.py.
 
-| pattern (module) | producer side | consumer side | used for |
-|---|---|---|---|
-| work queue, held until done (publish, consumer) | `StreamBus.publish` / `publish_many` | `StreamConsumer` (a consumer group) | `rollout.tasks`, `trajectories`, `results.accepted`, `trainer.progress`, `<stream>.dlq` |
-| request/reply (request_reply) | `RequestClient.call` / `send` | `RequestServer` (group on a shared stream + own inbox) | env sessions |
-| command, answered once (commands) | `ask` (sync: `announce`, then `await_answer` on the command's own answer stream) | `StreamConsumer`, then `StreamBus.answer` | `run.commands`, `jobs.requests` |
-| broadcast (broadcast) | `StreamBus.publish`, `announce` (sync) | `BroadcastReader` (own cursor, no group) | `weights` |
-| inspection (stats) | - | `stream_stats` (sync, read-only) | the API's /metrics |
+| pattern (module) | producer side | consumer side |
+|---|---|---|
+| work queue, held until done (publish, consumer) | `StreamBus.publish` / `publish_many` | `StreamConsumer` (a consumer group) |
+| request/reply (request_reply) | `RequestClient.call` / `send` | `RequestServer` (group on a shared stream + own inbox) |
+| command, answered once (commands) | `ask` (sync: `announce`, then `await_answer` on the command's own answer stream) | `StreamConsumer`, then `StreamBus.answer` |
+| broadcast (broadcast) | `StreamBus.publish`, `announce` (sync) | `BroadcastReader` (own cursor, no group) |
+| inspection (stats) | - | `stream_stats` (sync, read-only) |
 
 This package (connect.py) is also the only door to Redis for services: `connect` (asyncio) and `connect_sync` make the
 clients, `Redis` / `SyncRedis` are their types and `RedisError` the base of redis-py's errors. Services never
@@ -53,6 +54,7 @@ from shared.platform.bus.connect import (
     data_lost,
     dead_letter_entry,
     decode_or_skip,
+    redis_time,
     surviving_data_loss,
 )
 from shared.platform.bus.consumer import DeadLetterHook, Handler, StreamConsumer
@@ -64,6 +66,6 @@ __all__ = [
     "ANSWER_GRACE_S", "ANSWER_TTL_S", "DEFAULT_MAXLEN", "REDIS_DOWN", "REPLY_RETRY", "BroadcastReader", "CommandBatcher",
     "DataLoss", "DeadLetterHook", "Delivery", "GroupStats", "Handler", "Redis", "RedisError", "RequestClient",
     "RequestServer", "StreamBus", "StreamConsumer", "StreamStats", "SyncRedis", "announce", "ask", "await_answer",
-    "connect", "connect_sync", "data_lost", "dead_letter_entry", "decode_or_skip", "stream_stats",
+    "connect", "connect_sync", "data_lost", "dead_letter_entry", "decode_or_skip", "redis_time", "stream_stats",
     "surviving_data_loss",
 ]

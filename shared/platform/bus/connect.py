@@ -144,6 +144,19 @@ class Delivery:
     fields: dict[bytes, bytes]
     stream: str = ""  # set by readers of several streams (RequestServer)
 
+    def age_s(self, redis_now: float) -> float:
+        """Seconds since the entry entered its stream, all on Redis's clock: the milliseconds of its id (Redis
+        stamps them at XADD) against `redis_now` (`redis_time`). Hosts' clocks play no part, so a sender whose
+        clock is off still gets the wait it asked for."""
+        id_ = self.id.decode() if isinstance(self.id, bytes) else str(self.id)
+        return redis_now - int(id_.split("-", 1)[0]) / 1000
+
+
+async def redis_time(redis: aioredis.Redis) -> float:
+    """Redis's clock (TIME), unix seconds: the clock stream entry ids are stamped with."""
+    seconds, micros = await redis.time()
+    return seconds + micros / 1e6
+
 
 async def _stream_end(redis: aioredis.Redis, stream: str) -> bytes | str:
     try:

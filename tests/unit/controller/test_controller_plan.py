@@ -243,3 +243,26 @@ def test_train_errored_slot_counts_as_a_group_that_cannot_complete():
     s = items[0][0]
     driver.apply(s.task_id, s.sample_idx, 0, "error", "agent A.update_from_model: TypeError: x")
     assert driver.final_failed_groups() == [(s.task_id, s.batch_idx)]
+
+
+def test_run_control_is_ordered_by_status_version_not_by_who_sent_it_when():
+    """Whatever the `sent_at` of the controller that applied a command (its clock), the driving controller
+    applies a run.control message only if its status_version is above what it read or applied last."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from services.controller.control_loop import ControlLoop
+    from shared.contracts.messages import RunControl
+
+    driver = RunDriver(RunRow("r1", "running", {}, 0, status_version=4), config(kind="eval"), tasks(2))
+    wake = asyncio.Event()
+    loop = ControlLoop(SimpleNamespace(redis=None), {"r1": driver}, wake)
+    loop.apply([RunControl(run_id="r1", action="pause", sent_at=0.0, status_version=4)])  # what the table said
+    assert driver.status == "running" and not wake.is_set()
+    loop.apply([RunControl(run_id="r1", action="pause", sent_at=0.0, status_version=5),  # a clock far behind
+                RunControl(run_id="r2", action="stop", sent_at=9e9, status_version=99)])  # not driven here
+    assert (driver.status, driver.status_version) == ("paused", 5) and wake.is_set()
+    loop.apply([RunControl(run_id="r1", action="resume", sent_at=9e9, status_version=3)])  # read late: older
+    assert driver.status == "paused"
+    loop.apply([RunControl(run_id="r1", action="resume", sent_at=1.0, status_version=6)])
+    assert (driver.status, driver.status_version) == ("running", 6)
