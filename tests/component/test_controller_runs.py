@@ -17,7 +17,7 @@ from fixtures.aio import cancel_and_wait
 from sqlalchemy import insert, select, text, update
 from sqlalchemy.orm import Session
 
-from harness.procs import ServiceGroup, wait_until_async
+from harness.procs import ServiceGroup, stop, wait_until_async
 from services.controller.ledger import ledger_summary
 from shared.bus import StreamBus
 from shared.db.models import Dataset, DatasetRow, Run, RunEvent
@@ -51,18 +51,49 @@ def engine(database_url):
     eng.dispose()
 
 
-@pytest.fixture
-def start_controller(redis_url, database_url, tmp_path):
-    group = ServiceGroup(tmp_path, redis_url=redis_url, database_url=database_url, poll_interval_s="0.2",
-                         run_lease_s="2", reconcile_interval_s="0.3", ledger_lease_margin_s="0",
-                         store_claim_idle_ms="1000", stop_timeout_s="5")
+class Controllers:
+    """The module's controller processes. `start()` with the module's settings hands out one controller shared by
+    the module's tests (started on first use, and again after a test killed it): starting one per test cost
+    more than most tests take. A test that sets other settings gets a controller of its own, the shared one
+    stopped meanwhile so that no run of the test is taken by a controller with settings it did not ask for."""
 
-    def start(**env) -> subprocess.Popen:
-        name = f"controller-{len(group.procs)}"
-        return group.start(name, "services.controller.main", **{"worker_id": f"ctl-{len(group.procs)}", **env})
+    def __init__(self, group: ServiceGroup):
+        self.group, self.shared, self.own = group, None, []
 
-    yield start
+    def _start(self, **env) -> subprocess.Popen:
+        n = len(self.group.procs)
+        return self.group.start(f"controller-{n}", "services.controller.main", **{"worker_id": f"ctl-{n}", **env})
+
+    def start(self, **env) -> subprocess.Popen:
+        if not env:
+            if self.shared is None or self.shared.poll() is not None:
+                self.shared = self._start()
+            return self.shared
+        if self.shared is not None:
+            stop(self.shared, 10)
+            self.shared = None
+        self.own.append(self._start(**env))
+        return self.own[-1]
+
+    def stop_own(self) -> None:
+        for proc in self.own:
+            stop(proc, 10)
+        self.own.clear()
+
+
+@pytest.fixture(scope="module")
+def controllers(redis_url, database_url, tmp_path_factory):
+    group = ServiceGroup(tmp_path_factory.mktemp("controllers"), redis_url=redis_url, database_url=database_url,
+                         poll_interval_s="0.2", run_lease_s="2", reconcile_interval_s="0.3",
+                         ledger_lease_margin_s="0", store_claim_idle_ms="1000", stop_timeout_s="5")
+    yield Controllers(group)
     group.stop(10)
+
+
+@pytest.fixture
+def start_controller(controllers):
+    yield controllers.start
+    controllers.stop_own()
 
 
 def add_dataset(engine, n: int, sources=("a", "b")) -> str:
