@@ -30,7 +30,7 @@ from shared.db.models import (
     TrajectoryRow,
 )
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 # A model folder POST /v1/runs accepts without a hub (config.json only): for runs no worker loads.
 CONFIG_ONLY_MODEL = str(REPO / "tests" / "fixtures" / "config-only-model")
 ADMIN_TOKEN = "test-admin-token-0123456789"

@@ -8,7 +8,7 @@ from pathlib import Path
 from harness.ports import free_port
 from harness.procs import start_service, stop, wait_http
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 
 
 class WeightServer:

@@ -15,7 +15,7 @@ import uuid
 import pytest
 from api_testlib import run_config, running_api
 from sqlalchemy import insert
-from test_controller_runs import FakeRolloutWorker, run_row, set_run, start_controller  # noqa: F401 (fixture)
+from test_controller_runs import FakeRolloutWorker, controllers, run_row, set_run, start_controller  # noqa: F401 (fixtures)
 
 from harness.procs import wait_until_async
 from shared.datasets import DatasetInUse, DatasetNotFound, DatasetRegistry
