@@ -71,8 +71,9 @@ demo-agent: install
 # Tiers are folders of tests/ (README "Tests"). `make test` is the whole suite, tier by tier, every tier run
 # even after one fails. Component and e2e tests mostly wait on the processes they start, so they run on
 # XDIST's workers (one module per worker: module fixtures keep their processes; each worker's session has its
-# own Redis database and Postgres database); learning and chaos saturate the cores on their own and run alone.
-XDIST ?= -n auto --dist loadfile
+# own Redis database and Postgres database: at most 4 workers, for Redis has 15 to lease); learning and chaos
+# saturate the cores on their own and run alone.
+XDIST ?= -n auto --maxprocesses 4 --dist loadfile
 TEST_DESELECT := -m "not gpu and not container"
 test: install vllm-venv browser-deps
 	@rc=0; \
