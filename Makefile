@@ -1,4 +1,5 @@
-# The interface: install, up, demo, test, lint, bench-rollout, bench-train, chaos, gpu-smoke, gpu-check.
+# The interface: install, up, demo, test (test-fast, test-<tier>), lint, bench-rollout, bench-train, chaos, gpu-smoke,
+# gpu-check.
 # Every target does its own set-up on a fresh machine (`install` is a prerequisite).
 SHELL := /bin/bash
 VENV ?= .venv
@@ -10,7 +11,7 @@ PYTEST_ARGS ?=
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 
-.PHONY: sandbox-deps bench-sandbox browser-deps install vllm-venv up demo demo-lora demo-agent demo-multiturn test test-unit test-integration lint bench-rollout bench-train bench-lora bench-lora-runs bench-load bench-vllm chaos gpu-smoke clean
+.PHONY: sandbox-deps bench-sandbox browser-deps install vllm-venv up demo demo-lora demo-agent demo-multiturn test test-fast test-unit test-contract test-component test-e2e test-learning test-chaos test-browser test-gpu lint bench-rollout bench-train bench-lora bench-lora-runs bench-load bench-vllm chaos gpu-smoke clean
 
 install: $(VENV)/.installed sandbox-deps
 
@@ -67,8 +68,41 @@ demo-agent: install
 	$(PY) -m bench.demo_agent
 	$(PY) -m bench.gateway_overhead
 
+# Tiers are folders of tests/ (README "Tests"). `make test` is the whole suite, tier by tier, every tier run
+# even after one fails. Component and e2e tests mostly wait on the processes they start, so they run on
+# XDIST's workers (one module per worker: module fixtures keep their processes; each worker's session has its
+# own Redis database and Postgres database: at most 4 workers, for Redis has 15 to lease); learning and chaos
+# saturate the cores on their own and run alone.
+XDIST ?= -n auto --maxprocesses 4 --dist loadfile
+TEST_DESELECT := -m "not gpu and not container"
 test: install vllm-venv browser-deps
-	$(PY) -m pytest -q -m "not gpu and not chaos_full and not container" $(PYTEST_ARGS) tests
+	@rc=0; \
+	$(PY) -m pytest -q $(TEST_DESELECT) $(PYTEST_ARGS) tests/unit tests/contract || rc=1; \
+	$(PY) -m pytest -q $(TEST_DESELECT) $(XDIST) $(PYTEST_ARGS) tests/component tests/e2e || rc=1; \
+	$(PY) -m pytest -q $(TEST_DESELECT) $(PYTEST_ARGS) tests/learning tests/chaos tests/browser || rc=1; \
+	exit $$rc
+
+# unit + contract: no vLLM venv, no browser, no service started; under 2 minutes on 2 cores.
+test-fast: install
+	$(PY) -m pytest -q $(PYTEST_ARGS) tests/unit tests/contract
+
+test-unit: install
+	$(PY) -m pytest -q $(PYTEST_ARGS) tests/unit
+
+test-contract: install
+	$(PY) -m pytest -q $(PYTEST_ARGS) tests/contract
+
+test-component: install vllm-venv
+	$(PY) -m pytest -q $(TEST_DESELECT) $(XDIST) $(PYTEST_ARGS) tests/component
+
+test-e2e: install vllm-venv
+	$(PY) -m pytest -q $(XDIST) $(PYTEST_ARGS) tests/e2e
+
+test-learning: install
+	$(PY) -m pytest -q $(PYTEST_ARGS) tests/learning
+
+test-chaos: install
+	$(PY) -m pytest -q $(PYTEST_ARGS) tests/chaos
 
 # The dashboard test drives Debian's chromium (never a browser download); installed when we may, else skipped.
 browser-deps:
@@ -76,11 +110,11 @@ browser-deps:
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) || \
 	  echo "chromium not installed: the browser test will be skipped"; }
 
-test-unit: install
-	$(PY) -m pytest -q tests/unit
+test-browser: install browser-deps
+	$(PY) -m pytest -q $(PYTEST_ARGS) tests/browser
 
-test-integration: install
-	$(PY) -m pytest -q tests/integration
+test-gpu: install
+	$(PY) -m pytest -q $(PYTEST_ARGS) tests/gpu
 
 lint: install
 	$(VENV)/bin/ruff check .
@@ -110,7 +144,7 @@ sandbox-image: install
 	podman build -q -f infra/sandbox/python.Containerfile -t $(SANDBOX_IMAGE) infra/sandbox
 
 test-container: sandbox-image
-	DOCKER_HOST=unix://$(PODMAN_SOCKET) SANDBOX_IMAGE=$(SANDBOX_IMAGE) SANDBOX_REQUIRE_CONTAINER=1 $(PY) -m pytest -q -m container $(PYTEST_ARGS) tests/unit/builtin
+	DOCKER_HOST=unix://$(PODMAN_SOCKET) SANDBOX_IMAGE=$(SANDBOX_IMAGE) SANDBOX_REQUIRE_CONTAINER=1 $(PY) -m pytest -q -m container $(PYTEST_ARGS) tests/component
 
 # Cost of each sandbox mode and the escape suite's score per mode -> bench/results/sandbox.json.
 bench-sandbox: install

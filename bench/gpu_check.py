@@ -8,7 +8,7 @@ Parts, each recorded as it ends (a part that fails is an `error` in its place; t
 - `stack`: every service (embedded Redis and Postgres) with the trainer and a rollout worker on the device: the
   recall task learned through hot-reloaded versions, then a run of the 0.5B shape (tokens/s, MFU, publish ->
   serving per version).
-`--device cpu` runs the same code on tiny shapes (tests/integration/test_gpu_check_cpu.py runs it in CI), so
+`--device cpu` runs the same code on tiny shapes (tests/e2e/test_gpu_check_cpu.py runs it in CI), so
 device time is never spent on a bug. `make gpu-wheels` prepares what a lent machine lacks (infra/gpu/wheels.txt).
 """
 

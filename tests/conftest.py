@@ -62,6 +62,23 @@ def pytest_runtest_protocol(item, nextitem):
         faulthandler.cancel_dump_traceback_later()
 
 
+# Each tier is a folder of tests/ and a marker of the same name (`-m "not e2e"`), set here from the folder so a
+# test cannot sit in one tier and be marked as another.
+TIERS = ("unit", "contract", "component", "e2e", "learning", "chaos", "browser", "gpu")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    tests = REPO / "tests"
+    for item in items:
+        path = Path(item.path).resolve()
+        if tests not in path.parents:
+            continue  # a test file named outside tests/ on the command line
+        parts = path.relative_to(tests).parts
+        if parts[0] not in TIERS:
+            raise pytest.UsageError(f"{item.nodeid}: a test lives in a tier folder of tests/ ({', '.join(TIERS)})")
+        item.add_marker(parts[0])
+
+
 def _scratch_folder(kind: str) -> Path:
     return Path(os.environ.get("TMPDIR", "/tmp")) / f"fw-{kind}-{uuid.uuid4().hex[:8]}"
 

@@ -4,7 +4,7 @@ alone (`controller_leases`: which controller drives a run; `trainer_leases`: whi
     held = acquire(conn, TRAINER, worker_id, run_ids, ttl_s=15)   # take free/expired ones, renew ours
     release(conn, TRAINER, worker_id)                               # at shutdown (or for some run_ids)
 
-Guarantees (tested in tests/integration/test_leases.py):
+Guarantees (tested in tests/component/test_leases.py):
 - At most one owner per run in a table at any instant of the database's clock: acquiring is one
   `INSERT ... ON CONFLICT DO UPDATE ... WHERE` statement, which Postgres serialises on the row, and it only
   overwrites a lease that is ours or has expired (`expires_at < now()`, the database's clock, so skewed host

@@ -14,17 +14,14 @@ CI needs: `apt-get install -y chromium` and `pip install playwright` (never `pla
 from __future__ import annotations
 
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
+from api_testlib import running_api, seed_run
 from sqlalchemy import create_engine, update
 from sqlalchemy.orm import Session
 
 from shared.contracts.db.models import Metric
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
-from api_testlib import running_api, seed_run  # noqa: E402
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 ARTIFACTS = Path(__file__).parent / "artifacts"

@@ -2,7 +2,7 @@
 heading), `make <target>` is a Makefile target, `python -m <module>` is importable, `flywheel <command>` is a CLI
 command, a REST route (`GET /v1/...`) is served by the API, the weight server or a rollout worker, and every
 variable in docs/configuration.md's table is a service setting. The SQL queries run in
-tests/integration/test_sql_docs.py.
+tests/component/test_sql_docs.py.
 
     pytest -q tests/contract/test_docs.py
 """

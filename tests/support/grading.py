@@ -2,7 +2,7 @@
 
     python -m tests.support.grading            # writes bench/results/grading.json
 
-The same table is asserted case by case in tests/unit/builtin/test_math_grading.py. A case is
+The same table is asserted case by case in tests/component/test_math_grading.py. A case is
 (name, response, reference, correct, verdict): `verdict` is the one math_reward must report, or None where
 only correctness is asserted. Adversarial cases (power towers, huge factorials, deep nesting, numbers past
 Python's int-string limit) must score 0 with verdict "rejected" or "timeout": the grader's own time limit

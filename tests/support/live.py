@@ -1,5 +1,5 @@
 """Driving and judging a live flywheel system, shared by the benchmarks (tests/support/chaos.py, load.py, train.py,
-vllm.py) and the system tests (tests/integration/test_fuzz_streams.py, test_user_code_faults.py, ...):
+vllm.py) and the system tests (tests/e2e/test_fuzz_streams.py, test_user_code_faults.py, ...):
 
     mock = start_mock_llm(port, latency_ms=50)                              # OpenAI-compatible, token ids
     register_dataset(engine, "arith", 100)                                  # builtin arithmetic rows

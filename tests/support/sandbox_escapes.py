@@ -1,5 +1,5 @@
 """The sandbox escape suite: hostile programs, each a known technique, and the host-side check of whether it got
-out. Shared by tests/unit/builtin/test_sandbox_escapes.py and `make bench-sandbox`.
+out. Shared by tests/component/test_sandbox_escapes.py and `make bench-sandbox`.
 
     with Target() as target:
         for escape in ESCAPES:

@@ -1,5 +1,5 @@
 """Trainer batches shaped as RL produces them, for the tests and the benchmarks of the training step
-(tests/integration/test_trainer_packing.py, bench/train_step.py, tests/support/gpu_smoke.py)."""
+(tests/component/test_trainer_packing.py, bench/train_step.py, tests/support/gpu_smoke.py)."""
 
 from __future__ import annotations
 

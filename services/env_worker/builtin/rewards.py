@@ -2,7 +2,7 @@
 
 Math grading (rLLM's rule): take the last `\\boxed{}` after `</think>`, compare it with the ground truth by
 normalized string match, then by exact numeric match, then by symbolic equivalence (math-verify on sympy).
-What the grader promises, each tested in tests/unit/builtin/test_math_grading.py:
+What the grader promises, each tested in tests/component/test_math_grading.py:
 
 - Percent is a unit, like `cm`: a `\\%` or `%` on either side is dropped, so `50\\%` matches `50` (the usual
   way a reference records a percentage) and does NOT match `0.5`; `0.5\\%` matches `0.5`. One reading, never

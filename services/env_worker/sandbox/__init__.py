@@ -12,7 +12,7 @@ Modes (`MODES`; an env takes its mode from its args, `sandbox: namespaces | cont
   SandboxInfraError: the trajectory ends as an infrastructure failure, never a score.
 - `none`: NO kernel boundary: a separate process with rlimits and a Python audit hook (boot.py) that
   refuses processes, sockets, ctypes and file access outside its temp dir. It keeps a buggy program from harming
-  the worker, but code running in the interpreter can switch the hook off (tests/unit/builtin/test_sandbox_escapes.py
+  the worker, but code running in the interpreter can switch the hook off (tests/component/test_sandbox_escapes.py
   shows which escapes it lets through): only for trusted code, and only when asked for by name.
 
 A mode that cannot run on this host raises SandboxUnavailable with the reason; nothing falls back to a weaker

@@ -2,7 +2,7 @@
 did from a message (shared/contracts/streams.py), never by reading that service's table; a reader here reads rows for
 what they hold for users or for the reader's own work (a run's config, a checkpoint's path).
 
-tests/unit/test_table_owners.py reads the code and fails when a service writes a table it does not own or reads
+tests/contract/test_table_owners.py reads the code and fails when a service writes a table it does not own or reads
 a table it is not listed for. The "Who owns what" table of docs/architecture.md shows this map.
 """
 

@@ -1,6 +1,6 @@
 """The Redis streams transport every service uses (redis-py asyncio), one module per pattern. No service issues
 stream commands itself; it uses one of these patterns, each of whose class docstring states its delivery guarantee (checked by
-tests/integration/test_bus.py and test_bus_patterns.py); which stream travels by which: STREAM_TABLE in
+tests/component/test_bus.py and test_bus_patterns.py); which stream travels by which: STREAM_TABLE in
 shared/contracts/streams.py.
 
 | pattern (module) | producer side | consumer side |
@@ -13,7 +13,7 @@ shared/contracts/streams.py.
 
 This package (connect.py) is also the only door to Redis for services: `connect` (asyncio) and `connect_sync` make the
 clients, `Redis` / `SyncRedis` are their types and `RedisError` the base of redis-py's errors. Services never
-import `redis` themselves (tests/unit/test_layering.py), so how a client is built (pool, timeouts, keepalive
+import `redis` themselves (tests/contract/test_layering.py), so how a client is built (pool, timeouts, keepalive
 for TCP only) is decided here once.
 
 Work queue guarantee: **at-least-once**. A consumer acknowledges an entry only after `handler` returned, i.e.

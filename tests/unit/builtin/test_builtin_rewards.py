@@ -30,19 +30,6 @@ def test_math_reward_uses_answer_after_think():
     assert math_reward(task, "the answer is 4").metadata["reason"].startswith("no \\boxed")
 
 
-def test_math_reward_symbolic_equivalence():
-    out = math_reward({"ground_truth": "0.5"}, "\\boxed{\\frac{1}{2}}")
-    assert out.is_correct and out.metadata["match"] == "symbolic"
-    assert not math_reward({"ground_truth": "0.5"}, "\\boxed{\\frac{1}{3}}").is_correct
-
-
-def test_pathological_expression_is_rejected_instead_of_hanging():
-    out = math_reward({"ground_truth": "1"}, "\\boxed{9^{9^{9^{9}}}}")
-    assert out.reward == 0.0 and out.metadata["verdict"] in ("rejected", "timeout")
-    # the grader is still there: grading still works afterwards
-    assert math_reward({"ground_truth": "2"}, "\\boxed{4/2}", timeout_s=30).is_correct
-
-
 def test_missing_ground_truth_is_a_clear_error():
     with pytest.raises(ValueError, match="ground_truth"):
         rewards.ground_truths({"question": "?"})
@@ -70,13 +57,3 @@ def test_search_reward_exact_match_and_f1():
     partial = search_reward(task, "<answer>the tower in paris</answer>", metric="f1")
     assert 0 < partial.reward < 1 and not partial.is_correct
     assert search_reward(task, "<answer>Paris</answer>").reward == 0.0
-
-
-def test_plain_numbers_are_compared_exactly_without_the_symbolic_grader():
-    from services.env_worker.builtin.rewards import math_reward
-
-    assert math_reward({"ground_truth": "2.5"}, "\\boxed{2.50}").metadata["match"] == "numeric"
-    wrong = math_reward({"ground_truth": "-48"}, "so \\boxed{-47}")
-    assert wrong.reward == 0.0 and "match" not in wrong.metadata
-    # Not both plain decimals: still decided symbolically.
-    assert math_reward({"ground_truth": "0.5"}, "\\boxed{\\frac{1}{2}}").metadata["match"] == "symbolic"
