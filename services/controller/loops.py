@@ -1,22 +1,12 @@
 """The controller: one process drives many runs; each run is driven by whichever controller holds its
-controller lease (shared/platform/leases.py). It is the one writer of `runs` and `run_events`. Seven loops, one module
-each:
+controller lease (shared/platform/leases.py). It is the one writer of `runs` and `run_events`.
 
-- dispatch (dispatch.py): run leases, the run drivers (run.py), status changes (lifecycle.py), dispatch into
-  the staleness window, lease expiry, why a run stalls (stall.py). The only loop that changes the drivers'
-  dispatch state; the others hand it what they learn and wake it.
-- store (ingest.py): `trajectories` -> TrajectoryStore (store.py, the one place that decides acceptance) ->
-  `results.accepted` for the trainer.
-- progress (progress.py): `trainer.progress` -> the runs' policy version and the groups the trainer consumed.
-- reconcile (reconcile.py): dead-lettered rollout tasks -> failed attempts; after Redis lost its data, a
-  replay of `results.accepted` from Postgres.
-- commands (command_loop.py): `run.commands` -> a run created, paused, resumed or stopped, answered to the sender
-  (the API, an eval job), and each change announced on `run.control`.
-- control (control_loop.py): `run.control` -> a user's pause, resume or stop applied to the run's driver at once.
-- trim (trim.py): acknowledged entries of the streams the controller reads or writes.
+Seven loops, one module each: dispatch (dispatch.py, the only loop that changes the drivers' dispatch state;
+the others hand it what they learn and wake it), store (ingest.py), progress (progress.py), reconcile
+(reconcile.py), commands (command_loop.py), control (control_loop.py), trim (trim.py). Postgres reads and
+writes are in queries.py and store.py.
 
-Its Postgres reads and writes are in queries.py (runs, leases, the dispatched-task ledger) and store.py (the
-trajectories).
+More: docs/architecture.md#the-controller
 """
 
 from __future__ import annotations

@@ -1,16 +1,12 @@
 """What a run dispatches, as a deterministic function of its config and dataset (so a restarted controller
 recomputes the same plan and diffs it against the ledger).
 
-A slot is one (task, sample) of the plan. Eval: every task x samples_per_task, one batch. Train: batch b
-holds `tasks_per_batch` tasks of epoch b // batches_per_epoch, in a seeded per-epoch shuffle, each with
-samples_per_task samples plus, for ReMax, one greedy baseline sample (s = samples_per_task). sample_idx is
-unique within the run: epoch * slots_per_task + s, so epoch 0 has sample_idx = s.
+A slot is one (task, sample) of the plan; sample_idx is unique within the run (epoch * slots_per_task + s).
+The dispatch window counts groups (one task's slots in one batch), the unit the trainer consumes: groups [0,
+group_limit) may be dispatched, group_limit staying (max_staleness + 1) batches of groups ahead of what the
+trainer consumed. Batches past num_batches continue the epochs to replace dropped groups.
 
-The dispatch window counts groups (one task's slots in one batch), the unit the trainer consumes: a step takes
-`tasks_per_batch` groups, and a group it drops (stale, filtered, incomplete) is consumed without a step. So
-groups [0, group_limit) may be dispatched, where group_limit stays (max_staleness + 1) batches of groups ahead
-of what the trainer consumed (steps * tasks_per_batch + dropped groups), capped at what the planned steps need.
-Batches past num_batches continue the epochs (same seeded shuffle) to replace dropped groups.
+More: docs/architecture.md#dispatch
 """
 
 from __future__ import annotations

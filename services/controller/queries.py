@@ -1,20 +1,12 @@
-"""The controller's Postgres side (the trajectory rows themselves are store.py's): `runs` (created and changed
-by run commands, and its leases),
-`dataset_rows`, the ledger (`rollout_tasks`, one row per dispatched attempt) and what the trainer reported
-consuming (`consumed_groups`, from `trainer.progress`). Sync SQLAlchemy; callers run these in a thread.
+"""The controller's Postgres side (the trajectory rows themselves are store.py's): `runs` and its leases,
+`dataset_rows`, the ledger (`rollout_tasks`, one row per dispatched attempt) and `consumed_groups`. Sync
+SQLAlchemy; callers run these in a thread.
 
-A function taking `db` (an Engine) is one transaction of its own:
-    rows = await asyncio.to_thread(queries.lease_runs, db, owner, lease_s, limit)
-one taking `conn` (a Connection) is a step of its caller's transaction (the dispatch pass, dispatch.py).
+A function taking `db` (an Engine) is one transaction of its own; one taking `conn` (a Connection) is a step
+of its caller's transaction. Every write is conditional (compare-and-set on the status it expects) so that a
+controller that lost its lease, or a concurrent API change, is never overwritten.
 
-Every write is conditional (compare-and-set on the status it expects) so that a controller that lost its
-lease, or a concurrent API change, is never overwritten.
-
-Ledger row statuses: dispatched (in flight), completed (a scored result), error (the user's code failed: `error`
-holds "<where>: <exception>"; final, not retried), failed (infrastructure failure of that attempt), lost (no
-result before its lease expired; re-dispatched as a new attempt), cancelled (stopped run). A (task, sample) is
-"finished" when some attempt completed, or it finally failed (its last attempt failed or was lost with no
-attempts left; recorded as `final_failure` run events).
+More: docs/architecture.md#the-ledger
 """
 
 from __future__ import annotations

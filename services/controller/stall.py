@@ -1,18 +1,13 @@
 """Why a running run makes no progress, from what the controller can see (never a guess): the live workers'
-heartbeats in Redis (the trainers' list the runs each trains) and the run's own dispatch state.
+heartbeats in Redis and the run's own dispatch state.
 
     facts = await gather_facts(redis)                        # in DispatchLoop.check_stalls (dispatch.py)
     reason = stall_reason(driver, facts, stall_after_s)      # a sentence for runs.stall_reason
 
-Checked in this order, the first that holds is the reason:
-- work is waiting (tasks in flight, attempts to retry, slots in the dispatch window):
-  no live rollout worker; none offers the run's engine type; no env worker alive (runs with an env); every
-  rollout slot of the live workers busy (their heartbeats' inflight and max_concurrency);
-- nothing is waiting (every slot the window allows has ended): a training run that a trainer reported it cannot
-  train (`trainer.progress` with an error); one that no live trainer trains; one whose
-  staleness window is full, waiting for the trainer to step (groups that can never complete, a unit errored or
-  out of attempts, widen the window: they are replaced, so they never hold it shut).
-Paused runs say so at once; Redis or Postgres unreachable is the controller's own error, reported as such.
+Checked in a fixed order, the first that holds is the reason. Paused runs say so at once; Redis or Postgres
+unreachable is the controller's own error, reported as such.
+
+More: docs/architecture.md#stall-reasons
 """
 
 from __future__ import annotations

@@ -4,30 +4,10 @@ that decides whether a result is accepted.
     store = TrajectoryStore(make_engine(url))
     outcome = store.write(results)   # one transaction; ack the stream entries after it returns
 
-Guarantees:
-- One transaction per batch: episodes, trajectories, steps, token arrays AND the ledger rows (`rollout_tasks`)
-  commit together, so the ledger never says "completed" for something not stored, nor the reverse.
-- Idempotent: ids are derived from the natural key (uuid5 of run/task/sample/attempt), every insert is
-  ON CONFLICT DO NOTHING, and a result whose ledger row already ended is not applied again. Re-delivering
-  the same message changes nothing.
-- Acceptance rule (exactly-once accounting): a result is applied only if its ledger row is live
-  (status "dispatched"). A result from an attempt the controller marked lost / cancelled, or one already
-  ended differently, is recorded once as a `late_result` run event and not stored as a trajectory.
-- `status="failed"` results mark the ledger row failed with the error and store the episode row (no
-  trajectories: they are never trained on); the controller re-dispatches attempt+1 while attempts remain.
-- `status="error"` results (the user's code failed) mark the ledger row `error` with the error's first line
-  ("<where>: <exception>") and store the episode (full error) with its trajectories, to read what happened;
-  they are never trained on, never scored and not retried.
-
-- What to train on (`StoreOutcome.to_train`): the completed results of training runs that this write accepted,
-  plus completed re-deliveries of attempts already stored (the first publish may have been lost in a crash).
-  The caller publishes them to `results.accepted` after the commit and before acknowledging `trajectories`,
-  so the trainer sees only what the store accepted: a late result never reaches it.
-
-Ledger rows are locked (SELECT ... FOR UPDATE, in key order) so two store consumers never both apply
-results for the same attempt. Rows go in with a binary COPY into temp tables then INSERT ... SELECT ... ON
-CONFLICT DO NOTHING (`method="copy"`, the default: measured faster in bench/rollout.py), or with multi-row
-INSERT ... VALUES (`method="values"`).
+Guarantees: one transaction per batch (episodes, trajectories, steps, token arrays AND the ledger rows);
+idempotent (natural-key ids, ON CONFLICT DO NOTHING); a result is applied only if its ledger row is live
+(status "dispatched"), else recorded once as a `late_result` run event and not stored as a trajectory.
+More: docs/architecture.md#the-trajectory-store
 """
 
 from __future__ import annotations

@@ -2,18 +2,11 @@
 process, talking to the policy through a gateway session of this worker, and ends as an EpisodeResult on
 `trajectories` like every other rollout.
 
-    # my_pkg/agent.py                               run config: "agent_program": {"name": "my_pkg.agent:run"}
-    async def run(task, client):                     # client: openai.AsyncOpenAI bound to the session
-        reply = await client.chat.completions.create(model="solver", messages=[...])
-        return 1.0 if ok(reply) else 0.0             # or {"reward": 1.0, "info": {...}}
+The child process (agent_runner.py) has its own process group and temp dir, address-space, CPU and wall-clock
+limits. A program that raises or exits non-zero ends with ERROR, one that overruns is killed and ends with
+TIMEOUT; either way the calls it made are kept (masked from the loss) and the worker goes on.
 
-The child process (agent_runner.py) is limited: its own session and process group, its own temp dir as cwd,
-an address-space limit and a CPU limit (set by the child on itself before it imports user code: no
-preexec_fn in a threaded worker), and a wall-clock limit after which the whole group is killed. It can reach the
-network (it must reach the gateway). A program that raises or exits non-zero ends the episode with ERROR and
-its stderr tail in `info["error"]`; one that overruns the time budget is killed and ends with TIMEOUT. Either
-way the calls it made are kept (stored, masked from the loss like any ERROR/TIMEOUT trajectory) and the
-worker goes on.
+More: docs/agents-and-envs.md#gateway-sessions-and-agent-processes
 """
 
 from __future__ import annotations

@@ -1,15 +1,12 @@
 """Token-exact multi-turn bookkeeping.
 
-`PromptBuilder` makes each turn's prompt ids. When the agent's chat history only grew since the last model
-call (the usual multi-turn case), the new prompt is the previous prompt + the generated ids, exactly as
-generated, + the tokens of the new messages (chat-template glue and observations). Nothing the model produced
-is re-tokenized, so the prompt extends the accumulated context by construction. When the history was rewritten
-(an agent that drops thinking, summarizes, ...) the prompt is the re-templated history, which usually does
-not extend the context.
+`PromptBuilder` makes each turn's prompt ids: when the chat history only grew, the new prompt is the previous
+prompt + the generated ids, exactly as generated, + the tokens of the new messages, so nothing the model
+produced is re-tokenized. `assemble(steps)` turns the steps into the trainer's `TokenSequence` (observation
+and template tokens mask 0, completions mask 1). A turn whose prompt does not extend the accumulated context
+sets `mismatch` and zeroes the whole mask, as rLLM does.
 
-`assemble(steps)` turns the steps into the trainer's `TokenSequence`: the first prompt, then for each turn
-the new observation/template tokens (mask 0) and the completion (mask 1). A turn whose prompt does not extend
-the accumulated context sets `mismatch` and zeroes the whole mask, as rLLM does.
+More: docs/agents-and-envs.md#token-bookkeeping
 """
 
 from __future__ import annotations

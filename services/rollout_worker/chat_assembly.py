@@ -1,21 +1,13 @@
 """Token-in/token-out bookkeeping for agent programs that call the gateway (OpenAI chat/completions format).
 
-An agent program sends whole message lists; the policy must see, and the trainer must train on, exactly the
-tokens the model produced. Per session and per agent name (`model` field or the X-Flywheel-Agent header) an
-`AgentCalls` keeps one or more *segments*; a segment becomes one trajectory:
+Per session and per agent name an `AgentCalls` keeps segments; a segment becomes one trajectory. A call that
+extends a segment's messages with the reply we returned extends its prompt with the generated ids, exactly as
+generated: nothing the model produced is re-tokenized. A call that extends no segment opens a new one; one
+that shares a start with a segment is a counted *mismatch* and a separate trajectory, so no trajectory is ever
+misaligned. Tool calls are parsed from the model's text, and our assistant messages are rendered back as the
+raw generated text.
 
-- a call whose messages are the segment's previous messages + the reply we returned (+ anything new) extends
-  it: the prompt is the previous prompt ids + the generated ids, exactly as generated, + the tokens of the
-  template text that follows them. Nothing the model produced is re-tokenized.
-- a call that extends no segment opens a new one with a freshly templated prompt. When it shares its start
-  with an existing segment (the agent edited or dropped history, or the template is not append-only) that is
-  a *mismatch*: counted, and the new segment is a separate trajectory, so no trajectory is ever misaligned.
-
-Tools: when the tokenizer's chat template renders `tools` itself (Qwen2.5, Llama 3.1, ...) it is given the
-tools; otherwise the tools are described in the system message and calls are written as
-`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (the Hermes/Qwen syntax). Either way the model's
-tool calls are parsed from its text into OpenAI `tool_calls`, and the assistant messages we produced are
-rendered back as the raw generated text, so the template never re-serializes (and shifts) the model's tokens.
+More: docs/agents-and-envs.md#token-bookkeeping
 """
 
 from __future__ import annotations

@@ -1,17 +1,12 @@
 """Rollout workers relay checkpoint files to each other, so the weight server sends each version's bytes once
 whatever the number of workers.
 
-Per file of a version, the weight server keeps a chain: the workers fetching it, in the order they asked
-(`GET .../versions/<v>/sources/<name>?peer=<this worker's URL>` answers the one before it, or none: fetch from
-the server itself). Each worker streams the file from its source and checks every piece (`FileEntry.pieces`,
-sha256 per `PIECE_BYTES` slice, listed in the manifest whose own sha256 the announcement carries) before it
-writes it, serves it to the next worker in the chain (`GET /v1/relay/<run>/<v>/<name>`, while its own download
-goes on) or loads it: bytes flow down the chain piece by piece, so reaching N workers takes about as long as
-reaching one. When a source dies, stalls (no byte for `stall_s`) or sends a piece that does not verify, the
-worker reports it (`failed=<its URL>`), the server drops it from the chain and names the worker before it, and
-the download resumes at the first piece not yet verified (an HTTP Range request). A worker that starts late
-joins the end of the chain, whose workers still serve the finished file. A worker that restarts has forgotten
-what it held: it answers 404, and the worker asking routes around it the same way.
+Per file of a version the weight server keeps a chain of the workers fetching it. Each worker streams the file
+from the one before it, checks every piece against the manifest before it writes, loads or serves it to the
+next. A source that dies, stalls or sends a piece that does not verify is reported and routed around, and the
+download resumes at the first piece not yet verified (HTTP Range).
+
+More: docs/weight-sync.md#fetching-and-verifying-a-version
 """
 
 from __future__ import annotations

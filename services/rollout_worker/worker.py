@@ -1,19 +1,12 @@
-"""rollout-worker loops:
+"""rollout-worker loops: tasks, keepalive, ended runs, env replies, weights.
 
-- tasks: read `rollout.tasks` (group "rollout") only while a concurrency slot is free; each task runs as its
-  own asyncio task; its EpisodeResult is XADDed to `trajectories`, THEN the task is acked. A worker killed
-  mid-trajectory leaves its tasks pending; others reclaim them (XAUTOCLAIM after claim_idle_ms).
-  A task read after its attempt's ledger lease expired (it waited in the stream under backlog, or pending for a
-  dead consumer) is acked without running: the controller has given that attempt up and re-dispatched it. The
-  tasks in hand are listed in the heartbeat (`holds`), and the controller renews their leases instead of
-  expiring them, however long a loaded machine makes them (each is bounded by its trajectory budget).
-- keepalive: tasks still running are re-claimed by this worker every claim_idle_ms/3, so a long trajectory
-  of a live worker is never taken for a dead one's.
-- ended runs: every RUN_CHECK_S the runs of the tasks in hand are read from Postgres; the tasks of a run that
-  stopped, failed, completed or was deleted are cancelled and acked (whatever they wait on: a model loading, a
-  hub retrying) and its later tasks are acked unrun, so no work goes on for it after the stop.
-- env replies: the EnvClient reader.
-- weights: the `weights` broadcast, read with our own cursor; hot reload of the runs we serve.
+A task's EpisodeResult is XADDed to `trajectories`, THEN the task is acked: a worker killed mid-trajectory
+leaves its tasks pending and others reclaim them. A task read after its attempt's lease expired is acked
+without running. Tasks still running are re-claimed every claim_idle_ms/3, so a live worker's long trajectory
+is never taken for a dead one's. The tasks of a run that ended are cancelled and acked, and its later tasks
+acked unrun.
+
+More: docs/reliability.md#the-rollout-workers-loops
 """
 
 from __future__ import annotations

@@ -1,29 +1,13 @@
 """The trainer service loop: consume `results.accepted` (group "train"), train whole groups with verl,
 checkpoint, record, report, publish, and only then acknowledge.
 
-The trainer makes no acceptance decision: everything on `results.accepted` was accepted by the store (a late
-result of an expired attempt never gets there). It only keeps its own effects exactly-once, across crashes:
-1. a step's inputs stay pending in the stream (unacknowledged) while it trains;
-2. the step's checkpoint (model + optimizer + STEP.json listing the samples it used) is renamed into place;
-3. one Postgres transaction records the used samples (`train_samples`, keyed by (run, task, sample)) and the
-   metrics;
-4. the version is published to the weight server;
-5. the new version and the groups it used go to the controller on `trainer.progress`;
-6. the stream entries are acknowledged.
-A crash before 2 re-trains the same entries from the previous checkpoint; between 2 and 3 the record is
-replayed from STEP.json at start-up; after 3 the entries are recognised as used and acknowledged unused.
-Whatever step 4 (or a drop's report) lost in a crash is re-sent when the run is opened again: the trainer
-reports its whole record then, and the controller applies reports idempotently.
+The trainer makes no acceptance decision; it keeps its own effects exactly-once across crashes: a step's
+inputs stay pending while it trains, its checkpoint is renamed into place, one transaction records the used
+samples, then publish, report on `trainer.progress`, acknowledge. A group that will not be trained on is
+recorded with its reason, reported, then acknowledged. Several trainers share the "train" group, each training
+the runs whose lease it holds.
 
-A group that will not be trained on (older than max_staleness, all rewards equal under dynamic sampling, or
-missing a slot the controller announced out of attempts, recorded `abandoned`, or with a stored result that
-has nothing to train on, recorded `excluded`) is recorded in `train_samples` with that reason at once,
-reported, then acknowledged; the controller counts such groups and dispatches replacements.
-
-Several trainers may share the "train" group, each training the runs whose lease (shared/platform/leases.py) it holds.
-Entries a trainer held when it died stay pending under its name, so whenever this process opens a run (at
-start-up or taking over a dead trainer's lease) it claims every pending entry and keeps those of runs it owns;
-entries of runs another trainer owns stay pending (re-owned by name only: XACK by id works from any consumer).
+More: docs/reliability.md#the-trainers-step-exactly-once
 """
 
 from __future__ import annotations

@@ -2,18 +2,13 @@
 its own adapter weights, optimizer state and learning-rate schedule.
 
     engine = open_engine(run_id, model, algo, **options)   # a PolicyEngine, or a run's view of a shared one
-    ...
     close_engine(run_id)                                   # the last run out frees the engine
 
-Runs share an engine when everything that shapes it is the same: the model, the whole algorithm (the LoRA
-config, the learning rate and the loss included) and the engine options; a run with a critic (gae) or full
-weights gets an engine of its own. A run's state is swapped into the shared engine before each of its calls:
-its adapter tensors are copied into the engine's own parameters (in place, so FSDP2's sharded storage stays the
-storage its all-gathers read), its Adam moments are put back as the optimizer's state for those parameters (by
-reference, nothing copied), and its scheduler state and learning rates are restored. A checkpoint written
-while a run is swapped in holds that run's adapter and optimizer state; loading one swaps the run in first.
-Calls run one at a time (the trainer's torch thread), so a swap never races a step. Each rank makes the same
-calls in the same order, so every rank shares the same way."""
+Runs share an engine when the model, the whole algorithm and the engine options are the same. A run's state is
+swapped in before each of its calls, one call at a time, so a swap never races a step.
+
+More: docs/lora.md#one-trainer-engine-for-many-runs
+"""
 
 from __future__ import annotations
 

@@ -1,17 +1,12 @@
 """Client of the weight server: publish one exported HF folder as version v of a run.
 
 Each version is sent as a delta on the version before it when the weight server's plan asks for one and this
-publisher still holds that version's exported tensors (it keeps the last one per run in memory, and diffs the
-new export against it in memory: no file is read back; where the tensors live, so a CUDA trainer that exports
-onto its GPU diffs there and copies only the changes and the hashed tensors to the host); otherwise as the full folder (the first version after a
-start, and every SNAPSHOT_EVERY versions). Either way the manifest states every tensor's digest, which is what
-rollout workers check the weights they serve against: for a delta, the tensors it changes are hashed and the
-others keep the previous version's digest (their bits are the same, compared one by one).
+publisher still holds that version's export, otherwise as the full folder. Either way the manifest states
+every tensor's digest. Co-located (WEIGHTS_DIR set): exported into a staging folder on the weight server's
+volume and published by path. Remote: uploaded over HTTP with sha256s. A 4xx is not transient and raises.
 
-Co-located (WEIGHTS_DIR set): the folder is exported straight into a staging folder on the weight server's
-volume and published by path (the server moves the files, no copy). Remote: every file is uploaded over
-HTTP with its sha256, then published. Transient HTTP errors are retried within `timeout_s`; a 4xx (bad
-request, checksum mismatch) is not transient and raises."""
+More: docs/weight-sync.md#publishing-from-the-trainer
+"""
 
 from __future__ import annotations
 

@@ -1,14 +1,8 @@
-"""HTTP routes of the weight server (mounted on the ServiceRuntime's app, next to /healthz and /metrics).
+"""HTTP routes of the weight server (mounted on the ServiceRuntime's app, next to /healthz and /metrics):
+uploads, the delta-or-full plan, publish, the versions list and retention, streamed downloads (Range resumes)
+and the relay chain's sources.
 
-    PUT  /v1/runs/{run}/versions/{v}/files/{name}?sha256=<hex>   streamed upload of one file (remote trainer)
-    GET  /v1/runs/{run}/versions/{v}/plan                          send v as a delta (on which base) or full?
-    POST /v1/runs/{run}/versions/{v}/publish                       make the version durable and announce it
-    GET  /v1/runs/{run}/versions                                   available versions
-    POST /v1/runs/{run}/versions/retain  {"keep_last": n}          delete all but the newest n (and what they
-                                                                   are built on): the jobs worker's GC
-    GET  /v1/runs/{run}/versions/{v}/{name}                        streamed download (MANIFEST.json first;
-                                                                   Range: bytes=<start>- resumes)
-    GET  /v1/runs/{run}/versions/{v}/sources/{name}?peer=&failed=  where a relaying worker fetches the file from
+More: docs/weight-sync.md#the-weight-servers-routes
 """
 
 from __future__ import annotations

@@ -1,20 +1,12 @@
 """Versioned checkpoint storage: WEIGHTS_DIR/<run_id>/v<version>/ (files + MANIFEST.json).
 
-A version is a full snapshot (HF files) or a delta on the version before it (one compressed file; see
-shared/weights/manifest.py). `plan` tells the publisher which to send: a full snapshot every `snapshot_every` versions
-(and whenever the previous version is missing or has no per-tensor hashes), deltas in between. Retention keeps
-each kept version's whole chain (its snapshot and every delta after it), so every kept version can be rebuilt.
+A version is a full snapshot or a delta on the version before it; `plan` says which. Retention keeps each kept
+version's whole chain. Publish order, each step durable before the next: temp folder, fsync and sha256 per
+file, MANIFEST.json, rename into place, `checkpoints` row, then `WeightsPublished` on `weights`: a reader that
+sees the announcement always finds a complete folder. A crash between rename and announcement is repaired at
+start-up (`reconcile`).
 
-Publish order (each step durable before the next): files land in a temp folder next to the target (uploaded
-over HTTP, or moved from a staging folder on the same volume), every file is fsynced and its sha256 recorded,
-MANIFEST.json is written, the folder is renamed into place, the `checkpoints` row is inserted, and only then
-`WeightsPublished` is appended to the `weights` stream. A reader that sees the announcement therefore always
-finds a complete folder. Which sha256 is recorded: files uploaded over HTTP are hashed here and checked against
-the sha256 the publisher declared; files a co-located publisher staged on the volume are recorded with the
-sha256 it declared, unread (VERIFY_STAGING=false, the default), or re-hashed and checked (VERIFY_STAGING=true).
-Retention (deleting the versions no longer kept) runs afterwards on the store's own thread, one pass at a time,
-so a publish request never waits for an `rmtree`. A crash between rename and announcement is repaired at
-start-up (`reconcile`): folders on disk without a row are registered and announced then.
+More: docs/weight-sync.md#versions-on-disk
 """
 
 from __future__ import annotations

@@ -1,24 +1,12 @@
 """The one place a run is created, with one set of checks, and the one way to change a run: `POST /v1/runs`
 and the eval job both call `create_run`, which checks the run and sends a `create` command to the controller
-(the one writer of `runs`); pause, resume and stop go the same way (`run_command`). A run that cannot work is
-refused with the reason (`RunRefused`: 404 or 400, every problem listed) instead of failing every attempt on
-the workers. The checks:
+(the one writer of `runs`); pause, resume and stop go the same way (`run_command`).
 
-- the dataset (name, split, version) exists (404); the run reads that one version for its whole life;
-- `model` / `tokenizer`: a path (absolute, `./`, `../`, `~`, or naming an existing file) must be a folder that
-  exists; anything else must be a valid hub id, and is refused when it looks like a local path whose folder is
-  missing (its first part exists here), or, not in the local cache, when the hub is offline (HF_HUB_OFFLINE),
-  does not answer within HUB_TIMEOUT_S or answers that it has no such model (400);
-- `max_prompt_tokens + max_response_tokens` (and `max_trajectory_tokens`) fit the model's context, read from its
-  config.json when this process can see it (400);
-- some live rollout worker offers `engine.type` (workers list theirs in their heartbeat; not checked while no
-  worker is up, so a run may be created before the workers start) (400);
-- every dataset row has the fields the env needs (built-in envs declare `required_fields`) (400);
-- `algorithm.lora.target_modules` name modules the model has (read from its safetensors headers) (400).
+A run that cannot work is refused with the reason (`RunRefused`: 404 or 400, every problem listed) instead of
+failing every attempt on the workers. What the caller cannot see it does not check (`check_paths=False`).
 
-Relative paths resolve against the caller's working directory: the repo root under `make up`. What the caller
-cannot see it does not check: `check_paths=False` (the API's CHECK_MODEL_PATHS=false when it does not share the
-workers' file system; an eval of a checkpoint, whose model is the weight server's)."""
+More: docs/runs.md#checks-when-a-run-is-created
+"""
 
 from __future__ import annotations
 

@@ -1,18 +1,13 @@
 """Who owns a run: one lease mechanism, a table per service that leases runs, each written by that service
-alone (`controller_leases`: which controller drives a run; `trainer_leases`: which trainer trains it).
+alone (`controller_leases`, `trainer_leases`).
 
     held = acquire(conn, TRAINER, worker_id, run_ids, ttl_s=15)   # take free/expired ones, renew ours
     release(conn, TRAINER, worker_id)                               # at shutdown (or for some run_ids)
 
-Guarantees (tested in tests/component/test_leases.py):
-- At most one owner per run in a table at any instant of the database's clock: acquiring is one
-  `INSERT ... ON CONFLICT DO UPDATE ... WHERE` statement, which Postgres serialises on the row, and it only
-  overwrites a lease that is ours or has expired (`expires_at < now()`, the database's clock, so skewed host
-  clocks do not matter).
-- A holder that stops renewing loses the run after `ttl_s`; any other process then takes it over, and the old
-  holder's next `acquire` no longer returns it (it must drop the run).
-A service learns who holds another's lease from that service's heartbeats (shared/platform/heartbeats.py), never from its
-lease table.
+Guarantees (tests/component/test_leases.py): at most one owner per run at any instant of the database's clock;
+a holder that stops renewing loses the run after `ttl_s`, and its next `acquire` no longer returns it.
+
+More: docs/reliability.md#leases
 """
 
 from __future__ import annotations

@@ -3,13 +3,11 @@
     SEND = RetryPolicy(transient=REDIS_DOWN, attempts=8, first_wait_s=0.1, max_wait_s=2.0)
     entry_id = await SEND.call_async(lambda: bus.publish(stream, msg))
 
-A policy names the errors it treats as transient; any other exception propagates at once, unretried. It
-waits exponentially between attempts (first_wait_s, doubling, at most max_wait_s), and gives up when the next
-wait would end past `budget_s` (total time, measured from the first attempt) or after `attempts` attempts,
-whichever comes first; giving up re-raises the last transient error. `attempt_timeout_s` bounds each attempt
-of `call_async` (asyncio.timeout; TimeoutError then counts as transient); a synchronous caller passes it to its
-client instead (a thread cannot be interrupted). Without `budget_s` and `attempts` it retries forever: only for
-work that must not be dropped and whose caller can wait (e.g. publishing a result before acking its task).
+Only the errors a policy names are retried, with exponential waits, until `budget_s` or `attempts` runs out;
+then the last transient error is re-raised. Without either it retries forever: only for work that must not be
+dropped and whose caller can wait.
+
+More: docs/reliability.md#retries
 """
 
 from __future__ import annotations

@@ -3,23 +3,11 @@
     def main() -> int:
         return run_service(EnvWorkerSettings(), build, dependencies=("redis",))
 
-    async def build(cfg: EnvWorkerSettings, runtime: ServiceRuntime) -> list[Coroutine]:
-        redis = connect(cfg.redis_url)
-        runtime.on_stop(redis.aclose)            # cleanups run after the loops end, last registered first
-        worker = EnvWorker(cfg, runtime.worker_id, redis)
-        runtime.on_stop(worker.close)
-        return worker.loops(runtime.stop)        # the service's loops; they return once runtime.stop is set
+`run_service` logs the resolved config once with its secrets masked, runs the loops on uvloop beside
+`/healthz`, `/readyz`, `/metrics`, a heartbeat and signal handling, and shuts down bounded and idempotent. A
+loop that dies makes the process exit non-zero. `/healthz` is liveness, `/readyz` readiness (dependencies).
 
-`run_service` sets up logging, logs the resolved config once with its secrets masked (`ServiceSettings.loggable`),
-runs `build` and the loops on uvloop (EVENT_LOOP=asyncio opts out) beside what every process has: `/healthz`,
-`/readyz` and `/metrics` over HTTP on HEALTH_HOST:HEALTH_PORT (a service may serve its own app there instead,
-as the API does), a heartbeat key in Redis, SIGTERM/SIGINT handling, and a bounded, idempotent shutdown.
-
-If any loop dies with an exception the runtime logs it and exits non-zero (a dead background task never
-goes unnoticed). `/healthz` is liveness: 503 once the service is stopping or a check fails, never because a
-dependency is down (restarting the process would not bring Redis back). `/readyz` is readiness: 503 while any
-of the service's `dependencies` (Redis PING, Postgres SELECT 1) does not answer within 2 s, so a service that
-cannot reach Redis or Postgres says so instead of looking fine while it loops on retries.
+More: docs/reliability.md#the-service-process
 """
 
 from __future__ import annotations

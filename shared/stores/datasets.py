@@ -2,17 +2,12 @@
 
     registry = DatasetRegistry(engine)
     registry.register("gsm8k-tiny", rows, split="train")        # a new version: 1, then 2, ...
-    ds = registry.load("gsm8k-tiny", "train")                   # the latest version; version=1 for the first
-    registry.splits("gsm8k-tiny"); registry.versions("gsm8k-tiny", "train"); registry.list()
-    registry.delete("gsm8k-tiny", "train", version=1)           # refused while a live run reads version 1
 
 Versions are immutable: registering a (name, split) again adds version n+1 and leaves earlier versions' rows
-alone, so a run that pinned a version (`RunConfig.dataset_version`, set when the run is created) reads the same
-rows for its whole life. A version that a run not yet stopped, completed or failed pins cannot be deleted.
+alone. A version that a run not yet stopped, completed or failed pins cannot be deleted. `load_rows` reads
+jsonl, csv, parquet and HF `datasets` folders; validation errors name the row.
 
-File loaders (`load_rows`) read jsonl, csv, parquet and HF `datasets` folders saved with `save_to_disk`.
-Every row must be a JSON object; a row's task id is its "task_id" or "id" field if present, else its index.
-Validation errors name the row and what is wrong, so a user can fix the file.
+More: docs/datasets.md#the-registry-in-python
 """
 
 from __future__ import annotations

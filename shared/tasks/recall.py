@@ -1,14 +1,11 @@
 """The task a tiny random-init model learns by RL in minutes on a CPU: name a digit. The prompt is a number
 word ("seven"), the one-token answer its digit ("7").
 
-The answer depends on the prompt: a policy that ignores the prompt scores at most 1/10 (always answering the
-most frequent digit of a uniform task mix), so a reward of 0.8 needs the model to read the question.
+The answer depends on the prompt: a policy that ignores the prompt scores at most 1/10, so a reward of 0.8
+needs the model to read the question. The agent, env and dataset generator `recall` and the tiny number model
+share this task's words, rows and reward.
 
-The agent and env `recall` (RecallAgent in services/rollout_worker/builtin/agents.py, RecallEnv in
-services/env_worker/builtin/envs.py) and the built-in dataset generator `recall` share this task's words, rows
-and reward; the model whose tokenizer knows exactly these words is `python -m tests.support.tiny_model --number
-FOLDER` (tests.support.tiny_model.build_number_model). `make demo`, `examples/train_recall_grpo.yaml` and the trainer tests
-train on it.
+More: docs/agents-and-envs.md#the-recall-task
 """
 
 from __future__ import annotations

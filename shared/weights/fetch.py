@@ -1,27 +1,12 @@
 """Fetching a version between the weight server and rollout workers.
 
-A version is a folder plus `MANIFEST.json`, which lists every file with its sha256 and size, and every weight
-tensor of the version's full weights with its dtype, shape and digest (xxh3-128 of its raw bytes). The
-`WeightsPublished.sha256` is the sha256 of the manifest bytes, so verifying the manifest and then each file
-(or each tensor) against it verifies the whole version.
+A version is a folder plus `MANIFEST.json` (every file's sha256 and size, every tensor's digest); the
+announced sha256 of the manifest verifies the whole version. `full` is an HF folder; `delta` one file of what
+changed since `base_version`, reproducing the new tensors bit for bit. Fetching is atomic: files go to a temp
+folder, are hashed while streaming and renamed into place only when every hash matches; nothing
+half-downloaded or unverified is ever loaded (`ChecksumError`).
 
-A version is one of two kinds:
-- `full` (a snapshot): an HF folder (config.json, *.safetensors, tokenizer files);
-- `delta`: one file, `DELTA_FILE`, holding only what changed since `base_version` (whose manifest sha256 is
-  `base_sha256`, so a chain of manifests is verified from its newest end): per tensor either the changed
-  elements (flat indices as gaps + new values) or the whole tensor when that is smaller, as a safetensors blob
-  compressed with zstd. Changes are found by comparing bits, so applying the delta to the base reproduces the
-  new tensors bit for bit; `WeightUpdate.apply` checks each result against the manifest before it is used.
-
-Publishing is atomic (the weight server writes the manifest, fsyncs and renames the folder into place before it
-announces it); fetching is too: files are downloaded into a temp folder, hashed while streaming, and renamed
-into place only when every hash matches. A checksum mismatch raises `ChecksumError`; nothing half-downloaded or
-unverified is ever loaded. A folder on a shared volume (co-located worker) is read in place: the manifest hash
-and each file's size are checked, but file contents are hashed only with `verify_shared_path`, because the
-weight server does not re-read a co-located trainer's files by default (VERIFY_STAGING=false records the sha256
-the trainer computed from the bytes it wrote on that volume): an in-place read of a full snapshot trusts the
-shared volume. A delta read in place needs no file hash: a damaged file fails zstd's content checksum, and what
-it decodes to is checked tensor by tensor against the manifest before it is served.
+More: docs/weight-sync.md#fetching-and-verifying-a-version
 """
 
 

@@ -1,15 +1,12 @@
-"""The two loops of a weight delta, compiled with numba: finding what changed between two versions of a tensor,
-and writing those changes into a tensor in place.
+"""The two loops of a weight delta, compiled with numba: finding what changed between two versions of a
+tensor, and writing those changes into a tensor in place.
 
-Each is one pass over the tensor's bits. numpy needs five (compare, nonzero, diff, cast, gather) and a scatter
-through a cumsum-ed index array, which made the diff and the patch the slowest stages of a weight sync. They run
-without the GIL (`nogil`), so a thread pool spreads tensors over the cores, and are compiled on first use
-(cached on disk where numba finds a writable place: next to this file, or the user's cache folder; in memory
-only on a read-only image); `warm_up` makes every specialization, one process at a time, and services run it
-when they start, ahead of the first version and off its clock.
+Each is one pass over the tensor's bits, without the GIL, compiled on first use (cached on disk where it can
+be); `warm_up` compiles every specialization ahead of the first version. Arrays are flat integer views of the
+tensors' bytes, so comparing compares bits: a NaN equals itself, -0.0 differs from 0.0.
 
-Arrays are flat, C-contiguous integer views of the tensors' bytes (int16 for bf16/fp16, ...), so comparing
-compares bits: a NaN equals itself, -0.0 differs from 0.0."""
+More: docs/weight-sync.md#delta-kernels
+"""
 
 from __future__ import annotations
 

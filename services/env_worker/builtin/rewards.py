@@ -1,28 +1,13 @@
 """Reward functions for the built-in environments: `fn(task, response) -> RewardOutput`.
 
-Math grading (rLLM's rule): take the last `\\boxed{}` after `</think>`, compare it with the ground truth by
-normalized string match, then by exact numeric match, then by symbolic equivalence (math-verify on sympy).
-What the grader promises, each tested in tests/component/test_math_grading.py:
+Math grading (rLLM's rule): take the last boxed answer after `</think>`, compare it with the ground truth by
+normalized string match, then by exact numeric match, then by symbolic equivalence (math-verify on sympy). Its
+promises are tested in tests/component/test_math_grading.py: a decimal is the exact number it writes; percent,
+degrees and units are units; answers too long, too deep or too large are "rejected" before symbolic work;
+symbolic work never takes more than GRADING_TIMEOUT_S; grading never raises on what the policy wrote.
+`metadata["verdict"]` says how a grading ended.
 
-- Percent is a unit, like `cm`: a `\\%` or `%` on either side is dropped, so `50\\%` matches `50` (the usual
-  way a reference records a percentage) and does NOT match `0.5`; `0.5\\%` matches `0.5`. One reading, never
-  "either 50 or 0.5": accepting both would let `0.5\\%` match `0.005` and `0.5` at once.
-- A decimal is the exact number it writes: `0.5` matches `\\frac{1}{2}`, but `0.333` (or 0.333333333333)
-  does not match `\\frac{1}{3}` and no truncated decimal matches `\\pi` or `\\sqrt{2}`. Decimals are turned into
-  exact fractions before math-verify sees them (its default rounds floats to 6 places: a reward-hacking path).
-- Degrees and units are dropped like percent (`30^\\circ` matches `30`; it does not match `\\frac{\\pi}{6}`).
-- An answer the grader will not evaluate scores 0 with verdict "rejected", before any symbolic work: longer
-  than MAX_ANSWER_CHARS (or twice the reference), brackets nested deeper than MAX_NESTING, or (in the grader,
-  on math-verify's unevaluated parse tree) a number that would have more than MAX_DIGITS digits, such as a
-  power tower or a huge factorial. Numbers longer than Python's int-string limit never raise.
-- Symbolic work runs in a separate grader process and never takes more than GRADING_TIMEOUT_S: the grader
-  interrupts itself just before the limit (verdict "timeout", process kept), and a grader stuck in C code past
-  it is killed and replaced in the background (verdict "timeout"). Waiting for a free grader, or for a
-  replacement to finish starting, is not counted.
-- Grading never raises on what the policy wrote: any failure scores 0 with its reason in the metadata.
-
-`metadata["verdict"]` says how a grading ended: "string", "numeric", "symbolic" (correct), "wrong",
-"no_answer", "rejected", "timeout".
+More: docs/reliability.md#math-grading
 """
 
 from __future__ import annotations

@@ -3,23 +3,11 @@
     result = run_python("print(1 + 1)", limits=SandboxLimits(wall_s=5), mode="namespaces")
     result.ok, result.stdout, result.timed_out, result.error
 
-Modes (`MODES`; an env takes its mode from its args, `sandbox: namespaces | container | none`):
-- `namespaces` (the default): a kernel boundary per execution, bubblewrap with user/mount/PID/net/IPC/UTS
-  namespaces, an unprivileged uid, a read-only view of only the Python installation, a private size-capped work
-  dir, a seccomp filter and rlimits; see ns.py for exactly what is and is not visible inside.
-- `container`: a container per session from an image the env names (env arg `image`), through the Docker SDK on
-  Docker or podman, from a warm pool; see container.py. A container that dies or hangs raises
-  SandboxInfraError: the trajectory ends as an infrastructure failure, never a score.
-- `none`: NO kernel boundary: a separate process with rlimits and a Python audit hook (boot.py) that
-  refuses processes, sockets, ctypes and file access outside its temp dir. It keeps a buggy program from harming
-  the worker, but code running in the interpreter can switch the hook off (tests/component/test_sandbox_escapes.py
-  shows which escapes it lets through): only for trusted code, and only when asked for by name.
+Modes (`MODES`): `namespaces` (the default, bubblewrap: ns.py), `container` (container.py) and `none` (NO
+kernel boundary: only for trusted code, and only when asked for by name). A mode that cannot run on this host
+raises SandboxUnavailable with the reason; nothing falls back to a weaker mode (`check_mode` checks up front).
 
-A mode that cannot run on this host raises SandboxUnavailable with the reason; nothing falls back to a weaker
-mode. `check_mode(mode)` runs that check up front (the env worker calls it at start).
-
-Every mode: the wall-clock limit kills the whole process tree; output is capped at `output_bytes` per stream
-(`truncated`); RLIMIT_CPU/AS/FSIZE/NPROC/NOFILE are set before the program starts, soft = hard.
+More: docs/security.md#inside-the-sandboxes
 """
 
 from __future__ import annotations

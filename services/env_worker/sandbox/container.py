@@ -1,25 +1,13 @@
-"""Sandbox mode `container`: one container per env session, from an image the env names, through the Docker SDK
-(PyPI `docker`) on Docker or on podman's Docker-compatible socket (DOCKER_HOST; infra/compose/podman-host.sh sets
-podman up).
+"""Sandbox mode `container`: one container per env session, from an image the env names, through the Docker
+SDK on Docker or on podman's Docker-compatible socket (DOCKER_HOST), taken from a warm pool (`ContainerPool`).
 
-    pool = ContainerPool("localhost/flywheel-sandbox-python:local", size=2)
-    session = pool.acquire()              # a started container from the warm pool (refilled in the background)
-    result = session.run_python("print(1)", files={"tests.py": ...}, limits=SandboxLimits(wall_s=5))
-    session.close()                       # removed
+Each container: no network, CPU / memory / pids limits, a read-only root plus size-capped tmpfs, capabilities
+dropped but those the runner needs, no-new-privileges, the engine's seccomp profile plus seccomp.py's filter.
+The program runs as uid 65534 under a runner it cannot signal or trace. A container that dies, an engine that
+does not answer, or a runner that returns no result is an infrastructure failure (SandboxInfraError), never a
+program failure.
 
-Each container: no network (`network_mode: none`), CPU / memory / pids limits (`SandboxLimits`), a read-only root
-file system plus size-capped tmpfs at /work (its work dir) and /tmp, all capabilities dropped but SETUID/SETGID
-and KILL (the runner below, root without other capabilities, starts the program as uid 65534 and kills what it
-leaves behind), no-new-privileges, the engine's default seccomp profile,
-removed when the session closes. The program also runs under the namespaces mode's seccomp filter
-(seccomp.py), installed by the runner before exec: engines' default profiles let a container create
-user namespaces and AF_VSOCK sockets (the escape suite showed both under podman). A program runs through one `exec` of RUNNER, as root inside the container: it
-writes the files, starts the program as uid 65534 with rlimits and the wall-clock limit, and prints the result
-as JSON; the program cannot signal or trace its runner (another uid, no capabilities).
-
-A container that dies, an engine that does not answer, or a runner that returns no result is an infrastructure
-failure (SandboxInfraError), never a program failure: the env worker reports it as `error_kind: infra` and the
-trajectory ends as `infra_error`, which is never scored.
+More: docs/security.md#containers
 """
 
 from __future__ import annotations

@@ -1,24 +1,13 @@
 """Sandbox mode `namespaces`: each execution in its own bubblewrap sandbox (Debian package `bubblewrap`).
 
-What the program gets: new user, mount, PID, network, IPC, UTS (and cgroup, where the kernel has it) namespaces;
-uid/gid 65534 inside with no capabilities and no_new_privs (setuid binaries do nothing); a root file system that
-holds only /usr (system libraries), the Python installation and its site-packages, read-only and nosuid, plus
-`/etc/ld.so.cache`; a private size-capped tmpfs as its work dir (`/sandbox`, where `main.py` and the caller's files
-are copied) and another as `/tmp`; a fresh /proc that shows only its own processes; an empty environment but
-PATH/HOME/LANG; a network namespace with only a loopback; the seccomp filter of seccomp.py; rlimits set
-before the program starts (soft = hard: nothing inside may raise them). Nothing else of the worker exists in
-there: its files, repository, weights and data volumes, its environment (secrets), its processes, and other
-sessions' sandboxes. When the sandbox's first process exits or the caller kills bwrap (wall-clock limit), the
-kernel kills every process left in its PID namespace, and its tmpfs are freed with the mount namespace.
+The program gets new user, mount, PID, network (loopback only), IPC, UTS namespaces; uid 65534 with no
+capabilities and no_new_privs; a read-only root of only /usr and the Python installation; size-capped tmpfs
+for `/sandbox` and `/tmp`; an empty environment; seccomp.py's filter; rlimits with soft = hard. Nothing else
+of the worker exists in there. When the sandbox's first process exits or bwrap is killed, the kernel kills
+every process left in its PID namespace. A root worker runs bwrap as uid 65534 where it can, else bounds
+processes and memory with cgroups.
 
-Where the worker runs as root, bwrap itself runs as the unprivileged host uid 65534, so even the host's view of
-the sandboxed processes is "nobody"; that needs the Python installation to be readable by that uid. When it is
-not (Python under /root, mode 0700, as pyenv installs it), bwrap runs as root: the uid inside is 65534 all the
-same, with no capabilities in any namespace outside its own (`host_uid` in `layout()` says which). The kernel
-does not apply RLIMIT_NPROC to host uid 0, so the process limit is then a pids cgroup per sandbox (entered
-before bwrap starts); a root worker without a writable pids cgroup fails at start. A root worker also puts each
-sandbox in a memory cgroup where the controller is there: the whole process tree, its tmpfs pages included, gets
-`memory_bytes` + 3 x `disk_bytes` (without it, the bound is RLIMIT_AS per process).
+More: docs/security.md#namespaces
 """
 
 from __future__ import annotations

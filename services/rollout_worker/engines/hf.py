@@ -1,21 +1,12 @@
 """transformers in-process (CPU or GPU) with batched generation.
 
-Requests are collected for `batch_wait_ms` and generated together (left-padded; same sampling settings per
-batch). Logprobs are of the distribution each token was sampled from: log_softmax of generate's processed
-scores (after temperature, top-k, top-p), the meaning every engine shares (vLLM's "processed_logprobs").
-Nothing else changes that distribution: an end-of-sequence token may come first (a one-token response, graded
-like any other), since forcing a first token would sample from a distribution the trainer does not model and
-leave EOS's probability, never sampled, with nothing to push it down.
-A weight reload waits for the batch in flight, swaps the state dict in place and bumps the version: every result
-carries the version its batch started on. A delta (`apply_update`) is written into the parameters and checked
-between two batches (undone if it does not verify); on GPU, or when the engine's dtype is wider than the
-published one, the changed tensors are rebuilt and checked while batches run, then copied in.
+Requests collected for `batch_wait_ms` are generated together. Logprobs are of the distribution each token was
+sampled from (after temperature, top-k, top-p), the meaning every engine shares. A weight reload or a delta
+waits for the batch in flight, so every result carries the version its batch started on; a delta that does not
+verify is undone. LoRA runs share one engine per base model: one batch mixes runs' named PEFT adapters, and a
+run's new adapter version changes no other run's adapter or version.
 
-LoRA runs share one engine per base model: each run's adapter is a named PEFT adapter on the one model, each
-request names its run, and one batch mixes runs (PEFT's per-row `adapter_names`; a run without an adapter yet,
-version 0, gets the base). A run's new adapter version is read while batches run, then copied into the run's
-adapter between two batches (a new adapter config: loaded under a new name and the old one deleted), so no other
-run's adapter or version changes; every result carries its run's adapter version as of the batch it ran in.
+More: docs/vllm.md#the-hf-engine
 """
 
 from __future__ import annotations

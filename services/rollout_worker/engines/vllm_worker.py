@@ -1,20 +1,12 @@
-"""Runs inside vLLM's worker processes (`worker_extension_cls`), for the in-process engine and for
-`vllm serve --worker-extension-cls services.rollout_worker.engines.vllm_worker.FlywheelWorkerExtension`.
+"""Runs inside vLLM's worker processes (`worker_extension_cls`), for the in-process engine and for `vllm serve
+--worker-extension-cls services.rollout_worker.engines.vllm_worker.FlywheelWorkerExtension`.
 
-`flywheel_reload(weights_path)` is vLLM's `reload_weights` made exact for tied-embedding models: the reload
-replaces the embedding's parameter but the output layer keeps the old one (and on CPU the GEMM kernel
-packed from it at start-up), so a tied model went on computing logits with its first weights. Afterwards
-the output layer is tied to the new embedding again and its kernel rebuilt.
+`flywheel_reload(weights_path)`: vLLM's `reload_weights` made exact for tied-embedding models.
+`flywheel_load_tensors(path)`: only the named tensors of one safetensors file, through the same in-place
+reload (the file must hold every tensor of each vLLM layer it touches). `flywheel_weight_digests()`: what the
+model computes with, for tests that check the served weights bit for bit.
 
-`flywheel_load_tensors(path)` loads only the named tensors of one safetensors file through the same in-place
-reload (vLLM's layerwise reload: a layer whose tensors are in the file is rebuilt from them, kernels included;
-a layer absent from it keeps its weights). The file must hold every tensor of each vLLM layer it touches
-(`flywheel_packed_modules` says which checkpoint tensors share one layer): a layer loaded in part would be
-rebuilt with the rest uninitialised.
-
-`flywheel_weight_digests()` reports what the model computes with, for tests that check the served weights
-bit for bit: on CPU a linear layer's weight lives only in its packed kernel, so it is read back by running the
-kernel on an identity matrix.
+More: docs/vllm.md#the-worker-extension
 """
 
 from __future__ import annotations

@@ -1,20 +1,12 @@
 """Run control as messages. Two streams:
 
-- `run.commands` (API, eval jobs -> controller): `RunCommand`, a request to create, pause, resume or stop a
-  run. The controller is the one writer of `runs` and `run_events`: it applies the command in one transaction
-  (create: the row and its `created` event; the others: a compare-and-set of the status along `TRANSITIONS`
-  and a `status_changed` event carrying the command's id), then answers on the command's reply stream with a
-  `RunCommandReply` and acknowledges it. Applying is idempotent by `command_id`, so a command delivered twice
-  (its controller died before the ack) is applied once and answered the same way. A command read more than
-  `expires_at - sent_at` seconds after it entered the stream (Redis's clock, its entry id against Redis TIME) is
-  answered `expired` and not applied: its sender has stopped waiting and told its caller that
-  nothing changed (shared/clients/run_commands.py).
+- `run.commands` (API, eval jobs -> controller): `RunCommand`, applied in one transaction, idempotent by
+  `command_id`, answered with a `RunCommandReply`; one read too late is answered `expired` and not applied.
 - `run.control` (controller -> controller and trainer): `RunControl`, published once a pause, resume or stop
-  has been applied. The controller (group "controller") and the trainer (group "train") apply it to the run
-  they drive or train as soon as they read it, and acknowledge it then. One that does not drive or train the
-  run acknowledges it untouched: with several controllers (or trainers) in a group, the one holding the run then
-  reads the status at its next poll of the runs it leases, which is also how a command lost with Redis's data
-  still takes effect.
+  has been applied; whoever drives or trains the run applies it at once, the others acknowledge it untouched
+  and read the status at their next poll.
+
+More: docs/architecture.md#run-commands-and-run-control
 """
 
 from __future__ import annotations

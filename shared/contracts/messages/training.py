@@ -1,16 +1,12 @@
-"""Streams between the store, the trainer and the controller (see shared/contracts/streams.py for the whole table).
+"""Streams between the store, the trainer and the controller (see shared/contracts/streams.py for the whole
+table).
 
-`results.accepted` (controller -> trainer): the only input the trainer trains on. The store publishes one
-`AcceptedResult` per completed result it accepted (after its transaction committed, before the `trajectories`
-entry is acknowledged), and the controller one with `result=None` per slot that ran out of attempts, so the
-trainer knows that slot's group can never complete. At-least-once: a result may be published again (a
-re-delivered `trajectories` entry of a stored attempt); the trainer takes one result per (run, task, sample).
+- `results.accepted` (controller -> trainer): the only input the trainer trains on. At-least-once: the trainer
+  takes one result per (run, task, sample); `result=None` marks a slot out of attempts.
+- `trainer.progress` (trainer -> controller): the policy version reached, the groups consumed, or why a run
+  cannot be trained. Idempotent and cumulative on the controller's side, so the trainer re-sends it freely.
 
-`trainer.progress` (trainer -> controller): what the controller needs from the trainer, instead of reading its
-tables: the policy version it reached and the groups it consumed (used by a step, or dropped with a reason), or
-why it cannot train a run at all (`error`: the controller records it in the run's history and its stall reason).
-Idempotent and cumulative on the controller's side (greatest version, one row per group, one event per error),
-so the trainer re-sends it freely, e.g. everything it recorded when it opens a run.
+More: docs/architecture.md#results-and-trainer-progress
 """
 
 from __future__ import annotations
