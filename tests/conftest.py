@@ -40,6 +40,12 @@ def pytest_configure(config) -> None:
     _real_stderr = os.fdopen(os.dup(2), "w")  # capture is suspended here; fd 2 is the terminal or CI's log
 
 
+def pytest_unconfigure(config) -> None:
+    faulthandler.cancel_dump_traceback_later()
+    if _real_stderr is not None:
+        _real_stderr.close()
+
+
 def _hung(nodeid: str, after_s: float) -> None:
     print(f"\n{nodeid} still running {after_s:.0f}s in, past its timeout: the stacks, then exit", file=_real_stderr,
           flush=True)
