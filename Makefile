@@ -78,8 +78,8 @@ TEST_DESELECT := -m "not gpu and not container"
 test: install vllm-venv browser-deps
 	@rc=0; \
 	$(PY) -m pytest -q $(TEST_DESELECT) $(PYTEST_ARGS) tests/unit tests/contract || rc=1; \
-	$(PY) -m pytest -q $(TEST_DESELECT) $(XDIST) $(PYTEST_ARGS) tests/component tests/e2e || rc=1; \
-	$(PY) -m pytest -q $(TEST_DESELECT) $(PYTEST_ARGS) tests/learning tests/chaos tests/browser || rc=1; \
+	$(PY) -m pytest -q $(TEST_DESELECT) $(XDIST) --durations=15 $(PYTEST_ARGS) tests/component tests/e2e || rc=1; \
+	$(PY) -m pytest -q $(TEST_DESELECT) --durations=10 $(PYTEST_ARGS) tests/learning tests/chaos tests/browser || rc=1; \
 	exit $$rc
 
 # unit + contract: no vLLM venv, no browser, no service started; under 2 minutes on 2 cores.
