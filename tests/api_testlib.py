@@ -178,7 +178,8 @@ def _seed_trajectory(s: Session, run_id, ep: EpisodeRow, reason: str, correct: b
     traj = TrajectoryRow(episode_id=ep.id, run_id=run_id, task_id=ep.task_id, sample_idx=ep.sample_idx,
                          attempt=0, traj_idx=0, uid=uuid.uuid4().hex, name="solver", reward=ep.reward,
                          termination_reason=reason, num_steps=2, prompt_tokens=30, response_tokens=12 + v,
-                         policy_version_min=v, policy_version_max=v, mismatch=False, info={})
+                         policy_version_min=v, policy_version_max=v, mismatch=False,
+                         info={} if correct else {"tool_call_errors": 2})  # a wrong answer after two bad tool calls
     s.add(traj)
     s.flush()
     answer = ep.task["answer"] if correct else "7"

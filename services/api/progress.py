@@ -67,6 +67,12 @@ def latest_metrics(session: Session, run_id: uuid.UUID) -> dict[str, dict[str, A
     return {r.name: {"step": r.step, "value": r.value, "ts": r.ts} for r in rows}
 
 
+def tool_call_errors(session: Session, run_id: uuid.UUID) -> int:
+    """Malformed tool calls of the run's agents (the `tool_call_errors` the rollout worker adds up per trajectory)."""
+    total = func.sum(TrajectoryRow.info["tool_call_errors"].as_integer())
+    return int(session.scalar(select(func.coalesce(total, 0)).where(TrajectoryRow.run_id == run_id)))
+
+
 def pass_at_k(session: Session, run_id: uuid.UUID, max_k: int | None = None) -> dict[str, float]:
     """Mean over tasks of pass@k for k = 1, 2, 4, ... up to the fewest samples any task has, over the scored
     samples only (an errored sample is not a wrong answer: its count is in the ledger beside it)."""

@@ -118,6 +118,8 @@ class RunDetail(RunPublic):
     latest_metrics: dict[str, MetricPoint]
     pass_at_k: dict[str, float] | None = Field(None, description="eval runs: pass@1, pass@2, ...")
     outage: str | None = Field(None, description="live runs: why their numbers are frozen (a dependency is down)")
+    tool_call_errors: int = Field(0, description="malformed tool calls the run's agents made (not JSON, unknown tool, "
+                                  "wrong arguments): each was an error observation the agent saw, none ended an episode")
 
 
 class TrajectoryPublic(BaseModel):

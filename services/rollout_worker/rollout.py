@@ -223,5 +223,8 @@ class AgentSession:
         traj.reward = float(sum(s.reward for s in traj.steps))
         traj.info.update(self.info)
         traj.info.update({k: round(v, 4) for k, v in self.timings.items()})
+        # malformed tool calls the env answered with an error observation (ToolEnv.call_tool): a per-run count
+        if errors := sum(int(s.info.get("tool_call_errors", 0) or 0) for s in traj.steps if isinstance(s.info, dict)):
+            traj.info["tool_call_errors"] = errors
         traj.info.setdefault("is_correct", False)
         return traj

@@ -65,6 +65,7 @@ def test_runs_run_page_charts_and_trajectory_viewer(api, page, database_url):
         assert int(page.get_attribute(f"#chart-{key}", "data-points")) >= 3, key
     ledger = page.inner_text("#ledger")
     assert "samples scored" in ledger and "18" in ledger and "in flight" in ledger
+    assert "malformed tool calls" in page.inner_text("#tool-call-errors")  # the seeded wrong answers' calls
     assert page.evaluate("typeof uPlot") == "function"  # the vendored library, served by the API itself
     assert page.locator(".charts .uplot").count() == 12  # one uPlot chart per panel
     # verl's names, each set on a panel of its own (the KL panel keeps the trainer's own KLs)

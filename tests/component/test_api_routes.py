@@ -202,6 +202,11 @@ def test_run_detail_metrics_checkpoints_rewards(client, database_url):
     assert detail["latest_metrics"]["reward_mean"]["value"] == pytest.approx(0.6)
     assert set(detail["pass_at_k"]) == {"pass@1", "pass@2"}  # k up to samples_per_task
     assert 0 < detail["pass_at_k"]["pass@1"] <= detail["pass_at_k"]["pass@2"] <= 1
+    # malformed tool calls: the seeded wrong answers came after two each (the trajectories' `info`)
+    wrong = [t for t in client.get(f"/v1/runs/{run_id}/trajectories", params={"limit": 100}).json()["data"]
+             if t["reward"] == 0]
+    assert wrong and detail["tool_call_errors"] == 2 * len(wrong)
+    assert client.get(f"/v1/runs/{seed_run(database_url, name='no-tools', versions=0)}").json()["tool_call_errors"] == 0
     series = client.get(f"/v1/runs/{run_id}/metrics", params={"name": ["ppo_kl"]}).json()["series"]
     assert list(series) == ["ppo_kl"] and [p["step"] for p in series["ppo_kl"]] == [0, 1, 2]
     assert set(client.get(f"/v1/runs/{run_id}/metrics").json()["series"]) == {name for name, _ in trainer_metrics(0)}

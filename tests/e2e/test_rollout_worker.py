@@ -96,6 +96,19 @@ async def test_user_env_exception_is_error_not_infra(stack, model_path, redis):
     assert "ZeroDivisionError" in r.error.split("\n")[0] and "ZeroDivisionError" in r.trajectories[0].info["error"]
 
 
+async def test_malformed_tool_calls_add_up_per_trajectory(stack, model_path, redis):
+    """The env's per-step `tool_call_errors` (error observations, the episode goes on) add up in the trajectory's
+    info, which the store keeps and the API sums per run."""
+    config = run_config(model_path, env={"name": "fw_user_plugins:BadToolCallsEnv"}, max_steps=5)
+    run_id = insert_run(stack["database_url"], config)
+    await publish_tasks(redis, [make_task(run_id, {"id": "tools", "question": "?"})])
+    [r] = await collect_results(redis, run_id, expected=1)
+    # the env ended it after three turns (the random model's last answer may be cut: response_truncation)
+    assert r.status == "completed" and r.termination_reason in (TR.ENV_DONE, TR.RESPONSE_TRUNCATION), r.error
+    [traj] = r.trajectories
+    assert len(traj.steps) == 3 and traj.info["tool_call_errors"] == 6
+
+
 async def test_multi_turn_frozenlake_token_assembly(stack, model_path, redis):
     config = run_config(model_path, agent={"name": "frozenlake"}, env={"name": "frozenlake"}, max_steps=3,
                         max_response_tokens=6, max_prompt_tokens=1024)

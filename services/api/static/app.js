@@ -168,6 +168,7 @@
         <div class="card" title="infrastructure failures, out of attempts">samples failed<b>${u.failed}</b></div>
         <div class="card">samples in flight<b>${u.in_flight + u.retrying}</b></div>
         ${u.cancelled ? `<div class="card">samples cancelled<b>${u.cancelled}</b></div>` : ""}
+        ${run.tool_call_errors ? `<div class="card" id="tool-call-errors" title="not JSON, an unknown tool or wrong arguments: each an error observation the agent saw">malformed tool calls<b>${run.tool_call_errors}</b></div>` : ""}
         <div class="card" title="completed ${a.completed}, errored ${a.errored}, failed ${a.failed}, lost ${a.lost}, cancelled ${a.cancelled}">attempts<b>${a.total}</b></div>
         ${Object.entries(run.pass_at_k || {}).map(([k, v]) => `<div class="card" title="over the ${u.completed} scored samples">${esc(k)}<b>${num(v)}</b></div>`).join("")}
         ${run.kind === "eval" ? evalCards(rewards.data) : ""}

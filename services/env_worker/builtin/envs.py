@@ -158,22 +158,41 @@ class ToolEnv(BaseEnv):
         finish = next((c for c in calls if isinstance(c, dict) and c.get("name") == FinishTool.name), None)
         if finish is not None:
             return self.finish(FinishTool.final_response(finish.get("arguments")), via_tool=True)
-        outputs = [{"name": c.get("name"), "content": self.call_tool(c)} for c in calls]
-        return {"tool_outputs": outputs}, 0.0, self.turns >= self.max_turns, {"num_tool_calls": len(calls)}
+        results = [self.call_tool(c) for c in calls]
+        outputs = [{"name": c.get("name"), "content": text} for c, (text, _) in zip(calls, results, strict=True)]
+        errors = sum(bad for _, bad in results)
+        return ({"tool_outputs": outputs}, 0.0, self.turns >= self.max_turns,
+                {"num_tool_calls": len(calls), "tool_call_errors": errors})
 
     def finish(self, response: str, via_tool: bool = False) -> tuple[dict, float, bool, dict]:
         out = self.reward_fn(self.task, response)
         info = {"is_correct": out.is_correct, **out.metadata}
         return {}, out.reward, True, ({**info, "finished_by": "finish_tool"} if via_tool else info)
 
-    def call_tool(self, call: dict) -> str:
-        tool = self.tools.get(call.get("name"))
+    def call_tool(self, call: dict) -> tuple[str, bool]:
+        """The tool's output, and whether the call itself was malformed: not JSON, an unknown tool, arguments that
+        are not an object, miss a required one or name one the tool does not take. A malformed call is an
+        observation the agent sees (the model learns the format), never an env error, and is counted in the
+        step's `tool_call_errors`."""
+        name = call.get("name") if isinstance(call, dict) else None
+        if name == "invalid_tool_call":  # services/rollout_worker/builtin/agents.py: parse_tool_calls
+            return (f"Error: the tool call is not valid JSON ({call.get('error')}); write "
+                    '<tool_call>{"name": ..., "arguments": {...}}</tool_call>'), True
+        tool = self.tools.get(name)
         if tool is None:
-            return f"Error: unknown tool {call.get('name')!r}; available: {', '.join(self.tools)}"
+            return f"Error: unknown tool {name!r}; available: {', '.join(self.tools)}", True
         args = call.get("arguments") or {}
         if not isinstance(args, dict):
-            return "Error: tool arguments must be a JSON object"
-        return tool(**args)
+            return "Error: tool arguments must be a JSON object", True
+        params = tool.schema["function"].get("parameters", {})
+        missing = [k for k in params.get("required", []) if k not in args]
+        unknown = [k for k in args if "properties" in params and k not in params["properties"]]
+        if missing or unknown:
+            wrong = "; ".join(f"{what}: {', '.join(keys)}" for what, keys in (("missing", missing),
+                                                                            ("not taken", unknown)) if keys)
+            takes = ", ".join(params.get("properties", {})) or "no arguments"
+            return f"Error: wrong arguments for {name} ({wrong}); it takes {takes}", True
+        return tool(**args), False
 
     @staticmethod
     def from_dict(info: dict) -> ToolEnv:

@@ -216,3 +216,24 @@ def test_the_registry_names_every_env_that_runs_model_code():
     from shared.contracts.registry import ENVS, MODEL_CODE_ENVS, resolve
 
     assert {name for name in ENVS if getattr(resolve("env", name), "runs_model_code", False)} == MODEL_CODE_ENVS
+
+
+def test_malformed_tool_calls_are_observations_and_counted():
+    """Not JSON, an unknown tool, arguments that are not an object, miss a required one or name one the tool does
+    not take: each answered with an error observation saying what was wrong, counted in `tool_call_errors`; the
+    episode goes on (a tool that runs is not called: no sandbox here)."""
+    env = build("tool", {"question": "What is 6*7?", "ground_truth": "42"})
+    env.reset()
+    calls = [{"name": "invalid_tool_call", "arguments": {}, "error": "Expecting value: line 1 column 1"},
+             {"name": "rm", "arguments": {}}, {"name": "python", "arguments": ["print(1)"]},
+             {"name": "python", "arguments": {}}, {"name": "python", "arguments": {"code": "1", "timeout": 3}}]
+    obs, reward, done, info = env.step({"tool_calls": calls})
+    texts = [o["content"] for o in obs["tool_outputs"]]
+    assert (reward, done, info["num_tool_calls"], info["tool_call_errors"]) == (0.0, False, 5, 5)
+    assert "not valid JSON (Expecting value" in texts[0] and "<tool_call>" in texts[0]
+    assert "unknown tool 'rm'; available: python, finish" in texts[1]
+    assert texts[2] == "Error: tool arguments must be a JSON object"
+    assert "wrong arguments for python (missing: code); it takes code" in texts[3]
+    assert "wrong arguments for python (not taken: timeout)" in texts[4]
+    _, reward, done, _ = env.step("so \\boxed{42}")  # the episode still ends as the model decides
+    assert (reward, done) == (1.0, True)
