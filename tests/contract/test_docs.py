@@ -16,9 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.markdown import FENCE, slugs
+
 REPO = Path(__file__).resolve().parents[2]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
-FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.S | re.M)
 METHODS = "GET|POST|PUT|DELETE|PATCH"
 OTHER_SERVERS = {"/v1/load_lora_adapter"}  # a vLLM server's routes, which docs/lora.md names
 
@@ -29,18 +30,6 @@ def split_code(text: str) -> tuple[list[str], str]:
     prose = FENCE.sub("", text)
     spans = re.findall(r"`([^`]+)`", prose)
     return blocks + spans, re.sub(r"`[^`]+`", "", prose)
-
-
-def slugs(text: str) -> set[str]:
-    """GitHub's heading anchors: lower case, punctuation dropped, spaces to hyphens, repeats numbered."""
-    seen: dict[str, int] = {}
-    out = set()
-    for heading in re.findall(r"^#{1,6} +(.+?) *$", FENCE.sub("", text), re.M):
-        slug = re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
-        n = seen.get(slug, 0)
-        seen[slug] = n + 1
-        out.add(slug if n == 0 else f"{slug}-{n}")
-    return out
 
 
 def links(text: str) -> list[str]:

@@ -12,22 +12,12 @@ import ast
 import re
 from pathlib import Path
 
+from tests.support.markdown import slugs
+
 REPO = Path(__file__).resolve().parents[2]
 ROOTS = ("services", "shared", "infra")
 MAX_LINES = 10
 POINTER = re.compile(r"docs/([\w.-]+\.md)(?:#([\w-]+))?")
-
-
-def slugs(markdown: str) -> set[str]:
-    """GitHub's heading anchors, as tests/contract/test_docs.py computes them (code blocks left out)."""
-    prose = re.sub(r"^```[^\n]*\n.*?^```", "", markdown, flags=re.S | re.M)
-    seen: dict[str, int] = {}
-    out = set()
-    for heading in re.findall(r"^#{1,6} +(.+?) *$", prose, re.M):
-        slug = re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
-        out.add(slug if slug not in seen else f"{slug}-{seen[slug]}")
-        seen[slug] = seen.get(slug, 0) + 1
-    return out
 
 
 def docstring(source: str) -> str | None:
