@@ -1,6 +1,7 @@
 """W&B and MLflow trackers against the real libraries, offline: W&B's offline run file (written by its own service
 process) read back with W&B's own reader (`wandb leet inspect`), MLflow's SQLite store read back through
-MlflowClient."""
+MlflowClient; trackers that fail (MLflow's server down, W&B not installed, a write that raises) are counted and
+warned about, and the others go on."""
 
 from __future__ import annotations
 
@@ -10,33 +11,14 @@ import sys
 import uuid
 from pathlib import Path
 
+from infra.local.ports import free_port
 from services.trainer.settings import TrainerSettings
-from services.trainer.tracking import RunTrackers, resolve
-from shared.contracts.run_config import RunConfig
-
-METRICS = {1: {"reward_mean": 0.25, "pass_rate": 0.5, "loss": 1.5, "trajectories_per_s": 3.0, "staleness_0": 8.0},
-           2: {"reward_mean": 0.75, "pass_rate": 1.0, "loss": 0.5, "trajectories_per_s": 4.0, "staleness_1": 8.0}}
-SUMMARY = {"status": "completed", "policy_version": 2}
-
-
-def _config(**tracking) -> RunConfig:
-    return RunConfig(name="tracked run", model="m", dataset="d", agent={"name": "math"}, env={"name": "math"},
-                     samples_per_task=2, algorithm={"lr": 3e-4}, tracking=tracking)
-
-
-def _track(config: RunConfig, tmp_path: Path, kinds: dict | None = None, **settings) -> tuple[str, RunTrackers]:
-    """One run's life through its trackers: start, versions 1 and 2, then its end."""
-    run_id = str(uuid.uuid4())
-    trackers = RunTrackers(run_id, config, resolve(config, TrainerSettings(data_dir=tmp_path, **settings)), kinds)
-    trackers.start()
-    for version, metrics in METRICS.items():
-        trackers.log(metrics, version)
-    trackers.finish(SUMMARY)
-    return run_id, trackers
+from services.trainer.tracking import KINDS, RunTrackers, resolve
+from tests.support.trackers import METRICS, SUMMARY, tensorboard_scalars, track, tracked_config
 
 
 def test_wandb_offline_run_file_holds_config_every_version_and_summary(tmp_path):
-    run_id, trackers = _track(_config(wandb={"project": "flywheel-test", "mode": "offline"}), tmp_path)
+    run_id, trackers = track(tracked_config(wandb={"project": "flywheel-test", "mode": "offline"}), tmp_path)
     assert trackers.errors == 0, trackers.warning
     (path,) = (tmp_path / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb")  # under DATA_DIR
     wandb = Path(sys.executable).with_name("wandb")
@@ -60,7 +42,7 @@ def test_mlflow_sqlite_store_read_back_through_its_client(tmp_path):
     from mlflow.tracking import MlflowClient
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
-    run_id, trackers = _track(_config(mlflow={"tracking_uri": uri, "experiment": "rl"}), tmp_path)
+    run_id, trackers = track(tracked_config(mlflow={"tracking_uri": uri, "experiment": "rl"}), tmp_path)
     assert trackers.errors == 0, trackers.warning
     client = MlflowClient(uri)
     (run,) = client.search_runs([client.get_experiment_by_name("rl").experiment_id],
@@ -73,10 +55,51 @@ def test_mlflow_sqlite_store_read_back_through_its_client(tmp_path):
     assert run.data.tags["summary.status"] == "completed" and run.data.tags["summary.policy_version"] == "2"
 
     # Opened again (a trainer restart): the same MLflow run goes on, its params untouched.
-    trackers = RunTrackers(run_id, _config(), {"mlflow": {"tracking_uri": uri, "experiment": "rl"}})
+    trackers = RunTrackers(run_id, tracked_config(), {"mlflow": {"tracking_uri": uri, "experiment": "rl"}})
     trackers.start()
     trackers.log({"reward_mean": 1.0}, 3)
     trackers.finish(None)
     assert trackers.errors == 0, trackers.warning
     (again,) = client.search_runs([run.info.experiment_id], f"tags.`flywheel.run_id` = '{run_id}'")
     assert again.info.run_id == run.info.run_id and again.data.metrics["reward_mean"] == 1.0
+
+
+class Broken:
+    """A tracker whose every write raises, as a library does on a full disk or a server gone mid-run."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def log(self, metrics, step):
+        raise OSError("No space left on device")
+
+    def finish(self, summary):
+        raise OSError("No space left on device")
+
+
+class NotInstalled:
+    def __init__(self, *args, **kwargs):
+        raise ModuleNotFoundError("No module named 'wandb'")
+
+
+def test_failing_trackers_are_counted_and_warned_and_the_others_go_on(tmp_path, caplog):
+    down = f"http://127.0.0.1:{free_port()}"  # nothing listens: an MLflow server that is down
+    config = tracked_config(mlflow={"tracking_uri": down}, tensorboard={"dir": str(tmp_path / "tb")}, wandb={})
+    kinds = KINDS | {"wandb": NotInstalled, "broken": Broken}
+    run_id = str(uuid.uuid4())
+    options = resolve(config, TrainerSettings(data_dir=tmp_path)) | {"broken": {}}
+    trackers = RunTrackers(run_id, config, options, kinds)
+    trackers.start()  # mlflow and wandb cannot start: 2
+    assert trackers.errors == 2 and set(trackers.trackers) == {"tensorboard", "broken"}
+    for version, metrics in METRICS.items():
+        trackers.log(metrics, version)  # broken fails each version: 2 more
+    trackers.finish(SUMMARY)  # and at the end: 1 more
+    assert trackers.errors == 5
+    assert "No space left on device" in trackers.warning and "Training goes on" in trackers.warning
+    warnings = [r.getMessage() for r in caplog.records if r.name == "services.trainer.tracking"]
+    assert len(warnings) == 5 - 1  # once per tracker and call, not once per version
+    assert any(down in w and "tracking server is up" in w for w in warnings)
+    assert any("install wandb" in w for w in warnings)
+    # TensorBoard got everything, the errors counted in its summary
+    (folder,) = (tmp_path / "tb").iterdir()
+    assert [s for s, _ in tensorboard_scalars(folder)["reward_mean"]] == [1, 2]
