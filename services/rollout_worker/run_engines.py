@@ -39,6 +39,9 @@ from shared.weights.manifest import CheckpointManifest, ChecksumError
 log = get_logger(__name__)
 WEIGHT_VERSION = Gauge("rollout_weight_version", "Policy version served", ["run_id"])
 RELOADS = Counter("rollout_weight_reloads_total", "Weight reloads", ["outcome"])
+# served="no": an announcement for a run this worker holds no engine for (never served, or ended and released)
+ANNOUNCEMENTS = Counter("rollout_weight_announcements_total", "Weight announcements read from the stream",
+                        ["served"])
 
 
 class RunNotFound(ValueError):
@@ -242,6 +245,7 @@ class RunRegistry:
         if seen is None or msg.version > seen.version:
             self.announced[msg.run_id] = msg
         ctx = self.contexts.get(msg.run_id)
+        ANNOUNCEMENTS.labels("no" if ctx is None else "yes").inc()
         if ctx is not None:
             await self.reload(ctx, msg)
 

@@ -46,3 +46,12 @@ async def test_a_failed_delta_falls_back_to_the_full_weights_of_its_version(monk
     await registry._load(SimpleNamespace(engine=engine, run_id="r"), msg)
     assert engine.loaded == [(Path(tmp_path / "full-v2"), 2)] and engine.version == 2
     assert reloads(counted) == before + 1
+
+
+async def test_an_announcement_for_a_run_not_served_here_is_counted_and_kept_for_its_first_build(tmp_path):
+    registry = runs.RunRegistry(db=None, weights_cache=tmp_path, hf_batch_wait_ms=0)
+    before = REGISTRY.get_sample_value("rollout_weight_announcements_total", {"served": "no"}) or 0.0
+    msg = WeightsPublished(run_id="elsewhere", version=3, uri="http://w/e/3", sha256="0" * 64, bytes=0, created_at=0.0)
+    await registry.on_weights(msg)
+    assert REGISTRY.get_sample_value("rollout_weight_announcements_total", {"served": "no"}) == before + 1
+    assert registry.announced["elsewhere"] == msg  # what load_newest picks from when the run's first task comes
