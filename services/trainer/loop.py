@@ -92,9 +92,8 @@ class Trainer:
         self.publisher = WeightPublisher(settings.weight_server_url, settings.weights_dir, settings.publish_timeout_s,
                                          settings.delta_zstd_level)
         self.torch_thread = ThreadPoolExecutor(1, thread_name_prefix="torch")  # all verl work on one thread
-        # Experiment trackers' calls, in order, never awaited: a slow or dead tracker server delays no step
-        self.tracking_thread = ThreadPoolExecutor(1, thread_name_prefix="tracking")
         self.runs: dict[str, RunState] = {}
+        self.closed_trackers: list[RunTrackers] = []  # let go, their last calls perhaps still running
         self.foreign: set[str] = set()  # runs another trainer holds
         self.broken: dict[str, str] = {}  # runs this trainer cannot train (error), left alone until restart
         self.claim_due = True  # a run was opened: pending entries of the group may be ours now
@@ -175,13 +174,23 @@ class Trainer:
             return
         self.runs[row.id] = run
         self.claim_due = True
-        options = tracking.resolve(run.config, self.settings)
-        if options:
-            run.trackers = RunTrackers(row.id, run.config, options)
-            self.tracking_thread.submit(run.trackers.start)
+        if options := tracking.resolve(run.config, self.settings):
+            await self.open_trackers(run, options)
         await self.report_record(run)
         VERSION.labels(row.id).set(run.version)
         log.info("training run %s from version %d", row.id, run.version, extra={"run_id": row.id})
+
+    async def open_trackers(self, run: RunState, options: dict[str, dict]) -> None:
+        """Start the run's trackers and re-send each the committed versions it does not hold (all of them for a
+        new tracker; those after its last recorded version when the run was trained before)."""
+        logged = await asyncio.to_thread(db.tracked_versions, self.db, run.run_id)
+        run.trackers = RunTrackers(run.run_id, run.config, options, logged=logged,
+                                   on_logged=partial(db.record_tracked, self.db, run.run_id),
+                                   hung_after_s=self.settings.tracking_hung_after_s)
+        run.trackers.start()
+        missed = await asyncio.to_thread(db.step_metrics, self.db, run.run_id, min(run.trackers.logged.values()))
+        for version, metrics in missed.items():
+            run.trackers.log(metrics, version)
 
     def _build_run(self, row: db.RunRow) -> RunState:
         """Load the model (from the latest complete checkpoint, if any) and finish an interrupted step."""
@@ -240,7 +249,8 @@ class Trainer:
                 if ack_held:
                     row = await asyncio.to_thread(db.load_run, self.db, run_id)
                     summary = {"status": row.status if row else "deleted", "policy_version": run.version}
-                self.tracking_thread.submit(run.trackers.finish, summary)
+                run.trackers.finish(summary)
+                self.closed_trackers = [t for t in self.closed_trackers if not t.join(0)] + [run.trackers]
             log.info("released run %s at version %d", run_id, run.version, extra={"run_id": run_id})
         await asyncio.to_thread(db.release_leases, self.db, self.worker_id, [run_id])
 
@@ -251,7 +261,10 @@ class Trainer:
             await self.close_run(run_id)
         await self._in_torch(stop_followers)
         self.torch_thread.shutdown(wait=True)
-        self.tracking_thread.shutdown(wait=True)  # the runs' trackers flushed (W&B's files, TensorBoard's events)
+        # the runs' trackers flushed (W&B's files, TensorBoard's events), unless one hangs: its thread is a daemon
+        deadline = time.monotonic() + self.settings.tracking_flush_s
+        for trackers in self.closed_trackers:
+            await asyncio.to_thread(trackers.join, max(deadline - time.monotonic(), 0))
 
     # -- intake -----------------------------------------------------------------------------------------------
     async def route(self, deliveries: list[Delivery]) -> None:
@@ -412,7 +425,7 @@ class Trainer:
         run.version, run.dropped, run.counts, run.last_step_at = version, {}, {}, time.monotonic()
         run.generated_tokens, run.last_step_wall, run.episode_spans = 0, time.time(), []
         if run.trackers is not None:  # the step is durable: what the trackers show never runs ahead of the record
-            self.tracking_thread.submit(run.trackers.log, metrics, version)
+            run.trackers.log(metrics, version)
         STEPS.labels(run.run_id).inc()
         VERSION.labels(run.run_id).set(version)
         log.info("v%d reward %.3f (%d samples, %.2fs)", version, metrics["reward_mean"], len(record.samples),

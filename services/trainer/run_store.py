@@ -1,5 +1,5 @@
 """Postgres side of the trainer: which runs to train (`runs`), its lease on them (`trainer_leases`,
-shared/platform/leases.py), and its own durable record (`train_samples`, metrics). Of the controller's tables it reads only
+shared/platform/leases.py), and its own durable record (`train_samples`, metrics, tracker progress). Of the controller's tables it reads only
 `runs` (config, status): what it trains on arrives on `results.accepted`, and what the controller needs from it
 leaves on `trainer.progress` (and which runs it trains, in its heartbeat). A user's stop arrives on `run.control`
 (loop.py); the runs' status read here is how every other change, and a lost command, arrives."""
@@ -12,7 +12,7 @@ from sqlalchemy import Engine, delete, func, select
 from sqlalchemy.dialects.postgresql import insert
 
 from services.trainer.state import SampleRecord, StepRecord
-from shared.contracts.db.models import Checkpoint, Metric, Run, TrainSample
+from shared.contracts.db.models import Checkpoint, Metric, Run, TrackerProgress, TrainSample
 from shared.contracts.messages import ConsumedGroup
 from shared.platform import leases
 
@@ -77,6 +77,32 @@ def commit_step(db: Engine, record: StepRecord) -> None:
             c.execute(insert(Metric).values([
                 dict(run_id=run, name=k, step=record.version, value=float(v)) for k, v in record.metrics.items()
             ]))
+
+
+def tracked_versions(db: Engine, run_id: str) -> dict[str, int]:
+    """Tracker kind -> the newest policy version it logged (a kind not listed logged none)."""
+    with db.connect() as c:
+        rows = c.execute(select(TrackerProgress.tracker, TrackerProgress.version)
+                         .where(TrackerProgress.run_id == uuid.UUID(run_id))).all()
+    return dict(rows)
+
+
+def record_tracked(db: Engine, run_id: str, tracker: str, version: int) -> None:
+    stmt = insert(TrackerProgress).values(run_id=uuid.UUID(run_id), tracker=tracker, version=version)
+    with db.begin() as c:
+        c.execute(stmt.on_conflict_do_update(index_elements=["run_id", "tracker"],
+                                             set_={"version": version, "updated_at": func.now()}))
+
+
+def step_metrics(db: Engine, run_id: str, after: int) -> dict[int, dict[str, float]]:
+    """Each committed version's metrics past `after`, by version (what trackers re-send)."""
+    with db.connect() as c:
+        rows = c.execute(select(Metric.step, Metric.name, Metric.value).where(
+            Metric.run_id == uuid.UUID(run_id), Metric.step > after).order_by(Metric.step)).all()
+    out: dict[int, dict[str, float]] = {}
+    for step, name, value in rows:
+        out.setdefault(step, {})[name] = value
+    return out
 
 
 def record_dropped(db: Engine, run_id: str, version: int, samples: list[SampleRecord]) -> None:

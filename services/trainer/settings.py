@@ -66,6 +66,10 @@ class TrainerSettings(ServiceSettings):
     tracking_mlflow_tracking_uri: str | None = Field(None, description="MLflow server or store of every run")
     tracking_mlflow_experiment: str | None = Field(None, description="MLflow experiment; default flywheel")
     tracking_tensorboard_dir: Path | None = Field(None, description="TensorBoard event files of every run")
+    tracking_hung_after_s: float = Field(60.0, gt=0, description="a tracker call in progress this long is reported "
+                                         "as hung in the run's tracker warning (its later versions wait for it)")
+    tracking_flush_s: float = Field(30.0, ge=0, description="how long a stopping trainer waits for its trackers' "
+                                    "last calls (W&B and TensorBoard flush their files)")
 
     @model_validator(mode="after")
     def _defaults(self) -> TrainerSettings:

@@ -1,17 +1,19 @@
 """Experiment trackers of training runs: W&B, MLflow, TensorBoard, any combination (the run's `tracking`, with
 the trainer's TRACKING_* settings as server-wide defaults). Each gets the run's config at start, every policy
-version's metrics with the version as the step, and a summary when the run ends. A library is imported only
-when a run uses it. A tracker never fails or blocks a run: the trainer calls these on its own thread, and any
-error (not installed, server down, bad credentials, a write that raises) is logged as a warning, counted
-(metric `tracker_errors`) and kept as the run's tracker warning (the trainer's heartbeat); one that cannot start
-is left out until the run is opened again.
+version's metrics with the version as the step, and a summary when the run ends; a run opened again is re-sent
+the versions a tracker missed. A library is imported only when a run uses it. A tracker never fails or blocks a
+run: each has a thread of its own, and any error (not installed, server down, bad credentials, a write that
+raises) or a call that hangs is logged, counted (metric `tracker_errors`) and kept as the run's tracker warning
+(the trainer's heartbeat); one that cannot start is left out until the run is opened again.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import queue
 import re
+import threading
 import time
 from pathlib import Path
 
@@ -140,55 +142,125 @@ def resolve(config: RunConfig, settings) -> dict[str, dict]:
 
 
 class RunTrackers:
-    """The trackers of one run. Every method catches, logs and counts what its trackers raise; the trainer
-    calls them on its tracking thread, in order (start, log per version, finish)."""
+    """The trackers of one run. Each tracker is fed by a daemon thread of its own, in call order (start, each
+    version, finish), so a slow or hung tracker holds back only itself: its versions wait in order and go out
+    when it answers; while a call has not returned for `hung_after_s` the run's tracker warning says so. Every
+    call is caught, logged and counted. `logged` (kind -> newest version it holds, from `tracker_progress`) skips
+    what a tracker already has, so re-sending a run's committed versions after a crash loses none and repeats
+    none, unless the trainer died between a tracker's write and `on_logged(kind, version)` recording it."""
 
-    def __init__(self, run_id: str, config: RunConfig, options: dict[str, dict], kinds: dict | None = None):
+    def __init__(self, run_id: str, config: RunConfig, options: dict[str, dict], kinds: dict | None = None, *,
+                 logged: dict[str, int] | None = None, on_logged=None, hung_after_s: float = 60.0):
         self.run_id, self.name, self.options = run_id, config.name, options
         self.config = {"run_id": run_id, **config.model_dump(mode="json")}
         self.kinds = kinds or KINDS
+        self.logged = {kind: (logged or {}).get(kind, 0) for kind in options}
+        self.on_logged, self.hung_after_s = on_logged, hung_after_s
         self.trackers: dict[str, object] = {}
         self.errors = 0  # every failed call, since this trainer opened the run
-        self.warning: str | None = None  # the latest failure, for the trainer's heartbeat
+        self.failure: str | None = None  # the latest failure
         self._warned: set[tuple[str, str]] = set()
+        self._queues = {kind: queue.Queue() for kind in options}
+        self._finished = 0  # 1 once finish() queued the end of calls
+        self._busy: dict[str, tuple[float, str, int]] = {}  # kind -> (monotonic start, call, version) in progress
+        self._threads = [threading.Thread(target=self._serve, args=(kind,), daemon=True,  # a hung call never
+                                          name=f"tracker-{kind}-{run_id[:8]}") for kind in options]  # holds exit
+        for t in self._threads:
+            t.start()
+
+    @property
+    def warning(self) -> str | None:
+        """The run's tracker warning (the trainer's heartbeat): a call in progress too long, else the latest
+        failure."""
+        now = time.monotonic()
+        for kind, (since, call, version) in list(self._busy.items()):
+            if now - since > self.hung_after_s:
+                waiting = self._queues[kind].qsize() - self._finished  # less the end-of-calls marker
+                return (f"tracker {kind}{self._where(kind)}: its {call} call (policy version {version}) has not "
+                        f"returned in {now - since:.0f}s; {waiting} calls wait for it; "
+                        f"{HINTS.get(kind, 'see the trainer log')}. Training goes on")
+        return self.failure
 
     def start(self) -> None:
-        for kind, opts in self.options.items():
-            try:
-                self.trackers[kind] = self.kinds[kind](self.run_id, self.name, self.config, **opts)
-            except Exception as e:  # whatever the library raises, the run trains on
-                self._failed(kind, "start", "could not start, left out of this run", e)
+        self._put(("start", None, 0))
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        for kind, tracker in list(self.trackers.items()):
-            try:
-                tracker.log(metrics, step)
-            except Exception as e:
-                self._failed(kind, "log", f"policy version {step} not logged", e)
+        self._put(("log", metrics, step))
 
     def finish(self, summary: dict | None) -> None:
         """`summary` when the run ended (status, policy version, tracker errors, last metrics); None when the
-        trainer only lets the run go (another trainer, or this one after a restart, goes on logging it)."""
-        if summary is not None:
-            summary = {**summary, "tracker_errors": self.errors}
-        for kind, tracker in list(self.trackers.items()):
+        trainer only lets the run go (another trainer, or this one after a restart, goes on logging it). No call
+        is taken after it."""
+        self._put(("finish", summary, 0))
+        self._finished = 1
+        for q in self._queues.values():
+            q.put(None)
+
+    def join(self, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` in all for the trackers' calls so far; False if some are still in progress."""
+        deadline = time.monotonic() + timeout_s
+        for t in self._threads:
+            t.join(max(deadline - time.monotonic(), 0))
+        return not any(t.is_alive() for t in self._threads)
+
+    def _put(self, call: tuple) -> None:
+        for q in self._queues.values():
+            q.put(call)
+
+    def _serve(self, kind: str) -> None:
+        while (call := self._queues[kind].get()) is not None:
+            name, arg, version = call
+            self._busy[kind] = (time.monotonic(), name, version)
             try:
-                tracker.finish(summary)
+                self._call(kind, name, arg, version)
+            finally:
+                del self._busy[kind]
+
+    def _call(self, kind: str, name: str, arg, version: int) -> None:
+        if name == "start":
+            try:
+                self.trackers[kind] = self.kinds[kind](self.run_id, self.name, self.config, **self.options[kind])
+            except Exception as e:  # whatever the library raises, the run trains on
+                self._failed(kind, "start", "could not start, left out of this run", e)
+            return
+        tracker = self.trackers.get(kind)
+        if tracker is None:  # it could not start
+            return
+        if name == "log":
+            if version <= self.logged[kind]:  # re-sent after a crash, and this tracker has it
+                return
+            try:
+                tracker.log(arg, version)
             except Exception as e:
-                self._failed(kind, "finish", "could not finish", e)
-        self.trackers.clear()
+                self._failed(kind, "log", f"policy version {version} not logged", e)
+                return
+            self.logged[kind] = version
+            if self.on_logged is not None:
+                try:
+                    self.on_logged(kind, version)
+                except Exception as e:  # a restart then re-sends this version: logged twice, never lost
+                    self._failed(kind, "progress", f"could not record that it holds version {version}", e)
+            return
+        summary = None if arg is None else {**arg, "tracker_errors": self.errors}
+        try:
+            tracker.finish(summary)
+        except Exception as e:
+            self._failed(kind, "finish", "could not finish", e)
+
+    def _where(self, kind: str) -> str:
+        opts = self.options.get(kind, {})  # which server, project or folder: what to check first
+        where = opts.get("tracking_uri") or opts.get("project") or opts.get("dir") or ""
+        return f" ({mask_url(str(where))})" if where else ""
 
     def _failed(self, kind: str, call: str, what: str, e: Exception) -> None:
         self.errors += 1
-        opts = self.options.get(kind, {})  # which server, project or folder: what to check first
-        where = opts.get("tracking_uri") or opts.get("project") or opts.get("dir") or ""
         hint = (f"install {kind} in the trainer's environment" if isinstance(e, ImportError)
                 else HINTS.get(kind, "see the trainer's log"))
-        self.warning = (f"tracker {kind}{f' ({mask_url(str(where))})' if where else ''}: {what}: "
-                        f"{type(e).__name__}: {str(e)[:300]}; {hint}. Training goes on")
+        self.failure = f"tracker {kind}{self._where(kind)}: {what}: {type(e).__name__}: {str(e)[:300]}; {hint}. " \
+                       "Training goes on"
         if (kind, call) not in self._warned:  # once per tracker and call: no log line per version
             self._warned.add((kind, call))
-            log.warning("%s", self.warning, extra={"run_id": self.run_id})
+            log.warning("%s", self.failure, extra={"run_id": self.run_id})
 
 
 def flatten(d: dict, prefix: str = "") -> dict[str, object]:

@@ -285,9 +285,17 @@ def test_lora_runs_of_one_kind_share_one_engine_in_the_trainer(stack, redis_url,
 @pytest.mark.parametrize("lora", [None, {"rank": 4, "target_modules": ["q_proj", "v_proj"]}], ids=["full", "lora"])
 def test_trainer_killed_mid_step_resumes_with_nothing_lost_or_doubled(stack, redis_url, database_url, model_dir,
                                                                      tmp_path, lora):
-    """Full weights, and a LoRA run (whose checkpoints hold the adapter and its optimizer state)."""
+    """Full weights, and a LoRA run (whose checkpoints hold the adapter and its optimizer state). The run is
+    tracked in MLflow: each crash may come between a step's commit and its tracker call, and the restarted
+    trainer re-sends what the tracker missed."""
     algorithm = {"adv_estimator": "grpo", "lr": 1e-3} | ({"lora": lora} if lora else {})
-    run_id = _insert_run(database_url, model_dir, max_staleness=5, algorithm=algorithm)
+    from mlflow.tracking import MlflowClient
+
+    mlflow_uri = f"sqlite:///{tmp_path}/mlflow.db"
+    # the store set up before the crashes: MLflow's first-use migration of an SQLite file is not crash-safe
+    MlflowClient(mlflow_uri).create_experiment("resume")
+    run_id = _insert_run(database_url, model_dir, max_staleness=5, algorithm=algorithm,
+                         tracking={"mlflow": {"tracking_uri": mlflow_uri, "experiment": "resume"}})
     keys = set()
     for batch in range(4):
         keys |= _publish_batch(redis_url, run_id, batch, 0)
@@ -312,9 +320,34 @@ def test_trainer_killed_mid_step_resumes_with_nothing_lost_or_doubled(stack, red
         assert reported == {(f"b{b}-t{t}", b) for b in range(4) for t in range(TASKS)}
         manifest = json.loads((Path(stack.env["WEIGHTS_DIR"]) / run_id / "v4" / MANIFEST).read_text())
         assert (set(manifest["files"]) == {ADAPTER_CONFIG, ADAPTER_WEIGHTS}) == bool(lora)  # a LoRA run: adapters
+        _assert_tracked_every_version(database_url, run_id, mlflow_uri, 4, proc)
     finally:
         proc.terminate()
         proc.wait(60)
+
+
+def _assert_tracked_every_version(database_url: str, run_id: str, mlflow_uri: str, last: int, proc) -> None:
+    """Every committed version 1..last reached MLflow with its metrics (none lost to a crash), as its record in
+    `tracker_progress` says."""
+    from mlflow.tracking import MlflowClient
+
+    engine = create_engine(database_url)
+
+    def tracked() -> int:
+        with engine.connect() as c:
+            return c.execute(text("SELECT coalesce(max(version), 0) FROM tracker_progress WHERE run_id = :id AND "
+                                  "tracker = 'mlflow'"), {"id": run_id}).scalar()
+
+    wait_until(lambda: tracked() >= last, 60, f"MLflow to hold version {last}", procs=[proc])
+    with engine.connect() as c:
+        committed = {r.step: r.value for r in c.execute(text(
+            "SELECT step, value FROM metrics WHERE run_id = :id AND name = 'reward_mean'"), {"id": run_id})}
+    client = MlflowClient(mlflow_uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("resume").experiment_id],
+                                f"tags.`flywheel.run_id` = '{run_id}'")
+    history = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "reward_mean")}
+    assert sorted(history) == sorted(committed) == list(range(1, last + 1))
+    assert history == committed
 
 
 def _start_controller(redis_url: str, database_url: str, tmp_path: Path) -> subprocess.Popen:

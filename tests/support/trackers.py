@@ -28,6 +28,7 @@ def track(config: RunConfig, tmp_path: Path, kinds: dict | None = None, **settin
     for version, metrics in METRICS.items():
         trackers.log(metrics, version)
     trackers.finish(SUMMARY)
+    assert trackers.join(120), "the trackers' calls did not end in 120 s"
     return run_id, trackers
 
 

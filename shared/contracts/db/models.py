@@ -297,6 +297,18 @@ class Metric(Base):
     ts: Mapped[datetime] = _now()
 
 
+class TrackerProgress(Base):
+    """The newest policy version each experiment tracker of a run holds (W&B, MLflow, TensorBoard): what a
+    trainer that opens the run again re-sends from, out of `metrics`."""
+
+    __tablename__ = "tracker_progress"
+
+    run_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    tracker: Mapped[str] = mapped_column(String(32), primary_key=True)
+    version: Mapped[int] = mapped_column(Integer, nullable=False)
+    updated_at: Mapped[datetime] = _now()
+
+
 class ApiToken(Base):
     __tablename__ = "api_tokens"
 

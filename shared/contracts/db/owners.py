@@ -42,6 +42,8 @@ OWNERS: dict[str, TableOwner] = {
     "token_arrays": TableOwner("controller", ("api", "jobs"), "`trajectories` (the store, exactly once)"),
     "metrics": TableOwner(
         "trainer", ("api", "controller", "jobs"), "each policy version's step (loss, grad norm, rewards)"),
+    "tracker_progress": TableOwner(
+        "trainer", (), "each tracker call that logged a policy version (the trainer's tracking threads)"),
     "train_samples": TableOwner("trainer", (), "each policy version's step (which samples it trained on)"),
     "checkpoints": TableOwner(
         "weight_server", ("api", "jobs", "rollout_worker", "trainer"),

@@ -5,14 +5,15 @@ not installed, a write that raises): tests/component/test_tracking_stores.py.
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
 from services.trainer.settings import TrainerSettings
-from services.trainer.tracking import KINDS, TensorBoardTracker, resolve
-from tests.support.trackers import METRICS, tensorboard_scalars, track, tracked_config
+from services.trainer.tracking import KINDS, RunTrackers, TensorBoardTracker, resolve
+from tests.support.trackers import METRICS, SUMMARY, tensorboard_scalars, track, tracked_config
 
 
 def test_tensorboard_event_files_read_back_with_its_accumulator(tmp_path):
@@ -61,3 +62,57 @@ def test_every_kind_is_registered_with_its_hint():
 
     assert set(KINDS) == set(HINTS) == {"wandb", "mlflow", "tensorboard"}
     assert KINDS["tensorboard"] is TensorBoardTracker
+
+
+class Recorder:
+    """A tracker that keeps what it was given; `gate`, when set, holds every log call until it opens."""
+
+    gate: threading.Event | None = None
+
+    def __init__(self, run_id, name, config, **opts):
+        self.calls: list = []
+
+    def log(self, metrics, step):
+        if self.gate is not None:
+            self.gate.wait(30)
+        self.calls.append(step)
+
+    def finish(self, summary):
+        self.calls.append(("finish", summary["status"] if summary else None))
+
+
+class Hanging(Recorder):
+    gate = threading.Event()
+
+
+def test_a_hung_tracker_holds_back_only_itself_and_its_versions_go_out_in_order_when_it_answers():
+    trackers = RunTrackers("r" * 8, tracked_config(), {"fast": {}, "slow": {}}, {"fast": Recorder, "slow": Hanging},
+                           hung_after_s=0.2)
+    trackers.start()
+    for version in (1, 2, 3):
+        trackers.log({"reward_mean": 0.5}, version)
+    trackers.finish(SUMMARY)
+    assert not trackers.join(1.0)  # the slow one is stuck in version 1
+    assert trackers.trackers["fast"].calls == [1, 2, 3, ("finish", "completed")]
+    assert trackers.trackers["slow"].calls == []
+    warning = trackers.warning
+    assert "tracker slow" in warning and "(policy version 1) has not returned" in warning
+    assert "3 calls wait for it" in warning and "Training goes on" in warning
+    Hanging.gate.set()
+    assert trackers.join(10)
+    assert trackers.trackers["slow"].calls == [1, 2, 3, ("finish", "completed")]
+    assert trackers.warning is None and trackers.errors == 0
+
+
+def test_versions_a_tracker_holds_are_not_sent_again_and_each_new_one_is_recorded():
+    recorded = []
+    trackers = RunTrackers("r" * 8, tracked_config(), {"a": {}, "b": {}}, {"a": Recorder, "b": Recorder},
+                           logged={"a": 2}, on_logged=lambda kind, v: recorded.append((kind, v)))
+    trackers.start()
+    for version in (1, 2, 3):  # a trainer re-sending every committed version after a crash
+        trackers.log({"loss": 1.0}, version)
+    trackers.finish(None)
+    assert trackers.join(10)
+    assert trackers.trackers["a"].calls == [3, ("finish", None)]  # it held 1 and 2
+    assert trackers.trackers["b"].calls == [1, 2, 3, ("finish", None)]
+    assert sorted(recorded) == [("a", 3), ("b", 1), ("b", 2), ("b", 3)]
