@@ -67,10 +67,13 @@ def latest_metrics(session: Session, run_id: uuid.UUID) -> dict[str, dict[str, A
     return {r.name: {"step": r.step, "value": r.value, "ts": r.ts} for r in rows}
 
 
-def tool_call_errors(session: Session, run_id: uuid.UUID) -> int:
-    """Malformed tool calls of the run's agents (the `tool_call_errors` the rollout worker adds up per trajectory)."""
-    total = func.sum(TrajectoryRow.info["tool_call_errors"].as_integer())
-    return int(session.scalar(select(func.coalesce(total, 0)).where(TrajectoryRow.run_id == run_id)))
+def trajectory_counts(session: Session, run_id: uuid.UUID) -> dict[str, int]:
+    """Counts the rollout worker keeps per trajectory in its `info`, summed over the run: `tool_call_errors`
+    (malformed tool calls of its agents) and `context_rewrites` (turns after which an agent rewrote its history)."""
+    keys = ("tool_call_errors", "context_rewrites")
+    totals = session.execute(select(*(func.coalesce(func.sum(TrajectoryRow.info[k].as_integer()), 0) for k in keys))
+                             .where(TrajectoryRow.run_id == run_id)).one()
+    return {k: int(v) for k, v in zip(keys, totals, strict=True)}
 
 
 def pass_at_k(session: Session, run_id: uuid.UUID, max_k: int | None = None) -> dict[str, float]:

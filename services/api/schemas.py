@@ -120,6 +120,8 @@ class RunDetail(RunPublic):
     outage: str | None = Field(None, description="live runs: why their numbers are frozen (a dependency is down)")
     tool_call_errors: int = Field(0, description="malformed tool calls the run's agents made (not JSON, unknown tool, "
                                   "wrong arguments): each was an error observation the agent saw, none ended an episode")
+    context_rewrites: int = Field(0, description="turns after which an agent rewrote its history (summarized or dropped "
+                                  "old turns): each starts a new training sequence of its trajectory")
 
 
 class TrajectoryPublic(BaseModel):

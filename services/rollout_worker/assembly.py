@@ -2,9 +2,9 @@
 
 `PromptBuilder` makes each turn's prompt ids: when the chat history only grew, the new prompt is the previous
 prompt + the generated ids, exactly as generated, + the tokens of the new messages, so nothing the model
-produced is re-tokenized. `assemble(steps)` turns the steps into the trainer's `TokenSequence` (observation
-and template tokens mask 0, completions mask 1). A turn whose prompt does not extend the accumulated context
-sets `mismatch` and zeroes the whole mask, as rLLM does.
+produced is re-tokenized. `context_runs(steps)` cuts a trajectory where a turn's prompt does not extend the
+accumulated context (an agent that summarized or dropped old turns); `assemble(steps)` turns one run into the
+trainer's `TokenSequence` (observation and template tokens mask 0, completions mask 1).
 
 More: docs/agents-and-envs.md#token-bookkeeping
 """
@@ -104,6 +104,21 @@ def extend_context(chat: ChatTokenizer, render: Callable[[list[dict], bool], str
             return None
         closing = closing[len(chat.eos_text):]  # the model already emitted the EOS token
     return closing + full[len(through_reply):]
+
+
+def context_runs(steps: list[Step]) -> list[list[Step]]:
+    """The maximal runs of turns that extend one context: a turn whose prompt does not start with the previous
+    turn's prompt + response (the agent rewrote its history) starts the next run. Steps without tokens (a
+    workflow's own) stay with the run they follow."""
+    runs: list[list[Step]] = [[]]
+    context: list[int] | None = None
+    for step in steps:
+        if step.prompt_ids:
+            if context is not None and step.prompt_ids[: len(context)] != context:
+                runs.append([])
+            context = list(step.prompt_ids) + list(step.response_ids)
+        runs[-1].append(step)
+    return runs
 
 
 def assemble(steps: list[Step]) -> TokenSequence:

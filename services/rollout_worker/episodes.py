@@ -10,12 +10,13 @@ ended in ERROR, assemble each trajectory's tokens, classify the outcome:
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import traceback
 
 from prometheus_client import Counter, Histogram
 
-from services.rollout_worker.assembly import assemble
+from services.rollout_worker.assembly import assemble, context_runs
 from services.rollout_worker.builtin.workflows import SingleAgentWorkflow
 from services.rollout_worker.env_client import EnvClient
 from services.rollout_worker.rollout import Rollout
@@ -25,14 +26,14 @@ from shared.platform.logs import get_logger
 from shared.platform.service import wait_for
 from shared.sdk.agent import Episode, WorkflowTerminated
 from shared.sdk.types import TerminationReason as TR
-from shared.sdk.types import compute_mc_returns
+from shared.sdk.types import Trajectory, compute_mc_returns
 
 log = get_logger(__name__)
 EPISODES = Counter("rollout_episodes_total", "Episodes finished", ["status", "termination"])
 EPISODE_SECONDS = Histogram("rollout_episode_seconds", "Episode wall time",
                             buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300, 1800))
-MISMATCH = Counter("rollout_token_mismatch_total", "Trajectories masked because a turn's prompt did not "
-                   "extend the accumulated context")
+REWRITES = Counter("rollout_context_rewrites_total", "Turns whose prompt did not extend the accumulated context "
+                   "(the agent rewrote its history): each starts a new training sequence")
 GRACE_S = 5.0  # after the deadline, the loop's own TIMEOUT handling gets this long before we cancel
 
 
@@ -81,11 +82,10 @@ async def _run_once(ctx: RunContext, rollout: Rollout, task: RolloutTask, budget
 def completed(ctx: RunContext, task: RolloutTask, episode: Episode) -> EpisodeResult:
     records = []
     for traj in episode.trajectories:
-        traj.tokens = assemble(traj.steps)
-        if traj.tokens.mismatch:
-            MISMATCH.inc()
-        compute_mc_returns(traj, ctx.config.algorithm.gamma)
-        records.append(TrajectoryRecord.from_trajectory(traj))
+        compute_mc_returns(traj, ctx.config.algorithm.gamma)  # over the whole trajectory, before any cut
+        for part in sequences(traj):
+            part.tokens = assemble(part.steps)
+            records.append(TrajectoryRecord.from_trajectory(part))
     reason = episode.termination_reason or TR.UNKNOWN
     # One trajectory: its reward. Several (solver/judge): whether the episode was right.
     reward = records[0].reward if len(records) == 1 else float(episode.is_correct)
@@ -104,6 +104,22 @@ def completed(ctx: RunContext, task: RolloutTask, episode: Episode) -> EpisodeRe
         task=task.task, trajectories=records, metrics=episode.metrics, info=info, batch_idx=task.batch_idx,
         greedy=task.greedy, error=error,
     )
+
+
+def sequences(traj: Trajectory) -> list[Trajectory]:
+    """The trajectory, or, when the agent rewrote its history, one trajectory per run of turns that extends one
+    context (`context_runs`): each carries the whole trajectory's reward and `info` `sequence` k of `sequences`
+    n, the last also `context_rewrites` n-1 (one count per trajectory: SQL sums it); the trainer gives every one
+    the advantage of the last (`advantage_from`)."""
+    runs = context_runs(traj.steps)
+    if len(runs) == 1:
+        return [traj]
+    REWRITES.inc(len(runs) - 1)
+    reward = traj.reward if traj.reward is not None else sum(s.reward for s in traj.steps)
+    return [dataclasses.replace(traj, uid=f"{traj.uid}/{k}", steps=steps, reward=reward, tokens=None,
+                                info={**traj.info, "sequence": k, "sequences": len(runs)}
+                                | ({"context_rewrites": len(runs) - 1} if k == len(runs) - 1 else {}))
+            for k, steps in enumerate(runs)]
 
 
 USER_FAULTS = (TR.ERROR, TR.ENV_TIMEOUT)  # endings caused by the user's code, not the policy

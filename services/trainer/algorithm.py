@@ -32,6 +32,22 @@ def compute_advantages(algo: AlgorithmConfig, t: dict, values: torch.Tensor | No
     return core_algos.get_adv_estimator_fn(algo.adv_estimator)(**kwargs)
 
 
+def share_sequence_advantages(advantages: torch.Tensor, t: dict) -> torch.Tensor:
+    """Each earlier sequence of a trajectory cut at its context rewrites takes the advantage of the trajectory's
+    last sequence (`t["advantage_from"]`, the row of that sequence; -1: none): its mean over that row's trained
+    tokens, on each of its own. Outcome estimators (GRPO, RLOO, ReMax) give a row one value: the same advantage
+    the uncut trajectory would have had."""
+    src = t["advantage_from"]
+    rows = (src >= 0).nonzero().flatten()
+    if rows.numel() == 0:
+        return advantages
+    mask = t["response_mask"].to(advantages.dtype)
+    per_row = (advantages * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    out = advantages.clone()
+    out[rows] = per_row[src[rows]].unsqueeze(-1) * mask[rows]
+    return out
+
+
 def verl_algo_config(algo: AlgorithmConfig) -> AlgoConfig:
     return AlgoConfig(gamma=algo.gamma, lam=algo.lam, adv_estimator=algo.adv_estimator,
                       norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo, kl_penalty=algo.kl_penalty)

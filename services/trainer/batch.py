@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from prometheus_client import Counter
 
-from shared.contracts.messages import EpisodeResult
+from shared.contracts.messages import EpisodeResult, TrajectoryRecord
 from shared.sdk.types import TerminationReason
 
 SampleKey = tuple[str, str, int]  # (run_id, task_id, sample_idx): the acceptance rule's identity
@@ -40,6 +40,9 @@ class Sample:
     traj_idx: int = 0  # position in its episode: a workflow may produce several trajectories of one name
     name: str = "agent"  # the trajectory's role (solver, judge, ...)
     versions: list[int] = field(default_factory=list)  # policy version that generated each token (-1: env's)
+    # an earlier sequence of a trajectory the agent cut by rewriting its history: the traj_idx of its last
+    # sequence, whose advantage it takes (it joins no group statistics of its own)
+    advantage_from: int | None = None
 
     @property
     def uid(self) -> str:
@@ -82,8 +85,18 @@ def samples_from_result(result: EpisodeResult) -> list[Sample]:
             min_version=_min_version(traj.versions, mask, traj.policy_versions[0]), greedy=result.greedy,
             traj_idx=traj_idx, name=traj.name,
             versions=list(traj.versions) if len(traj.versions) == len(traj.response_ids) else [],
+            advantage_from=_last_sequence(traj, traj_idx),
         ))
     return out
+
+
+def _last_sequence(traj: TrajectoryRecord, traj_idx: int) -> int | None:
+    """The traj_idx of the last sequence of a trajectory cut at its context rewrites (the rollout worker sends
+    the n sequences in order, each with info `sequence` k of `sequences` n); None for the last or an uncut one."""
+    k, n = traj.info.get("sequence"), traj.info.get("sequences")
+    if not isinstance(k, int) or not isinstance(n, int) or k >= n - 1:
+        return None
+    return traj_idx + (n - 1 - k)
 
 
 def _has_behaviour_logprobs(logprobs: list[float], mask: list[int]) -> bool:
@@ -201,8 +214,12 @@ def staleness(samples: list[Sample], version: int) -> list[int]:
 def build_tensors(groups: list[Group], pad_id: int) -> dict:
     """Left-padded prompts, right-padded responses, masks, outcome rewards on the last trained token,
     behaviour logprobs and the policy version of each response token (-1: not the model's, or unknown), the
-    group index (`uid`) and ReMax's greedy baseline reward per row."""
+    group index (`uid`) and ReMax's greedy baseline reward per row; `advantage_from`: for an earlier sequence of a
+    cut trajectory the row of its last sequence (else -1), and a group index of its own."""
     rows = [s for g in groups for s in g.samples.values()]
+    row_of = {(s.key, s.traj_idx): i for i, s in enumerate(rows)}
+    advantage_from = [row_of.get((s.key, s.advantage_from), -1) if s.advantage_from is not None else -1
+                      for s in rows]
     baselines = [g.greedy[s.name].reward if s.name in g.greedy else 0.0 for g in groups for s in g.samples.values()]
     P = max(len(s.prompt_ids) for s in rows)
     R = max(len(s.response_ids) for s in rows)
@@ -231,7 +248,9 @@ def build_tensors(groups: list[Group], pad_id: int) -> dict:
         "behaviour_versions": versions,
         "token_level_rewards": rewards, "reward_baselines": torch.tensor(baselines, dtype=torch.float32),
         "sample_weights": torch.tensor([s.weight for s in rows], dtype=torch.float32),
-        "uid": np.array([s.uid for s in rows], dtype=object),
+        "uid": np.array([s.uid if j < 0 else f"{s.uid}/{s.key[2]}/{s.traj_idx}" for s, j in zip(rows, advantage_from,
+                                                                                      strict=True)], dtype=object),
+        "advantage_from": torch.tensor(advantage_from, dtype=torch.long),
     }
 
 

@@ -9,7 +9,7 @@ from collections import Counter
 
 import torch
 
-from services.trainer.algorithm import compute_advantages, rollout_correction
+from services.trainer.algorithm import compute_advantages, rollout_correction, share_sequence_advantages
 from services.trainer.batch import Group, Sample, build_tensors, staleness
 from services.trainer.engine import PolicyEngine
 from shared.contracts.run_config import AlgorithmConfig
@@ -29,6 +29,7 @@ class Learner:
         ref = self.engine.log_probs(t, reference=True)[0] if self.engine.has_reference else None
         values = self.engine.values(t) if self.engine.critic is not None else None
         advantages, returns = compute_advantages(self.algo, t, values)
+        advantages = share_sequence_advantages(advantages, t)
         weights, t["response_mask"], corr_metrics = rollout_correction(
             old, t["behaviour_log_probs"], t["response_mask"], self.algo, t["sample_weights"])
         metrics = self.batch_metrics(groups, t, old, entropy, version)

@@ -21,7 +21,7 @@ from services.api.progress import (
     progress,
     reward_by_version,
     run_out,
-    tool_call_errors,
+    trajectory_counts,
 )
 from services.api.routers.system import dependency_outage
 from services.api.run_refs import RunId
@@ -125,7 +125,7 @@ def show_run(run_id: RunId, request: Request, session: DB) -> dict:
     counts = ledger(session, run_id)
     out = run_out(run) | {
         "ledger": counts, "latest_metrics": latest_metrics(session, run_id),
-        "progress": progress(run, counts["units"], num_rows), "tool_call_errors": tool_call_errors(session, run_id),
+        "progress": progress(run, counts["units"], num_rows), **trajectory_counts(session, run_id),
     }
     if run.kind == "eval":
         out["pass_at_k"] = pass_at_k(session, run_id, cfg.get("samples_per_task"))

@@ -169,6 +169,7 @@
         <div class="card">samples in flight<b>${u.in_flight + u.retrying}</b></div>
         ${u.cancelled ? `<div class="card">samples cancelled<b>${u.cancelled}</b></div>` : ""}
         ${run.tool_call_errors ? `<div class="card" id="tool-call-errors" title="not JSON, an unknown tool or wrong arguments: each an error observation the agent saw">malformed tool calls<b>${run.tool_call_errors}</b></div>` : ""}
+        ${run.context_rewrites ? `<div class="card" id="context-rewrites" title="turns after which an agent summarized or dropped its history: each starts a new training sequence of its trajectory">context rewrites<b>${run.context_rewrites}</b></div>` : ""}
         <div class="card" title="completed ${a.completed}, errored ${a.errored}, failed ${a.failed}, lost ${a.lost}, cancelled ${a.cancelled}">attempts<b>${a.total}</b></div>
         ${Object.entries(run.pass_at_k || {}).map(([k, v]) => `<div class="card" title="over the ${u.completed} scored samples">${esc(k)}<b>${num(v)}</b></div>`).join("")}
         ${run.kind === "eval" ? evalCards(rewards.data) : ""}

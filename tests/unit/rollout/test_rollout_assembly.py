@@ -143,3 +143,29 @@ def test_extend_context_refuses_a_rewritten_history_and_a_foreign_eos(chat):
     fake_eos = ChatTokenizer(chat.tokenizer)
     fake_eos.eos_text = "</s>"  # a template that does not close a reply with the model's EOS
     assert extend_context(fake_eos, chat.render, first, "ok", True, later) is None
+
+
+def test_a_trajectory_is_cut_where_the_agent_rewrote_its_history_and_each_run_is_token_exact():
+    from services.rollout_worker.assembly import context_runs
+    from services.rollout_worker.episodes import sequences
+    from shared.sdk.types import Trajectory
+
+    steps = [step([1, 2], [3]), step([1, 2, 3, 4], [5]),  # turn 2 extends turn 1's context
+             step([9, 4], [6]),  # the agent summarized: a new context
+             step([9, 4, 6, 7], [8]), Step(), step([9, 4, 6, 7, 8, 2], [3])]  # a step without tokens stays put
+    runs = context_runs(steps)
+    assert [len(r) for r in runs] == [2, 4]
+    for r in runs:  # each run is one sequence with nothing masked: no mismatch inside a run
+        seq = assemble(r)
+        assert not seq.mismatch and sum(seq.loss_mask) == sum(len(s.response_ids) for s in r)
+        assert seq.prompt_ids + seq.response_ids == r[-1].prompt_ids + r[-1].response_ids  # token-exact
+    for s, r in zip(steps[:3], [1.0, 0.0, 0.5], strict=False):
+        s.reward = r
+    traj = Trajectory(uid="u", steps=steps, info={"tool_call_errors": 1})
+    parts = sequences(traj)
+    assert [p.uid for p in parts] == ["u/0", "u/1"] and [p.steps for p in parts] == runs
+    assert [p.reward for p in parts] == [1.5, 1.5]  # the whole trajectory's reward on each
+    assert parts[0].info == {"tool_call_errors": 1, "sequence": 0, "sequences": 2}
+    assert parts[1].info == {"tool_call_errors": 1, "sequence": 1, "sequences": 2, "context_rewrites": 1}
+    uncut = Trajectory(steps=runs[0])
+    assert sequences(uncut) == [uncut] and sequences(uncut)[0] is uncut  # an uncut trajectory is itself

@@ -251,3 +251,48 @@ def test_rollout_idle_ratio_is_the_uncovered_share_of_the_window_per_worker():
     spans = [("w1", 0.0, 4.0), ("w1", 3.0, 6.0), ("w2", 8.0, 12.0)]
     assert rollout_idle_ratio(spans, 0.0, 10.0) == pytest.approx(0.6)
     assert rollout_idle_ratio([("w1", -5.0, 20.0)], 0.0, 10.0) == 0.0
+
+
+def cut_result(task: str, sample: int, reward: float, parts: int) -> EpisodeResult:
+    """An episode whose agent rewrote its history: its trajectory arrives as `parts` sequences, in order."""
+    trajs = [TrajectoryRecord(uid=f"{task}-{sample}/{k}", reward=reward, termination_reason=TR.ENV_DONE,
+                              prompt_ids=[5, 6, 7 + k], response_ids=[8 + k, 9], loss_mask=[1, 1],
+                              logprobs=[-1.0, -1.0], versions=[0, 0], info={"sequence": k, "sequences": parts})
+             for k in range(parts)]
+    msg = EpisodeResult(run_id="r", task_id=task, sample_idx=sample, status="completed",
+                        termination_reason=TR.ENV_DONE, reward=reward, trajectories=trajs, batch_idx=0)
+    return decode(encode(msg))
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "remax"])
+def test_the_sequences_of_a_rewritten_trajectory_share_the_advantage_of_the_uncut_trajectory(estimator):
+    """Group statistics see one row per trajectory (the last sequence); every earlier sequence takes that row's
+    advantage: the same advantages as the same episodes uncut, on every trained token."""
+    from services.trainer.algorithm import compute_advantages, share_sequence_advantages
+    from shared.contracts.run_config import AlgorithmConfig
+
+    algo = AlgorithmConfig(adv_estimator=estimator)
+    greedy = [result("a", 9, 0.5, greedy=True)] if estimator == "remax" else []
+    cut = [cut_result("a", 0, 1.0, 3), result("a", 1, 0.0), cut_result("a", 2, 1.0, 2), result("a", 3, 0.0)]
+    uncut = [result("a", 0, 1.0), result("a", 1, 0.0), result("a", 2, 1.0), result("a", 3, 0.0)]
+    need = estimator == "remax"
+    (cut_group,) = buffer_of(cut + greedy, n=4, need_greedy=need).complete_groups()
+    (uncut_group,) = buffer_of(uncut + greedy, n=4, need_greedy=need).complete_groups()
+    t = build_tensors([cut_group], pad_id=0)
+    assert t["advantage_from"].tolist() == [2, 2, -1, -1, 5, -1, -1]  # rows: a0 (3 sequences), a1, a2 (2), a3
+    assert len(set(t["uid"])) == 1 + 3  # the earlier sequences each in a group of their own
+    advantages = share_sequence_advantages(compute_advantages(algo, t, None)[0], t)
+    u = build_tensors([uncut_group], pad_id=0)
+    expected = compute_advantages(algo, u, None)[0][:, 0].tolist()  # one value per uncut trajectory
+    per_row = [expected[0]] * 3 + [expected[1]] + [expected[2]] * 2 + [expected[3]]
+    assert advantages[:, 0].tolist() == pytest.approx(per_row) and advantages[:, 1].tolist() == pytest.approx(per_row)
+    assert any(abs(a) > 0.1 for a in per_row)  # the check means something: the advantages are not all zero
+
+
+def test_a_trajectory_cut_at_no_rewrite_takes_no_other_rows_advantage():
+    t = build_tensors(buffer_of([result("a", 0, 1.0), result("a", 1, 0.0)]).complete_groups(), pad_id=0)
+    assert t["advantage_from"].tolist() == [-1, -1]
+    from services.trainer.algorithm import share_sequence_advantages
+
+    adv = torch.tensor([[1.0, 1.0], [-1.0, -1.0]])
+    assert share_sequence_advantages(adv, t) is adv
