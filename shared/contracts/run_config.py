@@ -95,7 +95,7 @@ class LoRAConfig(_Strict):
         return {"lora_rank": self.rank, "lora_alpha": self.alpha, "target_modules": self.target_modules}
 
 
-# An episode cut by the context window has no ending the policy could be scored on: no loss, unless asked for.
+# An episode cut by the context window never reached its answer: its tokens get no loss unless a run asks.
 MASKED_TERMINATIONS = (TerminationReason.CONTEXT_EXCEEDED.value,)
 
 
@@ -234,7 +234,7 @@ class RunConfig(_Strict):
     max_response_tokens: int = Field(512, ge=1, description="generation budget per model call, tokens")
     max_trajectory_tokens: int | None = Field(None, ge=1, description="prompt + all turns, tokens")
     max_context_tokens: int | None = Field(
-        None, ge=2, description="the model's context window for one call (prompt + that call's response), tokens: "
+        None, ge=1, description="the model's context window for one call (prompt + that call's response), tokens: "
         "a turn's response is cut to fit it, and a turn whose prompt leaves no room ends the episode as "
         "context_exceeded; default engine.max_model_len (vllm), else no limit")
     max_steps: int = Field(1, ge=1, description="agent turns per trajectory")
@@ -324,7 +324,7 @@ class RunConfig(_Strict):
         if self.max_trajectory_tokens is not None and self.max_trajectory_tokens < self.max_prompt_tokens:
             raise ValueError("max_trajectory_tokens must be >= max_prompt_tokens")
         if self.max_context_tokens is not None:
-            # the first call must fit whole, or every episode would be cut before its first turn ends
+            # a first call must fit whole, or a first answer could be cut short of max_response_tokens
             if self.max_context_tokens < self.max_prompt_tokens + self.max_response_tokens:
                 raise ValueError(
                     f"max_context_tokens ({self.max_context_tokens}) must be >= max_prompt_tokens + "
