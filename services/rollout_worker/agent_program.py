@@ -113,6 +113,8 @@ def build_episode(task: RolloutTask, session: GatewaySession, reason: TR, outcom
     reward = float(outcome.get("reward", 0.0))
     per_agent = outcome.get("rewards") or {}
     is_correct = bool(outcome.get("is_correct", reward > 0)) if reason == TR.ENV_DONE else False
+    if reason == TR.ENV_DONE and session.context_exceeded:  # the gateway refused a call for the context window
+        reason = TR.CONTEXT_EXCEEDED
     trajectories = session.trajectories()
     for traj in trajectories:
         r = float(per_agent.get(traj.name, reward))

@@ -46,6 +46,7 @@ class GatewaySession:
         self.agents: dict[str, AgentCalls] = {}
         self.calls = 0
         self.closed = False
+        self.context_exceeded = False  # a call was refused for the context window: the episode ends so
         self.task: Any = None  # the RolloutTask, for external programs
         self.outcome: asyncio.Future | None = None  # external programs: set by POST .../reward
 
@@ -195,6 +196,10 @@ class Gateway:
         except web.HTTPException:
             CALLS.labels(endpoint, "refused").inc()
             raise
+        except ContextExceeded as e:  # OpenAI's answer to an overlong prompt; the episode ends as context_exceeded
+            CALLS.labels(endpoint, "context_exceeded").inc()
+            session.context_exceeded = True
+            return _error(400, str(e), code="context_length_exceeded")
         except BadRequest as e:
             CALLS.labels(endpoint, "bad_request").inc()
             return _error(400, str(e))
@@ -270,6 +275,11 @@ class Gateway:
             if max_tokens <= 0:
                 raise BadRequest(f"the conversation is {len(prompt.ids)} tokens; the run allows "
                                  f"max_trajectory_tokens={cfg.max_trajectory_tokens}")
+        if (room := cfg.context_room(len(prompt.ids))) is not None:
+            if room < 1:
+                raise ContextExceeded(f"the prompt is {len(prompt.ids)} tokens and leaves no room to generate in the "
+                                      f"run's context window ({len(prompt.ids) + room} tokens, max_context_tokens)")
+            max_tokens = min(max_tokens, room)
         base = session.ctx.sampling(session.greedy)
         stop = body.get("stop") or []
         stop = [stop] if isinstance(stop, str) else list(stop)
@@ -353,5 +363,9 @@ class Gateway:
         return response
 
 
-def _error(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
-    return web.json_response({"error": {"message": message, "type": kind, "code": None}}, status=status)
+class ContextExceeded(BadRequest):
+    """The prompt fills the run's context window (max_context_tokens)."""
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error", code: str | None = None) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": kind, "code": code}}, status=status)

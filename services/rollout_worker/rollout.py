@@ -1,7 +1,7 @@
 """The agent loop and episodes: one `Rollout` handle per task attempt, given to the workflow.
 
     env.reset (env worker) -> agent.update_from_env -> engine.generate -> agent.update_from_model
-    -> env.step -> ... until done, max_steps, the token budget or the deadline.
+    -> env.step -> ... until done, max_steps, the token budgets, the context window or the deadline.
 
 Failures are classified once, here: an env worker that does not answer or an engine that fails after its
 retries raise `InfraFailure` (the episode is `failed`, re-dispatched, never trained on); user env errors and
@@ -129,9 +129,9 @@ class AgentSession:
         messages = await self.agent_call(lambda: self.agent.chat_completions, where="chat_completions")
         messages = copy.deepcopy(messages)  # appended in place
         prompt_ids = self.builder.prompt_ids(messages)
-        max_tokens = self.response_budget(prompt_ids)
+        max_tokens, spent = self.response_budget(prompt_ids)
         if max_tokens <= 0:
-            return TR.PROMPT_TRUNCATION
+            return spent
         started = time.perf_counter()
         try:
             gen = await self.generate(prompt_ids, max_tokens)
@@ -163,7 +163,7 @@ class AgentSession:
         truncated = gen.finish_reason == "length"
         if reply.done:  # a cut-off final answer is marked so the trainer can filter overlong samples
             return TR.RESPONSE_TRUNCATION if truncated else TR.ENV_DONE
-        if truncated and max_tokens < self.cfg.max_response_tokens:  # the trajectory's token budget is spent
+        if truncated and spent == TR.RESPONSE_TRUNCATION:  # the trajectory's token budget is spent
             return TR.RESPONSE_TRUNCATION
         return None
 
@@ -176,13 +176,24 @@ class AgentSession:
             raise TypeError(f"{agent}.get_current_state() returned {type(step).__name__} after update_from_model; "
                             "update_from_model must append a Step to the agent's trajectory")
 
-    def response_budget(self, prompt_ids: list[int]) -> int:
-        if len(prompt_ids) > self.cfg.max_prompt_tokens and not self.agent.trajectory.steps:
-            return 0
-        budget = self.cfg.max_response_tokens
-        if self.cfg.max_trajectory_tokens is not None:
-            budget = min(budget, self.cfg.max_trajectory_tokens - len(prompt_ids))
-        return budget
+    def response_budget(self, prompt_ids: list[int]) -> tuple[int, TR | None]:
+        """This call's max_tokens, and how the episode ends when a budget tighter than max_response_tokens binds:
+        with nothing left (max_tokens <= 0) it ends now; with a response cut by the trajectory's budget it ends
+        after the step (RESPONSE_TRUNCATION). A response cut by the context window goes on: the next prompt
+        decides (an agent may shorten its history)."""
+        cfg, n = self.cfg, len(prompt_ids)
+        if n > cfg.max_prompt_tokens and not self.agent.trajectory.steps:
+            return 0, TR.PROMPT_TRUNCATION
+        room = cfg.context_room(n)
+        if room is not None and room < 1:
+            return 0, TR.CONTEXT_EXCEEDED
+        budget, spent = cfg.max_response_tokens, None
+        if cfg.max_trajectory_tokens is not None and cfg.max_trajectory_tokens - n < budget:
+            budget = cfg.max_trajectory_tokens - n
+            spent = TR.PROMPT_TRUNCATION if budget <= 0 else TR.RESPONSE_TRUNCATION
+        if room is not None and room < budget:
+            budget, spent = room, None
+        return budget, spent
 
     async def generate(self, prompt_ids: list[int], max_tokens: int):
         start = time.perf_counter()

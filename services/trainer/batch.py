@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -16,6 +17,7 @@ import torch
 from prometheus_client import Counter
 
 from shared.contracts.messages import EpisodeResult, TrajectoryRecord
+from shared.contracts.run_config import MASKED_TERMINATIONS
 from shared.sdk.types import TerminationReason
 
 SampleKey = tuple[str, str, int]  # (run_id, task_id, sample_idx): the acceptance rule's identity
@@ -40,6 +42,7 @@ class Sample:
     traj_idx: int = 0  # position in its episode: a workflow may produce several trajectories of one name
     name: str = "agent"  # the trajectory's role (solver, judge, ...)
     versions: list[int] = field(default_factory=list)  # policy version that generated each token (-1: env's)
+    masked: str | None = None  # the termination reason (algorithm.mask_termination) that zeroed its loss mask
     # an earlier sequence of a trajectory the agent cut by rewriting its history: the traj_idx of its last
     # sequence, whose advantage it takes (it joins no group statistics of its own)
     advantage_from: int | None = None
@@ -61,8 +64,11 @@ def excluded_reason(result: EpisodeResult) -> str | None:
     return None
 
 
-def samples_from_result(result: EpisodeResult) -> list[Sample]:
-    """One sample per trajectory. A user-env ERROR keeps its reward in the group but contributes no loss.
+def samples_from_result(result: EpisodeResult,
+                        mask_termination: Collection[str] = MASKED_TERMINATIONS) -> list[Sample]:
+    """One sample per trajectory. A user-env ERROR, and a trajectory that ended for a reason named in
+    `mask_termination` (the run's algorithm.mask_termination; its own reason, else the episode's), keep their
+    reward in the group but contribute no loss.
 
     A trajectory without a real behaviour logprob for every trained token (none sent, misaligned, or not
     finite) keeps its reward in the group but contributes no loss, and is counted in
@@ -72,7 +78,10 @@ def samples_from_result(result: EpisodeResult) -> list[Sample]:
     for traj_idx, traj in enumerate(result.trajectories):
         if not traj.response_ids:
             continue
-        mask = [0] * len(traj.response_ids) if masked or traj.mismatch else list(traj.loss_mask)
+        reason = traj.termination_reason if traj.termination_reason != TerminationReason.UNKNOWN \
+            else result.termination_reason
+        by_reason = reason.value if reason.value in mask_termination else None
+        mask = [0] * len(traj.response_ids) if masked or by_reason or traj.mismatch else list(traj.loss_mask)
         logprobs = list(traj.logprobs)
         if not _has_behaviour_logprobs(logprobs, mask):
             WITHOUT_LOGPROBS.inc()
@@ -85,7 +94,7 @@ def samples_from_result(result: EpisodeResult) -> list[Sample]:
             min_version=_min_version(traj.versions, mask, traj.policy_versions[0]), greedy=result.greedy,
             traj_idx=traj_idx, name=traj.name,
             versions=list(traj.versions) if len(traj.versions) == len(traj.response_ids) else [],
-            advantage_from=_last_sequence(traj, traj_idx),
+            masked=by_reason, advantage_from=_last_sequence(traj, traj_idx),
         ))
     return out
 

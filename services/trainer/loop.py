@@ -301,8 +301,10 @@ class Trainer:
                 result = d.message.result
                 if 0 < result.started_at <= result.finished_at:  # stamped by a rollout worker
                     run.episode_spans.append((result.worker_id, result.started_at, result.finished_at))
-                for sample in batching.samples_from_result(result):
+                for sample in batching.samples_from_result(result, run.config.algorithm.mask_termination):
                     run.buffer.add(sample)
+                    if sample.masked:  # metric samples_masked_<reason>: stored and scored, no loss
+                        run.count(f"masked_{sample.masked}")
                     # tokens with a policy version are the model's (-1: an env's, inside multi-turn responses)
                     run.generated_tokens += (sum(v >= 0 for v in sample.versions) if sample.versions
                                              else len(sample.response_ids))

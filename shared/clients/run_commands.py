@@ -252,10 +252,10 @@ def _context_problems(cfg: RunConfig, folder: Path) -> list[Problem]:
             message=f"max_prompt_tokens + max_response_tokens = {cfg.max_prompt_tokens} + {cfg.max_response_tokens} "
                     f"= {asked} exceeds the model's context of {context} tokens",
             hint=f"lower them so they add up to at most {context}"))
-    if cfg.max_trajectory_tokens is not None and cfg.max_trajectory_tokens > context:
-        problems.append(Problem(field="max_trajectory_tokens",
-                                  message=f"{cfg.max_trajectory_tokens} exceeds the model's context of {context} tokens",
-                                  hint=f"set it to at most {context}"))
+    for name in ("max_trajectory_tokens", "max_context_tokens"):
+        if (value := getattr(cfg, name)) is not None and value > context:
+            problems.append(Problem(field=name, message=f"{value} exceeds the model's context of {context} tokens",
+                                    hint=f"set it to at most {context}"))
     return problems
 
 

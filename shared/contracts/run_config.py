@@ -11,6 +11,7 @@ from typing import Any, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from shared.contracts.registry import MODEL_CODE_ENVS, REGISTRIES, import_path_for, resolve
+from shared.sdk.types import TerminationReason
 
 # How an env runs model-written code (the env worker checks at start that its mode can run there).
 SandboxMode = Literal["namespaces", "container", "none"]
@@ -94,6 +95,10 @@ class LoRAConfig(_Strict):
         return {"lora_rank": self.rank, "lora_alpha": self.alpha, "target_modules": self.target_modules}
 
 
+# An episode cut by the context window never reached its answer: its tokens get no loss unless a run asks.
+MASKED_TERMINATIONS = (TerminationReason.CONTEXT_EXCEEDED.value,)
+
+
 class AlgorithmConfig(_Strict):
     adv_estimator: str = "grpo"
     policy_loss: str = "vanilla"
@@ -120,6 +125,11 @@ class AlgorithmConfig(_Strict):
     rollout_rs_threshold: str | float | None = Field(
         None, description="bounds for `rollout_rs`, verl's format: a float (upper) or 'lower_upper'")
     dynamic_sampling: bool = Field(False, description="drop groups whose rewards are all equal and refill")
+    mask_termination: list[str] = Field(
+        default_factory=lambda: list(MASKED_TERMINATIONS),
+        description="termination reasons whose trajectories are stored and keep their reward in the group but "
+                    "get no loss (user-code errors and infrastructure failures are never trained on anyway); "
+                    "e.g. add 'response_truncation' to mask overlong samples, or [] to train on context_exceeded")
     lora: LoRAConfig | None = Field(None, description="train a LoRA adapter instead of the full weights")
 
     @field_validator("adv_estimator")
@@ -141,6 +151,15 @@ class AlgorithmConfig(_Strict):
     def _agg(cls, v: str) -> str:
         if v not in LOSS_AGG_MODES:
             raise ValueError(f"unknown loss_agg_mode {v!r}; choose one of {', '.join(LOSS_AGG_MODES)}")
+        return v
+
+    @field_validator("mask_termination")
+    @classmethod
+    def _mask(cls, v: list[str]) -> list[str]:
+        valid = [r.value for r in TerminationReason]
+        if unknown := [r for r in v if r not in valid]:
+            raise ValueError(f"unknown termination reason(s) {', '.join(map(repr, unknown))}; choose from "
+                             f"{', '.join(valid)}")
         return v
 
     @model_validator(mode="after")
@@ -214,6 +233,10 @@ class RunConfig(_Strict):
     max_prompt_tokens: int = Field(1024, ge=1, description="prompt budget per model call, tokens")
     max_response_tokens: int = Field(512, ge=1, description="generation budget per model call, tokens")
     max_trajectory_tokens: int | None = Field(None, ge=1, description="prompt + all turns, tokens")
+    max_context_tokens: int | None = Field(
+        None, ge=1, description="the model's context window for one call (prompt + that call's response), tokens: "
+        "a turn's response is cut to fit it, and a turn whose prompt leaves no room ends the episode as "
+        "context_exceeded; default engine.max_model_len (vllm), else no limit")
     max_steps: int = Field(1, ge=1, description="agent turns per trajectory")
     trajectory_timeout_s: float = Field(600.0, gt=0)
     env_step_timeout_s: float = Field(30.0, gt=0)
@@ -300,7 +323,27 @@ class RunConfig(_Strict):
             )
         if self.max_trajectory_tokens is not None and self.max_trajectory_tokens < self.max_prompt_tokens:
             raise ValueError("max_trajectory_tokens must be >= max_prompt_tokens")
+        if self.max_context_tokens is not None:
+            # a first call must fit whole, or a first answer could be cut short of max_response_tokens
+            if self.max_context_tokens < self.max_prompt_tokens + self.max_response_tokens:
+                raise ValueError(
+                    f"max_context_tokens ({self.max_context_tokens}) must be >= max_prompt_tokens + "
+                    f"max_response_tokens ({self.max_prompt_tokens} + {self.max_response_tokens}): a first model "
+                    "call must fit the context; lower those budgets or raise max_context_tokens")
+            if self.engine.type == "vllm" and self.engine.max_model_len is not None and (
+                    self.max_context_tokens > self.engine.max_model_len):
+                raise ValueError(f"max_context_tokens ({self.max_context_tokens}) is above engine.max_model_len "
+                                 f"({self.engine.max_model_len}): vLLM refuses longer calls; lower it or leave it "
+                                 "unset (it then defaults to max_model_len)")
         return self
+
+    def context_room(self, prompt_tokens: int) -> int | None:
+        """Tokens a model call with this prompt may generate within the context window (<= 0: none fit);
+        None without a limit."""
+        limit = self.max_context_tokens
+        if limit is None and self.engine.type == "vllm":
+            limit = self.engine.max_model_len
+        return None if limit is None else limit - prompt_tokens
 
     @property
     def tokenizer_path(self) -> str:

@@ -16,12 +16,15 @@ from typing import Any
 
 class TerminationReason(enum.StrEnum):
     """Why a trajectory ended. `INFRA_ERROR` and `CANCELLED` are never scored: infrastructure failures are
-    retried as a new attempt and masked out of the loss (a lost env session is not the policy's fault)."""
+    retried as a new attempt and masked out of the loss (a lost env session is not the policy's fault).
+    `CONTEXT_EXCEEDED`: the next model call's prompt left no room in `max_context_tokens`; stored and scored,
+    and masked out of the loss by default (`algorithm.mask_termination`)."""
 
     ENV_DONE = "env_done"
     MAX_STEPS = "max_steps"
     PROMPT_TRUNCATION = "prompt_truncation"
     RESPONSE_TRUNCATION = "response_truncation"
+    CONTEXT_EXCEEDED = "context_exceeded"
     ENV_TIMEOUT = "env_timeout"
     TIMEOUT = "timeout"
     ERROR = "error"

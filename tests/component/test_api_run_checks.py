@@ -107,6 +107,10 @@ def test_token_budgets_past_the_context_are_refused(client, model_dir):
     cfg = run_config("checks", model=str(model_dir), max_prompt_tokens=200, max_response_tokens=100)
     item = refused(client.post("/v1/runs", json=cfg), 400, "max_response_tokens")
     assert "200 + 100 = 300 exceeds the model's context of 256" in item["message"] and "256" in item["hint"]
+    cfg = run_config("checks", model=str(model_dir), max_prompt_tokens=200, max_response_tokens=56,
+                     max_context_tokens=300)
+    item = refused(client.post("/v1/runs", json=cfg), 400, "max_context_tokens")
+    assert "300 exceeds the model's context of 256" in item["message"] and "256" in item["hint"]
     ok = client.post("/v1/runs", json=run_config("checks", model=str(model_dir), max_prompt_tokens=200,
                                                  max_response_tokens=56))
     assert ok.status_code == 201, ok.text

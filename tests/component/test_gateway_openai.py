@@ -11,10 +11,13 @@ import openai
 import pytest
 from fixtures.rollout_stack import run_config
 
+from services.rollout_worker.agent_program import build_episode
 from services.rollout_worker.assembly import ChatTokenizer, assemble
 from services.rollout_worker.chat_assembly import ChatFormat
 from services.rollout_worker.engines.base import Generation, InferenceEngine, SamplingParams
 from services.rollout_worker.gateway import Gateway
+from shared.contracts.messages import RolloutTask
+from shared.sdk.types import TerminationReason as TR
 from tests.support.tiny_model import build_tokenizer
 
 CALC = {"type": "function", "function": {"name": "calc", "description": "evaluate arithmetic",
@@ -26,7 +29,7 @@ class ScriptedEngine(InferenceEngine):
     """Answers each call with the next scripted text, as the tokenizer's ids + EOS, version 7."""
 
     def __init__(self, tokenizer, script: list[str]):
-        self.tokenizer, self.script, self.prompts = tokenizer, list(script), []
+        self.tokenizer, self.script, self.prompts, self.max_tokens = tokenizer, list(script), [], []
 
     @property
     def version(self) -> int:
@@ -34,6 +37,7 @@ class ScriptedEngine(InferenceEngine):
 
     async def generate(self, prompt_ids, sampling: SamplingParams, max_tokens: int) -> Generation:
         self.prompts.append(list(prompt_ids))
+        self.max_tokens.append(max_tokens)
         text = self.script.pop(0)
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
         return Generation(ids, [-0.5] * len(ids), text, "stop", self.version)
@@ -57,7 +61,7 @@ async def gateway():
 
 def session_for(gateway, tokenizer, script, **config):
     engine = ScriptedEngine(tokenizer, script)
-    cfg = run_config("unused-model", max_response_tokens=64, max_prompt_tokens=1024, **config)
+    cfg = run_config("unused-model", **{"max_response_tokens": 64, "max_prompt_tokens": 1024, **config})
     ctx = SimpleNamespace(config=cfg, chat=ChatTokenizer(tokenizer), engine=engine,
                           sampling=lambda greedy: SamplingParams())
     session = gateway.open(ctx, False, time.monotonic() + 60)
@@ -196,3 +200,26 @@ async def test_malformed_tool_call_history_is_a_400(gateway, tokenizer):
     bad = [{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [{"id": "c"}]}]
     with pytest.raises(openai.BadRequestError, match="malformed messages or tools"):
         await client.chat.completions.create(model="p", messages=bad)
+
+
+async def test_the_context_window_caps_calls_and_a_prompt_past_it_ends_the_episode(gateway, tokenizer):
+    """max_context_tokens: a call's max_tokens is cut to the room left; a prompt that leaves none gets OpenAI's
+    400 context_length_exceeded, and the episode, whatever the program reports, ends as context_exceeded."""
+    chat = ChatTokenizer(tokenizer)
+    first = [{"role": "user", "content": "What is 12 + 30?"}]
+    n = len(chat.encode(ChatFormat(chat).render(first, None, add_generation_prompt=True)))
+    session, client, engine = session_for(gateway, tokenizer, ["The answer is 42.", "Still 42."],
+                                          max_prompt_tokens=n, max_context_tokens=n + 64)
+    await client.chat.completions.create(model="p", messages=first)
+    again = [*first, {"role": "assistant", "content": "The answer is 42."}, {"role": "user", "content": "Sure?"}]
+    await client.chat.completions.create(model="p", messages=again)
+    assert engine.max_tokens[0] == 64 and engine.max_tokens[1] == n + 64 - len(engine.prompts[1]) < 64
+    overlong = [*again, {"role": "assistant", "content": "Still 42."}, {"role": "user", "content": "check " * 80}]
+    with pytest.raises(openai.BadRequestError, match="max_context_tokens") as e:
+        await client.chat.completions.create(model="p", messages=overlong)
+    assert e.value.code == "context_length_exceeded" and len(engine.prompts) == 2
+    task = RolloutTask(run_id="r", task_id="t", sample_idx=0, task={}, dispatched_at=time.time())
+    episode = build_episode(task, session, TR.ENV_DONE, {"reward": 1.0})
+    assert episode.termination_reason == TR.CONTEXT_EXCEEDED
+    assert [t.termination_reason for t in episode.trajectories] == [TR.CONTEXT_EXCEEDED]
+    assert [len(t.steps) for t in episode.trajectories] == [2]  # the calls before it are kept

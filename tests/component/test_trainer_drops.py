@@ -248,3 +248,18 @@ async def test_a_stored_result_never_trained_on_drops_its_group_even_after_a_res
     await trainer.route(await trainer.consumer.read())
     assert _recorded(trainer, r)[("gone", 0)] == "incomplete"
     assert await _controller_count(trainer, r, []) == 2  # long (epoch 0) and gone
+
+
+async def test_a_context_exceeded_result_is_held_with_no_loss_and_counted(trainer):
+    """Not a drop: a trajectory cut by the context window joins its group (its reward is the group's), with a zero
+    loss mask per algorithm.mask_termination (by default), counted in the step's samples_masked_context_exceeded."""
+    run = _add_run(trainer, version=0)
+    cut = _result(run.run_id, "t", 0, 0.0, 0, 0)
+    cut = cut.model_copy(update={"termination_reason": TerminationReason.CONTEXT_EXCEEDED, "trajectories": [
+        cut.trajectories[0].model_copy(update={"termination_reason": TerminationReason.CONTEXT_EXCEEDED})]})
+    await _accepted(trainer, cut, _result(run.run_id, "t", 1, 1.0, 0, 0))
+    await trainer.route(await trainer.consumer.read())
+    assert _recorded(trainer, run.run_id) == {}  # nothing excluded or dropped
+    [group] = run.buffer.complete_groups()
+    assert {i: s.loss_mask for (i, _), s in group.samples.items()} == {0: [0], 1: [1]}
+    assert run.counts["masked_context_exceeded"] == 1 and run.counts["held"] == 2

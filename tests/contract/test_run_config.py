@@ -58,9 +58,24 @@ def test_bad_values_name_the_field(data, field, reason):
     (_cfg(engine={"type": "openai"}), "engine.base_url"),
     (_cfg(max_in_flight=2), "max_in_flight (2) must be >= samples_per_task (4)"),
     (_cfg(max_trajectory_tokens=10, max_prompt_tokens=100), "max_trajectory_tokens must be >= max_prompt_tokens"),
+    (_cfg(max_context_tokens=600, max_prompt_tokens=100, max_response_tokens=512),
+     "max_context_tokens (600) must be >= max_prompt_tokens + max_response_tokens (100 + 512)"),
+    (_cfg(max_context_tokens=4096, engine={"type": "vllm", "max_model_len": 2048}),
+     "max_context_tokens (4096) is above engine.max_model_len (2048)"),
+    (_cfg(algorithm={"mask_termination": ["context_exceded"]}),
+     "unknown termination reason(s) 'context_exceded'; choose from env_done, max_steps"),
 ])
 def test_cross_field_checks_say_how_to_fix(data, reason):
     assert reason in _error(data)
+
+
+def test_context_window_and_masked_terminations():
+    cfg = RunConfig.model_validate(BASE)
+    assert cfg.algorithm.mask_termination == ["context_exceeded"] and cfg.context_room(10_000) is None
+    assert RunConfig.model_validate(_cfg(max_context_tokens=2000)).context_room(1500) == 500
+    vllm = RunConfig.model_validate(_cfg(engine={"type": "vllm", "max_model_len": 2048}))
+    assert vllm.context_room(2048) == 0  # vLLM's window is the limit when max_context_tokens is unset
+    assert RunConfig.model_validate(_cfg(algorithm={"mask_termination": []})).algorithm.mask_termination == []
 
 
 def test_single_sample_allowed_for_eval_and_non_group_estimators():

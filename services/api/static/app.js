@@ -59,8 +59,8 @@
     ["stale", "stale samples per step and widest version span in a sample", m => /^fully_async\/(count\/stale_samples_processed|partial\/max_partial_span)$/.test(m), ["train"], false, "samples / versions"],
     ["passk", "pass@k", () => false, ["eval"], true],
   ];
-  const TERMINATIONS = ["env_done", "max_steps", "prompt_truncation", "response_truncation", "env_timeout", "timeout",
-    "error", "infra_error", "cancelled", "unknown"];
+  const TERMINATIONS = ["env_done", "max_steps", "prompt_truncation", "response_truncation", "context_exceeded",
+    "env_timeout", "timeout", "error", "infra_error", "cancelled", "unknown"];
   const PAGE = 50;  // trajectories per page
 
   const COLORS = ["#3b82f6", "#22c55e", "#ef4444", "#a855f7", "#f59e0b"];

@@ -69,6 +69,25 @@ def test_user_env_error_stays_in_group_with_zero_loss_mask():
     assert t["response_mask"].tolist() == [[0, 0], [1, 1]]
 
 
+def test_context_exceeded_stays_in_group_with_zero_loss_mask_unless_unmasked():
+    results = [result("a", 0, 0.0, reason=TR.CONTEXT_EXCEEDED), result("a", 1, 1.0)]
+    t = build_tensors(buffer_of(results).complete_groups(), pad_id=0)  # the default: algorithm.mask_termination
+    assert t["response_mask"].tolist() == [[0, 0], [1, 1]] and t["token_level_rewards"][1].sum() == 1.0
+    assert [s.masked for s in samples_from_result(results[0])] == ["context_exceeded"]
+    assert samples_from_result(results[0], mask_termination=[])[0].loss_mask == [1, 1]
+    assert samples_from_result(results[1], mask_termination=["env_done"])[0].loss_mask == [0, 0]
+
+
+def test_mask_termination_reads_each_trajectorys_own_reason():
+    """A solver/judge episode: only the trajectory cut by the context window loses its loss."""
+    ok = TrajectoryRecord(uid="s", name="solver", reward=1.0, termination_reason=TR.ENV_DONE, prompt_ids=[5],
+                          response_ids=[8, 9], loss_mask=[1, 1], logprobs=[-1.0, -1.0], versions=[0, 0])
+    cut = ok.model_copy(update={"uid": "j", "name": "judge", "termination_reason": TR.CONTEXT_EXCEEDED})
+    episode = EpisodeResult(run_id="r", task_id="a", sample_idx=0, status="completed",
+                            termination_reason=TR.CONTEXT_EXCEEDED, trajectories=[ok, cut])
+    assert [(s.name, s.loss_mask) for s in samples_from_result(episode)] == [("solver", [1, 1]), ("judge", [0, 0])]
+
+
 def test_padding_masks_rewards_and_positions():
     buf = buffer_of([result("a", 0, 1.0, prompt=(5,), response=(8, 9, 10), mask=(1, 0, 1)),
                      result("a", 1, 0.0, prompt=(5, 6, 7), response=(8,), mask=(1,))])
