@@ -179,3 +179,25 @@ async def test_a_task_past_its_lease_is_not_run(stack, model_path, redis):
     assert await redis.xpending_range("rollout.tasks", "rollout", min=expired_id, max=expired_id, count=1) == []
     entries = await redis.xrange("trajectories")
     assert not [f for _, f in entries if decode(f, EpisodeResult).key[:2] == (run_id, expired.task_id)]
+
+
+async def test_an_agent_that_drops_old_turns_is_trained_one_sequence_per_context(stack, model_path, redis):
+    """A sliding-window agent (keep_last_turns=1: each turn's prompt is the system prompt + the newest
+    observation) rewrites its history every turn: the episode arrives as one trajectory per context, in order,
+    each token-exact and trained (mask not zero), the last counting the rewrites."""
+    config = run_config(model_path, agent={"name": "frozenlake", "args": {"keep_last_turns": 1}},
+                        env={"name": "frozenlake"}, max_steps=3, max_response_tokens=6, max_prompt_tokens=1024)
+    run_id = insert_run(stack["database_url"], config)
+    rows = [{**r, "map": ["SFFF", "FFFF", "FFFF", "FFFG"]} for r in generate("frozenlake", 2, seed=0)]
+    await publish_tasks(redis, [make_task(run_id, row) for row in rows])
+    for r in await collect_results(redis, run_id, expected=2):
+        assert r.status == "completed" and r.termination_reason in (TR.MAX_STEPS, TR.RESPONSE_TRUNCATION), r.error
+        check_tokens(r)
+        assert len(r.trajectories) == 3 and all(len(t.steps) == 1 for t in r.trajectories)
+        for k, traj in enumerate(r.trajectories):
+            [step] = traj.steps
+            assert traj.info["sequence"] == k and traj.info["sequences"] == 3 and traj.reward == r.reward
+            assert not traj.mismatch and sum(traj.loss_mask) == len(step.response_ids) > 0
+            assert traj.prompt_ids + traj.response_ids == step.prompt_ids + step.response_ids  # token-exact
+            assert [m["role"] for m in step.chat_completions[:2]] == ["system", "user"]
+        assert [t.info.get("context_rewrites") for t in r.trajectories] == [None, None, 2]

@@ -15,11 +15,19 @@ BOXED_INSTRUCTION = "Let's think step by step, and put your final answer within 
 
 
 class ChatAgent(BaseAgent):
-    """History keeping shared by the built-ins: subclasses turn observations into user/tool messages."""
+    """History keeping shared by the built-ins: subclasses turn observations into user/tool messages.
+    `keep_last_turns` (agent args): a sliding window, the system prompt + the last K turns (a turn starts at a
+    user message), the way long-horizon agents stay under their context; each cut starts a new training sequence
+    (docs/agents-and-envs.md#token-bookkeeping)."""
 
-    def __init__(self, system_prompt: str | None = None, accumulate_thinking: bool = True):
+    def __init__(self, system_prompt: str | None = None, accumulate_thinking: bool = True,
+                 keep_last_turns: int | None = None):
+        if keep_last_turns is not None and (not isinstance(keep_last_turns, int) or keep_last_turns < 1):
+            raise ValueError(f"agent arg keep_last_turns must be a positive integer (turns of history kept), "
+                             f"got {keep_last_turns!r}")
         self.system_prompt = system_prompt
         self.accumulate_thinking = accumulate_thinking
+        self.keep_last_turns = keep_last_turns
         self.reset()
 
     def reset(self) -> None:
@@ -41,6 +49,8 @@ class ChatAgent(BaseAgent):
             return
         for message in self.observation_messages(observation):
             self.messages.append(message)
+        if self.keep_last_turns is not None:
+            self.messages = _last_turns(self.messages, self.keep_last_turns)
 
     def observation_messages(self, observation: Any) -> list[dict[str, Any]]:
         raise NotImplementedError
@@ -59,6 +69,14 @@ class ChatAgent(BaseAgent):
 
     def parse_action(self, response: str) -> Any:
         return response
+
+
+def _last_turns(messages: list[dict[str, Any]], k: int) -> list[dict[str, Any]]:
+    """The system messages + everything from the k-th last user message on."""
+    starts = [i for i, m in enumerate(messages) if m.get("role") == "user"]
+    if len(starts) <= k:
+        return messages
+    return [m for m in messages[: starts[0]] if m.get("role") == "system"] + messages[starts[-k]:]
 
 
 class MathAgent(ChatAgent):
