@@ -56,23 +56,27 @@ def context_of(traceparent: str | None) -> Context | None:
 
 
 @contextmanager
-def span(name: str, traceparent: str | None = None, *, links: list[Link] | None = None,
+def span(name: str, traceparent: str | None = None, *, root: bool = False, links: list[Link] | None = None,
          start: float | None = None, **attributes: Any) -> Iterator[Span]:
     """A span, current inside the block: a child of the current span, or of `traceparent` when given (a
-    message from another process). `start`: unix seconds it began, when before the block (a queue wait)."""
+    message from another process), or a new trace's root (`root`). `start`: unix seconds it began, when that
+    was before the block (a queue wait)."""
     if _tracer is None:
         yield INVALID_SPAN
         return
-    with _tracer.start_as_current_span(name, context=context_of(traceparent), links=links, attributes=attributes,
+    parent = Context() if root else context_of(traceparent)
+    with _tracer.start_as_current_span(name, context=parent, links=links, attributes=_attrs(attributes),
                                        start_time=_ns(start)) as s:
         yield s
 
 
-def start_span(name: str, traceparent: str | None = None, **attributes: Any) -> Span:
-    """A span the caller ends (`.end()`), not made current: one per message of a batch handled together."""
+def start_span(name: str, traceparent: str | None = None, *, start: float | None = None, **attributes: Any) -> Span:
+    """A span the caller ends (`.end()`), not made current: one per message of a batch handled together, or
+    one that began before now (`start`, unix seconds: a queue wait)."""
     if _tracer is None:
         return INVALID_SPAN
-    return _tracer.start_span(name, context=context_of(traceparent), attributes=attributes)
+    return _tracer.start_span(name, context=context_of(traceparent), attributes=_attrs(attributes),
+                              start_time=_ns(start))
 
 
 def traceparent(of: Span | None = None) -> str | None:
@@ -97,6 +101,10 @@ def link(traceparent: str | None) -> list[Link]:
     ctx = context_of(traceparent)
     sc = trace.get_current_span(ctx).get_span_context() if ctx is not None else None
     return [Link(sc)] if sc is not None and sc.is_valid else []
+
+
+def _attrs(attributes: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in attributes.items() if v is not None}  # OpenTelemetry refuses None values
 
 
 def _ns(unix_s: float | None) -> int | None:
