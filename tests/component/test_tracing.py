@@ -2,13 +2,16 @@
 the SDK's in-memory exporter: the controller's dispatch (DispatchLoop.insert_tasks), a rollout worker and an
 env worker running the task on a tiny HF model, the store (IngestLoop), and the trainer's step (maybe_step,
 the learner stubbed). Each hop's traceparent crosses a real stream entry; the unit's spans form one tree
-with the right parents, and the training step links to each unit it trained on."""
+with the right parents, and the training step links to each unit it trained on. And a service process with
+OTEL_EXPORTER_OTLP_ENDPOINT set exports its spans over OTLP/HTTP, continuing the trace a message carried."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from fixtures.aio import cancel_and_wait
@@ -30,11 +33,12 @@ from services.rollout_worker.worker import RolloutWorker
 from services.trainer import batch as batching
 from services.trainer.loop import RunState, Trainer
 from shared.contracts.db.models import EpisodeRow
-from shared.contracts.messages import AcceptedResult, decode
-from shared.contracts.streams import ACCEPTED_RESULTS, ROLLOUT_TASKS
+from shared.contracts.messages import AcceptedResult, EnvRequest, decode, encode
+from shared.contracts.streams import ACCEPTED_RESULTS, ENV_REQUESTS, ROLLOUT_TASKS
 from shared.platform import tracing
 from shared.platform.bus import Delivery, StreamBus, connect
 from shared.platform.db.session import make_engine
+from tests.support.procs import start_service, stop, wait_heartbeat
 from tests.support.tiny_model import build_tiny_model
 
 ROW = {"id": "t1", "question": "What is 2 + 2?", "ground_truth": "4"}
@@ -146,3 +150,51 @@ async def read_accepted(redis, run_id: str, expected: int, timeout_s: float = 18
     assert len(out) == expected, f"{len(out)} of {expected} results accepted in {timeout_s}s"
     return out
 
+
+
+class Collector(BaseHTTPRequestHandler):
+    """An OTLP/HTTP trace receiver: keeps (service.name, span name, trace id hex, parent span id hex)."""
+
+    received: list[tuple[str, str, str, str]] = []
+
+    def do_POST(self):  # noqa: N802 (http.server's name)
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+        body = ExportTraceServiceRequest()
+        body.ParseFromString(self.rfile.read(int(self.headers["Content-Length"])))
+        for rs in body.resource_spans:
+            service = next(a.value.string_value for a in rs.resource.attributes if a.key == "service.name")
+            for ss in rs.scope_spans:
+                self.received += [(service, s.name, s.trace_id.hex(), s.parent_span_id.hex()) for s in ss.spans]
+        self.send_response(200)
+        self.send_header("Content-Type", "application/x-protobuf")
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.timeout(120)
+async def test_a_service_with_an_endpoint_exports_its_spans_over_otlp(redis_url):
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Collector)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    worker_id = f"env-otlp-{uuid.uuid4().hex[:6]}"
+    proc = start_service("services.env_worker.main", redis_url=redis_url, worker_id=worker_id,
+                         otel_exporter_otlp_endpoint=f"http://127.0.0.1:{server.server_port}",
+                         otel_bsp_schedule_delay="100")  # the SDK's batch delay, ms: export at once
+    redis = connect(redis_url)
+    try:
+        wait_heartbeat(redis_url, "env-worker", worker_id, proc)
+        trace_id, parent = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+        req = EnvRequest(request_id=uuid.uuid4().hex, op="reset", session_id=uuid.uuid4().hex, run_id="r1",
+                         env="math", task={"question": "What is 2 + 2?", "ground_truth": "4"}, reply_to="",
+                         sent_at=time.time(), traceparent=f"00-{trace_id}-{parent}-01")
+        await redis.xadd(ENV_REQUESTS, encode(req))
+        deadline = time.monotonic() + 60
+        while not Collector.received and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+    finally:
+        await redis.aclose()
+        stop(proc)
+        server.shutdown()
+    assert ("env-worker", "env.serve.reset", trace_id, parent) in Collector.received, Collector.received
