@@ -90,17 +90,21 @@ def traceparent(of: Span | None = None) -> str | None:
 
 def trace_id(traceparent: str | None) -> str | None:
     """The 32-hex trace id a traceparent names (what Jaeger looks traces up by)."""
-    ctx = context_of(traceparent)
-    sc = trace.get_current_span(ctx).get_span_context() if ctx is not None else None
-    return format(sc.trace_id, "032x") if sc is not None and sc.is_valid else None
+    sc = _span_context(traceparent)
+    return format(sc.trace_id, "032x") if sc is not None else None
 
 
 def link(traceparent: str | None) -> list[Link]:
     """A link to the span a traceparent names ([] when none): a span that serves many units (a training step)
     points at each unit's trace instead of joining one."""
+    sc = _span_context(traceparent)
+    return [Link(sc)] if sc is not None else []
+
+
+def _span_context(traceparent: str | None) -> trace.SpanContext | None:
     ctx = context_of(traceparent)
     sc = trace.get_current_span(ctx).get_span_context() if ctx is not None else None
-    return [Link(sc)] if sc is not None and sc.is_valid else []
+    return sc if sc is not None and sc.is_valid else None
 
 
 def _attrs(attributes: dict[str, Any]) -> dict[str, Any]:
