@@ -217,11 +217,23 @@ class EpisodePublic(BaseModel):
     worker_id: str | None
 
 
+class Timeline(BaseModel):
+    """One unit's life from what Postgres holds: the steps' gen_ms / env_ms fill the time between start and finish."""
+
+    dispatched_at: datetime | None = Field(None, description="the controller dispatched the attempt (ledger)")
+    started_at: datetime | None = Field(None, description="a rollout worker started the episode")
+    finished_at: datetime | None = Field(None, description="the episode ended on the rollout worker")
+    stored_at: datetime | None = Field(None, description="the store committed it")
+    trace_id: str | None = Field(None, description="the unit's OpenTelemetry trace, when tracing was on")
+    trace_url: str | None = Field(None, description="the trace in Jaeger, when JAEGER_UI_URL is set")
+
+
 class TrajectoryDetail(TrajectoryPublic):
     info: dict[str, Any]
     uid: str | None
     steps: list[StepPublic]
     episode: EpisodePublic | None
+    timeline: Timeline | None = None
     tokens: list[TokenArraysPublic] | None = Field(None, description="with include_tokens=true")
 
 

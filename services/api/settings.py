@@ -34,6 +34,9 @@ class ApiSettings(ServiceSettings):
         30.0, ge=0, le=600, description="how long an upload (POST /v1/datasets) or a DELETE waits for its job "
         "(the jobs service stores datasets) before answering 202 with the job to follow, seconds; 0: at once")
     page_limit_max: int = Field(1000, ge=1, description="largest `limit` a list route accepts")
+    jaeger_ui_url: str | None = Field(
+        None, description="JAEGER_UI_URL: where users open Jaeger (http://127.0.0.1:16686); the trajectory page "
+        "links each unit's trace there (docs/observability.md)")
     gateway_token: str | None = Field(
         None, description="GATEWAY_TOKEN: the rollout workers' token for claiming agent sessions, sent when "
         "POST /v1/runs/{id}/sessions forwards a claim to them (unset when they need none)")

@@ -20,6 +20,7 @@ from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import SQLAlchemyError
 
 from services.controller import lifecycle, queries
+from services.controller.plan import Slot
 from services.controller.run_driver import RunDriver
 from services.controller.settings import ControllerSettings
 from services.controller.share import fair_shares
@@ -28,6 +29,7 @@ from shared.contracts.db.models import TERMINAL_RUN_STATUSES
 from shared.contracts.messages import RolloutTask
 from shared.contracts.run_config import RunConfig
 from shared.contracts.streams import ACCEPTED_RESULTS, GROUP_ROLLOUT, ROLLOUT_TASKS
+from shared.platform import tracing
 from shared.platform.bus import RedisError, StreamBus
 from shared.platform.db.session import DB_DOWN
 from shared.platform.heartbeats import live_workers_async
@@ -223,7 +225,7 @@ class DispatchLoop:
             RolloutTask(run_id=d.run_id, task_id=s.task_id, sample_idx=s.sample_idx, attempt=a,
                         task=d.task_data[s.task_id], batch_idx=s.batch_idx, dispatch_version=d.policy_version,
                         greedy=s.greedy, dispatched_at=now, deadline_s=d.cfg.trajectory_timeout_s,
-                        lease_expires_at=now + lease_s)
+                        lease_expires_at=now + lease_s, traceparent=dispatch_span(d, s, a))
             for s, a in items if (s.task_id, s.sample_idx, a) in inserted
         ]
 
@@ -355,6 +357,13 @@ class DispatchLoop:
     def health(self) -> dict:
         return {rid: {"status": d.status, "in_flight": len(d.in_flight), "completed": d.num_completed,
                       "policy_version": d.policy_version} for rid, d in self.drivers.items()}
+
+
+def dispatch_span(d: RunDriver, s: Slot, attempt: int) -> str | None:
+    """The root span of one unit's trace (one attempt of a slot); its traceparent travels with the task."""
+    with tracing.span("dispatch", root=True, run_id=d.run_id, task_id=s.task_id, sample_idx=s.sample_idx,
+                      attempt=attempt, batch_idx=s.batch_idx, dispatch_version=d.policy_version):
+        return tracing.traceparent()
 
 
 def count_dropped(conn: Connection, d: RunDriver) -> None:

@@ -16,6 +16,7 @@ from services.controller.settings import ControllerSettings
 from services.controller.store import TrajectoryStore
 from shared.contracts.messages import AcceptedResult, EpisodeResult
 from shared.contracts.streams import ACCEPTED_RESULTS, GROUP_STORE, TRAJECTORIES
+from shared.platform import tracing
 from shared.platform.bus import REDIS_DOWN, Delivery, StreamBus, StreamConsumer
 from shared.platform.db.session import DB_DOWN
 from shared.platform.logs import get_logger
@@ -44,9 +45,19 @@ class IngestLoop:
         """Store, then hand what the store accepted to the trainer, then (on return) ack `trajectories`. A crash
         or Redis error between the commit and the publish re-delivers the entries; the store then reports them
         as stored again (`to_train`) and they are published then."""
-        out = await asyncio.to_thread(self.store.write, [d.message for d in deliveries])
+        spans = {d.message.key: tracing.start_span("store", d.message.traceparent, run_id=d.message.run_id,
+                                                   status=d.message.status, batch=len(deliveries))
+                 for d in deliveries}  # each unit's own span over the batch's one transaction
+        try:
+            out = await asyncio.to_thread(self.store.write, [d.message for d in deliveries])
+            for key, _ in out.ended:
+                spans[key].set_attribute("accepted", True)
+        finally:
+            for span in spans.values():
+                span.end()
         if out.to_train:
-            await self.bus.publish_many(ACCEPTED_RESULTS, [AcceptedResult.stored(r) for r in out.to_train])
+            await self.bus.publish_many(ACCEPTED_RESULTS, [AcceptedResult.stored(r, tracing.traceparent(spans[r.key]))
+                                                           for r in out.to_train])
         errors = {d.message.key: d.message.error for d in deliveries}
         for (run_id, task_id, sample_idx, attempt), status in out.ended:
             driver = self.drivers.get(run_id)

@@ -13,6 +13,7 @@ from services.env_worker.sessions import SessionHost
 from services.env_worker.settings import EnvWorkerSettings
 from shared.contracts.messages import EnvRequest
 from shared.contracts.streams import ENV_REQUESTS, GROUP_ENV, env_inbox
+from shared.platform import tracing
 from shared.platform.bus import REDIS_DOWN, Delivery, Redis, RequestServer, StreamBus, redis_time
 from shared.platform.logs import get_logger
 from shared.platform.service import sleep_or_stop
@@ -50,7 +51,10 @@ class EnvWorker:
 
     async def serve_one(self, request: Delivery) -> None:
         req: EnvRequest = request.message
-        reply = await self.host.handle(req)
+        with tracing.span(f"env.serve.{req.op}", req.traceparent, env_worker=self.worker_id, env=req.env,
+                          session_id=req.session_id) as span:
+            reply = await self.host.handle(req)
+            span.set_attributes({"ok": reply.ok, "error_kind": reply.error_kind or ""})
         try:
             await self.requests.reply(request, req.reply_to, reply)
         except (TypeError, ValueError) as e:  # the env returned something msgpack cannot carry

@@ -15,6 +15,7 @@ from prometheus_client import Histogram
 
 from shared.contracts.messages import EnvReply, EnvRequest
 from shared.contracts.streams import ENV_REQUESTS, env_inbox, env_replies
+from shared.platform import tracing
 from shared.platform.bus import REDIS_DOWN, RequestClient, StreamBus
 from shared.platform.logs import get_logger
 
@@ -45,14 +46,18 @@ class EnvClient:
         return EnvRequest(request_id=uuid.uuid4().hex, op=op, session_id=session_id, run_id=run_id, env=env,
                           env_args=env_args or {}, task=task, action=action,
                           reply_to=self.client.reply_stream if reply else "", timeout_s=timeout_s,
-                          session_ttl_s=ttl_s, sent_at=time.time())
+                          session_ttl_s=ttl_s, sent_at=time.time(), traceparent=tracing.traceparent())
 
     async def call(self, op: str, session_id: str, *, owner: str | None = None, **kwargs: Any) -> EnvReply:
         req = self.request(op, session_id, **kwargs)
         wait_s = req.timeout_s + self.margin_s
         start = time.perf_counter()
         try:
-            return await self.client.call(self._stream(req, owner), req, wait_s)
+            with tracing.span(f"env.{op}", session_id=session_id, env_worker=owner) as span:
+                req.traceparent = tracing.traceparent()  # the env worker's span is this one's child
+                reply = await self.client.call(self._stream(req, owner), req, wait_s)
+                span.set_attributes({"ok": reply.ok, "reward": reply.reward, "done": reply.done})
+                return reply
         except TimeoutError as e:
             raise EnvSessionLost(f"no reply to env {op} of session {session_id} within "
                                  f"{wait_s:.0f}s (env worker {owner or 'any'})") from e

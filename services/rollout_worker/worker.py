@@ -26,6 +26,7 @@ from services.rollout_worker.settings import RolloutWorkerSettings
 from services.rollout_worker.weight_relay import Relay
 from shared.contracts.messages import EpisodeResult, RolloutTask, WeightsPublished
 from shared.contracts.streams import GROUP_ROLLOUT, ROLLOUT_TASKS, TRAJECTORIES, WEIGHTS
+from shared.platform import tracing
 from shared.platform.bus import REDIS_DOWN, BroadcastReader, Delivery, Redis, StreamBus, StreamConsumer
 from shared.platform.logs import get_logger
 from shared.platform.retry import RetryPolicy
@@ -154,9 +155,23 @@ class RolloutWorker:
             await self.consumer.ack([delivery])  # the run ended: nothing to reclaim
 
     async def _run_task(self, delivery: Delivery, task: RolloutTask) -> None:
-        left = task.lease_left(time.time())
+        picked_up = time.time()
+        left = task.lease_left(picked_up)
         if left <= 0:
             return await self.give_up(delivery, "read", f"its lease expired {-left:.1f}s before it was read")
+        tracing.start_span("queue", task.traceparent, start=task.dispatched_at).end()  # dispatch -> pick-up
+        with tracing.span("rollout", task.traceparent, worker_id=self.worker_id, run_id=task.run_id,
+                          task_id=task.task_id, sample_idx=task.sample_idx, attempt=task.attempt,
+                          queue_wait_ms=round((picked_up - task.dispatched_at) * 1000, 1)) as span:
+            result = await self._rollout(task)
+            span.set_attributes({"status": result.status, "termination_reason": result.termination_reason.value})
+            result.traceparent = tracing.traceparent()
+            if result.traceparent:  # in the episode's info: SQL and the dashboard find the unit's trace by it
+                result.info["trace_id"] = tracing.trace_id(result.traceparent)
+        await self.publish(result)
+        await self.consumer.ack([delivery])  # only after the result is in `trajectories`
+
+    async def _rollout(self, task: RolloutTask) -> EpisodeResult:
         try:
             # Not under the lease: the run's context (tokenizer, engine) is built once and shared by its tasks;
             # cancelling its build would leave a half-started engine behind and the next task building another.
@@ -166,11 +181,8 @@ class RolloutWorker:
             # the build's own failure with its traceback; the same reason again for the next tasks, one line each
             log.error("cannot serve run %s: %s", task.run_id, e, extra={"run_id": task.run_id},
                       exc_info=not isinstance(e, RunUnavailable) or e.__cause__ is not None)
-            result = failed(task, f"rollout worker cannot serve the run: {e}")
-        else:
-            result = await self.run(ctx, task)  # within its trajectory budget; its lease renewed meanwhile
-        await self.publish(result)
-        await self.consumer.ack([delivery])  # only after the result is in `trajectories`
+            return failed(task, f"rollout worker cannot serve the run: {e}")
+        return await self.run(ctx, task)  # within its trajectory budget; its lease renewed meanwhile
 
     async def run(self, ctx: RunContext, task: RolloutTask) -> EpisodeResult:
         with ctx.in_use():

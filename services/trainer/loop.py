@@ -33,6 +33,7 @@ from services.trainer.tracking import RunTrackers
 from shared.contracts.messages import AcceptedResult, ConsumedGroup, RunControl, TrainerProgress
 from shared.contracts.run_config import RunConfig
 from shared.contracts.streams import ACCEPTED_RESULTS, GROUP_TRAIN, RUN_CONTROL, TRAINER_PROGRESS
+from shared.platform import tracing
 from shared.platform.bus import Delivery, Redis, RedisError, StreamBus, StreamConsumer
 from shared.platform.logs import get_logger
 from shared.weights.manifest import BaseModelRef, base_model_digest
@@ -373,7 +374,9 @@ class Trainer:
             await self.drop(run, reason, groups)
         if len(chosen) == cfg.tasks_per_batch:
             run.buffer.remove(chosen)
-            with STEP_SECONDS.time():
+            with STEP_SECONDS.time(), tracing.span("train.step", root=True, links=self._links(run, chosen),
+                                                   run_id=run.run_id,
+                                                   policy_version=run.version + 1, groups=len(chosen)):
                 await self.step(run, chosen)
 
     async def drop(self, run: RunState, reason: str, groups: list[Group]) -> None:
@@ -446,6 +449,14 @@ class Trainer:
             for greedy in g.greedy.values():
                 out[greedy.key] = rec(greedy, dropped or "baseline")
         return list(out.values())
+
+    @staticmethod
+    def _links(run: RunState, groups: list[Group]) -> list:
+        """One step serves many units: its own trace, linked to the store span of each unit it trains on."""
+        if not tracing.enabled():
+            return []
+        held = {d.id: d for g in groups for s in g.all_samples() if (d := run.held.get(s.key)) is not None}
+        return [lk for d in held.values() for lk in tracing.link(d.message.traceparent)]
 
     @staticmethod
     def _consumed(groups: list[Group], status: str) -> list[ConsumedGroup]:

@@ -33,6 +33,7 @@ from shared.platform.bus import connect
 from shared.platform.db.session import DB_DOWN
 from shared.platform.logs import get_logger, setup_logging
 from shared.platform.settings import ServiceSettings
+from shared.platform.tracing import setup_tracing
 
 log = get_logger(__name__)
 UP = Gauge("service_up", "1 while the service loop runs", ["service"])
@@ -84,9 +85,10 @@ def run_service(
 
 
 def setup_service(settings: ServiceSettings) -> None:
-    """Logging for this process, and its resolved config logged once, secrets masked. `run_service` calls it;
-    a process that does not run the service (a trainer rank > 0) calls it alone."""
+    """Logging and tracing for this process, and its resolved config logged once, secrets masked.
+    `run_service` calls it; a process that does not run the service (a trainer rank > 0) calls it alone."""
     setup_logging(settings.service_name, settings.log_level, settings.log_format)
+    setup_tracing(settings.service_name, settings.otel_exporter_otlp_endpoint)
     log.info("%s config: %s", settings.service_name, settings.loggable())
 
 

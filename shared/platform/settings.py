@@ -30,6 +30,9 @@ class ServiceSettings(BaseSettings):
     health_host: str = Field("0.0.0.0", description="Interface the /healthz and /metrics server binds")
     health_port: int = Field(0, description="Port for /healthz and /metrics; 0 picks a free port")
     heartbeat_interval_s: float = Field(2.0, gt=0)
+    otel_exporter_otlp_endpoint: str | None = Field(
+        None, description="OTLP/HTTP collector (Jaeger: http://jaeger:4318): export this service's trace spans "
+        "there; unset: no tracing (docs/observability.md)")
     max_entry_bytes: int = Field(
         DEFAULT_MAX_ENTRY_BYTES, ge=1024, description="Largest stream entry this process decodes, bytes; larger entries "
         "are dead-lettered (or skipped by readers without a group)"

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from api_testlib import running_api, seed_run
 from sqlalchemy import create_engine, update
+from sqlalchemy import text as sql
 from sqlalchemy.orm import Session
 
 from shared.contracts.db.models import Metric
@@ -50,6 +51,15 @@ def page():
 
 def test_runs_run_page_charts_and_trajectory_viewer(api, page, database_url):
     run_id = seed_run(database_url, name="browser-run", num_tasks=3, samples=2, versions=3)
+    engine = create_engine(database_url)
+    with engine.begin() as conn:  # timings and a trace id as a rollout worker with tracing on stores them
+        conn.execute(sql("UPDATE rollout_tasks SET dispatched_at = now() - interval '3 s' WHERE run_id = :r"),
+                     {"r": run_id})
+        conn.execute(sql("UPDATE episodes SET started_at = now() - interval '2 s', finished_at = now() - "
+                         "interval '1 s', info = info || jsonb_build_object('trace_id', CAST(:t AS text)) "
+                         "WHERE run_id = :r"),
+                     {"r": run_id, "t": "4bf92f3577b34da6a3ce929d0e0e4736"})
+    engine.dispose()
     ARTIFACTS.mkdir(exist_ok=True)
     errors: list[str] = []
     page.on("pageerror", lambda e: errors.append(str(e)))
@@ -86,6 +96,10 @@ def test_runs_run_page_charts_and_trajectory_viewer(api, page, database_url):
     text = page.inner_text("main")
     assert "turn 0" in text and "turn 1" in text and "user" in text and "assistant" in text
     assert "termination" in text and "policy version" in text
+    # the unit's timeline: queue wait, two turns of generation and env step, the store; and its trace id
+    assert page.locator("#timeline .seg").count() == 6
+    note = page.inner_text("#timeline-note")
+    assert "queue" in note and "generation 10 ms" in note and "env 2 ms" in note and "trace 4bf92f3577b34da6a3ce929d0e0e4736" in note
     page.screenshot(path=str(ARTIFACTS / "trajectory.png"), full_page=True)
     assert errors == []
 

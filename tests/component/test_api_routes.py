@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 import redis
 from api_testlib import run_config, seed_run, start_api, trainer_metrics
+from sqlalchemy import create_engine, text
 
 from shared.contracts.messages import RunControl, decode
 from shared.contracts.streams import RUN_CONTROL
@@ -21,7 +22,8 @@ from shared.contracts.streams import RUN_CONTROL
 
 @pytest.fixture(scope="module")
 def api(database_url, redis_url, tmp_path_factory):
-    live = start_api(database_url, redis_url, tmp_path_factory.mktemp("api"), jobs=True)
+    live = start_api(database_url, redis_url, tmp_path_factory.mktemp("api"), jobs=True,
+                     JAEGER_UI_URL="http://jaeger.test:16686/")
     yield live
     live.stop()
     assert live.proc.returncode in (0, -15)  # uvicorn re-raises SIGTERM after a clean shutdown
@@ -191,6 +193,20 @@ def test_trajectories_filters_and_detail(client, database_url):
     assert [s["step_idx"] for s in detail["steps"]] == [0, 1]
     assert detail["steps"][0]["chat_completions"][0]["role"] == "user"
     assert detail["tokens"][0]["response_ids"] == [4, 5, 6] and detail["episode"]["task"]["answer"] == "2"
+    # the unit's timeline: dispatched (ledger), started, finished, stored; no trace id, no trace link
+    timeline = detail["timeline"]
+    assert timeline["dispatched_at"] and timeline["stored_at"] and timeline["trace_id"] is None
+    assert timeline["trace_url"] is None
+    engine = create_engine(database_url)
+    with engine.begin() as conn:  # what a rollout worker with tracing on stores
+        conn.execute(text("UPDATE episodes SET info = info || '{\"trace_id\": \"4bf92f3577b34da6a3ce929d0e0e4736\"}', "
+                          "started_at = now() - interval '2 s', finished_at = now() - interval '1 s' "
+                          "WHERE id = :id"), {"id": detail["episode"]["id"]})
+    engine.dispose()
+    timeline = client.get(f"/v1/trajectories/{t1[0]['id']}").json()["timeline"]
+    assert timeline["trace_id"] == "4bf92f3577b34da6a3ce929d0e0e4736"
+    assert timeline["trace_url"] == "http://jaeger.test:16686/trace/4bf92f3577b34da6a3ce929d0e0e4736"
+    assert timeline["started_at"] < timeline["finished_at"]
     assert client.get(f"/v1/trajectories/{uuid.uuid4()}").status_code == 404
 
 

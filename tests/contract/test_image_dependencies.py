@@ -114,12 +114,25 @@ def distributions_of_module() -> dict[str, list[str]]:
     return {k: [canonicalize_name(d) for d in v] for k, v in md.packages_distributions().items()}
 
 
+@functools.cache
+def modules_of(dist: str) -> set[str]:
+    """Dotted names of the modules and packages a distribution installs."""
+    out = set()
+    for f in md.distribution(dist).files or []:
+        if f.suffix == ".py":
+            out.add(".".join(f.with_suffix("").parts).removesuffix(".__init__"))
+    return out
+
+
 def needed_distributions(entry: str) -> dict[str, set[str]]:
     """Distribution -> first-party modules that need it (a module not installed here counts as its own name)."""
     needed: dict[str, set[str]] = {}
     for name, importers in third_party_imports(entry).items():
         top = name.split(".")[0]
-        for dist in distributions_of_module().get(top, [canonicalize_name(top)]):
+        dists = distributions_of_module().get(top, [canonicalize_name(top)])
+        if len(dists) > 1:  # a namespace package (opentelemetry): only the distributions holding this very module
+            dists = [d for d in dists if name in modules_of(d)]
+        for dist in dists:
             needed.setdefault(dist, set()).update(importers)
         for prefix, dist in IMPLIED.items():
             if name == prefix or name.startswith(prefix + "."):
@@ -237,3 +250,11 @@ def test_the_check_finds_an_extra_the_image_lacks():
     installed = requirement_closure(dockerfile_requirements("infra/docker/trainer.Dockerfile",
                                                             PYPROJECT["dependencies"]))
     assert "math-verify" not in installed and "verl" in installed and "torch" in installed
+
+
+def test_the_check_names_the_distributions_of_a_namespace_package():
+    """`opentelemetry` is one namespace over many distributions: each import needs the one holding its module,
+    not every distribution installed under the namespace (the Prometheus exporter, which no service imports)."""
+    needed = needed_distributions("shared.platform.tracing")
+    otel = {d for d in needed if d.startswith("opentelemetry")}
+    assert otel == {"opentelemetry-api", "opentelemetry-sdk", "opentelemetry-exporter-otlp-proto-http"}, otel

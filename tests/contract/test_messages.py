@@ -131,6 +131,16 @@ def test_older_writer_without_a_lease_decodes_with_none():
     assert task.lease_expires_at is None and task.lease_left(NOW + 10**6) == float("inf")
 
 
+@pytest.mark.parametrize("name", ["rollout_task", "env_request", "episode_result", "accepted_result"])
+def test_older_writer_without_a_traceparent_decodes_with_none(name):
+    msg = SAMPLES[name].model_copy(update={"traceparent": "00-" + "a" * 32 + "-" + "b" * 16 + "-01"})
+    assert decode(encode(msg)).traceparent == msg.traceparent  # carried when set
+    body = msgpack.unpackb(encode(msg)[b"d"])
+    del body["traceparent"]  # a writer from before the field
+    fields = {b"t": name.encode(), b"v": b"1", b"d": msgpack.packb(body, use_bin_type=True)}
+    assert decode(fields).traceparent is None
+
+
 def test_trajectory_record_from_dataclass():
     traj = Trajectory(name="solver", steps=[Step(prompt_ids=[1], response_ids=[2, 3], logprobs=[-1.0, -2.0],
                                                  reward=0.5, weight_version=4),

@@ -1,4 +1,5 @@
-"""One trajectory with its steps: messages, model response, action, observation, reward, token counts."""
+"""One trajectory with its steps: messages, model response, action, observation, reward, token counts, and
+its unit's timeline (dispatch, start, finish, store; the trace in Jaeger when tracing was on)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,11 @@ import uuid
 from fastapi import APIRouter
 from sqlalchemy import select
 
-from services.api.deps import DB
+from services.api.deps import DB, Config
 from services.api.errors import ApiError, errors
 from services.api.routers.runs import trajectory_out
 from services.api.schemas import TrajectoryDetail
-from shared.contracts.db.models import EpisodeRow, StepRow, TokenArrayRow, TrajectoryRow
+from shared.contracts.db.models import EpisodeRow, RolloutTaskRow, StepRow, TokenArrayRow, TrajectoryRow
 
 router = APIRouter(prefix="/trajectories", tags=["trajectories"])
 
@@ -31,8 +32,16 @@ def tokens_out(t: TokenArrayRow) -> dict:
             "logprobs": t.logprobs, "loss_mask": t.loss_mask, "versions": t.versions}
 
 
+def timeline_out(session, ep: EpisodeRow, jaeger_ui_url: str | None) -> dict:
+    dispatched = session.get(RolloutTaskRow, (ep.run_id, ep.task_id, ep.sample_idx, ep.attempt))
+    trace_id = (ep.info or {}).get("trace_id")
+    return {"dispatched_at": dispatched.dispatched_at if dispatched else None, "started_at": ep.started_at,
+            "finished_at": ep.finished_at, "stored_at": ep.created_at, "trace_id": trace_id,
+            "trace_url": f"{jaeger_ui_url.rstrip('/')}/trace/{trace_id}" if trace_id and jaeger_ui_url else None}
+
+
 @router.get("/{trajectory_id}", response_model=TrajectoryDetail, responses=errors(404, 422))
-def show_trajectory(trajectory_id: uuid.UUID, session: DB, include_tokens: bool = False) -> dict:
+def show_trajectory(trajectory_id: uuid.UUID, session: DB, config: Config, include_tokens: bool = False) -> dict:
     """Turn by turn; `include_tokens=true` adds the token id / logprob arrays (large)."""
     t = session.get(TrajectoryRow, trajectory_id)
     if t is None:
@@ -44,6 +53,7 @@ def show_trajectory(trajectory_id: uuid.UUID, session: DB, include_tokens: bool 
         "episode": {"id": ep.id, "status": ep.status, "is_correct": ep.is_correct, "reward": ep.reward,
                     "termination_reason": ep.termination_reason, "task": ep.task, "metrics": ep.metrics,
                     "error": ep.error, "worker_id": ep.worker_id} if ep else None,
+        "timeline": timeline_out(session, ep, config.jaeger_ui_url) if ep else None,
     }
     if include_tokens:
         arrays = session.execute(select(TokenArrayRow).where(TokenArrayRow.trajectory_id == t.id)

@@ -291,6 +291,32 @@
     return `<div class="turn ${esc(m.role)}"><b>${esc(m.role)}</b><pre>${esc(content)}</pre></div>`;
   }
 
+  // The unit's life from what was stored: the queue wait (dispatch to start), each turn's generation and env
+  // step (gen_ms, env_ms) from the start, and the store (finish to commit); the trace in Jaeger when one exists.
+  function timeline(t) {
+    const tl = t.timeline;
+    if (!tl || !tl.started_at) return "";
+    const ms = s => (s ? Date.parse(s) : null);
+    const start = ms(tl.started_at), t0 = ms(tl.dispatched_at) ?? start;
+    const segs = tl.dispatched_at ? [["queue", t0, start]] : [];
+    let at = start;
+    for (const s of t.steps) {
+      segs.push([`turn ${s.step_idx} generation`, at, (at += s.gen_ms)]);
+      segs.push([`turn ${s.step_idx} env`, at, (at += s.env_ms)]);
+    }
+    if (tl.finished_at && tl.stored_at) segs.push(["store", ms(tl.finished_at), ms(tl.stored_at)]);
+    const total = Math.max(...segs.map(g => g[2]), ms(tl.finished_at) ?? at) - t0 || 1;
+    const pct = v => (100 * v / total).toFixed(2);
+    const bar = ([label, a, b]) => `<div class="seg ${label.split(" ").pop()}" style="left:${pct(a - t0)}%;width:${Math.max(0.3, pct(b - a))}%" title="${esc(label)}: ${num(b - a, 1)} ms"></div>`;
+    const sum = kind => segs.filter(g => g[0].endsWith(kind)).reduce((n, g) => n + g[2] - g[1], 0);
+    const trace = !tl.trace_id ? "" : tl.trace_url
+      ? ` · <a id="trace-link" href="${esc(tl.trace_url)}" target="_blank" rel="noopener">trace ${esc(tl.trace_id)}</a>`
+      : ` · trace ${esc(tl.trace_id)}`;
+    return `<h3>timeline</h3><div id="timeline" class="timeline">${segs.map(bar).join("")}</div>
+      <p class="meta" id="timeline-note">${num(total, 0)} ms: queue ${num(sum("queue"), 1)} ms · generation ${num(sum("generation"), 1)} ms
+        · env ${num(sum("env"), 1)} ms · store ${num(sum("store"), 1)} ms${trace}</p>`;
+  }
+
   async function trajectoryPage(id) {
     const t = await api(`/trajectories/${id}`);
     view.innerHTML = `<p><a href="#/runs/${esc(t.run_id)}">← run</a></p>
@@ -300,6 +326,7 @@
         <div class="card">tokens<b>${t.prompt_tokens} / ${t.response_tokens}</b></div>
         <div class="card">policy version<b id="trajectory-versions">${versions(t)}</b></div>
         <div class="card">correct<b>${t.episode ? (t.episode.is_correct ? "yes" : "no") : "–"}</b></div></div>
+      ${timeline(t)}
       ${t.steps.map(s => `<div class="step"><h3>turn ${s.step_idx}</h3>
         <p class="meta">reward ${num(s.reward)} · done ${s.done} · tokens ${s.prompt_tokens} / ${s.response_tokens}
           · weights v${s.weight_version ?? "–"} · generation ${num(s.gen_ms, 1)} ms · env ${num(s.env_ms, 1)} ms</p>

@@ -35,7 +35,7 @@ OWNERS: dict[str, TableOwner] = {
     "run_events": TableOwner(
         "controller", ("api",), "every message that changes a run (the run's history): `run.commands` "
         "(`created`, `status_changed` with the command's id); `trainer.progress` errors as `trainer_error`"),
-    "rollout_tasks": TableOwner("controller", (), "the controller's dispatch; `trajectories` (each attempt's end)"),
+    "rollout_tasks": TableOwner("controller", ("api",), "the controller's dispatch; `trajectories` (each attempt's end)"),
     "episodes": TableOwner("controller", ("api", "jobs"), "`trajectories` (the store, exactly once)"),
     "trajectories": TableOwner("controller", ("api", "jobs"), "`trajectories` (the store, exactly once)"),
     "steps": TableOwner("controller", ("api", "jobs"), "`trajectories` (the store, exactly once)"),

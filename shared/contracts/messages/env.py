@@ -29,6 +29,9 @@ class EnvRequest(Message):
     timeout_s: float = Field(30.0, gt=0, description="per-call limit on the env method, seconds")
     session_ttl_s: float = Field(900.0, gt=0, description="idle lifetime after which the session is closed")
     sent_at: float = Field(description="unix seconds")
+    traceparent: str | None = Field(
+        None, description="W3C traceparent of the rollout worker's env call span (docs/observability.md); "
+        "None: tracing off, or a writer that predates the field")
 
 
 class EnvReply(Message):

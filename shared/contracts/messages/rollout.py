@@ -28,6 +28,9 @@ class RolloutTask(Message):
         None, description="unix seconds (controller's clock) when this attempt's ledger lease expires and the "
         "controller re-dispatches it; a worker does not start the task after it and abandons it at it. None: "
         "sent by a controller that predates the field")
+    traceparent: str | None = Field(
+        None, description="W3C traceparent of the unit's dispatch span (docs/observability.md); None: tracing "
+        "off, or a writer that predates the field")
 
     def lease_left(self, now: float) -> float:
         """Seconds until the attempt's lease expires (negative: expired; inf: no lease given)."""

@@ -29,11 +29,15 @@ class AcceptedResult(Message):
     greedy: bool = False
     result: EpisodeResult | None = Field(
         None, description="the stored completed result; None: the slot is out of attempts (final failure)")
+    traceparent: str | None = Field(
+        None, description="W3C traceparent of the store span that accepted the result (docs/observability.md); "
+        "None: tracing off, or a writer that predates the field")
 
     @classmethod
-    def stored(cls, result: EpisodeResult) -> AcceptedResult:
+    def stored(cls, result: EpisodeResult, traceparent: str | None = None) -> AcceptedResult:
         return cls(run_id=result.run_id, task_id=result.task_id, sample_idx=result.sample_idx,
-                   attempt=result.attempt, batch_idx=result.batch_idx, greedy=result.greedy, result=result)
+                   attempt=result.attempt, batch_idx=result.batch_idx, greedy=result.greedy, result=result,
+                   traceparent=traceparent)
 
 
 class ConsumedGroup(BaseModel):

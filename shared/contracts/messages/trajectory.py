@@ -109,6 +109,9 @@ class EpisodeResult(Message):
     greedy: bool = False
     started_at: float = 0.0
     finished_at: float = 0.0
+    traceparent: str | None = Field(
+        None, description="W3C traceparent of the unit's rollout span (docs/observability.md); None: tracing "
+        "off, or a writer that predates the field")
 
     @property
     def key(self) -> tuple[str, str, int, int]:
