@@ -96,8 +96,13 @@ def test_runs_run_page_charts_and_trajectory_viewer(api, page, database_url):
     text = page.inner_text("main")
     assert "turn 0" in text and "turn 1" in text and "user" in text and "assistant" in text
     assert "termination" in text and "policy version" in text
-    # the unit's timeline: queue wait, two turns of generation and env step, the store; and its trace id
-    assert page.locator("#timeline .seg").count() == 6
+    # the unit's timeline: queue wait, the rollout under two turns of generation and env step, the store; and
+    # its trace id; a legend names each colour with its time
+    assert page.locator("#timeline .seg").count() == 7
+    legend = page.inner_text("#timeline-legend")
+    assert all(k in legend for k in ("queue", "generation 10 ms", "env 2 ms", "worker (reset, agent, tokenizer)",
+                                     "store"))
+    assert page.locator("#timeline-legend .swatch").count() == 5
     note = page.inner_text("#timeline-note")
     assert "queue" in note and "generation 10 ms" in note and "env 2 ms" in note and "trace 4bf92f3577b34da6a3ce929d0e0e4736" in note
     page.screenshot(path=str(ARTIFACTS / "trajectory.png"), full_page=True)

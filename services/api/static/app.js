@@ -299,6 +299,9 @@
     const ms = s => (s ? Date.parse(s) : null);
     const start = ms(tl.started_at), t0 = ms(tl.dispatched_at) ?? start;
     const segs = tl.dispatched_at ? [["queue", t0, start]] : [];
+    // the whole rollout under its turns: what the turns leave uncovered is the worker's own time (env reset,
+    // the agent's code, tokenization, the wait for an engine slot)
+    if (tl.finished_at) segs.push(["rollout", start, ms(tl.finished_at)]);
     let at = start;
     for (const s of t.steps) {
       segs.push([`turn ${s.step_idx} generation`, at, (at += s.gen_ms)]);
@@ -309,12 +312,17 @@
     const pct = v => (100 * v / total).toFixed(2);
     const bar = ([label, a, b]) => `<div class="seg ${label.split(" ").pop()}" style="left:${pct(a - t0)}%;width:${Math.max(0.3, pct(b - a))}%" title="${esc(label)}: ${num(b - a, 1)} ms"></div>`;
     const sum = kind => segs.filter(g => g[0].endsWith(kind)).reduce((n, g) => n + g[2] - g[1], 0);
+    const other = Math.max(0, sum("rollout") - sum("generation") - sum("env"));
+    const parts = [["queue", sum("queue")], ["generation", sum("generation")], ["env", sum("env")],
+                   ["rollout", other, "worker (reset, agent, tokenizer)"], ["store", sum("store")]];
+    const legend = parts.map(([k, v, label]) => `<span class="key"><i class="swatch seg ${k}"></i>${label || k} ${num(v, 1)} ms</span>`).join("");
     const trace = !tl.trace_id ? "" : tl.trace_url
       ? ` · <a id="trace-link" href="${esc(tl.trace_url)}" target="_blank" rel="noopener">trace ${esc(tl.trace_id)}</a>`
       : ` · trace ${esc(tl.trace_id)}`;
     return `<h3>timeline</h3><div id="timeline" class="timeline">${segs.map(bar).join("")}</div>
+      <p class="meta timeline-legend" id="timeline-legend">${legend}</p>
       <p class="meta" id="timeline-note">${num(total, 0)} ms: queue ${num(sum("queue"), 1)} ms · generation ${num(sum("generation"), 1)} ms
-        · env ${num(sum("env"), 1)} ms · store ${num(sum("store"), 1)} ms${trace}</p>`;
+        · env ${num(sum("env"), 1)} ms · worker ${num(other, 1)} ms · store ${num(sum("store"), 1)} ms${trace}</p>`;
   }
 
   async function trajectoryPage(id) {
