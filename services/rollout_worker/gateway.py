@@ -25,6 +25,7 @@ from prometheus_client import Counter, Histogram
 
 from services.rollout_worker.chat_assembly import AgentCalls, BadRequest, ChatFormat, Prompt, parse_tool_calls
 from services.rollout_worker.engines import InferenceError, SamplingParams
+from shared.platform import tracing
 from shared.platform.logs import get_logger
 from shared.platform.service import wait_for
 
@@ -49,6 +50,8 @@ class GatewaySession:
         self.context_exceeded = False  # a call was refused for the context window: the episode ends so
         self.task: Any = None  # the RolloutTask, for external programs
         self.outcome: asyncio.Future | None = None  # external programs: set by POST .../reward
+        # the unit's `rollout` span: each call's `generate` span is its child, though HTTP handlers run outside it
+        self.traceparent = tracing.traceparent()
 
     def agent(self, name: str) -> AgentCalls:
         if name not in self.agents:
@@ -288,7 +291,9 @@ class Gateway:
         if left <= 0:
             raise TimeoutError
         start = time.perf_counter()
-        gen = await wait_for(session.ctx.engine.generate(prompt.ids, sampling, max_tokens), left)
+        with tracing.span("generate", session.traceparent, prompt_tokens=len(prompt.ids)) as span:
+            gen = await wait_for(session.ctx.engine.generate(prompt.ids, sampling, max_tokens), left)
+            span.set_attributes({"tokens": len(gen.ids), "weight_version": gen.weight_version})
         return gen, time.perf_counter() - start
 
     def _chat_body(self, session: GatewaySession, agent: AgentCalls, body: dict, gen: Any,
