@@ -232,7 +232,10 @@ def build_rows(results: Sequence[EpisodeResult]) -> dict[str, list[tuple]]:
         for traj_idx, traj in enumerate(r.trajectories):
             tid = trajectory_id(ep_id, traj_idx)
             rows["trajectories"].append(_trajectory_row(tid, ep_id, r, traj_idx, traj))
-            for step_idx, s in enumerate(traj.steps):
+            # a sequence of a trajectory cut at its agent's context rewrites numbers its steps by their turn
+            # in the whole trajectory, so per-turn SQL reads the same cut or not
+            first = traj.info.get("first_turn", 0) if isinstance(traj.info.get("first_turn"), int) else 0
+            for step_idx, s in enumerate(traj.steps, start=first):
                 rows["steps"].append((
                     tid, step_idx, _json(s.chat_completions), _json(s.observation), _text(s.thought),
                     _json(s.action), _text(s.model_response), s.reward, s.done, s.mc_return, _json(s.info),

@@ -109,15 +109,16 @@ def completed(ctx: RunContext, task: RolloutTask, episode: Episode) -> EpisodeRe
 def sequences(traj: Trajectory) -> list[Trajectory]:
     """The trajectory, or, when the agent rewrote its history, one trajectory per run of turns that extends one
     context (`context_runs`): each carries the whole trajectory's reward and `info` `sequence` k of `sequences`
-    n, the last also `context_rewrites` n-1 (one count per trajectory: SQL sums it); the trainer gives every one
+    n, `first_turn` (the store numbers its steps from there), the last also `context_rewrites` n-1 (one count per trajectory: SQL sums it); the trainer gives every one
     the advantage of the last (`advantage_from`)."""
     runs = context_runs(traj.steps)
     if len(runs) == 1:
         return [traj]
     REWRITES.inc(len(runs) - 1)
     reward = traj.reward if traj.reward is not None else sum(s.reward for s in traj.steps)
+    firsts = [sum(len(r) for r in runs[:k]) for k in range(len(runs))]  # each run's first turn in the whole
     return [dataclasses.replace(traj, uid=f"{traj.uid}/{k}", steps=steps, reward=reward, tokens=None,
-                                info={**traj.info, "sequence": k, "sequences": len(runs)}
+                                info={**traj.info, "sequence": k, "sequences": len(runs), "first_turn": firsts[k]}
                                 | ({"context_rewrites": len(runs) - 1} if k == len(runs) - 1 else {}))
             for k, steps in enumerate(runs)]
 

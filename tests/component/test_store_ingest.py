@@ -179,3 +179,22 @@ def test_only_what_the_store_accepted_is_handed_to_the_trainer(engine):
     assert out.to_train[0] is first  # the copy that was stored, not the in-batch repeat
     again = store.write([result(run, "t1"), zombie])  # re-delivered: the stored one is handed over again
     assert [r.key for r in again.to_train] == [first.key] and again.late == [zombie.key]
+
+
+@pytest.mark.parametrize("method", ["copy", "values"])
+def test_the_sequences_of_a_rewritten_trajectory_keep_their_turn_numbers(engine, method):
+    """An agent that rewrote its history after turn 2 of 3: two sequences, stored as two trajectory rows whose
+    steps are numbered 0, 1 and 2 (their turns in the whole episode), so per-turn SQL reads as if uncut."""
+    store = TrajectoryStore(engine, method=method)
+    run = new_run(engine)
+    dispatch(engine, run, [("t0", 0, 0)])
+    msg = result(run, "t0", steps=3)
+    whole = msg.trajectories[0]
+    parts = [whole.model_copy(update={"uid": f"{whole.uid}/{k}", "steps": steps,
+                                      "info": {"sequence": k, "sequences": 2, "first_turn": first}})
+             for k, (first, steps) in enumerate([(0, whole.steps[:2]), (2, whole.steps[2:])])]
+    assert store.write([msg.model_copy(update={"trajectories": parts})]).stored == 1
+    with engine.connect() as c:
+        rows = c.execute(text("SELECT t.info->>'sequence', s.step_idx FROM steps s JOIN trajectories t ON "
+                              "t.id = s.trajectory_id WHERE t.run_id = :r ORDER BY 2"), {"r": run}).all()
+    assert [tuple(r) for r in rows] == [("0", 0), ("0", 1), ("1", 2)]

@@ -196,7 +196,8 @@ async def test_an_agent_that_drops_old_turns_is_trained_one_sequence_per_context
         assert len(r.trajectories) == 3 and all(len(t.steps) == 1 for t in r.trajectories)
         for k, traj in enumerate(r.trajectories):
             [step] = traj.steps
-            assert traj.info["sequence"] == k and traj.info["sequences"] == 3 and traj.reward == r.reward
+            assert traj.info["sequence"] == k and traj.info["sequences"] == 3 and traj.info["first_turn"] == k
+            assert traj.reward == r.reward
             assert not traj.mismatch and sum(traj.loss_mask) == len(step.response_ids) > 0
             assert traj.prompt_ids + traj.response_ids == step.prompt_ids + step.response_ids  # token-exact
             assert [m["role"] for m in step.chat_completions[:2]] == ["system", "user"]

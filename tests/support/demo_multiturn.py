@@ -132,10 +132,11 @@ def run_inprocess(model_dir: Path, steps: int = STEPS, tasks: int = TASKS, n: in
 
 
 # -- the full stack ------------------------------------------------------------------------------------------
-def run_config(model_dir: Path, steps: int, tasks: int, n: int, lr: float) -> dict:
+def run_config(model_dir: Path, steps: int, tasks: int, n: int, lr: float, keep_last_turns: int | None = None) -> dict:
+    agent = {"name": "digits"} | ({"args": {"keep_last_turns": keep_last_turns}} if keep_last_turns else {})
     return {
         "name": "digits-multiturn-demo", "kind": "train", "model": str(model_dir), "dataset": "digits",
-        "agent": {"name": "digits"}, "env": {"name": "digits"}, "max_steps": TURNS,
+        "agent": agent, "env": {"name": "digits"}, "max_steps": TURNS,
         "engine": {"type": "hf", "max_batch_size": tasks * n}, "sampling": {"temperature": 1.0},
         "algorithm": ALGORITHM | {"lr": lr}, "samples_per_task": n, "tasks_per_batch": tasks,
         "max_prompt_tokens": 64, "max_response_tokens": 1, "max_staleness": 1, "total_steps": steps,
@@ -164,6 +165,7 @@ WHERE run_id = '{run_id}' AND name IN ('logprob_diff_mean', 'logprob_diff_max', 
 
 
 def run_stack(data_dir: Path, *, steps: int = STEPS, tasks: int = TASKS, n: int = SAMPLES, lr: float = LR,
+              keep_last_turns: int | None = None,
               timeout_s: float = 1.5 * TIMEOUT_S, env: dict | None = None, log=print) -> dict:
     """Start every service, create the training run through the REST API, print reward per version until
     `steps` versions are trained, and read reward and per-turn accuracy back through the API's SQL."""
@@ -173,11 +175,14 @@ def run_stack(data_dir: Path, *, steps: int = STEPS, tasks: int = TASKS, n: int 
     with recall_stack(data_dir, SERVICES, STACK_ENV | (env or {}), log, dataset=("digits", dataset_rows(2 * tasks * steps))) \
             as (_, api, model_dir):
         log(f"{steps} versions of {tasks} tasks x {n} episodes of {TURNS} turns")
-        [run_id], _ = train_runs(api, [run_config(model_dir, steps, tasks, n, lr)], steps, started + timeout_s, log)
+        config = run_config(model_dir, steps, tasks, n, lr, keep_last_turns)
+        [run_id], _ = train_runs(api, [config], steps, started + timeout_s, log)
         wall_s = time.monotonic() - started
         turns, rewards = sql_rows(api, TURNS_SQL, run_id), sql_rows(api, REWARD_SQL, run_id)
         mismatch = sql_rows(api, MISMATCH_SQL, run_id)
-    return summarize(turns, rewards, mismatch) | {"wall_s": round(wall_s, 1), "run_id": run_id}
+        rewrites = api.get(f"/v1/runs/{run_id}").json()["context_rewrites"]
+    return summarize(turns, rewards, mismatch) | {"wall_s": round(wall_s, 1), "run_id": run_id,
+                                                 "keep_last_turns": keep_last_turns, "context_rewrites": rewrites}
 
 
 def summarize(turns: list[dict], rewards: list[dict], mismatch: list[dict] | None = None) -> dict:
@@ -233,6 +238,9 @@ def main() -> None:
     parser.add_argument("--inprocess", action="store_true", help="no services: sampler and trainer in-process")
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--lr", type=float, default=LR)
+    parser.add_argument("--keep-last-turns", type=int, default=None,
+                        help="the agent keeps only its last K turns (a sliding window): each cut is a context "
+                             "rewrite, and the episode trains as one sequence per context")
     parser.add_argument("--out", type=Path, default=Path("bench/results/demo_multiturn.json"))
     parser.add_argument("--data-dir", type=Path, default=None,
                         help="where the stack keeps its data and logs (default: a new .data/demo-mt-* folder, kept)")
@@ -245,7 +253,7 @@ def main() -> None:
         result = run_inprocess(build_number_model(data_dir / "model"), steps=args.steps, lr=args.lr)
         result["wall_s"] = round(time.monotonic() - started, 1)
     else:
-        result = run_stack(data_dir, steps=args.steps, lr=args.lr)
+        result = run_stack(data_dir, steps=args.steps, lr=args.lr, keep_last_turns=args.keep_last_turns)
         print(f"service logs: {data_dir / 'logs'}")
     failures = judge(result)
     result |= {"bar": BAR, "passed": not failures, "failures": failures, "cpu_count": os.cpu_count(),

@@ -165,7 +165,8 @@ def test_a_trajectory_is_cut_where_the_agent_rewrote_its_history_and_each_run_is
     parts = sequences(traj)
     assert [p.uid for p in parts] == ["u/0", "u/1"] and [p.steps for p in parts] == runs
     assert [p.reward for p in parts] == [1.5, 1.5]  # the whole trajectory's reward on each
-    assert parts[0].info == {"tool_call_errors": 1, "sequence": 0, "sequences": 2}
-    assert parts[1].info == {"tool_call_errors": 1, "sequence": 1, "sequences": 2, "context_rewrites": 1}
+    assert parts[0].info == {"tool_call_errors": 1, "sequence": 0, "sequences": 2, "first_turn": 0}
+    assert parts[1].info == {"tool_call_errors": 1, "sequence": 1, "sequences": 2, "first_turn": 2,
+                             "context_rewrites": 1}
     uncut = Trajectory(steps=runs[0])
     assert sequences(uncut) == [uncut] and sequences(uncut)[0] is uncut  # an uncut trajectory is itself
