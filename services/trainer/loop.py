@@ -200,9 +200,9 @@ class Trainer:
 
         config = RunConfig.model_validate(row.config)
         s = self.settings
-        engine = open_run_engine(row.id, config.model, config.algorithm, device=s.device, dtype=s.dtype,
-                                 group_size=config.samples_per_task, temperature=config.sampling.temperature,
-                                 **s.engine_options())
+        engine = open_run_engine(row.id, config.model, config.algorithm, seed=config.seed, device=s.device,
+                                 dtype=s.dtype, group_size=config.samples_per_task,
+                                 temperature=config.sampling.temperature, **s.engine_options())
         ckpts = CheckpointDir(s.state_dir, row.id, s.keep_checkpoints)
         try:
             version = self._recover(row, engine, ckpts)

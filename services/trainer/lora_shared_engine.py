@@ -104,16 +104,20 @@ _SHARED: dict[str, SharedLoRABase] = {}  # sharing key -> the engine
 _RUNS: dict[str, tuple[str | None, object]] = {}  # run -> (its sharing key, its engine or view)
 
 
-def open_engine(run_id: str, model_path: str, algo, **options):
+def open_engine(run_id: str, model_path: str, algo, seed: int = 0, **options):
     """The engine run `run_id` trains on: a view of the shared engine of its kind of LoRA run (built with the
-    first such run), or a PolicyEngine of its own."""
+    first such run), or a PolicyEngine of its own. Built under the run's `seed`: what the model does not load
+    (a LoRA adapter's random init) is the same in any trainer process, so a run opened again before its first
+    checkpoint, or a twin with that seed, starts where it did."""
     close_engine(run_id)
     if algo.lora is None or algo.adv_estimator == "gae":
+        torch.manual_seed(seed)
         engine = PolicyEngine(model_path, algo, **options)
         _RUNS[run_id] = (None, engine)
         return engine
-    key = "\n".join((model_path, algo.model_dump_json(), repr(sorted(options.items()))))
+    key = "\n".join((model_path, algo.model_dump_json(), str(seed), repr(sorted(options.items()))))
     if key not in _SHARED:
+        torch.manual_seed(seed)
         _SHARED[key] = SharedLoRABase(PolicyEngine(model_path, algo, **options))
     else:
         log.info("run %s shares a LoRA base engine with runs %s", run_id, sorted(_SHARED[key].slots))
