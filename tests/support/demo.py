@@ -220,7 +220,8 @@ def train_runs(api, configs: list[dict], steps: int, deadline: float, log) -> tu
     run_ids = []
     for config in configs:
         resp = api.post("/v1/runs", json=config)
-        resp.raise_for_status()
+        if resp.is_error:  # the API says what was wrong with the config
+            raise RuntimeError(f"POST /v1/runs answered {resp.status_code}: {resp.text}")
         run_ids.append(resp.json()["id"])
         log(f"run {run_ids[-1]} ({config['name']})")
     started = time.monotonic()

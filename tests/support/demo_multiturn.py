@@ -48,8 +48,8 @@ STEPS, TASKS, SAMPLES, LR = 100, 8, 32, 3e-3
 STACK_ENV = {"OMP_NUM_THREADS": "1"}
 
 
-def dataset_rows(n: int) -> list[dict]:
-    return generate("digits", n, seed=0, turns=TURNS)
+def dataset_rows(n: int, turns: int = TURNS, min_turns: int | None = None) -> list[dict]:
+    return generate("digits", n, seed=0, turns=turns, min_turns=min_turns)
 
 
 # -- in-process loop (no services) ---------------------------------------------------------------------------
@@ -132,14 +132,17 @@ def run_inprocess(model_dir: Path, steps: int = STEPS, tasks: int = TASKS, n: in
 
 
 # -- the full stack ------------------------------------------------------------------------------------------
-def run_config(model_dir: Path, steps: int, tasks: int, n: int, lr: float, keep_last_turns: int | None = None) -> dict:
+def run_config(model_dir: Path, steps: int, tasks: int, n: int, lr: float, keep_last_turns: int | None = None,
+               turns: int = TURNS, all_or_nothing: bool = False) -> dict:
     agent = {"name": "digits"} | ({"args": {"keep_last_turns": keep_last_turns}} if keep_last_turns else {})
+    env = {"name": "digits"} | ({"args": {"all_or_nothing": True}} if all_or_nothing else {})
     return {
         "name": "digits-multiturn-demo", "kind": "train", "model": str(model_dir), "dataset": "digits",
-        "agent": agent, "env": {"name": "digits"}, "max_steps": TURNS,
+        "agent": agent, "env": env, "max_steps": turns,
         "engine": {"type": "hf", "max_batch_size": tasks * n}, "sampling": {"temperature": 1.0},
         "algorithm": ALGORITHM | {"lr": lr}, "samples_per_task": n, "tasks_per_batch": tasks,
-        "max_prompt_tokens": 64, "max_response_tokens": 1, "max_staleness": 1, "total_steps": steps,
+        # a turn is 8 prompt tokens of the number model's template (its context: 128 positions)
+        "max_prompt_tokens": max(64, 8 * turns + 8), "max_response_tokens": 1, "max_staleness": 1, "total_steps": steps,
         "max_in_flight": 4 * tasks * n, "trajectory_timeout_s": 120, "env_step_timeout_s": 10,
     }
 
@@ -151,11 +154,13 @@ FROM trajectories t JOIN episodes e ON e.id = t.episode_id JOIN steps s ON s.tra
 WHERE t.run_id = '{run_id}' AND e.status = 'completed' AND t.policy_version_max IS NOT NULL
 GROUP BY 1, 2
 """
+# the reward of the full-length episodes only (a curriculum's shorter ones are easier)
 REWARD_SQL = """
 SELECT t.policy_version_max AS version, count(*) AS num, sum(t.reward) AS reward,
        sum(CASE WHEN t.policy_version_min <> t.policy_version_max THEN 1 ELSE 0 END) AS mixed_versions
 FROM trajectories t JOIN episodes e ON e.id = t.episode_id
 WHERE t.run_id = '{run_id}' AND e.status = 'completed' AND t.policy_version_max IS NOT NULL
+  AND jsonb_array_length(e.task->'offsets') = {offsets}
 GROUP BY 1
 """
 MISMATCH_SQL = """
@@ -165,27 +170,31 @@ WHERE run_id = '{run_id}' AND name IN ('logprob_diff_mean', 'logprob_diff_max', 
 
 
 def run_stack(data_dir: Path, *, steps: int = STEPS, tasks: int = TASKS, n: int = SAMPLES, lr: float = LR,
-              keep_last_turns: int | None = None,
+              keep_last_turns: int | None = None, turns: int = TURNS, min_turns: int | None = None,
+              all_or_nothing: bool = False,
               timeout_s: float = 1.5 * TIMEOUT_S, env: dict | None = None, log=print) -> dict:
     """Start every service, create the training run through the REST API, print reward per version until
     `steps` versions are trained, and read reward and per-turn accuracy back through the API's SQL."""
     from tests.support.demo import SERVICES
 
     started = time.monotonic()
-    with recall_stack(data_dir, SERVICES, STACK_ENV | (env or {}), log, dataset=("digits", dataset_rows(2 * tasks * steps))) \
+    rows = dataset_rows(2 * tasks * steps, turns, min_turns)
+    with recall_stack(data_dir, SERVICES, STACK_ENV | (env or {}), log, dataset=("digits", rows)) \
             as (_, api, model_dir):
-        log(f"{steps} versions of {tasks} tasks x {n} episodes of {TURNS} turns")
-        config = run_config(model_dir, steps, tasks, n, lr, keep_last_turns)
+        log(f"{steps} versions of {tasks} tasks x {n} episodes of {min_turns or turns}-{turns} turns")
+        config = run_config(model_dir, steps, tasks, n, lr, keep_last_turns, turns, all_or_nothing)
         [run_id], _ = train_runs(api, [config], steps, started + timeout_s, log)
         wall_s = time.monotonic() - started
-        turns, rewards = sql_rows(api, TURNS_SQL, run_id), sql_rows(api, REWARD_SQL, run_id)
+        per_turn = sql_rows(api, TURNS_SQL, run_id)
+        rewards = sql_rows(api, REWARD_SQL.replace("{offsets}", str(turns - 1)), run_id)
         mismatch = sql_rows(api, MISMATCH_SQL, run_id)
         rewrites = api.get(f"/v1/runs/{run_id}").json()["context_rewrites"]
-    return summarize(turns, rewards, mismatch) | {"wall_s": round(wall_s, 1), "run_id": run_id,
-                                                 "keep_last_turns": keep_last_turns, "context_rewrites": rewrites}
+    return summarize(per_turn, rewards, mismatch, turns) | {
+        "wall_s": round(wall_s, 1), "run_id": run_id, "keep_last_turns": keep_last_turns,
+        "context_rewrites": rewrites, "min_turns": min_turns, "all_or_nothing": all_or_nothing}
 
 
-def summarize(turns: list[dict], rewards: list[dict], mismatch: list[dict] | None = None) -> dict:
+def summarize(turns: list[dict], rewards: list[dict], mismatch: list[dict] | None = None, n_turns: int = TURNS) -> dict:
     """Reward per version served; at the first version and over the last FINAL_VERSIONS the reward and the
     accuracy of each turn (turn 1 first)."""
     versions = sorted({r["version"] for r in rewards})
@@ -197,7 +206,7 @@ def summarize(turns: list[dict], rewards: list[dict], mismatch: list[dict] | Non
 
     def accuracy(vs):
         out = []
-        for t in range(TURNS):
+        for t in range(n_turns):
             rows = [r for r in turns if r["turn"] == t and r["version"] in vs]
             out.append(round(sum(r["right_answers"] for r in rows) / max(1, sum(r["num"] for r in rows)), 3))
         return out
@@ -208,7 +217,7 @@ def summarize(turns: list[dict], rewards: list[dict], mismatch: list[dict] | Non
     return {
         "task": "digits (services/env_worker/builtin/envs.py: DigitsEnv): each turn a number word -> its digit, the next word "
                 "made from the answer; reward = share of turns right, given after the last turn",
-        "chance_reward": 0.1, "turns": TURNS,
+        "chance_reward": 0.1, "turns": n_turns,
         "initial_reward": reward(versions[:1]) if versions else None,
         "final_reward": reward(final) if versions else None, "final_versions": final,
         "per_turn_accuracy": accuracy(final), "initial_per_turn_accuracy": accuracy(versions[:1]),
@@ -222,7 +231,7 @@ def summarize(turns: list[dict], rewards: list[dict], mismatch: list[dict] | Non
 def judge(result: dict, bar: dict = BAR) -> list[str]:
     """What keeps the result from the bar; empty when it learned every turn."""
     weak = {t + 1: a for t, a in enumerate(result["per_turn_accuracy"]) if a < bar["turn_accuracy_min"]}
-    accuracy = [] if len(result["per_turn_accuracy"]) >= TURNS and not weak else [
+    accuracy = [] if len(result["per_turn_accuracy"]) >= result.get("turns", TURNS) and not weak else [
         f"turns answered right less than {bar['turn_accuracy_min']:.0%} of the time over the last versions: "
         f"{weak} (per turn: {result['per_turn_accuracy']})"]
     return judge_learning(result, bar, accuracy)
@@ -238,6 +247,12 @@ def main() -> None:
     parser.add_argument("--inprocess", action="store_true", help="no services: sampler and trainer in-process")
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--lr", type=float, default=LR)
+    parser.add_argument("--turns", type=int, default=TURNS, help="model turns per episode (the stack only)")
+    parser.add_argument("--min-turns", type=int, default=None,
+                        help="a curriculum: each task's length drawn from min-turns..turns; the reward and the bar "
+                             "are the full-length episodes'")
+    parser.add_argument("--all-or-nothing", action="store_true",
+                        help="reward 1 only when every turn is right (else the share of turns right)")
     parser.add_argument("--keep-last-turns", type=int, default=None,
                         help="the agent keeps only its last K turns (a sliding window): each cut is a context "
                              "rewrite, and the episode trains as one sequence per context")
@@ -253,7 +268,8 @@ def main() -> None:
         result = run_inprocess(build_number_model(data_dir / "model"), steps=args.steps, lr=args.lr)
         result["wall_s"] = round(time.monotonic() - started, 1)
     else:
-        result = run_stack(data_dir, steps=args.steps, lr=args.lr, keep_last_turns=args.keep_last_turns)
+        result = run_stack(data_dir, steps=args.steps, lr=args.lr, keep_last_turns=args.keep_last_turns,
+                           turns=args.turns, min_turns=args.min_turns, all_or_nothing=args.all_or_nothing)
         print(f"service logs: {data_dir / 'logs'}")
     failures = judge(result)
     result |= {"bar": BAR, "passed": not failures, "failures": failures, "cpu_count": os.cpu_count(),

@@ -355,9 +355,10 @@ class DigitsEnv(BaseEnv):
     def __init__(self, first: str, offsets: list[int], all_or_nothing: bool = False):
         if first not in NUMBER_WORDS:
             raise ValueError(f"digits task: 'first' must be a number word ({', '.join(NUMBER_WORDS)}), got {first!r}")
-        if not offsets or not all(isinstance(o, int) for o in offsets):
-            raise ValueError(f"digits task: 'offsets' must be a non-empty list of integers (one per turn after the "
-                             f"first), got {offsets!r}; rows come from services.jobs.builtin_datasets.generate('digits')")
+        if not isinstance(offsets, list | tuple) or not all(isinstance(o, int) for o in offsets):
+            raise ValueError(f"digits task: 'offsets' must be a list of integers (one per turn after the first; "
+                             f"empty: a one-turn task), got {offsets!r}; rows come from "
+                             "services.jobs.builtin_datasets.generate('digits')")
         self.first, self.offsets, self.all_or_nothing = first, list(offsets), all_or_nothing
         self.word, self.right = first, []
 
