@@ -64,21 +64,19 @@ def recall(n: int, seed: int) -> list[dict]:
             for i, r in enumerate(dataset_rows(n, seed))]
 
 
-def digits(n: int, seed: int, turns: int = 3, min_turns: int | None = None) -> list[dict]:
+def digits(n: int, seed: int, turns: int = 3, lengths: list[int] | None = None) -> list[dict]:
     """Tasks of the multi-turn digits env (services/env_worker/builtin/envs.py: DigitsEnv): the first number word and the
-    secret offset of each later turn. Each run of ten rows starts once from every word. `min_turns`: each row's
-    length drawn from min_turns..turns (a curriculum: short tasks teach what long ones need)."""
-    if turns < 1:
-        raise ValueError(f"turns must be >= 1, got {turns}")
-    if min_turns is not None and not 1 <= min_turns <= turns:
-        raise ValueError(f"min_turns must be between 1 and turns ({turns}), got {min_turns}")
+    secret offset of each later turn. Each run of ten rows starts once from every word. `lengths`: each row's
+    number of turns drawn from these instead of `turns` (a curriculum: short tasks teach what long ones need)."""
+    if turns < 1 or any(k < 1 for k in lengths or ()):
+        raise ValueError(f"turns and lengths must be >= 1, got turns={turns}, lengths={lengths}")
     from shared.tasks.recall import WORDS as NUMBER_WORDS
 
     rng = random.Random(seed)
     rows = []
     for block in range(0, n, len(NUMBER_WORDS)):
         for word in rng.sample(NUMBER_WORDS, len(NUMBER_WORDS))[: n - block]:
-            length = turns if min_turns is None else rng.randint(min_turns, turns)
+            length = rng.choice(lengths) if lengths else turns
             rows.append({"id": f"digits-{seed}-{len(rows)}", "first": word,
                          "offsets": [rng.randrange(10) for _ in range(length - 1)], "data_source": "digits"})
     return rows

@@ -300,6 +300,7 @@ class Trainer:
             if outcome == "held":
                 run.held[(run.run_id, key[0], key[1])] = d
                 result = d.message.result
+                run.count(f"ended_{result.termination_reason.value}")  # metric samples_ended_<reason>
                 if 0 < result.started_at <= result.finished_at:  # stamped by a rollout worker
                     run.episode_spans.append((result.worker_id, result.started_at, result.finished_at))
                 for sample in batching.samples_from_result(result, run.config.algorithm.mask_termination):

@@ -510,6 +510,7 @@ def test_trainer_logs_each_version_to_its_trackers_and_a_dead_one_only_counts(st
             c.execute(text("UPDATE runs SET status = 'stopped' WHERE id = :id"), {"id": run_id})  # the run ends
         assert metrics[("tracker_errors", 3)] == 1.0 and metrics[("trajectories_per_s", 3)] > 0
         assert metrics[("rollout_tokens_per_s", 3)] > 0  # one generated token a result
+        assert metrics[("samples_ended_env_done", 3)] == TASKS * N  # how the batch's episodes ended
         (folder,) = (tmp_path / "tb").iterdir()
 
         def summarised() -> bool:

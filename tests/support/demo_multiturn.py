@@ -48,8 +48,8 @@ STEPS, TASKS, SAMPLES, LR = 100, 8, 32, 3e-3
 STACK_ENV = {"OMP_NUM_THREADS": "1"}
 
 
-def dataset_rows(n: int, turns: int = TURNS, min_turns: int | None = None) -> list[dict]:
-    return generate("digits", n, seed=0, turns=turns, min_turns=min_turns)
+def dataset_rows(n: int, turns: int = TURNS, lengths: list[int] | None = None) -> list[dict]:
+    return generate("digits", n, seed=0, turns=turns, lengths=lengths)
 
 
 # -- in-process loop (no services) ---------------------------------------------------------------------------
@@ -170,7 +170,7 @@ WHERE run_id = '{run_id}' AND name IN ('logprob_diff_mean', 'logprob_diff_max', 
 
 
 def run_stack(data_dir: Path, *, steps: int = STEPS, tasks: int = TASKS, n: int = SAMPLES, lr: float = LR,
-              keep_last_turns: int | None = None, turns: int = TURNS, min_turns: int | None = None,
+              keep_last_turns: int | None = None, turns: int = TURNS, lengths: list[int] | None = None,
               all_or_nothing: bool = False,
               timeout_s: float = 1.5 * TIMEOUT_S, env: dict | None = None, log=print) -> dict:
     """Start every service, create the training run through the REST API, print reward per version until
@@ -178,10 +178,10 @@ def run_stack(data_dir: Path, *, steps: int = STEPS, tasks: int = TASKS, n: int 
     from tests.support.demo import SERVICES
 
     started = time.monotonic()
-    rows = dataset_rows(2 * tasks * steps, turns, min_turns)
+    rows = dataset_rows(2 * tasks * steps, turns, lengths)
     with recall_stack(data_dir, SERVICES, STACK_ENV | (env or {}), log, dataset=("digits", rows)) \
             as (_, api, model_dir):
-        log(f"{steps} versions of {tasks} tasks x {n} episodes of {min_turns or turns}-{turns} turns")
+        log(f"{steps} versions of {tasks} tasks x {n} episodes of {lengths or turns} turns")
         config = run_config(model_dir, steps, tasks, n, lr, keep_last_turns, turns, all_or_nothing)
         [run_id], _ = train_runs(api, [config], steps, started + timeout_s, log)
         wall_s = time.monotonic() - started
@@ -191,7 +191,7 @@ def run_stack(data_dir: Path, *, steps: int = STEPS, tasks: int = TASKS, n: int 
         rewrites = api.get(f"/v1/runs/{run_id}").json()["context_rewrites"]
     return summarize(per_turn, rewards, mismatch, turns) | {
         "wall_s": round(wall_s, 1), "run_id": run_id, "keep_last_turns": keep_last_turns,
-        "context_rewrites": rewrites, "min_turns": min_turns, "all_or_nothing": all_or_nothing}
+        "context_rewrites": rewrites, "lengths": lengths, "all_or_nothing": all_or_nothing}
 
 
 def summarize(turns: list[dict], rewards: list[dict], mismatch: list[dict] | None = None, n_turns: int = TURNS) -> dict:
@@ -248,9 +248,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--lr", type=float, default=LR)
     parser.add_argument("--turns", type=int, default=TURNS, help="model turns per episode (the stack only)")
-    parser.add_argument("--min-turns", type=int, default=None,
-                        help="a curriculum: each task's length drawn from min-turns..turns; the reward and the bar "
-                             "are the full-length episodes'")
+    parser.add_argument("--lengths", type=lambda v: [int(x) for x in v.split(",")], default=None,
+                        help="a curriculum, e.g. 1,8: each task's number of turns drawn from these; the reward and "
+                             "the bar are the --turns-long episodes'")
     parser.add_argument("--all-or-nothing", action="store_true",
                         help="reward 1 only when every turn is right (else the share of turns right)")
     parser.add_argument("--keep-last-turns", type=int, default=None,
@@ -269,7 +269,7 @@ def main() -> None:
         result["wall_s"] = round(time.monotonic() - started, 1)
     else:
         result = run_stack(data_dir, steps=args.steps, lr=args.lr, keep_last_turns=args.keep_last_turns,
-                           turns=args.turns, min_turns=args.min_turns, all_or_nothing=args.all_or_nothing)
+                           turns=args.turns, lengths=args.lengths, all_or_nothing=args.all_or_nothing)
         print(f"service logs: {data_dir / 'logs'}")
     failures = judge(result)
     result |= {"bar": BAR, "passed": not failures, "failures": failures, "cpu_count": os.cpu_count(),

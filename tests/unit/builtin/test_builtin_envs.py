@@ -211,14 +211,14 @@ def test_digits_env_is_not_solved_by_ignoring_the_env_or_by_reading_only_the_fir
     assert 0.3 < first_only < 0.5  # the first turn right, later ones by chance (an offset of 0)
 
 
-def test_digits_curriculum_rows_span_the_lengths_asked_and_the_default_rows_are_unchanged():
-    mixed = generate("digits", 400, seed=0, turns=8, min_turns=1)
-    lengths = {len(r["offsets"]) + 1 for r in mixed}
-    assert lengths == set(range(1, 9))  # every length from 1 to 8 turns
-    assert generate("digits", 20, seed=3) == generate("digits", 20, seed=3, turns=3, min_turns=None)
+def test_digits_curriculum_rows_have_the_lengths_asked_and_the_default_rows_are_unchanged():
+    mixed = generate("digits", 400, seed=0, lengths=[1, 8])
+    lengths = [len(r["offsets"]) + 1 for r in mixed]
+    assert set(lengths) == {1, 8} and 150 < lengths.count(1) < 250  # each length about half the rows
+    assert generate("digits", 20, seed=3) == generate("digits", 20, seed=3, turns=3, lengths=None)
     assert all(len(r["offsets"]) == 2 for r in generate("digits", 20, seed=3))
-    with pytest.raises(ValueError, match="min_turns must be between 1 and turns"):
-        generate("digits", 5, turns=3, min_turns=4)
+    with pytest.raises(ValueError, match="lengths must be >= 1"):
+        generate("digits", 5, lengths=[0, 3])
 
 
 def test_the_registry_names_every_env_that_runs_model_code():
