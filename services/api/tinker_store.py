@@ -11,10 +11,10 @@ import time
 import uuid
 from typing import Any
 
+from shared.contracts.streams import tinker_key
 from shared.platform.bus import SyncRedis
 
-PREFIX = "tinker:"
-SESSION_TTL_S = 7 * 24 * 3600  # a session idle (no heartbeat) this long is forgotten with its models
+SESSION_TTL_S = 7 * 24 * 3600  # a session this long without a heartbeat is forgotten; a model this long after creation
 FUTURE_TTL_S = 24 * 3600
 
 
@@ -23,10 +23,10 @@ class TinkerStore:
         self.redis = redis
 
     def _put(self, kind: str, key: str, record: dict[str, Any], ttl_s: int) -> None:
-        self.redis.set(f"{PREFIX}{kind}:{key}", json.dumps(record), ex=ttl_s)
+        self.redis.set(tinker_key(kind, key), json.dumps(record), ex=ttl_s)
 
     def _get(self, kind: str, key: str, owner: str) -> dict[str, Any] | None:
-        raw = self.redis.get(f"{PREFIX}{kind}:{key}")
+        raw = self.redis.get(tinker_key(kind, key))
         record = json.loads(raw) if raw else None
         return record if record is not None and record.get("owner") == owner else None
 
@@ -40,7 +40,7 @@ class TinkerStore:
         return self._get("session", session_id, owner)
 
     def touch_session(self, session_id: str) -> None:
-        self.redis.expire(f"{PREFIX}session:{session_id}", SESSION_TTL_S)
+        self.redis.expire(tinker_key("session", session_id), SESSION_TTL_S)
 
     def finish_session(self, owner: str, session_id: str, reason: str, detail: str | None) -> None:
         record = self.session(owner, session_id)
