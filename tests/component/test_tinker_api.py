@@ -21,7 +21,7 @@ def api(database_url, redis_url, tmp_path_factory):
     data_dir = tmp_path_factory.mktemp("tinker-api")
     shutil.copytree(CONFIG_ONLY_MODEL, data_dir / "models" / "tiny-qwen")
     (data_dir / "models" / "not-a-model").mkdir()  # no config.json: not offered
-    with running_api(database_url, redis_url, data_dir, controller=False) as live:
+    with running_api(database_url, redis_url, data_dir) as live:  # its controller stores the runs of create_model
         yield live
 
 
@@ -67,6 +67,15 @@ def test_lora_training_client_with_the_bootstrap_token(api):
     assert info.model_data.tokenizer_id.endswith("models/tiny-qwen")
     second = service.create_lora_training_client(base_model="tiny-qwen", rank=4).result(timeout=30)
     assert second.get_info().model_id == f"{session_id}:train:1" and second.get_info().lora_rank == 4
+    with api.client() as admin:  # each training client is a flywheel run of kind tinker, owned by the key
+        runs = {r["config"]["model_id"]: r for r in admin.get("/v1/runs", params={"kind": "tinker"}).json()["data"]}
+        run = runs[info.model_id]
+        assert (run["status"], run["config"]["base_model"], run["config"]["lora"]["rank"]) == ("running", "tiny-qwen", 8)
+        assert run["config"]["owner_name"] == "API_TOKEN" and f"{session_id}:train:1" in runs
+        detail = admin.get(f"/v1/runs/{run['id']}")
+        assert detail.status_code == 200 and detail.json()["kind"] == "tinker", detail.text
+        events = admin.get(f"/v1/runs/{run['id']}/events").json()["data"]
+        assert "tinker run created by the tinker key of token 'API_TOKEN'" in [e["message"] for e in events]
     service.close("success", detail="done").result(timeout=30)
     beat = post(api, "/api/v1/session_heartbeat", {"session_id": session_id})
     assert beat.status_code == 410, beat.text

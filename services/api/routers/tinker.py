@@ -6,6 +6,7 @@ More: docs/tinker.md"""
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -13,10 +14,13 @@ from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from services.api.auth import Principal, hash_token, needs, principal_for, required_scope
-from services.api.deps import Config
+from services.api.deps import DB, Config
 from services.api.errors import ApiError
+from services.api.routers.runs import commanding
 from services.api.tinker_base_models import base_models
 from services.api.tinker_store import TinkerStore
+from shared.clients.run_commands import run_command
+from shared.contracts.tinker_run import TinkerRunConfig
 
 KEY_PREFIX = "tml-"
 KEY_HINT = "send 'X-API-Key: tml-<flywheel token>' (TINKER_API_KEY=tml-$API_TOKEN, or tml- + a token of `flywheel tokens create`)"
@@ -149,7 +153,7 @@ def finish_session(session_id: str, body: FinishSession, caller: Key, request: R
 
 
 @router.post("/create_model")
-def create_model(body: CreateModel, caller: Key, request: Request, config: Config) -> dict:
+def create_model(body: CreateModel, caller: Key, request: Request, config: Config, db: DB) -> dict:
     session = owned_session(request, caller, body.session_id, "session_id")
     if session["finished"] is not None:
         raise ApiError(400, f"session {body.session_id} has finished", field="session_id")
@@ -169,9 +173,21 @@ def create_model(body: CreateModel, caller: Key, request: Request, config: Confi
     if tinker.model(caller.owner, model_id) is not None:
         raise ApiError(409, f"model {model_id} exists already (model_seq_id {body.model_seq_id} is taken)",
                        field="model_seq_id")
+    run = TinkerRunConfig(name=f"tinker {model_id}", model_id=model_id, session_id=body.session_id,
+                          owner=caller.owner, owner_name=caller.principal.name, base_model=base.name,
+                          model=base.source, lora=body.lora_config.model_dump(), optimizer=body.optimizer_config,
+                          user_metadata=body.user_metadata or {})
+    run_id = uuid.uuid4()
+    with commanding():  # the controller, the one writer of `runs`, stores it (503 when none answers)
+        reply = run_command(db, request.app.state.redis, run_id, "create", wait_s=config.run_command_wait_s,
+                            config=run.model_dump(mode="json"), rows=0,
+                            created_by=f"the tinker key of token {caller.principal.name!r}")
+    if reply.outcome != "applied":
+        raise ApiError(502, f"the controller refused the training run: {reply.message}",
+                       hint="the API and the controller may run different versions; update both")
     tinker.put_model(caller.owner, model_id, {
-        "session_id": body.session_id, "base_model": base.name, "source": base.source, "arch": base.arch,
-        "lora": body.lora_config.model_dump(), "optimizer_config": body.optimizer_config,
+        "session_id": body.session_id, "run_id": str(run_id), "base_model": base.name, "source": base.source,
+        "arch": base.arch, "lora": body.lora_config.model_dump(), "optimizer_config": body.optimizer_config,
         "user_metadata": body.user_metadata or {}})
     request_id = tinker.complete(caller.owner, {"type": "create_model", "model_id": model_id}, model_id)
     return {"request_id": request_id, "model_id": model_id}
