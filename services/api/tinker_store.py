@@ -48,6 +48,15 @@ class TinkerStore:
             record["finished"] = {"reason": reason, "detail": detail, "at": time.time()}
             self._put("session", session_id, record, SESSION_TTL_S)
 
+    def add_session_run(self, session_id: str, run_id: str) -> None:
+        """A set beside the session record, so that concurrent create_models never drop each other's run."""
+        key = tinker_key("session_runs", session_id)
+        self.redis.pipeline().sadd(key, run_id).expire(key, SESSION_TTL_S).execute()
+
+    def session_runs(self, session_id: str) -> list[str]:
+        return sorted(r.decode() if isinstance(r, bytes) else r
+                      for r in self.redis.smembers(tinker_key("session_runs", session_id)))
+
     def put_model(self, owner: str, model_id: str, record: dict[str, Any]) -> None:
         self._put("model", model_id, {"owner": owner, **record}, SESSION_TTL_S)
 

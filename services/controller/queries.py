@@ -123,7 +123,8 @@ def apply_command(db: Engine, cmd: RunCommand, expired: bool) -> RunCommandReply
     command id (shared/clients/run_commands.py command_applied): one applied before (a redelivery) is answered `applied` again
     and changes nothing; one not yet applied and `expired` is not applied."""
     with db.begin() as conn:
-        status = conn.execute(select(Run.status).where(Run.id == cmd.run_id).with_for_update()).scalar()
+        status, kind = conn.execute(select(Run.status, Run.kind).where(Run.id == cmd.run_id).with_for_update()).first() \
+            or (None, None)
         if status is not None and command_applied(conn, cmd):
             return _reply(cmd, "applied", status)
         if status is None and cmd.action != "create":
@@ -133,6 +134,10 @@ def apply_command(db: Engine, cmd: RunCommand, expired: bool) -> RunCommandReply
         if cmd.action == "create":
             return create_run(conn, cmd)
         allowed, new = TRANSITIONS[cmd.action]
+        if kind == "tinker":  # not driven: nothing to drain on a stop, and only its client pauses its work
+            if cmd.action != "stop":
+                return _reply(cmd, "refused", status, f"a tinker run cannot {cmd.action}: its Tinker client drives it")
+            new = "stopped"
         if status not in allowed:
             return _reply(cmd, "refused", status, f"cannot {cmd.action} a run that is {status}; {cmd.action} "
                                                   f"needs status {' or '.join(allowed)}")

@@ -76,7 +76,11 @@ def test_lora_training_client_with_the_bootstrap_token(api):
         assert detail.status_code == 200 and detail.json()["kind"] == "tinker", detail.text
         events = admin.get(f"/v1/runs/{run['id']}/events").json()["data"]
         assert "tinker run created by the tinker key of token 'API_TOKEN'" in [e["message"] for e in events]
+        assert admin.post(f"/v1/runs/{run['id']}/pause").status_code == 409  # its client drives it
     service.close("success", detail="done").result(timeout=30)
+    with api.client() as admin:  # the session's runs ended with it
+        assert {admin.get(f"/v1/runs/{r['id']}").json()["status"] for r in runs.values()
+                if r["config"]["session_id"] == session_id} == {"stopped"}
     beat = post(api, "/api/v1/session_heartbeat", {"session_id": session_id})
     assert beat.status_code == 410, beat.text
     refused = post(api, "/api/v1/create_model", {"session_id": session_id, "model_seq_id": 5, "base_model": "tiny-qwen",

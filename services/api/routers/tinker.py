@@ -147,9 +147,14 @@ def session_heartbeat(body: Heartbeat, caller: Key, request: Request) -> dict:
 
 
 @router.post("/sessions/{session_id}/finish")
-def finish_session(session_id: str, body: FinishSession, caller: Key, request: Request) -> None:
+def finish_session(session_id: str, body: FinishSession, caller: Key, request: Request, config: Config,
+                   db: DB) -> None:
     owned_session(request, caller, session_id, "path.session_id")
-    store(request).finish_session(caller.owner, session_id, str(body.reason.get("type", "")), body.detail)
+    tinker = store(request)
+    tinker.finish_session(caller.owner, session_id, str(body.reason.get("type", "")), body.detail)
+    with commanding():  # the session's training runs end with it (a stopped run stays stopped: not applied again)
+        for run_id in tinker.session_runs(session_id):
+            run_command(db, request.app.state.redis, run_id, "stop", wait_s=config.run_command_wait_s)
 
 
 @router.post("/create_model")
@@ -185,6 +190,7 @@ def create_model(body: CreateModel, caller: Key, request: Request, config: Confi
     if reply.outcome != "applied":
         raise ApiError(502, f"the controller refused the training run: {reply.message}",
                        hint="the API and the controller may run different versions; update both")
+    tinker.add_session_run(body.session_id, str(run_id))
     tinker.put_model(caller.owner, model_id, {
         "session_id": body.session_id, "run_id": str(run_id), "base_model": base.name, "source": base.source,
         "arch": base.arch, "lora": body.lora_config.model_dump(), "optimizer_config": body.optimizer_config,
