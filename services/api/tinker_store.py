@@ -57,8 +57,13 @@ class TinkerStore:
         return sorted(r.decode() if isinstance(r, bytes) else r
                       for r in self.redis.smembers(tinker_key("session_runs", session_id)))
 
-    def put_model(self, owner: str, model_id: str, record: dict[str, Any]) -> None:
-        self._put("model", model_id, {"owner": owner, **record}, SESSION_TTL_S)
+    def put_model(self, owner: str, model_id: str, record: dict[str, Any], *, only_new: bool = False) -> bool:
+        """False when `only_new` and the model exists (SET NX: two creates of one id cannot both win)."""
+        return bool(self.redis.set(tinker_key("model", model_id), json.dumps({"owner": owner, **record}),
+                                   ex=SESSION_TTL_S, nx=only_new))
+
+    def drop_model(self, model_id: str) -> None:
+        self.redis.delete(tinker_key("model", model_id))
 
     def model(self, owner: str, model_id: str) -> dict[str, Any] | None:
         return self._get("model", model_id, owner)

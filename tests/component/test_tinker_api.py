@@ -88,6 +88,15 @@ def test_lora_training_client_with_the_bootstrap_token(api):
     assert refused.status_code == 400 and "finished" in refused.json()["message"]
 
 
+def test_a_taken_model_seq_id_is_refused(api):
+    session_id = post(api, "/api/v1/create_session", {"tags": []}).json()["session_id"]
+    body = {"session_id": session_id, "model_seq_id": 0, "base_model": "tiny-qwen", "lora_config": {"rank": 2}}
+    assert post(api, "/api/v1/create_model", body).status_code == 200
+    again = post(api, "/api/v1/create_model", body | {"lora_config": {"rank": 4}})
+    assert again.status_code == 400 and again.json()["detail"][0]["field"] == "model_seq_id", again.text
+    assert post(api, "/api/v1/get_info", {"model_id": f"{session_id}:train:0"}).json()["lora_rank"] == 2
+
+
 def test_unknown_base_model_is_answered_with_the_supported_ones(api):
     with pytest.raises(tinker.BadRequestError) as e:
         sdk(api).create_lora_training_client(base_model="Qwen/Qwen3-8B", rank=8).result(timeout=30)

@@ -175,26 +175,31 @@ def create_model(body: CreateModel, caller: Key, request: Request, config: Confi
                        field="optimizer_config.type")
     model_id = f"{body.session_id}:train:{body.model_seq_id}"  # the id the SDK itself derives for a session's model
     tinker = store(request)
-    if tinker.model(caller.owner, model_id) is not None:
-        raise ApiError(409, f"model {model_id} exists already (model_seq_id {body.model_seq_id} is taken)",
+    model = {"session_id": body.session_id, "run_id": None, "base_model": base.name, "source": base.source,
+             "arch": base.arch, "lora": body.lora_config.model_dump(), "optimizer_config": body.optimizer_config,
+             "user_metadata": body.user_metadata or {}}
+    if not tinker.put_model(caller.owner, model_id, model, only_new=True):
+        # 400, not 409: the SDK retries a 409 as a lock timeout, and this will not change
+        raise ApiError(400, f"model {model_id} exists already (model_seq_id {body.model_seq_id} is taken)",
                        field="model_seq_id")
     run = TinkerRunConfig(name=f"tinker {model_id}", model_id=model_id, session_id=body.session_id,
                           owner=caller.owner, owner_name=caller.principal.name, base_model=base.name,
-                          model=base.source, lora=body.lora_config.model_dump(), optimizer=body.optimizer_config,
-                          user_metadata=body.user_metadata or {})
+                          model=base.source, lora=model["lora"], optimizer=body.optimizer_config,
+                          user_metadata=model["user_metadata"])
     run_id = uuid.uuid4()
-    with commanding():  # the controller, the one writer of `runs`, stores it (503 when none answers)
-        reply = run_command(db, request.app.state.redis, run_id, "create", wait_s=config.run_command_wait_s,
-                            config=run.model_dump(mode="json"), rows=0,
-                            created_by=f"the tinker key of token {caller.principal.name!r}")
-    if reply.outcome != "applied":
-        raise ApiError(502, f"the controller refused the training run: {reply.message}",
-                       hint="the API and the controller may run different versions; update both")
+    try:
+        with commanding():  # the controller, the one writer of `runs`, stores it (503 when none answers)
+            reply = run_command(db, request.app.state.redis, run_id, "create", wait_s=config.run_command_wait_s,
+                                config=run.model_dump(mode="json"), rows=0,
+                                created_by=f"the tinker key of token {caller.principal.name!r}")
+        if reply.outcome != "applied":
+            raise ApiError(502, f"the controller refused the training run: {reply.message}",
+                           hint="the API and the controller may run different versions; update both")
+    except BaseException:
+        tinker.drop_model(model_id)  # no run, no model: the client may try again with the same id
+        raise
     tinker.add_session_run(body.session_id, str(run_id))
-    tinker.put_model(caller.owner, model_id, {
-        "session_id": body.session_id, "run_id": str(run_id), "base_model": base.name, "source": base.source,
-        "arch": base.arch, "lora": body.lora_config.model_dump(), "optimizer_config": body.optimizer_config,
-        "user_metadata": body.user_metadata or {}})
+    tinker.put_model(caller.owner, model_id, model | {"run_id": str(run_id)})
     request_id = tinker.complete(caller.owner, {"type": "create_model", "model_id": model_id}, model_id)
     return {"request_id": request_id, "model_id": model_id}
 
