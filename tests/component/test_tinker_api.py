@@ -7,11 +7,14 @@ clear refusal of operations not served yet.
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import httpx
 import pytest
 from api_testlib import CONFIG_ONLY_MODEL, running_api
+
+from tests.support.tiny_model import build_tiny_model
 
 tinker = pytest.importorskip("tinker")
 
@@ -20,8 +23,10 @@ tinker = pytest.importorskip("tinker")
 def api(database_url, redis_url, tmp_path_factory):
     data_dir = tmp_path_factory.mktemp("tinker-api")
     shutil.copytree(CONFIG_ONLY_MODEL, data_dir / "models" / "tiny-qwen")
+    build_tiny_model(data_dir / "models" / "tiny-qwen2")  # with a tokenizer, for get_tokenizer
     (data_dir / "models" / "not-a-model").mkdir()  # no config.json: not offered
     with running_api(database_url, redis_url, data_dir) as live:  # its controller stores the runs of create_model
+        live.data_dir = data_dir
         yield live
 
 
@@ -52,8 +57,17 @@ def post(api, path: str, body: dict, token: str | None = None) -> httpx.Response
 
 def test_capabilities_list_the_model_folders_under_data_dir(api):
     caps = capabilities(api)
+    tiny = json.loads((api.data_dir / "models" / "tiny-qwen2" / "config.json").read_text())
     assert [(m.model_name, m.max_context_length, m.trainable) for m in caps.supported_models] == \
-        [("tiny-qwen", 32768, True)]
+        [("tiny-qwen", 32768, True), ("tiny-qwen2", tiny["max_position_embeddings"], True)]
+
+
+def test_the_sdk_loads_the_tokenizer_of_a_local_base_model(api):
+    training = sdk(api).create_lora_training_client(base_model="tiny-qwen2", rank=4).result(timeout=30)
+    tiny = json.loads((api.data_dir / "models" / "tiny-qwen2" / "config.json").read_text())
+    assert training.get_info().model_data.arch == tiny["architectures"][0]
+    tokenizer = training.get_tokenizer()  # from get_info's tokenizer_id: the folder
+    assert tokenizer.decode(tokenizer.encode("hello world")).strip() == "hello world"
 
 
 def test_lora_training_client_with_the_bootstrap_token(api):
@@ -100,7 +114,7 @@ def test_a_taken_model_seq_id_is_refused(api):
 def test_unknown_base_model_is_answered_with_the_supported_ones(api):
     with pytest.raises(tinker.BadRequestError) as e:
         sdk(api).create_lora_training_client(base_model="Qwen/Qwen3-8B", rank=8).result(timeout=30)
-    assert "Qwen/Qwen3-8B" in str(e.value) and "supported: tiny-qwen" in str(e.value)
+    assert "Qwen/Qwen3-8B" in str(e.value) and "supported: tiny-qwen, tiny-qwen2" in str(e.value)
 
 
 def test_a_key_sees_only_its_own_sessions_models_and_futures(api):
