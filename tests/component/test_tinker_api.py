@@ -162,3 +162,10 @@ def test_operations_not_served_yet_say_so(api):
                          loss_fn_inputs={"target_tokens": [2, 3, 4], "weights": [1.0, 1.0, 1.0]})
     with pytest.raises(Exception, match="forward_backward"):
         training.forward_backward([datum], "cross_entropy").result(timeout=60)
+
+
+def test_the_sdk_configured_from_its_environment(api, monkeypatch):
+    monkeypatch.setenv("TINKER_BASE_URL", api.url)
+    monkeypatch.setenv("TINKER_API_KEY", "tml-" + api.token)
+    training = tinker.ServiceClient().create_lora_training_client(base_model="tiny-qwen", rank=2).result(timeout=30)
+    assert training.get_info().lora_rank == 2
