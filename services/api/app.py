@@ -15,6 +15,7 @@ from prometheus_client import Counter, Histogram
 from services.api.auth import authorize
 from services.api.errors import add_error_handlers, errors
 from services.api.routers import agent_sessions, datasets, jobs, runs, sql, system, tokens, trajectories
+from services.api.routers import tinker as tinker_routes
 from services.api.settings import ApiSettings
 from shared.platform.bus import connect_sync
 from shared.platform.db.session import make_engine, session_factory
@@ -48,6 +49,7 @@ def _add_routes(app: FastAPI) -> None:
         v1.include_router(module.router)
     app.include_router(v1)
     app.include_router(system.router)
+    app.include_router(tinker_routes.router)  # the `tinker` SDK's protocol, with its own key auth (docs/tinker.md)
 
     @app.get("/", include_in_schema=False)
     def root() -> RedirectResponse:

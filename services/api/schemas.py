@@ -36,7 +36,8 @@ class Page(BaseModel, Generic[T]):
 class RunPublic(BaseModel):
     id: uuid.UUID
     name: str
-    kind: Literal["train", "eval"]
+    kind: Literal["train", "eval", "tinker"] = Field(..., description="tinker: a LoRA training client of the "
+                                                    "Tinker API (docs/tinker.md), not driven by the controller")
     status: str = Field(..., description="pending, running, paused, stopping, stopped, completed or failed")
     policy_version: int
     error: str | None = Field(None, description="why the run failed (set by the controller)")
@@ -47,7 +48,7 @@ class RunPublic(BaseModel):
     warning: str | None = Field(None, description="progress that teaches nothing, e.g. a training run whose "
                                 "groups carried no learning signal (equal rewards) for several versions in a row")
     summary: dict[str, Any]
-    config: dict[str, Any] = Field(..., description="the RunConfig as stored")
+    config: dict[str, Any] = Field(..., description="the RunConfig as stored (tinker runs: a TinkerRunConfig)")
     created_at: datetime | None
     started_at: datetime | None
     finished_at: datetime | None

@@ -41,6 +41,10 @@ class ApiSettings(ServiceSettings):
         None, description="GATEWAY_TOKEN: the rollout workers' token for claiming agent sessions, sent when "
         "POST /v1/runs/{id}/sessions forwards a claim to them (unset when they need none)")
 
+    tinker_base_models: str | None = Field(
+        None, description="TINKER_BASE_MODELS: the base models the Tinker API offers, comma-separated local paths or "
+        "hub ids; unset: every model folder under DATA_DIR/models, by folder name (docs/tinker.md)")
+
     @model_validator(mode="after")
     def _token(self) -> ApiSettings:
         if self.api_token is not None and len(self.api_token) < 8:

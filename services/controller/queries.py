@@ -48,6 +48,7 @@ from shared.contracts.db.models import (
 from shared.contracts.messages import RunCommand, RunCommandReply, TrainerProgress
 from shared.contracts.messages.control import TRANSITIONS
 from shared.contracts.run_config import RunConfig
+from shared.contracts.tinker_run import TinkerRunConfig
 from shared.platform import leases
 
 ACTIVE_STATUSES = ("pending", "running", "paused", "stopping")
@@ -77,7 +78,9 @@ class LedgerRow:
 def lease_runs(db: Engine, owner: str, lease_s: float, limit: int) -> list[RunRow]:
     """Take or renew the controller lease (shared/platform/leases.py) of up to `limit` active runs, ours first, then the
     free or expired ones in creation order; returns the runs now held."""
-    active_runs = select(cast(Run.id, Text)).where(Run.status.in_(ACTIVE_STATUSES)).order_by(Run.created_at)
+    # Tinker runs are not driven: their work comes as Tinker operations (docs/tinker.md)
+    active_runs = (select(cast(Run.id, Text)).where(Run.status.in_(ACTIVE_STATUSES), Run.kind != "tinker")
+                   .order_by(Run.created_at))
     with db.begin() as conn:
         active = conn.execute(active_runs).scalars().all()
         held = leases.acquire(conn, leases.CONTROLLER, owner,
@@ -120,7 +123,8 @@ def apply_command(db: Engine, cmd: RunCommand, expired: bool) -> RunCommandReply
     command id (shared/clients/run_commands.py command_applied): one applied before (a redelivery) is answered `applied` again
     and changes nothing; one not yet applied and `expired` is not applied."""
     with db.begin() as conn:
-        status = conn.execute(select(Run.status).where(Run.id == cmd.run_id).with_for_update()).scalar()
+        status, kind = conn.execute(select(Run.status, Run.kind).where(Run.id == cmd.run_id).with_for_update()).first() \
+            or (None, None)
         if status is not None and command_applied(conn, cmd):
             return _reply(cmd, "applied", status)
         if status is None and cmd.action != "create":
@@ -130,6 +134,10 @@ def apply_command(db: Engine, cmd: RunCommand, expired: bool) -> RunCommandReply
         if cmd.action == "create":
             return create_run(conn, cmd)
         allowed, new = TRANSITIONS[cmd.action]
+        if kind == "tinker":  # not driven: nothing to drain on a stop, and only its client pauses its work
+            if cmd.action != "stop":
+                return _reply(cmd, "refused", status, f"a tinker run cannot {cmd.action}: its Tinker client drives it")
+            new = "stopped"
         if status not in allowed:
             return _reply(cmd, "refused", status, f"cannot {cmd.action} a run that is {status}; {cmd.action} "
                                                   f"needs status {' or '.join(allowed)}")
@@ -140,7 +148,10 @@ def apply_command(db: Engine, cmd: RunCommand, expired: bool) -> RunCommandReply
 
 def create_run(conn: Connection, cmd: RunCommand) -> RunCommandReply:
     """The run of a `create` command, `pending`, with its `created` event; refused when its config is not a
-    valid run config (the sender checked it; this guards against a producer that did not)."""
+    valid run config (the sender checked it; this guards against a producer that did not). A Tinker run
+    (shared/contracts/tinker_run.py) is stored `running`: its client is already at work."""
+    if (cmd.config or {}).get("kind") == "tinker":
+        return _create_tinker_run(conn, cmd)
     try:
         cfg = RunConfig.model_validate(cmd.config or {})
     except ValidationError as e:
@@ -151,6 +162,19 @@ def create_run(conn: Connection, cmd: RunCommand) -> RunCommandReply:
     add_event(conn, cmd.run_id, "created", f"{cfg.kind} run created{by}",
               {"rows": cmd.rows, "command": cmd.command_id})
     return _reply(cmd, "applied", "pending")
+
+
+def _create_tinker_run(conn: Connection, cmd: RunCommand) -> RunCommandReply:
+    try:
+        cfg = TinkerRunConfig.model_validate(cmd.config)
+    except ValidationError as e:
+        return _reply(cmd, "refused", None, f"not a valid tinker run config: {e}")
+    conn.execute(insert(Run).values(id=cmd.run_id, name=cfg.name, kind="tinker", status="running",
+                                    started_at=func.now(), config=cfg.model_dump(mode="json"), policy_version=0,
+                                    summary={}))
+    by = f" by {cmd.created_by}" if cmd.created_by else ""
+    add_event(conn, cmd.run_id, "created", f"tinker run created{by}", {"command": cmd.command_id})
+    return _reply(cmd, "applied", "running")
 
 
 def _reply(cmd: RunCommand, outcome: str, status: str | None, message: str = "") -> RunCommandReply:

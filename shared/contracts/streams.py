@@ -80,6 +80,11 @@ def tracking_cursor_key(sink: str, run_id: str) -> str:
     return f"tracking:{sink}:{run_id}"
 
 
+def tinker_key(kind: str, id: str) -> str:
+    """One record of the Tinker protocol (kind: session, model, future) as JSON with its owner, expiring."""
+    return f"tinker:{kind}:{id}"
+
+
 class StreamRow(NamedTuple):
     stream: str
     pattern: str  # the shared.platform.bus pattern it travels by
@@ -174,6 +179,7 @@ KEY_TABLE: tuple[KeyRow, ...] = (
     KeyRow('heartbeat:<service>:<worker id>', 'every service process (shared/platform/service.py), expiring', 'controller, API (shared/platform/heartbeats.py)', "the process's health JSON"),
     KeyRow('streams:epoch', 'controller', 'controller', 'Redis still holds the streams (absent: its data was lost)'),
     KeyRow('bus:failures:<stream>:<group>', '`StreamConsumer` (hash: entry id -> handler failures)', 'the same', 'when to dead-letter'),
+    KeyRow('tinker:<kind>:<id>', 'API (the Tinker protocol: sessions, LoRA models, futures; docs/tinker.md)', 'the same', 'the record as JSON with the sha256 of the key that made it; expires (futures after a day, models a week after creation, sessions a week after their last heartbeat)'),
     KeyRow('tracking:<sink>:<run id>', 'jobs worker (`sync_tracking`)', 'the same', 'the highest metrics.id sent to W&B / MLflow'),
 )
 OTHER_KEYS = "Celery (the jobs queue) keeps its own keys (`celery`, `_kombu.*`, `unacked*`) in the same database."

@@ -102,7 +102,7 @@ def commanding() -> Iterator[None]:
 
 
 @router.get("", response_model=Page[RunPublic], responses=errors(422))
-def list_runs(session: DB, status: RunStatus | None = None, kind: Literal["train", "eval"] | None = None,
+def list_runs(session: DB, status: RunStatus | None = None, kind: Literal["train", "eval", "tinker"] | None = None,
               limit: Limit = 50, offset: Offset = 0) -> dict:
     q = select(Run)
     if status:

@@ -154,7 +154,7 @@
     const ended = ["stopped", "completed", "failed"].includes(run.status);
     const charts = CHARTS.filter(c => c[3].includes(run.kind));
     main.innerHTML = `<h2>${esc(run.name)} ${status(run.status)}</h2>
-      <p class="meta">${esc(run.kind)} run ${esc(run.id)} · model ${esc(run.config.model)} · dataset ${esc(run.config.dataset)}
+      <p class="meta">${esc(run.kind)} run ${esc(run.id)} · model ${esc(run.config.model)}${run.config.dataset ? ` · dataset ${esc(run.config.dataset)}` : ""}
         · created ${when(run.created_at)}</p>
       ${run.error ? `<p class="error" id="run-error">${esc(run.error)}</p>` : ""}
       ${run.stall_reason ? `<p class="stall" id="run-stall">stalled${run.stalled_since ? ` since ${when(run.stalled_since)}` : ""}: ${esc(run.stall_reason)}</p>` : ""}

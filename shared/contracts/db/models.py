@@ -49,7 +49,7 @@ class Run(Base):
 
     id: Mapped[uuid.UUID] = _uuid_pk()
     name: Mapped[str] = mapped_column(String(200), nullable=False)
-    kind: Mapped[str] = mapped_column(String(16), nullable=False)  # train | eval
+    kind: Mapped[str] = mapped_column(String(16), nullable=False)  # train | eval | tinker (docs/tinker.md)
     status: Mapped[str] = mapped_column(String(16), nullable=False, default="pending", index=True)
     # +1 with every status change, in its transaction: run control is ordered by it, not by hosts' clocks
     status_version: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0, server_default="0")

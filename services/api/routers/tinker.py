@@ -1,0 +1,254 @@
+"""The Tinker protocol (the `tinker` SDK's routes under /api/v1): client config, sessions, server capabilities,
+LoRA training models and the futures their operations return. Auth is the SDK's `X-API-Key: tml-<token>`,
+a flywheel token (API_TOKEN or an api_tokens row) behind `tml-`. Operations this server does not serve yet
+answer 404 naming the operation (404 is what the SDK neither retries nor treats as a broken client).
+More: docs/tinker.md"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Request
+from pydantic import BaseModel, ConfigDict, Field
+
+from services.api.auth import Principal, hash_token, needs, principal_for, required_scope
+from services.api.deps import DB, Config
+from services.api.errors import ApiError
+from services.api.routers.runs import commanding
+from services.api.tinker_base_models import base_models
+from services.api.tinker_store import TinkerStore
+from shared.clients.run_commands import run_command
+from shared.contracts.tinker_run import TinkerRunConfig
+
+KEY_PREFIX = "tml-"
+KEY_HINT = "send 'X-API-Key: tml-<flywheel token>' (TINKER_API_KEY=tml-$API_TOKEN, or tml- + a token of `flywheel tokens create`)"
+
+
+@dataclass(frozen=True)
+class Caller:
+    principal: Principal
+    owner: str  # sha256 of the flywheel token: what the caller's sessions, models and futures are filed under
+
+
+def tinker_caller(request: Request) -> Caller:
+    key = (request.headers.get("x-api-key") or "").strip()
+    if not key:
+        raise ApiError(401, "missing X-API-Key", hint=KEY_HINT)
+    if not key.startswith(KEY_PREFIX):
+        raise ApiError(401, "this server takes Tinker keys of the form tml-<flywheel token> (no JWTs yet)",
+                       hint=KEY_HINT)
+    token = key.removeprefix(KEY_PREFIX)
+    principal = principal_for(request, token)
+    if principal is None:
+        raise ApiError(401, "invalid or revoked key", hint=KEY_HINT)
+    scope = required_scope(request)
+    if not principal.can(scope):
+        raise ApiError(403, f"token {principal.name!r} lacks the {scope!r} scope this operation needs",
+                       hint="create a token with that scope: `flywheel tokens create NAME --scope SCOPE`")
+    return Caller(principal, hash_token(token))
+
+
+Key = Annotated[Caller, Depends(tinker_caller)]
+router = APIRouter(prefix="/api/v1", tags=["tinker"], include_in_schema=False)
+
+
+def store(request: Request) -> TinkerStore:
+    return TinkerStore(request.app.state.redis)
+
+
+class Wire(BaseModel):
+    """A request body as the SDK sends it: fields this server does not use (`type`, newer ones) are ignored."""
+    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+
+
+class CreateSession(Wire):
+    tags: list[str] = []
+    user_metadata: dict[str, Any] | None = None
+    sdk_version: str | None = None
+
+
+class Heartbeat(Wire):
+    session_id: str
+
+
+class FinishSession(Wire):
+    reason: dict[str, Any] = {}
+    detail: str | None = None
+
+
+class LoraConfig(Wire):
+    rank: Annotated[int, Field(ge=1, le=1024)]
+    seed: int | None = None
+    train_unembed: bool = True
+    train_mlp: bool = True
+    train_attn: bool = True
+
+
+class CreateModel(Wire):
+    session_id: str
+    model_seq_id: Annotated[int, Field(ge=0)]
+    base_model: str
+    user_metadata: dict[str, Any] | None = None
+    lora_config: LoraConfig | None = None
+    optimizer_config: dict[str, Any] = {"type": "adamw"}
+
+
+class GetInfo(Wire):
+    model_id: str
+
+
+class RetrieveFuture(Wire):
+    request_id: str
+
+
+@router.post("/client/config")
+@needs("read")
+def client_config(_: Key) -> dict:
+    # Everything that needs a server feature this slice lacks is off; the SDK's defaults cover the rest.
+    return {"pjwt_auth_enabled": False, "sample_use_retrieve_futures": False, "custom_loss_server_side": False,
+            "sample_join_sampling_session": False, "proto_compress_fwdbwd": False}
+
+
+@router.get("/healthz")
+def healthz(_: Key) -> dict:
+    return {"status": "ok"}
+
+
+@router.get("/get_server_capabilities")
+def get_server_capabilities(_: Key, config: Config) -> dict:
+    models = base_models(config.tinker_base_models, config.data_dir).values()
+    # sampleable: false until sampling runs on rollout workers (docs/tinker.md#not-served-yet)
+    return {"supported_models": [{"model_name": m.name, "max_context_length": m.max_context_length,
+                                  "trainable": True, "sampleable": False} for m in models]}
+
+
+@router.post("/create_session")
+def create_session(body: CreateSession, caller: Key, request: Request) -> dict:
+    session_id = store(request).create_session(caller.owner, body.tags, body.user_metadata or {})
+    return {"type": "create_session", "session_id": session_id}
+
+
+def owned_session(request: Request, caller: Caller, session_id: str, field: str) -> dict:
+    record = store(request).session(caller.owner, session_id)
+    if record is None:
+        raise ApiError(404, f"session {session_id} does not exist", field=field,
+                       hint="create one with POST /api/v1/create_session (the SDK's ServiceClient does)")
+    return record
+
+
+@router.post("/session_heartbeat")
+def session_heartbeat(body: Heartbeat, caller: Key, request: Request) -> dict:
+    if owned_session(request, caller, body.session_id, "session_id")["finished"] is not None:
+        raise ApiError(410, f"session {body.session_id} has finished", field="session_id")  # the SDK stops beating
+    store(request).touch_session(body.session_id)
+    return {"type": "session_heartbeat"}
+
+
+@router.post("/sessions/{session_id}/finish")
+def finish_session(session_id: str, body: FinishSession, caller: Key, request: Request, config: Config,
+                   db: DB) -> None:
+    owned_session(request, caller, session_id, "path.session_id")
+    tinker = store(request)
+    tinker.finish_session(caller.owner, session_id, str(body.reason.get("type", "")), body.detail)
+    with commanding():  # the session's training runs end with it (a stopped run stays stopped: not applied again)
+        for run_id in tinker.session_runs(session_id):
+            run_command(db, request.app.state.redis, run_id, "stop", wait_s=config.run_command_wait_s)
+
+
+@router.post("/create_model")
+def create_model(body: CreateModel, caller: Key, request: Request, config: Config, db: DB) -> dict:
+    session = owned_session(request, caller, body.session_id, "session_id")
+    if session["finished"] is not None:
+        raise ApiError(400, f"session {body.session_id} has finished", field="session_id")
+    offered = base_models(config.tinker_base_models, config.data_dir)
+    base = offered.get(body.base_model)
+    if base is None:
+        supported = ", ".join(offered) or "none (set TINKER_BASE_MODELS or add model folders to DATA_DIR/models)"
+        raise ApiError(400, f"base model {body.base_model!r} is not offered by this server", field="base_model",
+                       hint=f"supported: {supported}")
+    if body.lora_config is None:
+        raise ApiError(400, "only LoRA training models are served: give a lora_config", field="lora_config")
+    if body.optimizer_config.get("type", "adamw") != "adamw":
+        raise ApiError(400, f"optimizer {body.optimizer_config.get('type')!r} is not supported; only adamw",
+                       field="optimizer_config.type")
+    model_id = f"{body.session_id}:train:{body.model_seq_id}"  # the id the SDK itself derives for a session's model
+    tinker = store(request)
+    model = {"session_id": body.session_id, "run_id": None, "base_model": base.name, "source": base.source,
+             "arch": base.arch, "lora": body.lora_config.model_dump(), "optimizer_config": body.optimizer_config,
+             "user_metadata": body.user_metadata or {}}
+    if not tinker.put_model(caller.owner, model_id, model, only_new=True):
+        # 400, not 409: the SDK retries a 409 as a lock timeout, and this will not change
+        raise ApiError(400, f"model {model_id} exists already (model_seq_id {body.model_seq_id} is taken)",
+                       field="model_seq_id")
+    run = TinkerRunConfig(name=f"tinker {model_id}", model_id=model_id, session_id=body.session_id,
+                          owner=caller.owner, owner_name=caller.principal.name, base_model=base.name,
+                          model=base.source, lora=model["lora"], optimizer=body.optimizer_config,
+                          user_metadata=model["user_metadata"])
+    run_id = uuid.uuid4()
+    try:
+        with commanding():  # the controller, the one writer of `runs`, stores it (503 when none answers)
+            reply = run_command(db, request.app.state.redis, run_id, "create", wait_s=config.run_command_wait_s,
+                                config=run.model_dump(mode="json"), rows=0,
+                                created_by=f"the tinker key of token {caller.principal.name!r}")
+        if reply.outcome != "applied":
+            raise ApiError(502, f"the controller refused the training run: {reply.message}",
+                           hint="the API and the controller may run different versions; update both")
+    except BaseException:
+        tinker.drop_model(model_id)  # no run, no model: the client may try again with the same id
+        raise
+    tinker.add_session_run(body.session_id, str(run_id))
+    tinker.put_model(caller.owner, model_id, model | {"run_id": str(run_id)})
+    request_id = tinker.complete(caller.owner, {"type": "create_model", "model_id": model_id}, model_id)
+    return {"request_id": request_id, "model_id": model_id}
+
+
+@router.post("/get_info")
+@needs("read")
+def get_info(body: GetInfo, caller: Key, request: Request) -> dict:
+    model = store(request).model(caller.owner, body.model_id)
+    if model is None:
+        raise ApiError(404, f"model {body.model_id} does not exist", field="model_id")
+    return {"type": "get_info", "model_id": body.model_id, "model_name": model["base_model"],
+            "model_data": {"arch": model["arch"], "model_name": model["base_model"], "tokenizer_id": model["source"]},
+            "is_lora": True, "lora_rank": model["lora"]["rank"], "optimizer_config": model["optimizer_config"]}
+
+
+@router.post("/retrieve_future")
+@needs("read")
+def retrieve_future(body: RetrieveFuture, caller: Key, request: Request) -> dict:
+    future = store(request).future(caller.owner, body.request_id)
+    if future is None:  # another key's future reads as absent: ids of others' work are not confirmed
+        raise ApiError(404, f"future {body.request_id} does not exist (or has expired)", field="request_id")
+    return future["result"]
+
+
+# Every other route the SDK (0.38.0) calls: what it is, so the caller learns the operation is not served yet.
+NOT_SERVED = {
+    "/forward_backward": "forward_backward / forward", "/optim_step": "optim_step",
+    "/save_weights": "save_weights", "/save_weights_for_sampler": "save_weights_for_sampler",
+    "/save_weights_external": "save_weights_external", "/load_weights": "load_weights",
+    "/copy_weights": "copy_weights", "/create_sampling_session": "create_sampling_session",
+    "/join_sampling_session": "join_sampling_session", "/asample": "sample / compute_logprobs",
+    "/retrieve_futures": "retrieve_futures", "/cancel_future": "cancel_future",
+    "/create_custom_loss": "create_custom_loss", "/auth/token": "auth_token (JWT exchange)",
+    "/auth/apikey/me": "API key introspection", "/client/dynamic_config": "client dynamic config",
+    "/telemetry": "telemetry", "/weights_info": "weights_info", "/training_runs": "list_training_runs",
+    "/training_runs/{rest:path}": "training runs and their checkpoints", "/checkpoints": "list_user_checkpoints",
+    "/sessions": "list_sessions", "/sessions/search": "search_sessions",
+    "/sessions/{session_id}": "get_session", "/sessions/{session_id}/{rest:path}": "session projects and traces",
+    "/samplers/{rest:path}": "get_sampler", "/audit": "audit log", "/billing/{rest:path}": "billing",
+}
+
+
+def _not_served(operation: str):
+    def not_served(request: Request, _: Key) -> None:
+        raise ApiError(404, f"Tinker operation {operation!r} ({request.method} {request.url.path}) is not supported "
+                       "by this flywheel server yet", hint="docs/tinker.md lists the operations served")
+    not_served.__name__ = "tinker_not_served"
+    return needs("read")(not_served)  # any key learns what is missing (a 403 would break the SDK's start)
+
+
+for _path, _operation in NOT_SERVED.items():
+    router.add_api_route(_path, _not_served(_operation), methods=["GET", "POST", "PUT", "DELETE", "PATCH"])

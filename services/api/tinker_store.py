@@ -1,0 +1,78 @@
+"""The Tinker protocol's state, in Redis, every record tagged with the key (owner) that made it: sessions,
+training models and futures. An owner is the sha256 of the flywheel token behind the `tml-` key, so a record
+is found only by the key that made it; another key's record reads as absent (404), never as forbidden.
+Futures resolve at once in this slice (create_model's work is a record); their results are kept a day.
+More: docs/tinker.md"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+from shared.contracts.streams import tinker_key
+from shared.platform.bus import SyncRedis
+
+SESSION_TTL_S = 7 * 24 * 3600  # a session this long without a heartbeat is forgotten; a model this long after creation
+FUTURE_TTL_S = 24 * 3600
+
+
+class TinkerStore:
+    def __init__(self, redis: SyncRedis):
+        self.redis = redis
+
+    def _put(self, kind: str, key: str, record: dict[str, Any], ttl_s: int) -> None:
+        self.redis.set(tinker_key(kind, key), json.dumps(record), ex=ttl_s)
+
+    def _get(self, kind: str, key: str, owner: str) -> dict[str, Any] | None:
+        raw = self.redis.get(tinker_key(kind, key))
+        record = json.loads(raw) if raw else None
+        return record if record is not None and record.get("owner") == owner else None
+
+    def create_session(self, owner: str, tags: list[str], metadata: dict[str, Any]) -> str:
+        session_id = str(uuid.uuid4())
+        self._put("session", session_id, {"owner": owner, "tags": tags, "user_metadata": metadata,
+                                          "created_at": time.time(), "finished": None}, SESSION_TTL_S)
+        return session_id
+
+    def session(self, owner: str, session_id: str) -> dict[str, Any] | None:
+        return self._get("session", session_id, owner)
+
+    def touch_session(self, session_id: str) -> None:
+        self.redis.expire(tinker_key("session", session_id), SESSION_TTL_S)
+
+    def finish_session(self, owner: str, session_id: str, reason: str, detail: str | None) -> None:
+        record = self.session(owner, session_id)
+        if record is not None and record["finished"] is None:  # first reason wins, as the SDK documents
+            record["finished"] = {"reason": reason, "detail": detail, "at": time.time()}
+            self._put("session", session_id, record, SESSION_TTL_S)
+
+    def add_session_run(self, session_id: str, run_id: str) -> None:
+        """A set beside the session record, so that concurrent create_models never drop each other's run."""
+        key = tinker_key("session_runs", session_id)
+        self.redis.pipeline().sadd(key, run_id).expire(key, SESSION_TTL_S).execute()
+
+    def session_runs(self, session_id: str) -> list[str]:
+        return sorted(r.decode() if isinstance(r, bytes) else r
+                      for r in self.redis.smembers(tinker_key("session_runs", session_id)))
+
+    def put_model(self, owner: str, model_id: str, record: dict[str, Any], *, only_new: bool = False) -> bool:
+        """False when `only_new` and the model exists (SET NX: two creates of one id cannot both win)."""
+        return bool(self.redis.set(tinker_key("model", model_id), json.dumps({"owner": owner, **record}),
+                                   ex=SESSION_TTL_S, nx=only_new))
+
+    def drop_model(self, model_id: str) -> None:
+        self.redis.delete(tinker_key("model", model_id))
+
+    def model(self, owner: str, model_id: str) -> dict[str, Any] | None:
+        return self._get("model", model_id, owner)
+
+    def complete(self, owner: str, result: dict[str, Any], model_id: str | None = None) -> str:
+        """A future already resolved to `result`; its request id."""
+        request_id = str(uuid.uuid4())
+        self._put("future", request_id, {"owner": owner, "model_id": model_id, "result": result}, FUTURE_TTL_S)
+        return request_id
+
+    def future(self, owner: str, request_id: str) -> dict[str, Any] | None:
+        return self._get("future", request_id, owner)

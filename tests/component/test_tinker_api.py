@@ -1,0 +1,171 @@
+"""The Tinker protocol on a live API process (real Postgres/Redis), driven by the real `tinker` SDK over HTTP:
+client config, sessions, server capabilities, LoRA training clients, futures, key auth and ownership, and the
+clear refusal of operations not served yet.
+
+    pytest -q tests/component/test_tinker_api.py
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import httpx
+import pytest
+from api_testlib import CONFIG_ONLY_MODEL, running_api
+
+from tests.support.tiny_model import build_tiny_model
+
+tinker = pytest.importorskip("tinker")
+
+
+@pytest.fixture(scope="module")
+def api(database_url, redis_url, tmp_path_factory):
+    data_dir = tmp_path_factory.mktemp("tinker-api")
+    shutil.copytree(CONFIG_ONLY_MODEL, data_dir / "models" / "tiny-qwen")
+    build_tiny_model(data_dir / "models" / "tiny-qwen2")  # with a tokenizer, for get_tokenizer
+    (data_dir / "models" / "not-a-model").mkdir()  # no config.json: not offered
+    with running_api(database_url, redis_url, data_dir) as live:  # its controller stores the runs of create_model
+        live.data_dir = data_dir
+        yield live
+
+
+@pytest.fixture(autouse=True)
+def _no_telemetry(monkeypatch):
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")  # telemetry is not served yet; the SDK would warn of each batch
+
+
+def new_token(api, scopes: list[str]) -> str:
+    with api.client() as admin:
+        r = admin.post("/v1/tokens", json={"name": "tinker-" + "-".join(scopes), "scopes": scopes})
+        assert r.status_code == 201, r.text
+        return r.json()["token"]
+
+
+def sdk(api, token: str | None = None) -> tinker.ServiceClient:
+    return tinker.ServiceClient(base_url=api.url, api_key="tml-" + (token or api.token))
+
+
+def capabilities(api, token: str | None = None):
+    rest = tinker.RestClient(base_url=api.url, api_key="tml-" + (token or api.token))
+    return rest.get_server_capabilities().result(timeout=30)
+
+
+def post(api, path: str, body: dict, token: str | None = None) -> httpx.Response:
+    return httpx.post(api.url + path, json=body, headers={"X-API-Key": "tml-" + (token or api.token)}, timeout=10)
+
+
+def test_capabilities_list_the_model_folders_under_data_dir(api):
+    caps = capabilities(api)
+    tiny = json.loads((api.data_dir / "models" / "tiny-qwen2" / "config.json").read_text())
+    assert [(m.model_name, m.max_context_length, m.trainable) for m in caps.supported_models] == \
+        [("tiny-qwen", 32768, True), ("tiny-qwen2", tiny["max_position_embeddings"], True)]
+
+
+def test_the_sdk_loads_the_tokenizer_of_a_local_base_model(api):
+    training = sdk(api).create_lora_training_client(base_model="tiny-qwen2", rank=4).result(timeout=30)
+    tiny = json.loads((api.data_dir / "models" / "tiny-qwen2" / "config.json").read_text())
+    assert training.get_info().model_data.arch == tiny["architectures"][0]
+    tokenizer = training.get_tokenizer()  # from get_info's tokenizer_id: the folder
+    assert tokenizer.decode(tokenizer.encode("hello world")).strip() == "hello world"
+
+
+def test_lora_training_client_with_the_bootstrap_token(api):
+    service = sdk(api)
+    training = service.create_lora_training_client(base_model="tiny-qwen", rank=8).result(timeout=30)
+    info = training.get_info()
+    session_id, kind, seq = info.model_id.split(":")
+    assert (kind, seq) == ("train", "0")
+    assert (info.is_lora, info.lora_rank, info.model_name, info.model_data.model_name) == (True, 8, "tiny-qwen",
+                                                                                           "tiny-qwen")
+    assert info.model_data.tokenizer_id.endswith("models/tiny-qwen")
+    second = service.create_lora_training_client(base_model="tiny-qwen", rank=4).result(timeout=30)
+    assert second.get_info().model_id == f"{session_id}:train:1" and second.get_info().lora_rank == 4
+    with api.client() as admin:  # each training client is a flywheel run of kind tinker, owned by the key
+        runs = {r["config"]["model_id"]: r for r in admin.get("/v1/runs", params={"kind": "tinker"}).json()["data"]}
+        run = runs[info.model_id]
+        assert (run["status"], run["config"]["base_model"], run["config"]["lora"]["rank"]) == ("running", "tiny-qwen", 8)
+        assert run["config"]["owner_name"] == "API_TOKEN" and f"{session_id}:train:1" in runs
+        detail = admin.get(f"/v1/runs/{run['id']}")
+        assert detail.status_code == 200 and detail.json()["kind"] == "tinker", detail.text
+        events = admin.get(f"/v1/runs/{run['id']}/events").json()["data"]
+        assert "tinker run created by the tinker key of token 'API_TOKEN'" in [e["message"] for e in events]
+        assert admin.post(f"/v1/runs/{run['id']}/pause").status_code == 409  # its client drives it
+    service.close("success", detail="done").result(timeout=30)
+    with api.client() as admin:  # the session's runs ended with it
+        assert {admin.get(f"/v1/runs/{r['id']}").json()["status"] for r in runs.values()
+                if r["config"]["session_id"] == session_id} == {"stopped"}
+    beat = post(api, "/api/v1/session_heartbeat", {"session_id": session_id})
+    assert beat.status_code == 410, beat.text
+    refused = post(api, "/api/v1/create_model", {"session_id": session_id, "model_seq_id": 5, "base_model": "tiny-qwen",
+                                                 "lora_config": {"rank": 4}})
+    assert refused.status_code == 400 and "finished" in refused.json()["message"]
+
+
+def test_a_taken_model_seq_id_is_refused(api):
+    session_id = post(api, "/api/v1/create_session", {"tags": []}).json()["session_id"]
+    body = {"session_id": session_id, "model_seq_id": 0, "base_model": "tiny-qwen", "lora_config": {"rank": 2}}
+    assert post(api, "/api/v1/create_model", body).status_code == 200
+    again = post(api, "/api/v1/create_model", body | {"lora_config": {"rank": 4}})
+    assert again.status_code == 400 and again.json()["detail"][0]["field"] == "model_seq_id", again.text
+    assert post(api, "/api/v1/get_info", {"model_id": f"{session_id}:train:0"}).json()["lora_rank"] == 2
+
+
+def test_unknown_base_model_is_answered_with_the_supported_ones(api):
+    with pytest.raises(tinker.BadRequestError) as e:
+        sdk(api).create_lora_training_client(base_model="Qwen/Qwen3-8B", rank=8).result(timeout=30)
+    assert "Qwen/Qwen3-8B" in str(e.value) and "supported: tiny-qwen, tiny-qwen2" in str(e.value)
+
+
+def test_a_key_sees_only_its_own_sessions_models_and_futures(api):
+    mine, theirs = new_token(api, ["write"]), new_token(api, ["write"])
+    session_id = post(api, "/api/v1/create_session", {"tags": [], "sdk_version": "test"}, mine).json()["session_id"]
+    created = post(api, "/api/v1/create_model", {"session_id": session_id, "model_seq_id": 0,
+                                                 "base_model": "tiny-qwen", "lora_config": {"rank": 2}}, mine).json()
+    future = post(api, "/api/v1/retrieve_future", {"request_id": created["request_id"]}, mine)
+    assert future.json() == {"type": "create_model", "model_id": created["model_id"]}
+    for path, body in (("/api/v1/retrieve_future", {"request_id": created["request_id"]}),
+                       ("/api/v1/get_info", {"model_id": created["model_id"]}),
+                       ("/api/v1/session_heartbeat", {"session_id": session_id}),
+                       ("/api/v1/create_model", {"session_id": session_id, "model_seq_id": 1,
+                                                 "base_model": "tiny-qwen", "lora_config": {"rank": 2}})):
+        r = post(api, path, body, theirs)
+        assert r.status_code == 404, (path, r.status_code, r.text)
+    assert capabilities(api, theirs).supported_models
+    assert post(api, "/api/v1/get_info", {"model_id": created["model_id"]}, mine).json()["lora_rank"] == 2
+
+
+def test_keys_are_tml_plus_a_flywheel_token(api):
+    for headers in ({}, {"X-API-Key": api.token}, {"X-API-Key": "tml-wrong-token"},
+                    {"Authorization": f"Bearer {api.token}"}):
+        r = httpx.get(api.url + "/api/v1/get_server_capabilities", headers=headers)
+        assert r.status_code == 401, (headers, r.text)
+        assert "tml-" in r.json()["message"] + str(r.json()["detail"])
+    with pytest.raises(tinker.AuthenticationError):
+        capabilities(api, "wrong-token")
+    read_only = new_token(api, ["read"])
+    assert capabilities(api, read_only).supported_models
+    r = post(api, "/api/v1/create_session", {"tags": []}, read_only)
+    assert r.status_code == 403 and "'write'" in r.json()["message"]
+
+
+def test_operations_not_served_yet_say_so(api):
+    for path, operation in (("/api/v1/forward_backward", "forward_backward"), ("/api/v1/asample", "sample"),
+                            ("/api/v1/save_weights_for_sampler", "save_weights_for_sampler")):
+        r = post(api, path, {})
+        assert r.status_code == 404, r.text
+        assert operation in r.json()["message"] and "not supported by this flywheel server yet" in r.json()["message"]
+    r = httpx.get(api.url + "/api/v1/training_runs/x/checkpoints", headers={"X-API-Key": "tml-" + api.token})
+    assert r.status_code == 404 and "not supported" in r.json()["message"]
+    training = sdk(api).create_lora_training_client(base_model="tiny-qwen", rank=2).result(timeout=30)
+    datum = tinker.Datum(model_input=tinker.ModelInput.from_ints([1, 2, 3]),
+                         loss_fn_inputs={"target_tokens": [2, 3, 4], "weights": [1.0, 1.0, 1.0]})
+    with pytest.raises(Exception, match="forward_backward"):
+        training.forward_backward([datum], "cross_entropy").result(timeout=60)
+
+
+def test_the_sdk_configured_from_its_environment(api, monkeypatch):
+    monkeypatch.setenv("TINKER_BASE_URL", api.url)
+    monkeypatch.setenv("TINKER_API_KEY", "tml-" + api.token)
+    training = tinker.ServiceClient().create_lora_training_client(base_model="tiny-qwen", rank=2).result(timeout=30)
+    assert training.get_info().lora_rank == 2
