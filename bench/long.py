@@ -30,8 +30,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import os
+import sys
 import threading
 import time
 import uuid
@@ -47,6 +47,7 @@ from services.controller.store import TABLES
 from shared.platform.bus import connect_sync
 from shared.platform.db.session import make_engine
 from shared.platform.heartbeats import live_workers
+from tests.support.growth import exponents
 from tests.support.live import TERMINAL, insert_run, wait_run_ended
 from tests.support.mock_llm import QUERY_WORDS
 from tests.support.procs import ServiceGroup, wait_until
@@ -56,32 +57,11 @@ RESULTS = REPO / "bench" / "results" / "long.json"
 SERVICES = ("controller", "rollout_worker", "env_worker")
 
 
-# -- pure logic --------------------------------------------------------------------------------------------------
-def growth_exponent(xs: list[float], ys: list[float]) -> float | None:
-    """Least-squares slope of log(y) on log(x): y ~ x^k gives k. None with fewer than two distinct x."""
-    pts = [(math.log(x), math.log(y)) for x, y in zip(xs, ys, strict=True) if x > 0 and y > 0]
-    if len({x for x, _ in pts}) < 2:
-        return None
-    mx, my = sum(x for x, _ in pts) / len(pts), sum(y for _, y in pts) / len(pts)
-    return sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
-
-
-def exponents(cells: list[dict], key: str) -> dict:
-    """Per tokens-per-turn series, the growth exponent of `key` in turns; and their mean."""
-    series: dict[int, list[dict]] = {}
-    for c in cells:
-        series.setdefault(c["tokens_per_turn"], []).append(c)
-    by = {str(t): growth_exponent([c["turns"] for c in cs], [c[key] for c in cs]) for t, cs in sorted(series.items())}
-    fitted = [k for k in by.values() if k is not None]
-    return {"mean": round(sum(fitted) / len(fitted), 3) if fitted else None,
-            "by_tokens_per_turn": {t: None if k is None else round(k, 3) for t, k in by.items()}}
-
-
+# -- the workload ------------------------------------------------------------------------------------------------
 def ints(text_: str) -> list[int]:
     return [int(v) for v in text_.split(",") if v.strip()]
 
 
-# -- the workload ------------------------------------------------------------------------------------------------
 def write_corpus(path: Path) -> Path:
     """One short passage per query word the mock searches for: each search returns a few of them."""
     with path.open("w") as f:
@@ -275,7 +255,8 @@ def main() -> None:
                     help="explicit TURNSxTOKENS cells instead of the grid, e.g. 4x128,16x128,32x128,4x1024")
     ap.add_argument("--episodes", type=int, default=256, help="episodes per cell")
     ap.add_argument("--in-flight", type=int, default=128, help="episodes in flight (max_in_flight, worker slots)")
-    ap.add_argument("--max-context", type=int, default=40960, help="max_context_tokens of the run")
+    ap.add_argument("--max-context", type=int, default=49152,
+                    help="max_context_tokens of the run: room for 32 turns x 1024 tokens and the tool outputs")
     ap.add_argument("--latency-ms", type=float, default=20.0, help="the mock's latency per model call")
     ap.add_argument("--sigma", type=float, default=1.0, help="lognormal shape of the response lengths")
     ap.add_argument("--malformed", type=float, default=0.1, help="share of tool calls that are not valid JSON")
@@ -295,18 +276,24 @@ def main() -> None:
     for turns, tokens in cells:
         out.append(run_cell(args, turns, tokens, tmp, model_dir, corpus))
         print(json.dumps(out[-1]), flush=True)
+        write(args, out, started, complete=len(out) == len(cells))  # after each cell: a cut-short run keeps its cells
+    print(json.dumps({k: v for k, v in json.loads(args.out.read_text()).items() if k.endswith("exponent")}, indent=2))
+
+
+def write(args, cells: list[dict], started: float, complete: bool) -> None:
     result = {
+        "command": "python -m bench.long " + " ".join(sys.argv[1:]),
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "cells": out,
-        "bytes_growth_exponent": exponents(out, "bytes_per_episode"),
-        "cpu_growth_exponent": exponents(out, "service_cpu_s_per_episode"),
+        "complete": complete,
+        "cells": cells,
+        "bytes_growth_exponent": exponents(cells, "bytes_per_episode"),
+        "cpu_growth_exponent": exponents(cells, "service_cpu_s_per_episode"),
         "wall_s": round(time.time() - started, 1), "cpu_count": os.cpu_count(),
         "loadavg_end": [round(v, 2) for v in os.getloadavg()],
         "notes": NOTES,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps({k: result[k] for k in ("bytes_growth_exponent", "cpu_growth_exponent", "wall_s")}, indent=2))
 
 
 NOTES = "filled in after the measured run"
