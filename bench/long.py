@@ -31,6 +31,7 @@ import argparse
 import contextlib
 import json
 import os
+import random
 import sys
 import threading
 import time
@@ -49,7 +50,7 @@ from shared.platform.db.session import make_engine
 from shared.platform.heartbeats import live_workers
 from tests.support.growth import exponents
 from tests.support.live import TERMINAL, insert_run, wait_run_ended
-from tests.support.mock_llm import QUERY_WORDS
+from tests.support.mock_llm import QUERY_WORDS, RECORDS, WORDS
 from tests.support.procs import ServiceGroup, wait_until
 
 REPO = Path(__file__).resolve().parents[1]
@@ -62,13 +63,15 @@ def ints(text_: str) -> list[int]:
     return [int(v) for v in text_.split(",") if v.strip()]
 
 
-def write_corpus(path: Path) -> Path:
-    """One short passage per query word the mock searches for: each search returns a few of them."""
+def write_corpus(path: Path, seed: int = 0) -> Path:
+    """RECORDS numbered passages of random words per query word: the mock's searches name one, so each tool
+    output is a different pair of passages (a few repeated ones would compress unrealistically in storage)."""
+    rng = random.Random(seed)
     with path.open("w") as f:
-        for i, w in enumerate(QUERY_WORDS):
-            f.write(json.dumps({"title": f"{w} record", "text": f"The {w} record lists entry {i}: it was filed "
-                                f"in year {1900 + 7 * i} and cross-references the {QUERY_WORDS[(i + 1) % 16]} "
-                                "record for the details."}) + "\n")
+        for w in QUERY_WORDS:
+            for n in range(RECORDS):
+                words = " ".join(rng.choice(WORDS) for _ in range(20))
+                f.write(json.dumps({"title": f"{w} record {n}", "text": f"The {w} record {n}: {words}."}) + "\n")
     return path
 
 
@@ -138,6 +141,19 @@ SELECT count(DISTINCT e.id) AS episodes, count(DISTINCT e.id) FILTER (WHERE e.st
        count(*) FILTER (WHERE s.info->>'finish_reason' = 'length') AS cut_turns
 FROM episodes e LEFT JOIN trajectories t ON t.episode_id = e.id LEFT JOIN steps s ON s.trajectory_id = t.id
 WHERE e.run_id = :r
+""")
+
+
+# Where the bytes are: per-step copies of the prompt (token ids and the chat so far) grow with the context, so
+# their sum grows with turns squared before compression; the raw sizes beside the stored (TOAST-compressed) ones.
+DETAIL_SQL = text("""
+SELECT (SELECT sum(pg_column_size(a.prompt_ids)) FROM token_arrays a WHERE a.step_idx >= 0) AS step_prompt_ids_stored,
+       (SELECT 4 * sum(cardinality(a.prompt_ids)) FROM token_arrays a WHERE a.step_idx >= 0) AS step_prompt_ids_raw,
+       (SELECT sum(pg_column_size(a.prompt_ids) + pg_column_size(a.response_ids) + pg_column_size(a.logprobs)
+                   + coalesce(pg_column_size(a.loss_mask), 0) + coalesce(pg_column_size(a.versions), 0))
+          FROM token_arrays a WHERE a.step_idx = -1) AS assembled_arrays_stored,
+       (SELECT sum(pg_column_size(s.chat_completions)) FROM steps s) AS step_chats_stored,
+       (SELECT sum(octet_length(s.chat_completions::text)) FROM steps s) AS step_chats_raw
 """)
 
 
@@ -214,6 +230,8 @@ def run_cell(args, turns: int, tokens: int, tmp: Path, model_dir: str, corpus: P
                     "SELECT termination_reason, count(*) FROM episodes WHERE run_id = :r GROUP BY 1"),
                     {"r": run_id}).all())
             sizes = {t: n - empty[t] for t, n in pg_bytes(engine).items()}
+            with engine.connect() as c:
+                detail = {k: int(v or 0) for k, v in c.execute(DETAIL_SQL).mappings().one().items()}
             intake = trainer_intake(engine, run_id)
         finally:
             procs.stop()
@@ -232,7 +250,7 @@ def run_cell(args, turns: int, tokens: int, tmp: Path, model_dir: str, corpus: P
         "turns_cut_at_max_response": int(counts["cut_turns"]), "steps": int(counts["steps"]),
         "max_context_tokens": int(counts["max_context"] or 0),
         "malformed_call_share": round(counts["call_errors"] / max(counts["calls"], 1), 3),
-        "pg_bytes": sizes, "pg_bytes_total": total,
+        "pg_bytes": sizes, "pg_bytes_total": total, "pg_bytes_detail": detail,
         "bytes_per_generated_token": round(total / max(gen, 1), 1), "bytes_per_episode": round(total / max(episodes, 1)),
         "redis_peak_mb": round((sampler.redis_peak - sampler.redis_base) / 2**20, 2),
         "redis_used_before_mb": round(sampler.redis_base / 2**20, 2),
@@ -255,8 +273,8 @@ def main() -> None:
                     help="explicit TURNSxTOKENS cells instead of the grid, e.g. 4x128,16x128,32x128,4x1024")
     ap.add_argument("--episodes", type=int, default=256, help="episodes per cell")
     ap.add_argument("--in-flight", type=int, default=128, help="episodes in flight (max_in_flight, worker slots)")
-    ap.add_argument("--max-context", type=int, default=49152,
-                    help="max_context_tokens of the run: room for 32 turns x 1024 tokens and the tool outputs")
+    ap.add_argument("--max-context", type=int, default=65536,
+                    help="max_context_tokens of the run: room for 32 turns of 1024 tokens, their tool outputs and the tail")
     ap.add_argument("--latency-ms", type=float, default=20.0, help="the mock's latency per model call")
     ap.add_argument("--sigma", type=float, default=1.0, help="lognormal shape of the response lengths")
     ap.add_argument("--malformed", type=float, default=0.1, help="share of tool calls that are not valid JSON")
@@ -271,7 +289,7 @@ def main() -> None:
     from tests.support.tiny_model import build_tiny_model
 
     model_dir = str(build_tiny_model(tmp / "model"))
-    corpus = write_corpus(tmp / "corpus.jsonl")
+    corpus = write_corpus(tmp / "corpus.jsonl", args.seed)
     started, out = time.time(), []
     for turns, tokens in cells:
         out.append(run_cell(args, turns, tokens, tmp, model_dir, corpus))

@@ -14,8 +14,10 @@ length ending in one Qwen-format call of tool NAME (`<tool_call>{"name", "argume
 a share `--malformed` of them not valid JSON. Lengths are lognormal with mean `--mean-tokens` and shape
 `--length-sigma` (sigma 1: the median is 0.6 x the mean, p99 6 x: a long tail), at least the call's own length
 (about 40 tokens), cut at the request's max_tokens
-(finish_reason "length"; the call is kept so the episode runs its turns). Each draw is seeded by `--seed` and
-the prompt, so a rerun gives the same episode the same lengths whatever order the requests arrive in.
+(finish_reason "length"; the call is kept so the episode runs its turns). The text before the call is a slice
+of random words and the logprobs vary, so neither compresses better in storage than a sampled model's would.
+Each draw is seeded by `--seed` and the prompt, so a rerun gives the same episode the same replies whatever
+order the requests arrive in.
 
 Hot reload speaks the vLLM dev-mode routes the openai engine calls, with vLLM's bodies (POST /pause?mode=wait,
 /collective_rpc {"method"} -> {"results": [one worker's return]}, /reset_prefix_cache, /update_weight_version
@@ -43,8 +45,15 @@ CONTROL_ROUTES = ("/pause", "/collective_rpc", "/reset_prefix_cache", "/update_w
 
 QUERY_WORDS = ("river", "mountain", "harbor", "engine", "library", "orchard", "glacier", "market", "signal",
                "bridge", "forest", "canal", "furnace", "lantern", "meadow", "tower")
-FILLER = ("Let me look at what the last result says and decide which passage to search for next. "
-          "The notes so far point to the {w} record, so I will check it against the other sources. ")
+RECORDS = 64  # numbered records per query word
+# Words of the filler text before each call. Drawn at random, not repeated phrases: Postgres compresses each stored
+# value (TOAST), and a filler that repeats itself would let a whole chat history compress to almost nothing.
+WORDS = ("the", "a", "of", "to", "and", "in", "is", "that", "for", "it", "was", "on", "with", "as", "by", "at", "from",
+         "this", "which", "record", "year", "entry", "source", "check", "next", "result", "passage", "search",
+         "found", "says", "lists", "filed", "number", "notes", "before", "after", "other", "first", "last", "so",
+         "we", "I", "need", "look", "compare", "date", "name", "value", "page", "file", "table", "line", "match",
+         "maybe", "not", "yet", "also", "then", "because", "since", "if", "only", *QUERY_WORDS,
+         *(str(n) for n in range(0, 2000, 37)))
 
 
 @dataclass(frozen=True)
@@ -58,14 +67,16 @@ class ToolCalls:
     seed: int = 0
 
     def draw(self, key: int) -> tuple[int, bool, str]:
-        """(length in tokens before the max_tokens cut, malformed?, query word) for the request keyed `key`."""
+        """(length in tokens before the max_tokens cut, malformed?, search query) for the request keyed `key`.
+        Queries name one of RECORDS records (bench/long.py's corpus), so tool outputs vary as real searches do."""
         rng = random.Random(self.seed * 1_000_003 + key)
         mu = math.log(self.mean_tokens) - self.sigma ** 2 / 2  # so that E[length] = mean_tokens
         length = max(1, round(rng.lognormvariate(mu, self.sigma)))
-        return length, rng.random() < self.malformed, rng.choice(QUERY_WORDS)
+        query = f"{rng.choice(QUERY_WORDS)} record {rng.randrange(RECORDS)}"
+        return length, rng.random() < self.malformed, query
 
-    def call_text(self, malformed: bool, word: str) -> str:
-        body = json.dumps({"name": self.tool, "arguments": {"query": f"{word} record"}})
+    def call_text(self, malformed: bool, query: str) -> str:
+        body = json.dumps({"name": self.tool, "arguments": {"query": query}})
         if malformed:
             body = body[:-1]  # a missing closing brace: json.loads fails, the agent sends invalid_tool_call
         return f"<tool_call>\n{body}\n</tool_call>"
@@ -82,7 +93,7 @@ class MockLLM:
                  tokenizer: str | None = None, weight_version: int = 0, tool_calls: ToolCalls | None = None):
         self.latency_s, self.answer, self.fallback = latency_s, answer, fallback
         self.tool_calls = tool_calls
-        self._filler: dict[str, list[int]] = {}  # query word -> filler token ids, encoded once
+        self._filler: list[int] = []  # token ids of a long random text, encoded once; replies are slices of it
         self.weight_version = weight_version
         self.tokenizer = _load_tokenizer(tokenizer) if tokenizer else None
         self.requests = 0
@@ -132,21 +143,26 @@ class MockLLM:
             self._running.set()
         return {"ok": True, "weight_version": self.weight_version}
 
-    def tool_reply(self, prompt: list[int] | str, max_tokens: int | None) -> tuple[list[int], bool]:
-        """(token ids, cut by max_tokens?): filler of the drawn length ending in the tool call, whole."""
+    def tool_reply(self, prompt: list[int] | str, max_tokens: int | None) -> tuple[list[int], list[float], bool]:
+        """(token ids, logprobs, cut by max_tokens?): random filler of the drawn length ending in the tool call."""
         tc = self.tool_calls
-        length, malformed, word = tc.draw(prompt_key(prompt))
-        call = self.encode(tc.call_text(malformed, word))
+        key = prompt_key(prompt)
+        length, malformed, query = tc.draw(key)
+        call = self.encode(tc.call_text(malformed, query))
         # never shorter than the call: a turn without one would end the episode early (the env grades it)
         n = max(length, len(call))
         n = min(n, max_tokens) if max_tokens else n
-        filler = self._filler.get(word)
-        while filler is None or len(filler) < n:  # grow on demand: the tail is long
-            filler = self.encode(FILLER.format(w=word) * max(64, 2 * (n // 32 + 1)))
-            self._filler[word] = filler
+        rng = random.Random(f"{tc.seed}:{key}")
+        if len(self._filler) < 4 * n:  # grow on demand: the tail is long
+            words = random.Random(tc.seed)
+            self._filler = self.encode(" ".join(words.choice(WORDS) for _ in range(max(20_000, 4 * n))))
+        start = rng.randrange(len(self._filler) - n)
+        filler = self._filler[start:start + n]
         # a budget shorter than the call itself cuts the call, as it would a real model's
         ids = filler[:n - len(call)] + call if n >= len(call) else call[:n]
-        return ids, max(length, len(call)) > n
+        # varied like a sampled model's (a constant would compress to nothing in Postgres too)
+        logprobs = [round(-rng.expovariate(2.0), 6) for _ in ids]
+        return ids, logprobs, max(length, len(call)) > n
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids) if self.tokenizer is not None else "".join(map(chr, ids))
@@ -155,20 +171,20 @@ class MockLLM:
         self.requests += 1
         max_tokens = int(body.get("max_tokens") or 0) or None
         if self.tool_calls is not None:
-            ids, truncated = self.tool_reply(body.get("prompt", ""), max_tokens)
+            ids, logprobs, truncated = self.tool_reply(body.get("prompt", ""), max_tokens)
             text = self.decode(ids)
         else:
             text = self.reply_text(body.get("prompt", ""))
             full = self.encode(text)
             ids = full[: max_tokens or len(full)]
-            truncated = len(ids) < len(full)
+            truncated, logprobs = len(ids) < len(full), [-0.05] * len(ids)
             if truncated:
                 text = self.decode(ids)
         return {
             "id": f"cmpl-{self.requests}", "object": "text_completion", "model": body.get("model", "mock"),
             "weight_version": self.weight_version,
             "choices": [{"index": 0, "text": text, "token_ids": ids, "finish_reason": "length" if truncated else "stop",
-                         "logprobs": {"token_logprobs": [-0.05] * len(ids)}}],
+                         "logprobs": {"token_logprobs": logprobs}}],
             "usage": {"prompt_tokens": len(body.get("prompt") or []), "completion_tokens": len(ids)},
         }
 
