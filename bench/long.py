@@ -314,7 +314,24 @@ def write(args, cells: list[dict], started: float, complete: bool) -> None:
     args.out.write_text(json.dumps(result, indent=2) + "\n")
 
 
-NOTES = "filled in after the measured run"
+NOTES = (
+    "Everything on one machine (the committed run: 2 cores, shared; see loadavg_before_after per cell): mock LLM, "
+    "controller, one rollout worker, one env worker, Redis, Postgres; CPU-bound, so the per-second figures are "
+    "this machine's and the cells start all their episodes at once (short cells are mostly ramp). What grows "
+    "faster than turns: every step of a trajectory carries its whole prompt (token ids, and the chat so far in "
+    "steps.chat_completions), in the EpisodeResult message on Redis and in Postgres (token_arrays rows with "
+    "step_idx >= 0, steps rows), so those bytes grow with turns squared (pg_bytes_detail: *_raw), next to linear "
+    "parts (the trajectory's assembled arrays, per-step row overhead, indexes); the fit over 4..32 turns mixes "
+    "both, last_two_by_tokens_per_turn shows the slope where the squared part dominates. TOAST compresses the "
+    "per-step copies 2.5-5x here; the tiny tokenizer's ids are < 512 (two zero bytes in every int4), which "
+    "compress better than a 150k vocabulary's would, so real bytes per token are higher. Redis peak is the "
+    "results of the cell's episodes waiting in the trajectories stream for the 10 s trim (they finish in one "
+    "wave), quadratic per episode for the same reason; used_memory is the whole server's (other databases on "
+    "it count too). CPU: the rollout worker's per-turn costs (HTTP call with the whole prompt as ids, chat "
+    "rendering for the token delta, per-step deep copies of the chat) dominate; the controller's grow with the "
+    "message it decodes and stores. trainer_intake is timed in this process (load_results from Postgres + "
+    "samples_from_result + GroupBuffer + build_tensors), not a training step."
+)
 
 if __name__ == "__main__":
     main()

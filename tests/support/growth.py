@@ -20,11 +20,17 @@ def growth_exponent(xs: list[float], ys: list[float]) -> float | None:
 
 def exponents(cells: list[dict], key: str, x: str = "turns", series: str = "tokens_per_turn") -> dict:
     """The exponent of cells' `key` in `x`, per value of `series` (str keys, None for a series of one x), and
-    the mean over the series that have one."""
+    the mean over the series that have one. `last_two_by_...`: the slope between a series' two largest x only,
+    where fixed per-episode costs weigh least (a + b*x^2 fits below 2 over small x and tends to 2)."""
     groups: dict = {}
     for c in cells:
         groups.setdefault(c[series], []).append(c)
-    by = {str(s): growth_exponent([c[x] for c in cs], [c[key] for c in cs]) for s, cs in sorted(groups.items())}
+    by, last_two = {}, {}
+    for s, cs in sorted(groups.items()):
+        cs = sorted(cs, key=lambda c: c[x])
+        by[str(s)] = growth_exponent([c[x] for c in cs], [c[key] for c in cs])
+        last_two[str(s)] = growth_exponent([c[x] for c in cs[-2:]], [c[key] for c in cs[-2:]])
     fitted = [k for k in by.values() if k is not None]
+    rounded = lambda d: {s: None if k is None else round(k, 3) for s, k in d.items()}  # noqa: E731
     return {"mean": round(sum(fitted) / len(fitted), 3) if fitted else None,
-            f"by_{series}": {s: None if k is None else round(k, 3) for s, k in by.items()}}
+            f"by_{series}": rounded(by), f"last_two_by_{series}": rounded(last_two)}

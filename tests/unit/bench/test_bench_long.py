@@ -32,6 +32,10 @@ def test_exponents_per_tokens_per_turn_series_and_their_mean():
     out = exponents(cells, "b")
     assert out["by_tokens_per_turn"] == {"128": 1.0, "1024": 2.0, "4096": None}
     assert out["mean"] == 1.5
+    assert out["last_two_by_tokens_per_turn"] == {"128": 1.0, "1024": 2.0, "4096": None}
+    fixed_plus_quadratic = [{"turns": t, "tokens_per_turn": 1, "b": 1000.0 + t * t} for t in (4, 16, 32)]
+    out = exponents(fixed_plus_quadratic, "b")
+    assert out["by_tokens_per_turn"]["1"] < out["last_two_by_tokens_per_turn"]["1"] < 2
 
 
 def test_lengths_have_the_configured_mean_and_a_long_tail_and_the_malformed_share():
