@@ -154,7 +154,7 @@ bench-load: install
 	$(PY) -m bench.load
 
 # Multi-turn tool use, turns {4,16,32} x generated tokens per turn {128,1024}: bytes, memory, CPU per token and their
-# growth in turns -> bench/results/long.json (the 2-core figures there are a reduced run: see its `command`).
+# growth in turns -> bench/results/long.json (the committed 2-core run: 64 episodes, 64 in flight; see its `command`).
 bench-long: install
 	$(PY) -m bench.long
 

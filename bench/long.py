@@ -4,7 +4,7 @@
 
 Per cell: a fresh stack (private Redis DB, a migrated scratch Postgres database, the controller, one env worker,
 one rollout worker with `--in-flight` slots, the mock LLM in its tool-calling mode) runs an eval run of
-`--episodes` episodes of the built-in `tool` agent against the `search` env (BM25 over a small local corpus).
+`--episodes` episodes of the built-in `tool` agent against the `search` env (BM25 over 1,024 passages).
 Every model turn is a Qwen `<tool_call>` of the search tool (a `--malformed` share of them broken JSON, which the
 env answers with an error observation), its length drawn from a lognormal with mean `--tokens` (a long tail, cut
 at 4x the mean: max_response_tokens); the env ends each episode after `--turns` turns, so every episode runs
@@ -22,7 +22,8 @@ Per cell, in bench/results/long.json (`cells`):
   from) and turned into a batch (services/trainer/batch.py: samples_from_result, GroupBuffer, build_tensors).
 `bytes_growth_exponent` / `cpu_growth_exponent`: least-squares slope of log(bytes per episode) / log(service
 CPU per episode) on log(turns), per tokens-per-turn series (1.0 = linear in turns, 2.0 = quadratic), and
-their mean over the series with two or more turn counts.
+their mean over the series with two or more turn counts; `last_two_by_tokens_per_turn`: the slope between the
+two largest turn counts only. Figures and what limits them: docs/performance.md#long-horizons.
 """
 
 from __future__ import annotations
