@@ -12,7 +12,7 @@ DEMO_ARGS ?=
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 
-.PHONY: sandbox-deps bench-sandbox browser-deps install vllm-venv up demo demo-lora demo-agent demo-multiturn test test-fast test-unit test-contract test-component test-e2e test-learning test-chaos test-browser test-gpu lint bench-rollout bench-train bench-lora bench-lora-runs bench-load bench-vllm chaos gpu-smoke clean
+.PHONY: sandbox-deps bench-sandbox browser-deps install vllm-venv up demo demo-lora demo-agent demo-multiturn test test-fast test-unit test-contract test-component test-e2e test-learning test-chaos test-browser test-gpu lint bench-rollout bench-train bench-lora bench-lora-runs bench-load bench-long bench-vllm chaos gpu-smoke clean
 
 install: $(VENV)/.installed sandbox-deps
 
@@ -153,6 +153,11 @@ bench-sandbox: install
 
 bench-load: install
 	$(PY) -m bench.load
+
+# Multi-turn tool use, turns {4,16,32} x generated tokens per turn {128,1024}: bytes, memory, CPU per token and their
+# growth in turns -> bench/results/long.json (the committed 2-core run: 64 episodes, 64 in flight; see its `command`).
+bench-long: install
+	$(PY) -m bench.long
 
 bench-vllm: install vllm-venv
 	$(PY) -m bench.vllm
