@@ -9,12 +9,9 @@ import httpx
 import pytest
 from sqlalchemy import text
 
-from infra.local.ports import free_port
-from infra.local.stack import LocalStack
 from services.jobs.builtin_datasets import generate
 from shared.stores.datasets import DatasetRegistry
-from tests.support.live import REPO, accounting, insert_run, start_mock_llm, wait_run_ended
-from tests.support.tiny_model import build_tiny_model
+from tests.support.live import REPO, accounting, insert_run, mock_llm_stack, wait_run_ended
 
 TASKS = 3
 ANSWER = "x " * 200  # 400 tokens (the mock's ids are characters without --tokenizer): longer than any budget here
@@ -23,27 +20,13 @@ ANSWER = "x " * 200  # 400 tokens (the mock's ids are characters without --token
 @pytest.fixture(scope="module")
 def live(isolated_urls, tmp_path_factory):
     redis_url, database_url = isolated_urls
-    from shared.platform.db.session import make_engine
-
-    tmp = tmp_path_factory.mktemp("context")
-    model = str(build_tiny_model(tmp / "model"))
-    port = free_port()
-    mock = start_mock_llm(port, latency_ms=5, answer=ANSWER)
-    stack = LocalStack(tmp / "stack", env={"REDIS_URL": redis_url, "DATABASE_URL": database_url,
-                                           "LOG_FORMAT": "text", "POLL_INTERVAL_S": "0.2", "PYTHONPATH": str(REPO)})
-    engine = make_engine(database_url)
-    try:
-        stack.start(services=["env-worker", "rollout-worker", "controller"])
-        stack.wait_healthy(90)
+    with mock_llm_stack(tmp_path_factory.mktemp("context"), redis_url, database_url,
+                        ["env-worker", "rollout-worker", "controller"], answer=ANSWER,
+                        env={"PYTHONPATH": str(REPO)}) as live:
         # five turns: the env never ends an episode before the window does
-        DatasetRegistry(engine).register("digits5", generate("digits", TASKS, seed=5, turns=5), "test")
-        pids = {name: stack.instance(name).proc.pid for name in ("env-worker", "rollout-worker")}
-        yield {"stack": stack, "engine": engine, "model": model, "llm": f"http://127.0.0.1:{port}/v1", "pids": pids}
-    finally:
-        stack.stop()
-        mock.terminate()
-        mock.wait(10)
-        engine.dispose()
+        DatasetRegistry(live["engine"]).register("digits5", generate("digits", TASKS, seed=5, turns=5), "test")
+        stack = live["stack"]
+        yield live | {"pids": {name: stack.instance(name).proc.pid for name in ("env-worker", "rollout-worker")}}
 
 
 def config(live, name: str, **budgets) -> dict:

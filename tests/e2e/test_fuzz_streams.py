@@ -23,7 +23,6 @@ import msgpack
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from infra.local.ports import free_port
 from infra.local.stack import LocalStack
 from shared.contracts.messages import (
     AcceptedResult,
@@ -49,8 +48,7 @@ from shared.contracts.streams import (
 )
 from shared.platform.bus import connect
 from shared.sdk.types import TerminationReason
-from tests.support.live import accounting, insert_run, register_dataset, start_mock_llm, wait_run_ended
-from tests.support.tiny_model import build_tiny_model
+from tests.support.live import accounting, insert_run, mock_llm_stack, register_dataset, wait_run_ended
 
 LIMIT = 256 * 1024  # MAX_ENTRY_BYTES of the services under test
 ENV_ID, ROLLOUT_ID = "env-worker-0", "rollout-worker-0"
@@ -111,28 +109,11 @@ READERS = {
 
 @pytest.fixture(scope="module")
 def live(isolated_urls, tmp_path_factory):
-    from shared.platform.db.session import make_engine
-
     redis_url, database_url = isolated_urls
-    tmp = tmp_path_factory.mktemp("fuzz")
-    model = str(build_tiny_model(tmp / "model"))
-    port = free_port()
-    mock = start_mock_llm(port, latency_ms=5)
-    stack = LocalStack(tmp / "stack", env={
-        "REDIS_URL": redis_url, "DATABASE_URL": database_url, "MAX_ENTRY_BYTES": str(LIMIT), "LOG_FORMAT": "text",
-        "RUNS_POLL_S": "0.2", "POLL_INTERVAL_S": "0.2",
-    })
-    engine = make_engine(database_url)
-    try:
-        stack.start(services=["env-worker", "rollout-worker", "trainer", "controller"])
-        stack.wait_healthy(120)
-        yield {"stack": stack, "engine": engine, "model": model, "llm": f"http://127.0.0.1:{port}/v1",
-               "redis_url": redis_url}
-    finally:
-        stack.stop()
-        mock.terminate()
-        mock.wait(10)
-        engine.dispose()
+    with mock_llm_stack(tmp_path_factory.mktemp("fuzz"), redis_url, database_url,
+                        ["env-worker", "rollout-worker", "trainer", "controller"],
+                        env={"MAX_ENTRY_BYTES": str(LIMIT)}, healthy_s=120) as live:
+        yield live | {"redis_url": redis_url}
 
 
 def metric(stack: LocalStack, service: str, name: str, **labels: str) -> float:

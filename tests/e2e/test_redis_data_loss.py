@@ -14,12 +14,8 @@ import time
 import pytest
 from sqlalchemy import text
 
-from infra.local.ports import free_port
-from infra.local.stack import LocalStack
 from shared.platform.bus import connect
-from shared.platform.db.session import make_engine
-from tests.support.live import accounting, insert_run, register_dataset, run_status, start_mock_llm
-from tests.support.tiny_model import build_tiny_model
+from tests.support.live import accounting, insert_run, mock_llm_stack, register_dataset, run_status
 
 SERVICES = ["env-worker", "rollout-worker", "controller", "trainer"]
 
@@ -27,26 +23,18 @@ SERVICES = ["env-worker", "rollout-worker", "controller", "trainer"]
 @pytest.mark.timeout(300)
 async def test_services_survive_repeated_redis_data_loss_and_the_run_completes(isolated_urls, tmp_path):
     redis_url, database_url = isolated_urls
-    model = str(build_tiny_model(tmp_path / "model"))
-    port = free_port()
-    mock = start_mock_llm(port, latency_ms=1500)  # tasks stay running while the groups are gone
-    stack = LocalStack(tmp_path / "stack", env={
-        "REDIS_URL": redis_url, "DATABASE_URL": database_url, "LOG_FORMAT": "text",
-        "RUNS_POLL_S": "0.2", "POLL_INTERVAL_S": "0.2",
-        "CLAIM_IDLE_MS": "1500",  # the rollout worker keeps its running tasks alive every 0.5 s
-        "RECLAIM_IDLE_MS": "1500", "RECLAIM_INTERVAL_S": "0.3", "STORE_CLAIM_IDLE_MS": "1500",
-        "LEDGER_LEASE_MARGIN_S": "1",
-    })
-    engine = make_engine(database_url)
-    try:
-        stack.start(services=SERVICES)
-        stack.wait_healthy(120)
+    env = {"CLAIM_IDLE_MS": "1500",  # the rollout worker keeps its running tasks alive every 0.5 s
+           "RECLAIM_IDLE_MS": "1500", "RECLAIM_INTERVAL_S": "0.3", "STORE_CLAIM_IDLE_MS": "1500",
+           "LEDGER_LEASE_MARGIN_S": "1"}
+    # the mock answers after 1.5 s: tasks stay running while the groups are gone
+    with mock_llm_stack(tmp_path, redis_url, database_url, SERVICES, latency_ms=1500, env=env,
+                        healthy_s=120) as live:
+        stack, engine = live["stack"], live["engine"]
         register_dataset(engine, "wipe-arith", 24)
         run_id = insert_run(engine, {
-            "name": "wipe", "kind": "eval", "model": model, "dataset": "wipe-arith", "dataset_split": "test",
+            "name": "wipe", "kind": "eval", "model": live["model"], "dataset": "wipe-arith", "dataset_split": "test",
             "agent": {"name": "math"}, "env": {"name": "math"}, "samples_per_task": 2, "max_response_tokens": 16,
-            "engine": {"type": "openai", "base_url": f"http://127.0.0.1:{port}/v1", "request_timeout_s": 10,
-                       "max_retries": 1},
+            "engine": {"type": "openai", "base_url": live["llm"], "request_timeout_s": 10, "max_retries": 1},
             "trajectory_timeout_s": 8, "max_in_flight": 8,
         })
         deadline = time.monotonic() + 60
@@ -70,11 +58,6 @@ async def test_services_survive_repeated_redis_data_loss_and_the_run_completes(i
         assert counts["stored"] == 48 and counts["duplicates"] == 0, counts
         for service in SERVICES:
             assert stack.instance(service).alive, f"{service} died:\n{stack.instance(service).log_tail()}"
-    finally:
-        stack.stop()
-        mock.terminate()
-        mock.wait(10)
-        engine.dispose()
 
 
 def _error(engine, run_id: str) -> str | None:

@@ -20,19 +20,16 @@ import pytest
 from sqlalchemy import text
 from typer.testing import CliRunner
 
-from infra.local.ports import free_port
-from infra.local.stack import LocalStack
 from services.api.cli import app as cli_app
 from tests.support.live import (
     REPO,
     accounting,
     insert_run,
+    mock_llm_stack,
     register_dataset,
     run_status,
-    start_mock_llm,
     wait_run_ended,
 )
-from tests.support.tiny_model import build_tiny_model
 
 sys.path.insert(0, str(REPO / "tests" / "integration"))
 from api_testlib import start_api  # noqa: E402
@@ -68,35 +65,20 @@ TASKS = 2
 @pytest.fixture(scope="module")
 def live(isolated_urls, tmp_path_factory):
     redis_url, database_url = isolated_urls  # its controller would otherwise resume earlier modules' runs
-    from shared.platform.db.session import make_engine
-
     tmp = tmp_path_factory.mktemp("faults")
-    model = str(build_tiny_model(tmp / "model"))
-    port = free_port()
-    mock = start_mock_llm(port, latency_ms=5)
-    stack = LocalStack(tmp / "stack", env={
-        "REDIS_URL": redis_url, "DATABASE_URL": database_url, "LOG_FORMAT": "text", "POLL_INTERVAL_S": "0.2",
-        "PYTHONPATH": f"{REPO}:{FIXTURES}", "FW_FAULT_HANG_S": "3", "FW_FAULT_AGENT_HANG_S": "2.5",
-        "ENV_REPLY_MARGIN_S": "10",  # an env call's reply is waited for this long past its limit
-    })
-    engine = make_engine(database_url)
-    try:
-        stack.start(services=["env-worker", "rollout-worker", "controller"])
-        stack.wait_healthy(90)
+    env = {"PYTHONPATH": f"{REPO}:{FIXTURES}", "FW_FAULT_HANG_S": "3", "FW_FAULT_AGENT_HANG_S": "2.5",
+           "ENV_REPLY_MARGIN_S": "10"}  # an env call's reply is waited for this long past its limit
+    with mock_llm_stack(tmp, redis_url, database_url, ["env-worker", "rollout-worker", "controller"], env=env) as live:
+        engine, stack = live["engine"], live["stack"]
         for seed, name in enumerate(["shared", *FAULTS], start=1):  # own task ids per fault run (see below)
             register_dataset(engine, f"faults-{name}", TASKS, seed=seed)
         register_dataset(engine, "faults-smoke40", 40, seed=99)  # a 40-unit smoke run's dataset
         pids = {name: stack.instance(name).proc.pid for name in ("env-worker", "rollout-worker")}
         api = start_api(database_url, redis_url, tmp / "api", controller=False)
-        yield {"stack": stack, "engine": engine, "model": model, "llm": f"http://127.0.0.1:{port}/v1", "pids": pids,
-               "api": api, "tmp": tmp}
-    finally:
-        if "api" in locals():
+        try:
+            yield live | {"pids": pids, "api": api, "tmp": tmp}
+        finally:
             api.stop()
-        stack.stop()
-        mock.terminate()
-        mock.wait(10)
-        engine.dispose()
 
 
 def config(live, name: str, env: str, agent: str, dataset: str = "", **overrides) -> dict:

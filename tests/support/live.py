@@ -2,12 +2,12 @@
 vllm.py) and the system tests (tests/e2e/test_fuzz_streams.py, test_user_code_faults.py, ...):
 
     mock = start_mock_llm(port, latency_ms=50)                              # OpenAI-compatible, token ids
+    with mock_llm_stack(tmp, redis_url, database_url, services) as live:   # model + mock + services
     register_dataset(engine, "arith", 100)                                  # builtin arithmetic rows
     run_id = insert_run(engine, config)                                    # what POST /v1/runs does
     wait_run_ended(engine, run_id, 120); accounting(engine, run_id)        # judged by tests.support.audit
 
-The servers come from infra.local.servers, the services from infra.local.stack.LocalStack, the model from
-tests.support.tiny_model.
+The servers: infra.local.servers; the services: infra.local.stack.LocalStack; the model: tests.support.tiny_model.
 """
 
 from __future__ import annotations
@@ -35,6 +35,33 @@ def start_mock_llm(port: int, latency_ms: float, answer: str = "The answer is \\
                                *(["--tokenizer", tokenizer] if tokenizer else [])])
     wait_port(port, proc)
     return proc
+
+
+@contextlib.contextmanager
+def mock_llm_stack(tmp: Path, redis_url: str, database_url: str, services: list[str], *, latency_ms: float = 5,
+                   answer: str | None = None, env: dict | None = None, healthy_s: float = 90):
+    """A tiny model, the mock LLM and `services` of the local stack on these Redis/Postgres URLs (text logs, 0.2 s
+    polls, `env` on top); yields {stack, engine, model, llm (the mock's base URL)}; everything stopped after."""
+    from infra.local.ports import free_port
+    from infra.local.stack import LocalStack
+    from shared.platform.db.session import make_engine
+    from tests.support.tiny_model import build_tiny_model
+
+    model = str(build_tiny_model(tmp / "model"))
+    port = free_port()
+    mock = start_mock_llm(port, latency_ms, **({"answer": answer} if answer is not None else {}))
+    stack = LocalStack(tmp / "stack", env={"REDIS_URL": redis_url, "DATABASE_URL": database_url, "LOG_FORMAT": "text",
+                                           "RUNS_POLL_S": "0.2", "POLL_INTERVAL_S": "0.2", **(env or {})})
+    engine = make_engine(database_url)
+    try:
+        stack.start(services=services)
+        stack.wait_healthy(healthy_s)
+        yield {"stack": stack, "engine": engine, "model": model, "llm": f"http://127.0.0.1:{port}/v1"}
+    finally:
+        stack.stop()
+        mock.terminate()
+        mock.wait(10)
+        engine.dispose()
 
 
 def register_dataset(engine: Engine, name: str, n: int, split: str = "test", seed: int = 0) -> None:
