@@ -12,7 +12,7 @@ DEMO_ARGS ?=
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 
-.PHONY: sandbox-deps bench-sandbox browser-deps install vllm-venv up demo demo-lora demo-agent demo-multiturn test test-fast test-unit test-contract test-component test-e2e test-learning test-chaos test-browser test-gpu lint bench-rollout bench-train bench-lora bench-lora-runs bench-load bench-long bench-vllm chaos gpu-smoke clean
+.PHONY: sandbox-deps bench-sandbox browser-deps install vllm-venv up demo demo-lora demo-agent demo-multiturn demo-multiturn-8 test test-fast test-unit test-contract test-component test-e2e test-learning test-chaos test-browser test-gpu lint bench-rollout bench-train bench-lora bench-lora-runs bench-load bench-long bench-vllm chaos gpu-smoke clean
 
 install: $(VENV)/.installed sandbox-deps
 
@@ -63,6 +63,11 @@ demo-lora: install
 
 demo-multiturn: install  # DEMO_ARGS="--keep-last-turns 1": an agent that drops old turns (a context rewrite a turn)
 	$(PY) -m tests.support.demo_multiturn $(DEMO_ARGS)
+
+# Eight turns, reward 1 only when every turn is right, tasks of 1 or 8 turns, an agent keeping its newest turn.
+demo-multiturn-8: install
+	$(PY) -m tests.support.demo_multiturn --turns 8 --lengths 1,8 --all-or-nothing --keep-last-turns 1 --steps 150 \
+	  --out bench/results/demo_multiturn_8.json
 
 # An unmodified OpenAI-SDK agent program learns the demo task through the gateway; then the gateway's overhead.
 demo-agent: install
