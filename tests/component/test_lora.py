@@ -403,9 +403,13 @@ def test_lora_runs_over_one_base_share_one_trainer_engine_and_train_as_if_alone(
         Learner(engine, algo, tokenizer.pad_token_id).step(buffer.complete_groups(), k)
 
     def build(run: str | None = None):
-        torch.manual_seed(1)  # the same fresh adapter (verl draws LoRA A at random) for every engine
+        # the same fresh adapter (verl draws LoRA A at random) for every engine: open_engine seeds with the run's
+        # seed just before it builds, the engine of its own is built under the same seed
         options = {"group_size": 8, "micro_batch_size": 32, "lr_warmup_steps": 3}  # a schedule per run
-        return open_engine(run, str(model), algo, **options) if run else PolicyEngine(str(model), algo, **options)
+        if run:
+            return open_engine(run, str(model), algo, seed=1, **options)
+        torch.manual_seed(1)
+        return PolicyEngine(str(model), algo, **options)
 
     alone = {}
     for run in "ab":

@@ -7,6 +7,7 @@ clear refusal of operations not served yet.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 
@@ -42,8 +43,24 @@ def new_token(api, scopes: list[str]) -> str:
         return r.json()["token"]
 
 
+OPEN: list = []  # the SDK clients of the running test
+
+
+@pytest.fixture(autouse=True)
+def _close_clients():
+    """Each SDK client closed after its test: its session's heartbeat thread would outlive the API process and
+    warn in every later test of this pytest worker."""
+    yield
+    while OPEN:
+        with contextlib.suppress(Exception):
+            OPEN.pop().close("success").result(timeout=10)
+
+
 def sdk(api, token: str | None = None) -> tinker.ServiceClient:
-    return tinker.ServiceClient(base_url=api.url, api_key="tml-" + (token or api.token))
+    """A client of `api` with this key (None: configured from TINKER_BASE_URL / TINKER_API_KEY)."""
+    client = tinker.ServiceClient(**({"base_url": api.url, "api_key": "tml-" + (token or api.token)} if api else {}))
+    OPEN.append(client)
+    return client
 
 
 def capabilities(api, token: str | None = None):
@@ -167,5 +184,5 @@ def test_operations_not_served_yet_say_so(api):
 def test_the_sdk_configured_from_its_environment(api, monkeypatch):
     monkeypatch.setenv("TINKER_BASE_URL", api.url)
     monkeypatch.setenv("TINKER_API_KEY", "tml-" + api.token)
-    training = tinker.ServiceClient().create_lora_training_client(base_model="tiny-qwen", rank=2).result(timeout=30)
+    training = sdk(None).create_lora_training_client(base_model="tiny-qwen", rank=2).result(timeout=30)
     assert training.get_info().lora_rank == 2
