@@ -2,7 +2,8 @@
 
 Every poll_interval_s: renew or take run leases, refresh the rollout capacity, say why a run stalls; then per
 run one pass in one transaction (`dispatch_pass`): apply ledger rows that ended, move the run's status,
-dispatch into the window (ledger rows first, then XADD). A slot out of attempts of a training run is announced
+dispatch into the window (ledger rows first, then XADD; the rows a controller died before publishing are
+published by the one that takes the run over). A slot out of attempts of a training run is announced
 on `results.accepted` after its `final_failure` event commits. Every reconcile_interval_s, dispatched tasks
 whose lease expired are marked lost (re-dispatched as attempt+1 while attempts remain).
 
@@ -146,6 +147,9 @@ class DispatchLoop:
             for task_id, sample_idx in driver.errored:
                 lifecycle.group_cannot_complete(driver, task_id, sample_idx,
                                                 driver.states[(task_id, sample_idx)].attempt)
+            lease_s = cfg.trajectory_timeout_s + self.cfg.ledger_lease_margin_s
+            driver.unpublished = [rollout_task(driver, driver.states[(t, s)].slot, a, v, lease_s)
+                                  for t, s, a, v in queries.take_unpublished(conn, row.id, lease_s)]
         return driver
 
     # -- one pass per run ------------------------------------------------------------------------------------
@@ -163,20 +167,37 @@ class DispatchLoop:
         if d.status in TERMINAL_RUN_STATUSES or d.stale:
             self.drop(d.run_id)  # finished, or the ledger changed under us: rebuilt at the next poll
         await self.announce_final_failures(d)
-        if tasks:
-            try:
-                await self.bus.publish_many(ROLLOUT_TASKS, tasks)
-            except RedisError as e:  # ledger rows stay dispatched; reconciliation re-dispatches them
-                log.warning("publish of %d tasks failed: %r", len(tasks), e, extra={"run_id": d.run_id})
-                return
+        if await self.publish(d, tasks):
             DISPATCHED.inc(len(tasks))
             DISPATCH_LATENCY.observe(time.perf_counter() - started)
         IN_FLIGHT.labels(d.run_id).set(len(d.in_flight))
+
+    async def publish(self, d: RunDriver, tasks: list[RolloutTask]) -> bool:
+        """XADD the tasks just committed to the ledger, with those whose XADD failed before (still in flight);
+        False if it fails again: they stay the driver's to publish at the next pass. The ledger learns at the
+        next pass which were published; rows a dead controller never marked are published again by the one
+        that takes the run over (`load_driver`), and the store keeps one result of a task run twice."""
+        live = set(d.in_flight_keys()) if d.status in ("running", "paused") else set()  # a stopping run's are cancelled
+        tasks = [t for t in d.unpublished if (t.task_id, t.sample_idx, t.attempt) in live] + tasks
+        d.unpublished = []
+        if not tasks:
+            return False
+        try:
+            await self.bus.publish_many(ROLLOUT_TASKS, tasks)
+        except RedisError as e:
+            log.warning("publish of %d tasks failed, tried again next pass: %r", len(tasks), e,
+                        extra={"run_id": d.run_id})
+            d.unpublished = tasks
+            return False
+        d.published += [(t.task_id, t.sample_idx, t.attempt) for t in tasks]
+        return True
 
     def dispatch_pass(self, d: RunDriver, stored_here: list[tuple]) -> list[RolloutTask]:
         """One transaction: apply what ended, move the run's status, insert the ledger rows of the tasks to
         publish (returned; published after the commit)."""
         with self.db.begin() as conn:
+            queries.mark_published(conn, d.run_id, d.published)
+            d.published = []
             # Results our own store loop committed are applied as they come; the ledger itself (results other
             # controllers stored, dead-lettered tasks) is read every poll_interval_s. Reading it on every pass
             # cost a query per pass that grew with the run.
@@ -220,14 +241,8 @@ class DispatchLoop:
             d.stale = True
         # The ledger's lease started at Postgres' now() in the insert above, so now + lease_s is no earlier than
         # it (up to clock skew): a worker that skips the task past this time skips only what the ledger expires.
-        now = time.time()
-        return [
-            RolloutTask(run_id=d.run_id, task_id=s.task_id, sample_idx=s.sample_idx, attempt=a,
-                        task=d.task_data[s.task_id], batch_idx=s.batch_idx, dispatch_version=d.policy_version,
-                        greedy=s.greedy, dispatched_at=now, deadline_s=d.cfg.trajectory_timeout_s,
-                        lease_expires_at=now + lease_s, traceparent=dispatch_span(d, s, a))
-            for s, a in items if (s.task_id, s.sample_idx, a) in inserted
-        ]
+        return [rollout_task(d, s, a, d.policy_version, lease_s)
+                for s, a in items if (s.task_id, s.sample_idx, a) in inserted]
 
     async def announce_final_failures(self, d: RunDriver) -> None:
         """Tell the trainer which slots are out of attempts (their groups can never complete). Called after the
@@ -357,6 +372,14 @@ class DispatchLoop:
     def health(self) -> dict:
         return {rid: {"status": d.status, "in_flight": len(d.in_flight), "completed": d.num_completed,
                       "policy_version": d.policy_version} for rid, d in self.drivers.items()}
+
+
+def rollout_task(d: RunDriver, s: Slot, attempt: int, version: int, lease_s: float) -> RolloutTask:
+    now = time.time()
+    return RolloutTask(run_id=d.run_id, task_id=s.task_id, sample_idx=s.sample_idx, attempt=attempt,
+                       task=d.task_data[s.task_id], batch_idx=s.batch_idx, dispatch_version=version,
+                       greedy=s.greedy, dispatched_at=now, deadline_s=d.cfg.trajectory_timeout_s,
+                       lease_expires_at=now + lease_s, traceparent=dispatch_span(d, s, attempt))
 
 
 def dispatch_span(d: RunDriver, s: Slot, attempt: int) -> str | None:

@@ -12,6 +12,7 @@ More: docs/architecture.md#the-ledger
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 from pydantic import ValidationError
@@ -311,6 +312,28 @@ def insert_dispatched(conn: Connection, run_id: str, items: list[tuple[Slot, int
     ), {"r": run_id, "v": version, "lease": lease_s, "t": list(cols[0]), "s": list(cols[1]), "a": list(cols[2]),
         "b": list(cols[3]), "e": list(cols[4]), "g": list(cols[5])}).all()
     return {tuple(r) for r in rows}
+
+
+def mark_published(conn: Connection, run_id: str, keys: list[tuple[str, int, int]]) -> None:
+    """These (task, sample, attempt) rows' tasks are on `rollout.tasks` (their XADD returned)."""
+    if not keys:
+        return
+    tasks, samples, attempts = (list(c) for c in zip(*keys, strict=True))
+    conn.execute(text(  # hand-tuned: one array per key column (unnest)
+        """UPDATE rollout_tasks t SET published_at = now()
+           FROM unnest(CAST(:t AS text[]), CAST(:s AS int[]), CAST(:a AS int[])) AS k(task_id, sample_idx, attempt)
+           WHERE t.run_id = :r AND (t.task_id, t.sample_idx, t.attempt) = (k.task_id, k.sample_idx, k.attempt)"""
+    ), {"r": run_id, "t": tasks, "s": samples, "a": attempts})
+
+
+def take_unpublished(conn: Connection, run_id: str, lease_s: float) -> list[tuple[str, int, int, int]]:
+    """Dispatched rows whose task was never known to be published (a controller died between the ledger commit
+    and the XADD), their lease renewed for `lease_s` from now: (task, sample, attempt, dispatch_version)."""
+    t = RolloutTaskRow
+    return [tuple(r) for r in conn.execute(
+        update(t).where(t.run_id == run_id, t.status == "dispatched", t.published_at.is_(None))
+        .values(lease_expires_at=func.now() + timedelta(seconds=lease_s))
+        .returning(t.task_id, t.sample_idx, t.attempt, t.dispatch_version)).all()]
 
 
 def dropped_groups(conn: Connection, run_id: str, final_failed: list[tuple[str, int]]) -> int:

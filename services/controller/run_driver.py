@@ -50,6 +50,8 @@ class RunDriver:
         self.recount_dropped = False  # the trainer reported dropped groups since the last count
         self.trainer_error: str | None = None  # a trainer reported it cannot train this run (trainer.progress)
         self.notices: list = []  # AcceptedResult notices of final failures, published after their commit
+        self.unpublished: list = []  # RolloutTasks committed to the ledger whose XADD has not succeeded yet
+        self.published: list[tuple[str, int, int]] = []  # keys published, marked so in the ledger at the next pass
         self.errored: set[SlotKey] = set()  # slots whose user code failed (final, not scored)
         self.failure_streak: dict[str, int] = {}  # reason -> failed/errored attempts since the last completed one
         self.fail_reason: str | None = None  # set once a reason's streak reaches the run's fail-fast threshold

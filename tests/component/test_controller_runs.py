@@ -606,6 +606,29 @@ async def test_controller_sigkill_and_restart_loses_and_doubles_nothing(engine, 
     assert run_row(engine, run).summary["pass@k"]["1"] == 1.0
 
 
+async def test_rows_a_dead_controller_committed_but_never_published_are_published_by_the_next(
+        engine, redis_client, start_controller):
+    """A controller killed between its ledger commit and its XADD left rows dispatched and their tasks nowhere;
+    the controller that takes the run over publishes them at once (their lease, the run's 600 s trajectory
+    timeout, is not waited out), each as the same attempt, and marks every row it published."""
+    run = add_run(engine, add_dataset(engine, 6), kind="eval", samples_per_task=1, max_in_flight=8)
+    with engine.begin() as c:  # what the dead controller committed: the run running, three rows, no XADD
+        c.execute(text("UPDATE runs SET status = 'running' WHERE id = :r"), {"r": run})
+        c.execute(text("""INSERT INTO rollout_tasks (run_id, task_id, sample_idx, attempt, status, batch_idx, epoch,
+                                                     greedy, dispatch_version, lease_expires_at)
+                          SELECT :r, 't' || i, 0, 0, 'dispatched', 0, 0, false, 0, now() + interval '600 seconds'
+                          FROM generate_series(0, 2) AS i"""), {"r": run})
+    start_controller()
+    async with FakeRolloutWorker(redis_client, run, lambda t: "correct") as worker:
+        await wait_until_async(lambda: run_row(engine, run).status == "completed", 30, "completed")
+    assert sorted((t.task_id, t.attempt) for t in worker.received) == [(f"t{i}", 0) for i in range(6)]
+    assert sorted(stored_keys(engine, run)) == [(f"t{i}", 0) for i in range(6)]
+    assert events(engine, run, "lost") == []
+    with engine.connect() as c:
+        assert c.execute(text("SELECT count(*) FROM rollout_tasks WHERE run_id = :r AND published_at IS NULL"),
+                         {"r": run}).scalar_one() == 0
+
+
 # -- stalls: a running run that makes no progress says why -------------------------------------------------------
 async def wait_stall(engine, run_id: str, prefix: str | None, timeout: float = 20.0) -> Run:
     what = f"stall_reason starting {prefix!r}"

@@ -161,6 +161,9 @@ class RolloutTaskRow(Base):
     dispatch_version: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
     dispatched_at: Mapped[datetime] = _now()
     lease_expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # NULL from the ledger insert until the task is known to be on `rollout.tasks`: a controller that dies in
+    # between leaves such rows, and the controller that takes the run over publishes them again.
+    published_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     worker_id: Mapped[str | None] = mapped_column(String(200))
     error: Mapped[str | None] = mapped_column(Text)
