@@ -1,4 +1,4 @@
-# The interface: install, up, demo, test (test-fast, test-<tier>), lint, bench-rollout, bench-train, chaos, gpu-smoke,
+# The interface: install, up, demo, test (test-fast, test-<tier>), lint, bench-rollout, bench-train, chaos, chaos-net, gpu-smoke,
 # gpu-check.
 # Every target does its own set-up on a fresh machine (`install` is a prerequisite).
 SHELL := /bin/bash
@@ -12,7 +12,7 @@ DEMO_ARGS ?=
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 
-.PHONY: sandbox-deps bench-sandbox browser-deps install vllm-venv up demo demo-lora demo-agent demo-multiturn demo-multiturn-8 test test-fast test-unit test-contract test-component test-e2e test-learning test-chaos test-browser test-gpu lint bench-rollout bench-train bench-lora bench-lora-runs bench-load bench-long bench-vllm chaos gpu-smoke clean
+.PHONY: sandbox-deps bench-sandbox browser-deps install vllm-venv up demo demo-lora demo-agent demo-multiturn demo-multiturn-8 test test-fast test-unit test-contract test-component test-e2e test-learning test-chaos test-browser test-gpu lint bench-rollout bench-train bench-lora bench-lora-runs bench-load bench-long bench-vllm chaos chaos-net gpu-smoke clean
 
 install: $(VENV)/.installed sandbox-deps
 
@@ -169,6 +169,10 @@ bench-vllm: install vllm-venv
 
 chaos: install
 	$(PY) -m tests.support.chaos
+
+# Network faults (root: network namespaces, tc): partitions between the services' hosts, into bench/results/chaos.json
+chaos-net: install
+	$(PY) -m tests.support.chaos_net
 
 gpu-smoke: install
 	$(PY) -m tests.support.gpu_smoke --diff

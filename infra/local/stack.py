@@ -505,11 +505,11 @@ class LocalStack:
 
     @property
     def api_url(self) -> str:
-        return f"http://127.0.0.1:{self.instance('api').port}"
+        return self.instance("api").url
 
     @property
     def weight_server_url(self) -> str:
-        return f"http://127.0.0.1:{self.instance('weight-server').port}"
+        return self.instance("weight-server").url
 
 
 def _healthy(http: httpx.Client, url: str) -> bool:

@@ -192,6 +192,10 @@ class Chaos:
                 counts["versions_trained"] = self.progress()
         return counts
 
+    def observed(self) -> dict:
+        """What a scenario noted while its fault lasted, for the report (none here)."""
+        return {}
+
     # -- teardown ----------------------------------------------------------------------------------------------
     def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -265,11 +269,13 @@ SCENARIOS = [
 
 
 def run_scenario(scenario: Scenario, tasks: int = 60, samples: int = 2, latency_ms: float = 400,
-                 timeout_s: float = 240) -> dict:
+                 timeout_s: float = 240, system: type[Chaos] | None = None) -> dict:
+    """`system`: the Chaos class that builds the system (tests/support/chaos_net.py's puts each service on a
+    host of its own)."""
     tmp = Path(tempfile.mkdtemp(prefix=f"fw-chaos-{scenario.name}-"))
-    chaos = Chaos(tmp, tasks, samples, latency_ms, scenario.kind)
     t0 = time.monotonic()
     result: dict = {"name": scenario.name, "fault": scenario.doc, "run": scenario.kind}
+    chaos = (system or Chaos)(tmp, tasks, samples, latency_ms, scenario.kind)
     try:
         chaos.start()
         chaos.wait_progress(2 if scenario.kind == "train" else max(1, tasks * samples // 5))
@@ -278,6 +284,7 @@ def run_scenario(scenario: Scenario, tasks: int = 60, samples: int = 2, latency_
         result["recovery_s"] = chaos.wait_progress_after(baseline, timeout_s)
         result["completed"] = chaos.wait_done(timeout_s)
         result.update(chaos.accounting())
+        result.update(chaos.observed())
     except Exception as e:  # a scenario that breaks is reported as such, the suite goes on
         result.update(completed=False, error=f"{type(e).__name__}: {e}")
         with contextlib.suppress(Exception):

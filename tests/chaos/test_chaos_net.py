@@ -1,0 +1,48 @@
+"""Each network fault of tests/support/chaos_net.py as a test: the services on hosts of their own (network
+namespaces), a link cut for 30 s; the run completes with nothing lost or doubled, and the fault was real (the
+run's progress or its stall reason shows it). `make chaos-net` runs the same and writes bench/results/chaos.json.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+from tests.support.chaos_net import NET_SCENARIOS, run_net_scenario
+
+pytestmark = [pytest.mark.chaos, pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("socat"),
+                                                    reason="network namespaces and tc need root; socat forwards")]
+BY_NAME = {s.name: s for s in NET_SCENARIOS}
+
+
+def run(name: str) -> dict:
+    result = run_net_scenario(BY_NAME[name], tasks=40, samples=2)
+    assert result.get("completed"), result
+    assert result["dispatched"] == 80 and result["stored"] == 80, result
+    assert result["lost"] == 0 and result["duplicates"] == 0, result
+    assert result["recovery_s"] is not None, result
+    return result
+
+
+@pytest.mark.timeout(600)
+def test_rollout_host_cut_off_from_redis():
+    result = run("rollout_redis_partition_30s")
+    assert any(r.startswith("no live rollout worker") for r in result["stall_reasons_during_fault"]), result
+
+
+@pytest.mark.timeout(600)
+def test_controller_cut_off_from_postgres():
+    result = run("controller_postgres_partition_30s")
+    start, end = result["progress_at_fault_start_end"]
+    assert start == end, result  # nothing stored while the controller could not reach Postgres: the cut was real
+
+
+@pytest.mark.timeout(600)
+def test_api_cut_off_from_redis_while_runs_are_started_and_paused():
+    result = run("api_redis_partition_30s")
+    calls = {c["call"]: c for c in result["side_run_calls"]}
+    for during in ("start during the partition", "pause during the partition"):
+        assert calls[during]["status"] == 503 and "Redis is unreachable" in calls[during]["said"], result
+    assert calls["start after it"]["status"] == 201 and calls["stop after it"]["status"] == 200, result

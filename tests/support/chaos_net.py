@@ -1,0 +1,255 @@
+"""Network faults between the services' hosts: `make chaos-net` -> its scenarios in bench/results/chaos.json
+
+    python -m tests.support.chaos_net [--only rollout_redis_partition_30s] [--tasks 40] [--samples 2]
+
+Each service runs on a host of its own, a network namespace of tests/support/netns.py joined to the others by a
+bridge: `data` (Redis and PostgreSQL, reached over TCP at its address: socat forwards each port to the
+server's unix socket), `controller`, `rollout` (both rollout workers and the mock LLM), `env` (both env workers),
+`api` (the API and the Celery worker), and `observer`, where this harness runs. A partition drops every packet
+between two hosts on one port, both ways (a u32 filter on each end's link into a queue that holds nothing), so
+connections hang as they do when a network splits, rather than being refused. Per scenario the report adds
+`partitioned_s`, the stall reason the run showed while it lasted, and `recovery_s` from the fault's end to
+progress again. Scenario bring-up, accounting and the report are tests/support/chaos.py's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from sqlalchemy.engine import make_url
+
+from infra.local.servers import PostgresServer, RedisServer
+from tests.support.chaos import RESULTS, SERVICE_ENV, Chaos, Scenario, run_scenario
+from tests.support.netns import NETNS_DIR, ShapedNetwork
+
+HOSTS = ["data", "observer", "controller", "rollout", "env", "api"]
+WHERE = {"controller": "controller", "rollout-worker": "rollout", "env-worker": "env", "api": "api", "jobs": "api"}
+PORTS = {"redis": 6379, "postgres": 5432}
+FAULT_S = 30.0
+
+
+class NetChaos(Chaos):
+    """tests/support/chaos.py's live system, each service on its own host of a bridged network."""
+
+    def __init__(self, tmp: Path, tasks: int, samples: int, latency_ms: float, kind: str = "eval"):
+        from infra.local.stack import LocalStack, Placement
+
+        self.tmp, self.tasks, self.samples, self.latency_ms, self.kind = tmp, tasks, samples, latency_ms, kind
+        self.mock, self.run_id, self.engine = None, "", None
+        self.stall_reasons: list[str] = []
+        self.side_calls: list[tuple[str, int, float, str]] = []  # REST calls a scenario made: what each answered
+        self.side_run = ""
+        self.progress_during: list[int] = []  # the run's progress as each fault began and as it ended
+        self.net = ShapedNetwork(HOSTS, rate="10gbit").__enter__()
+        self.forwarders: list[subprocess.Popen] = []
+        self.observer = self.net.entered("observer")
+        try:
+            self.redis = RedisServer(tmp / "redis", unix_socket=True)
+            self.postgres = PostgresServer(tmp / "postgres")
+            self.redis.start()
+            self.postgres.start()
+            data = self.net.address("data")
+            pg = make_url(self.postgres.url)
+            pg_socket = Path(pg.query["host"]) / f".s.PGSQL.{pg.port or 5432}"
+            self._forward(PORTS["redis"], self.redis.socket)
+            self._forward(PORTS["postgres"], pg_socket)
+            database_url = pg.set(host=data, port=PORTS["postgres"], query={}).render_as_string(hide_password=False)
+            self.observer.__enter__()  # from here on this thread (and what it starts) lives on `observer`
+
+            def placement(name: str, index: int) -> Placement:
+                # nsenter, not `ip netns exec`: that one mounts a sysfs of its own, without the cgroups the env
+                # worker's sandbox limits processes with
+                host = WHERE[name]
+                return Placement(("nsenter", f"--net={NETNS_DIR / self.net.ns(host)}"), self.net.address(host))
+
+            self.stack = LocalStack(tmp / "stack", placement=placement, env={
+                **SERVICE_ENV, "STALL_AFTER_S": "10",  # the run says why it stalls while a 30 s fault lasts
+                "REDIS_URL": f"redis://{data}:{PORTS['redis']}/0", "DATABASE_URL": database_url})
+        except BaseException:
+            self._close_net()
+            raise
+
+    def _forward(self, port: int, socket: Path) -> None:
+        self.forwarders.append(subprocess.Popen(
+            [*self.net.exec_prefix("data"), "socat", f"TCP-LISTEN:{port},bind={self.net.address('data')},fork,reuseaddr",
+             f"UNIX-CONNECT:{socket}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+
+    def start(self) -> None:
+        from infra.local.ports import free_port
+        from shared.platform.db.session import make_engine
+        from tests.support.live import start_mock_llm
+
+        model_dir = self._tokenizer()
+        mock_port = free_port()
+        with self.net.entered("rollout"):  # beside the rollout workers: their 127.0.0.1
+            self.mock = start_mock_llm(mock_port, self.latency_ms)
+        self.stack.start(services=["api", "jobs", "controller", "env-worker", "rollout-worker"],
+                         counts={"rollout-worker": 2, "env-worker": 2})
+        self.stack.wait_healthy(120)
+        self.engine = make_engine(self.postgres.url)  # the harness reads Postgres on its unix socket: no partition
+        self._dataset()
+        self.run_id = self._start_run(model_dir, f"http://127.0.0.1:{mock_port}/v1")
+
+    # -- faults ------------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def partitioned(self, host: str, service: str):
+        """No packet between `host` and `data` on the service's port, either way, inside the block."""
+        port, data = PORTS[service], self.net.address("data")
+        self.progress_during.append(self.progress())
+        self._drop(self.net.ns(host), f"match ip dst {data}/32 match ip dport {port} 0xffff")
+        self._drop(self.net.ns("data"), f"match ip dst {self.net.address(host)}/32 match ip sport {port} 0xffff")
+        try:
+            yield
+        finally:
+            self.progress_during.append(self.progress())
+            for ns in (self.net.ns(host), self.net.ns("data")):
+                self.net.shape(ns, "eth0")  # the plain shaped link again: the filter and its queue go with it
+
+    @staticmethod
+    def _drop(ns: str, match: str) -> None:
+        """Packets leaving `ns`'s link that `match` (a u32 match) selects are dropped: classed by an htb root into
+        a class whose queue holds none (pfifo limit 0). Built from htb, u32 and pfifo because those are what
+        this kernel has: no netem, prio or gact module is loaded here."""
+        tc = ["ip", "netns", "exec", ns, "tc"]
+        for args in ("qdisc replace dev eth0 root handle 1: htb default 10",
+                     "class add dev eth0 parent 1: classid 1:10 htb rate 10gbit",
+                     "class add dev eth0 parent 1: classid 1:30 htb rate 10gbit",
+                     "qdisc add dev eth0 parent 1:30 handle 30: pfifo limit 0",
+                     f"filter add dev eth0 parent 1: protocol ip prio 1 u32 {match} flowid 1:30"):
+            subprocess.run([*tc, *args.split()], check=True, capture_output=True)
+
+    def watch_stall(self, seconds: float) -> None:
+        """Sleep `seconds`, noting each distinct stall reason the run shows meanwhile (read on the unix socket)."""
+        from sqlalchemy import text
+
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            with contextlib.suppress(Exception), self.engine.connect() as c:
+                reason = c.execute(text("SELECT stall_reason FROM runs WHERE id = :r"), {"r": self.run_id}).scalar()
+                if reason and reason not in self.stall_reasons:
+                    self.stall_reasons.append(reason)
+            time.sleep(0.5)
+
+    def observed(self) -> dict:
+        out: dict = {"stall_reasons_during_fault": self.stall_reasons, "progress_at_fault_start_end": self.progress_during}
+        if self.side_calls:
+            out["side_run_calls"] = [{"call": c, "status": s, "at_s": t, "said": m} for c, s, t, m in self.side_calls]
+        if self.side_run:
+            from tests.support.live import run_status
+            out["side_run_status"] = run_status(self.engine, self.side_run)
+        return out
+
+    # -- teardown ----------------------------------------------------------------------------------------------
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            self._close_net()
+
+    def _close_net(self) -> None:
+        for proc in self.forwarders:
+            proc.kill()
+            proc.wait()
+        with contextlib.suppress(Exception):
+            self.observer.__exit__(None, None, None)
+        self.net.close()
+
+
+def partition(host: str, service: str, seconds: float = FAULT_S) -> Callable[[NetChaos], None]:
+    def inject(c: NetChaos) -> None:
+        with c.partitioned(host, service):
+            c.watch_stall(seconds)
+    return inject
+
+
+def api_partitioned_while_runs_start_and_stop(c: NetChaos) -> None:
+    """The API host loses Redis while a user starts and stops runs: run commands reach the controller over Redis,
+    so each answers 503 within RUN_COMMAND_WAIT_S saying nothing changed (no run created, none stopped), and
+    once the link is back the same calls succeed; the running run goes on throughout."""
+    config = {"name": "chaos-net-second", "kind": "eval", "model": str(c.tmp / "model"), "dataset": "chaos-arith",
+              "dataset_split": "test", "agent": {"name": "math"}, "env": {"name": "math"}, "max_in_flight": 2,
+              "engine": {"type": "openai", "base_url": "http://127.0.0.1:1/v1"}, "max_attempts": 1}
+    t0 = time.monotonic()
+
+    def call(what: str, method: str, path: str, **kw):
+        resp = api.request(method, path, timeout=60, **kw)
+        said = resp.json().get("message" if resp.status_code >= 400 else "status", "")
+        c.side_calls.append((what, resp.status_code, round(time.monotonic() - t0, 1), str(said)[:300]))
+        return resp
+
+    with c.api() as api:
+        with c.partitioned("api", "redis"):
+            call("start during the partition", "POST", "/v1/runs", json=config)
+            call("pause during the partition", "POST", f"/v1/runs/{c.run_id}/pause")
+            c.watch_stall(max(0.0, FAULT_S - (time.monotonic() - t0)))
+        resp = call("start after it", "POST", "/v1/runs", json=config)
+        if resp.status_code == 201:
+            c.side_run = resp.json()["id"]
+            call("stop after it", "POST", f"/v1/runs/{c.side_run}/stop")
+
+
+NET_SCENARIOS = [
+    Scenario("rollout_redis_partition_30s", partition("rollout", "redis"),
+             "the rollout host (both rollout workers) cut off from Redis for 30 s"),
+    Scenario("controller_postgres_partition_30s", partition("controller", "postgres"),
+             "the controller cut off from PostgreSQL for 30 s"),
+    Scenario("api_redis_partition_30s", api_partitioned_while_runs_start_and_stop,
+             "the API host cut off from Redis for 30 s while runs are started and paused over REST"),
+]
+
+
+def run_net_scenario(scenario: Scenario, tasks: int = 40, samples: int = 2, latency_ms: float = 400) -> dict:
+    # Scenario threads are not this module's: the whole scenario runs on one thread, entered in `observer`.
+    out: dict = {}
+
+    def body() -> None:
+        out.update(run_scenario(scenario, tasks, samples, latency_ms, system=NetChaos))
+    worker = threading.Thread(target=body, name=f"chaos-net-{scenario.name}")
+    worker.start()
+    worker.join()
+    return out
+
+
+def merge_report(results: list[dict], path: Path = RESULTS) -> bool:
+    """Write these scenarios into the chaos report, replacing those of the same name; True if every scenario
+    of the report passed."""
+    report = json.loads(path.read_text()) if path.exists() else {"scenarios": []}
+    names = {r["name"] for r in results}
+    report["scenarios"] = [s for s in report["scenarios"] if s["name"] not in names] + results
+    report["all_passed"] = all(s.get("completed") and s.get("lost") == 0 and s.get("duplicates") == 0
+                               for s in report["scenarios"])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    return report["all_passed"]
+
+
+def main() -> None:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", default="", help="comma-separated scenario names (default: all)")
+    ap.add_argument("--tasks", type=int, default=40)
+    ap.add_argument("--samples", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    args = ap.parse_args()
+    results = []
+    for scenario in [s for s in NET_SCENARIOS if not args.only or s.name in args.only.split(",")]:
+        print(f"== {scenario.name}: {scenario.doc}", flush=True)
+        results.append(run_net_scenario(scenario, args.tasks, args.samples))
+        print(json.dumps(results[-1]), flush=True)
+    ok = all(r.get("completed") and r.get("lost") == 0 and r.get("duplicates") == 0 for r in results)
+    merge_report(results, args.out)
+    print(f"wrote {args.out}; every network scenario completed with nothing lost or doubled: {ok}")
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
