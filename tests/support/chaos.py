@@ -299,6 +299,19 @@ def run_scenario(scenario: Scenario, tasks: int = 60, samples: int = 2, latency_
     return result
 
 
+def merge_report(results: list[dict], path: Path = RESULTS) -> bool:
+    """Write these scenarios into the chaos report, replacing those of the same name; True if every scenario
+    of the report passed."""
+    report = json.loads(path.read_text()) if path.exists() else {"scenarios": []}
+    names = {r["name"] for r in results}
+    report["scenarios"] = [s for s in report["scenarios"] if s["name"] not in names] + results
+    report["all_passed"] = all(s.get("completed") and s.get("lost") == 0 and s.get("duplicates") == 0
+                               for s in report["scenarios"])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    return report["all_passed"]
+
+
 def main() -> None:
     # SIGTERM unwinds like Ctrl-C, so each scenario's `finally` stops its services and servers.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -317,8 +330,7 @@ def main() -> None:
         print(json.dumps(result), flush=True)
         report.append(result)
     ok = all(r.get("completed") and r.get("lost") == 0 and r.get("duplicates") == 0 for r in report)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"scenarios": report, "all_passed": ok}, indent=2) + "\n")
+    merge_report(report, args.out)
     print(f"wrote {args.out}; all scenarios completed with nothing lost or doubled: {ok}")
     sys.exit(0 if ok else 1)
 

@@ -28,7 +28,7 @@ from pathlib import Path
 from sqlalchemy.engine import make_url
 
 from infra.local.servers import PostgresServer, RedisServer
-from tests.support.chaos import RESULTS, SERVICE_ENV, Chaos, Scenario, run_scenario
+from tests.support.chaos import RESULTS, SERVICE_ENV, Chaos, Scenario, merge_report, run_scenario
 from tests.support.netns import NETNS_DIR, ShapedNetwork
 
 HOSTS = ["data", "observer", "controller", "rollout", "env", "api"]
@@ -217,19 +217,6 @@ def run_net_scenario(scenario: Scenario, tasks: int = 40, samples: int = 2, late
     worker.start()
     worker.join()
     return out
-
-
-def merge_report(results: list[dict], path: Path = RESULTS) -> bool:
-    """Write these scenarios into the chaos report, replacing those of the same name; True if every scenario
-    of the report passed."""
-    report = json.loads(path.read_text()) if path.exists() else {"scenarios": []}
-    names = {r["name"] for r in results}
-    report["scenarios"] = [s for s in report["scenarios"] if s["name"] not in names] + results
-    report["all_passed"] = all(s.get("completed") and s.get("lost") == 0 and s.get("duplicates") == 0
-                               for s in report["scenarios"])
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2) + "\n")
-    return report["all_passed"]
 
 
 def main() -> None:
