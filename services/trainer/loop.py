@@ -35,7 +35,9 @@ from shared.contracts.run_config import RunConfig
 from shared.contracts.streams import ACCEPTED_RESULTS, GROUP_TRAIN, RUN_CONTROL, TRAINER_PROGRESS
 from shared.platform import tracing
 from shared.platform.bus import Delivery, Redis, RedisError, StreamBus, StreamConsumer
+from shared.platform.db.session import DB_DOWN
 from shared.platform.logs import get_logger
+from shared.platform.service import sleep_or_stop
 from shared.weights.manifest import BaseModelRef, base_model_digest
 
 log = get_logger(__name__)
@@ -104,6 +106,14 @@ class Trainer:
     async def serve(self, stop: asyncio.Event) -> None:
         await self.consumer.start()
         await self.control.start()
+        while not stop.is_set():
+            try:
+                await self.train(stop)
+            except DB_DOWN as e:
+                await self.outage(stop, e)
+        await self.close()
+
+    async def train(self, stop: asyncio.Event) -> None:
         await self.refresh_runs()
         next_poll = time.monotonic() + self.settings.runs_poll_s
         while not stop.is_set():
@@ -120,7 +130,26 @@ class Trainer:
             await self.control.process(self.apply_control, await self.control.read())
             for run in list(self.runs.values()):
                 await self.maybe_step(run)
-        await self.close()
+
+    async def outage(self, stop: asyncio.Event, error: Exception) -> None:
+        """Postgres is unreachable. A step cut short by it may have trained the model in memory without its
+        record, so every run is let go as a crash would leave it (its entries pending, its checkpoint on disk)
+        and opened again from that checkpoint once Postgres answers: what a restart does, without one."""
+        log.warning("database unreachable (%r): letting go of %d runs until it answers; each is opened again "
+                    "from its checkpoint", error, len(self.runs))
+        for run_id in list(self.runs):
+            await self.close_run(run_id, release=False)
+        self.foreign.clear()
+        self.claim_due = True  # the let-go runs' entries are pending at this consumer: routed again
+        delay = 1.0
+        while not stop.is_set():
+            await sleep_or_stop(stop, delay)
+            try:
+                await asyncio.to_thread(db.ping, self.db)
+                log.info("database reachable again: opening the runs again")
+                return
+            except DB_DOWN:
+                delay = min(2 * delay, 10.0)
 
     async def claim_pending(self) -> None:
         """Take over every entry the group still has pending (a dead trainer's, ours before a crash) and route
@@ -164,6 +193,8 @@ class Trainer:
         """Train a run whose lease this process holds: load its state, then report its whole record."""
         try:
             run = await self._in_torch(self._build_run, row)
+        except DB_DOWN:  # not the run's fault: opened again once Postgres answers
+            raise
         except Exception as e:  # one bad run (missing checkpoint, bad model path) must not stop the others
             log.exception("cannot train run %s", row.id, extra={"run_id": row.id})
             self.broken[row.id] = repr(e)
@@ -206,6 +237,7 @@ class Trainer:
         ckpts = CheckpointDir(s.state_dir, row.id, s.keep_checkpoints)
         try:
             version = self._recover(row, engine, ckpts)
+            unfinishable = db.unfinishable_groups(self.db, row.id)
         except Exception:
             close_run_engine(row.id)
             raise
@@ -213,7 +245,7 @@ class Trainer:
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
         run = RunState(row.id, config, version, Learner(engine, config.algorithm, pad_id), engine, ckpts,
                        GroupBuffer(config.samples_per_task, need_greedy=config.algorithm.adv_estimator == "remax"))
-        run.unfinishable = db.unfinishable_groups(self.db, row.id)
+        run.unfinishable = unfinishable
         return run
 
     def _recover(self, row: db.RunRow, engine, ckpts: CheckpointDir) -> int:
@@ -235,9 +267,10 @@ class Trainer:
             self._publish(row.id, engine, record.version, record.metrics)
         return record.version
 
-    async def close_run(self, run_id: str, ack_held: bool = False) -> None:
+    async def close_run(self, run_id: str, ack_held: bool = False, release: bool = True) -> None:
         """Forget a run. Held entries are acknowledged when the run ended (else they would pin the stream
-        against trimming); otherwise they stay pending for whichever trainer takes the run next."""
+        against trimming); otherwise they stay pending for whichever trainer takes the run next. `release`:
+        give up its lease now (not while Postgres is unreachable: it lapses, or this trainer renews it)."""
         run = self.runs.pop(run_id, None)
         if run is not None:
             from services.trainer.ranks import close_run_engine
@@ -253,7 +286,8 @@ class Trainer:
                 run.trackers.finish(summary)
                 self.closed_trackers = [t for t in self.closed_trackers if not t.join(0)] + [run.trackers]
             log.info("released run %s at version %d", run_id, run.version, extra={"run_id": run_id})
-        await asyncio.to_thread(db.release_leases, self.db, self.worker_id, [run_id])
+        if release:
+            await asyncio.to_thread(db.release_leases, self.db, self.worker_id, [run_id])
 
     async def close(self) -> None:
         from services.trainer.ranks import stop_followers

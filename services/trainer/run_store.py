@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import uuid
 
-from sqlalchemy import Engine, delete, func, select
+from sqlalchemy import Engine, delete, func, select, text
 from sqlalchemy.dialects.postgresql import insert
 
 from services.trainer.state import SampleRecord, StepRecord
@@ -29,6 +29,12 @@ class RunRow:
     @property
     def trainable(self) -> bool:
         return self.kind == "train" and self.status in ACTIVE
+
+
+def ping(db: Engine) -> None:
+    """Raises (DB_DOWN) while Postgres does not answer."""
+    with db.connect() as c:
+        c.execute(text("SELECT 1"))
 
 
 def load_run(db: Engine, run_id: str) -> RunRow | None:

@@ -25,3 +25,5 @@ def test_scenario_completes_with_nothing_lost_or_doubled(scenario):
     assert result["lost"] == 0 and result["duplicates"] == 0, result
     assert result["stored"] + result["failed_recorded"] == result["dispatched"], result
     assert result["recovery_s"] is not None, result
+    if scenario.kind == "train" and "outage" in scenario.name:  # the trainer rode the outage out, not restarted
+        assert result["exited"] == [], result

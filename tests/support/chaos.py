@@ -193,8 +193,8 @@ class Chaos:
         return counts
 
     def observed(self) -> dict:
-        """What a scenario noted while its fault lasted, for the report (none here)."""
-        return {}
+        """What the report shows beside the accounting: the services that exited (nothing restarts them here)."""
+        return {"exited": [i.label for i in self.stack.instances if not i.alive]}
 
     # -- teardown ----------------------------------------------------------------------------------------------
     def close(self) -> None:
@@ -265,6 +265,8 @@ SCENARIOS = [
     Scenario("sigstop_rollout_worker", sigstop_rollout_worker, "SIGSTOP a rollout worker past the reclaim timeout"),
     Scenario("kill_trainer", kill_and_restart("trainer"), "kill -9 the trainer mid-run, restart: it resumes",
              kind="train"),
+    Scenario("postgres_outage_30s_train", postgres_outage, "stop PostgreSQL for 30 s during a training run: the "
+             "trainer lets its runs go and opens them again from their checkpoints, without a restart", kind="train"),
 ]
 
 

@@ -5,7 +5,8 @@
 Each service runs on a host of its own, a network namespace of tests/support/netns.py joined to the others by a
 bridge: `data` (Redis and PostgreSQL, reached over TCP at its address: socat forwards each port to the
 server's unix socket), `controller`, `rollout` (both rollout workers and the mock LLM), `env` (both env workers),
-`api` (the API and the Celery worker), and `observer`, where this harness runs. A partition drops every packet
+`api` (the API and the Celery worker), `trainer`, `weights` (the weight server: checkpoints cross its link over
+HTTP), and `observer`, where this harness runs. A partition drops every packet
 between two hosts on one port, both ways (a u32 filter on each end's link into a queue that holds nothing), so
 connections hang as they do when a network splits, rather than being refused. Per scenario the report adds
 `partitioned_s`, the stall reason the run showed while it lasted, and `recovery_s` from the fault's end to
@@ -27,12 +28,15 @@ from pathlib import Path
 
 from sqlalchemy.engine import make_url
 
+from infra.local.ports import free_port
 from infra.local.servers import PostgresServer, RedisServer
 from tests.support.chaos import RESULTS, SERVICE_ENV, Chaos, Scenario, merge_report, run_scenario
 from tests.support.netns import NETNS_DIR, ShapedNetwork
+from tests.support.procs import wait_until
 
-HOSTS = ["data", "observer", "controller", "rollout", "env", "api"]
-WHERE = {"controller": "controller", "rollout-worker": "rollout", "env-worker": "env", "api": "api", "jobs": "api"}
+HOSTS = ["data", "observer", "controller", "rollout", "env", "api", "trainer", "weights"]
+WHERE = {"controller": "controller", "rollout-worker": "rollout", "env-worker": "env", "api": "api", "jobs": "api",
+         "trainer": "trainer", "weight-server": "weights"}
 PORTS = {"redis": 6379, "postgres": 5432}
 FAULT_S = 30.0
 
@@ -64,15 +68,20 @@ class NetChaos(Chaos):
             self._forward(PORTS["postgres"], pg_socket)
             database_url = pg.set(host=data, port=PORTS["postgres"], query={}).render_as_string(hide_password=False)
             self.observer.__enter__()  # from here on this thread (and what it starts) lives on `observer`
+            weight_port = free_port()
+            weight_url = f"http://{self.net.address('weights')}:{weight_port}"
 
             def placement(name: str, index: int) -> Placement:
                 # nsenter, not `ip netns exec`: that one mounts a sysfs of its own, without the cgroups the env
                 # worker's sandbox limits processes with
                 host = WHERE[name]
-                return Placement(("nsenter", f"--net={NETNS_DIR / self.net.ns(host)}"), self.net.address(host))
+                env = ({"PUBLIC_URL": weight_url, "ANNOUNCE_PATH": "false"} if name == "weight-server"
+                       else {"WEIGHT_SERVER_URL": weight_url})  # checkpoints cross the weight server's link
+                return Placement(("nsenter", f"--net={NETNS_DIR / self.net.ns(host)}"), self.net.address(host), env)
 
             self.stack = LocalStack(tmp / "stack", placement=placement, env={
                 **SERVICE_ENV, "STALL_AFTER_S": "10",  # the run says why it stalls while a 30 s fault lasts
+                "WEIGHT_SERVER_PORT": str(weight_port),
                 "REDIS_URL": f"redis://{data}:{PORTS['redis']}/0", "DATABASE_URL": database_url})
         except BaseException:
             self._close_net()
@@ -84,10 +93,11 @@ class NetChaos(Chaos):
              f"UNIX-CONNECT:{socket}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
 
     def start(self) -> None:
-        from infra.local.ports import free_port
         from shared.platform.db.session import make_engine
         from tests.support.live import start_mock_llm
 
+        if self.kind == "train":
+            return self._start_training()
         model_dir = self._tokenizer()
         mock_port = free_port()
         with self.net.entered("rollout"):  # beside the rollout workers: their 127.0.0.1
@@ -113,6 +123,27 @@ class NetChaos(Chaos):
             self.progress_during.append(self.progress())
             for ns in (self.net.ns(host), self.net.ns("data")):
                 self.net.shape(ns, "eth0")  # the plain shaped link again: the filter and its queue go with it
+
+    def link_down(self, host: str, seconds: float) -> None:
+        """`host`'s link down for `seconds`: every connection through it stalls, a transfer in progress too."""
+        self.progress_during.append(self.progress())
+        ip = ["ip", "-n", self.net.ns(host), "link", "set", "eth0"]
+        subprocess.run([*ip, "down"], check=True, capture_output=True)
+        try:
+            self.watch_stall(seconds)
+        finally:
+            self.progress_during.append(self.progress())
+            subprocess.run([*ip, "up"], check=True, capture_output=True)
+
+    def slow_link(self, host: str, rate: str | None) -> None:
+        """Both ends of `host`'s link shaped to `rate` (None: back to the network's)."""
+        port = f"v{self.net.hosts.index(host)}"
+        for ns, dev in ((self.net.ns(host), "eth0"), (self.net.hub, port)):
+            if rate is None:
+                self.net.shape(ns, dev)
+            else:
+                subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate",
+                                rate, "burst", "16kb", "latency", "2s"], check=True, capture_output=True)
 
     @staticmethod
     def _drop(ns: str, match: str) -> None:
@@ -140,13 +171,32 @@ class NetChaos(Chaos):
             time.sleep(0.5)
 
     def observed(self) -> dict:
-        out: dict = {"stall_reasons_during_fault": self.stall_reasons, "progress_at_fault_start_end": self.progress_during}
+        out: dict = {**super().observed(), "stall_reasons_during_fault": self.stall_reasons,
+                     "progress_at_fault_start_end": self.progress_during}
         if self.side_calls:
             out["side_run_calls"] = [{"call": c, "status": s, "at_s": t, "said": m} for c, s, t, m in self.side_calls]
         if self.side_run:
             from tests.support.live import run_status
             out["side_run_status"] = run_status(self.engine, self.side_run)
+        if self.kind == "train":
+            out["weight_reloads"] = self.reload_outcomes()
         return out
+
+    def reload_outcomes(self) -> dict[str, int]:
+        """The rollout workers' weight reloads by outcome (ok, error, checksum_error, ...), from their /metrics."""
+        import httpx
+        from prometheus_client.parser import text_string_to_metric_families
+
+        counts: dict[str, int] = {}
+        for inst in (i for i in self.stack.instances if i.name == "rollout-worker" and i.alive):
+            with contextlib.suppress(httpx.HTTPError):
+                text = httpx.get(f"{inst.url}/metrics", timeout=5).text
+                for family in text_string_to_metric_families(text):
+                    for sample in family.samples:
+                        if sample.name == "rollout_weight_reloads_total":
+                            outcome = sample.labels["outcome"]
+                            counts[outcome] = counts.get(outcome, 0) + int(sample.value)
+        return counts
 
     # -- teardown ----------------------------------------------------------------------------------------------
     def close(self) -> None:
@@ -197,6 +247,20 @@ def api_partitioned_while_runs_start_and_stop(c: NetChaos) -> None:
             call("stop after it", "POST", f"/v1/runs/{c.side_run}/stop")
 
 
+def weight_transfer_cut(c: NetChaos) -> None:
+    """The weight server's link slowed to 256 kbit/s, so a checkpoint takes seconds to cross it, then taken down
+    for 5 s just after the trainer published a version: the rollout workers' fetches of it (and the trainer's
+    next upload) are cut mid-way. Each must resume or start again: the run trains every version."""
+    c.slow_link("weights", "256kbit")
+    try:
+        version = c.progress()
+        wait_until(lambda: c.progress() > version, 180, "a version published over the slow link", interval_s=0.1)
+        time.sleep(0.5)
+        c.link_down("weights", 5)
+    finally:
+        c.slow_link("weights", None)
+
+
 NET_SCENARIOS = [
     Scenario("rollout_redis_partition_30s", partition("rollout", "redis"),
              "the rollout host (both rollout workers) cut off from Redis for 30 s"),
@@ -204,6 +268,11 @@ NET_SCENARIOS = [
              "the controller cut off from PostgreSQL for 30 s"),
     Scenario("api_redis_partition_30s", api_partitioned_while_runs_start_and_stop,
              "the API host cut off from Redis for 30 s while runs are started and paused over REST"),
+    Scenario("trainer_postgres_partition_30s", partition("trainer", "postgres"),
+             "the trainer cut off from PostgreSQL for 30 s mid-run", kind="train"),
+    Scenario("weight_transfer_cut_5s", weight_transfer_cut,
+             "the weight server's link (256 kbit/s) down for 5 s while a version's checkpoint crosses it",
+             kind="train"),
 ]
 
 
