@@ -20,6 +20,7 @@ def test_scenario_completes_with_nothing_lost_or_doubled(scenario):
     assert result.get("completed"), result
     if scenario.kind == "train":  # every version trained, each sample used at most once (train_samples' key)
         assert result["versions_trained"] >= 6 and 0 < result["trained_samples"] <= result["stored"], result
+        assert result["trained_twice"] == 0, result
     else:
         assert result["dispatched"] == 80, result
     assert result["lost"] == 0 and result["duplicates"] == 0, result

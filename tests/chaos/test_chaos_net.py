@@ -22,6 +22,7 @@ def run(name: str) -> dict:
     assert result.get("completed"), result
     if BY_NAME[name].kind == "train":  # every version trained on one batch of 4 groups x 4 samples, none twice
         assert result["versions_trained"] >= 6 and result["trained_samples"] == 16 * result["versions_trained"], result
+        assert result["trained_twice"] == 0, result
     else:
         assert result["dispatched"] == 80 and result["stored"] == 80, result
     assert result["lost"] == 0 and result["duplicates"] == 0, result

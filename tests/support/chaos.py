@@ -190,6 +190,13 @@ class Chaos:
                     "SELECT count(*) FROM train_samples WHERE run_id = :r AND status = 'used'"),
                     {"r": self.run_id}).scalar_one()
                 counts["versions_trained"] = self.progress()
+                # the samples the steps say they trained on (each version's num_samples, once per version) beyond
+                # the distinct samples recorded used: a sample trained again after a crash or outage shows here
+                counts["trained_twice"] = int(c.execute(text(
+                    """SELECT coalesce((SELECT sum(v) FROM (SELECT max(value) AS v FROM metrics
+                                                             WHERE run_id = :r AND name = 'num_samples' GROUP BY step) s), 0)
+                              - (SELECT count(*) FROM train_samples WHERE run_id = :r AND status IN ('used', 'baseline'))"""),
+                    {"r": self.run_id}).scalar_one())
         return counts
 
     def observed(self) -> dict:
