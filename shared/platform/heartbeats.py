@@ -34,6 +34,7 @@ class Heartbeat(BaseModel):
     port: int | None = None  # of its /healthz and /metrics
     uptime_s: float = 0.0
     stopping: bool = False  # draining after SIGTERM: alive, but taking no new work
+    unreachable: list[str] = Field(default_factory=list)  # dependencies it cannot reach now ("postgres")
     # rollout workers
     engines: list[str] | None = None  # engine types it can run; None: it does not say
     max_concurrency: int = 0  # rollout slots

@@ -128,6 +128,7 @@ def default_worker_id(service: str) -> str:
 
 
 READINESS_TIMEOUT_S = 2.0
+POSTGRES_PROBE_S = 5.0  # how often the heartbeat says whether Postgres answers this process
 
 
 class ServiceRuntime:
@@ -214,7 +215,16 @@ class ServiceRuntime:
     async def _heartbeat(self) -> None:
         key = heartbeat_key(self.service, self.worker_id)
         ttl_ms = int(self.settings.heartbeat_interval_s * 3000)
+        next_probe = 0.0
         while not self.stop.is_set():
+            if "postgres" in self.dependencies and time.monotonic() >= next_probe:
+                # Said in the heartbeat, so that others can tell why this process makes no progress (the API's
+                # run view names a controller or trainer cut off from Postgres; neither can write it there)
+                next_probe = time.monotonic() + POSTGRES_PROBE_S
+                if await _within(self._postgres_answers(), READINESS_TIMEOUT_S):
+                    self.status.pop("unreachable", None)
+                else:
+                    self.status["unreachable"] = ["postgres"]
             try:
                 await self.redis.set(key, json.dumps(self.health()), px=ttl_ms)
             except Exception as e:  # Redis down: keep serving, the heartbeat resumes with it

@@ -42,6 +42,7 @@ def test_controller_cut_off_from_postgres():
     result = run("controller_postgres_partition_30s")
     start, end = result["progress_at_fault_start_end"]
     assert start == end, result  # nothing stored while the controller could not reach Postgres: the cut was real
+    assert any("controller" in o and "cannot reach PostgreSQL" in o for o in result["outages_during_fault"]), result
 
 
 @pytest.mark.timeout(600)
@@ -58,6 +59,7 @@ def test_trainer_cut_off_from_postgres_lets_its_runs_go_and_resumes_them_without
     result = run("trainer_postgres_partition_30s")
     start, end = result["progress_at_fault_start_end"]
     assert start == end, result  # no version recorded while the trainer could not reach Postgres
+    assert any("trainer" in o and "cannot reach PostgreSQL" in o for o in result["outages_during_fault"]), result
 
 
 @pytest.mark.timeout(600)

@@ -73,6 +73,25 @@ def test_heartbeat_key(api, redis_url):
     assert any(k.startswith(b"heartbeat:api:") for k in r.scan_iter("heartbeat:api:*"))
 
 
+def test_run_view_names_a_controller_or_trainer_whose_heartbeat_says_postgres_is_unreachable(client, dataset,
+                                                                                             redis_url):
+    """The API reaches Postgres, a controller does not: the live run's view says so (from the controller's
+    heartbeat), and says nothing once the heartbeat no longer does."""
+    from shared.contracts.streams import heartbeat_key
+
+    r = redis.Redis.from_url(redis_url)
+    run = client.post("/v1/runs", json=run_config(dataset, name="cut-off")).json()
+    assert client.get(f"/v1/runs/{run['id']}").json().get("outage") is None
+    key = heartbeat_key("controller", "ctl-cut")
+    r.set(key, json.dumps({"service": "controller", "worker_id": "ctl-cut", "unreachable": ["postgres"]}), px=60_000)
+    try:
+        outage = client.get(f"/v1/runs/{run['id']}").json().get("outage")
+        assert outage and "controller ctl-cut cannot reach PostgreSQL" in outage and "nothing is dispatched" in outage
+    finally:
+        r.delete(key)
+    assert client.get(f"/v1/runs/{run['id']}").json().get("outage") is None
+
+
 def test_openapi_and_docs(api, client):
     import httpx
 

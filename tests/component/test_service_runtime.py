@@ -58,6 +58,34 @@ async def test_stop_drains_requests_then_runs_cleanups_last_registered_first(red
     assert not await redis_client.exists(heartbeat_key("probe", "rt-1"))
 
 
+async def test_the_heartbeat_says_when_postgres_does_not_answer(redis_url, redis_client, database_url):
+    """A process that depends on Postgres says in its heartbeat whether Postgres answers it (others cannot see
+    its connections): `unreachable: ["postgres"]` while it does not, nothing once it does."""
+    import json
+
+    from infra.local.ports import free_port
+
+    async def beat(worker: str) -> dict:
+        for _ in range(100):
+            if raw := await redis_client.get(heartbeat_key("probe", worker)):
+                return json.loads(raw)
+            await asyncio.sleep(0.05)
+        raise TimeoutError("no heartbeat")
+
+    beats = {}
+    for worker, url in (("rt-pg-down", f"postgresql+psycopg://postgres@127.0.0.1:{free_port()}/postgres"),
+                        ("rt-pg-up", database_url)):
+        runtime = ServiceRuntime(ServiceSettings(redis_url=redis_url, database_url=url, health_host="127.0.0.1",
+                                                 worker_id=worker), "probe", dependencies=("redis", "postgres"),
+                                 handle_signals=False)
+        served = asyncio.create_task(runtime.run([]))
+        beats[worker] = await beat(worker)
+        runtime.stop.set()
+        assert await served == 0
+    assert beats["rt-pg-down"]["unreachable"] == ["postgres"]
+    assert "unreachable" not in beats["rt-pg-up"]
+
+
 FOREGROUND_PROGRAM = """
 import signal, sys, threading
 from shared.platform.service import run_service

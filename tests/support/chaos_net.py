@@ -50,6 +50,7 @@ class NetChaos(Chaos):
         self.tmp, self.tasks, self.samples, self.latency_ms, self.kind = tmp, tasks, samples, latency_ms, kind
         self.mock, self.run_id, self.engine = None, "", None
         self.stall_reasons: list[str] = []
+        self.outages: list[str] = []  # what the run's REST view said was down, while a fault lasted
         self.side_calls: list[tuple[str, int, float, str]] = []  # REST calls a scenario made: what each answered
         self.side_run = ""
         self.progress_during: list[int] = []  # the run's progress as each fault began and as it ended
@@ -159,20 +160,27 @@ class NetChaos(Chaos):
             subprocess.run([*tc, *args.split()], check=True, capture_output=True)
 
     def watch_stall(self, seconds: float) -> None:
-        """Sleep `seconds`, noting each distinct stall reason the run shows meanwhile (read on the unix socket)."""
+        """Sleep `seconds`, noting each distinct stall reason the run shows meanwhile (its row, read on the unix
+        socket) and each `outage` its REST view names (why its numbers are frozen)."""
+        import httpx
         from sqlalchemy import text
 
         end = time.monotonic() + seconds
-        while time.monotonic() < end:
-            with contextlib.suppress(Exception), self.engine.connect() as c:
-                reason = c.execute(text("SELECT stall_reason FROM runs WHERE id = :r"), {"r": self.run_id}).scalar()
-                if reason and reason not in self.stall_reasons:
-                    self.stall_reasons.append(reason)
-            time.sleep(0.5)
+        with self.api() as api:
+            while time.monotonic() < end:
+                with contextlib.suppress(Exception), self.engine.connect() as c:
+                    reason = c.execute(text("SELECT stall_reason FROM runs WHERE id = :r"), {"r": self.run_id}).scalar()
+                    if reason and reason not in self.stall_reasons:
+                        self.stall_reasons.append(reason)
+                with contextlib.suppress(httpx.HTTPError, ValueError):
+                    outage = api.get(f"/v1/runs/{self.run_id}", timeout=5).json().get("outage")
+                    if outage and outage not in self.outages:
+                        self.outages.append(outage)
+                time.sleep(0.5)
 
     def observed(self) -> dict:
         out: dict = {**super().observed(), "stall_reasons_during_fault": self.stall_reasons,
-                     "progress_at_fault_start_end": self.progress_during}
+                     "outages_during_fault": self.outages, "progress_at_fault_start_end": self.progress_during}
         if self.side_calls:
             out["side_run_calls"] = [{"call": c, "status": s, "at_s": t, "said": m} for c, s, t, m in self.side_calls]
         if self.side_run:

@@ -13,6 +13,7 @@ from services.api.schemas import Health, Readiness
 from shared.contracts import streams
 from shared.contracts.db.models import RUN_STATUSES, Run
 from shared.platform.bus import RedisError, stream_stats
+from shared.platform.heartbeats import live_workers
 
 router = APIRouter(tags=["system"])
 STREAM_LENGTH = Gauge("stream_length", "XLEN of a stream", ["stream"])
@@ -38,11 +39,25 @@ def readyz(request: Request, response: Response) -> dict:
     return {"ready": all(checks.values()), **checks}
 
 
+CUT_OFF = {  # what a service that cannot reach Postgres holds up
+    "controller": "nothing is dispatched or stored, and no stall reason written, until it can",
+    "trainer": "no training step is recorded until it can",
+}
+
+
 def dependency_outage(request: Request) -> str | None:
-    """Why runs cannot move right now, for the run views (Postgres answered: they were read from it)."""
+    """Why runs cannot move right now, for the run views (Postgres answered the API: they were read from it;
+    a controller or trainer may still be cut off from it, as its heartbeat says)."""
     if not _redis_ok(request):
         return ("Redis is unreachable: no rollout task or result can move, so this run's numbers stay frozen "
                 "until it is back (GET /readyz; the local stack restarts its embedded Redis)")
+    try:
+        cut = [(s, b.worker_id) for s in CUT_OFF for b in live_workers(request.app.state.redis, s)
+               if "postgres" in b.unreachable]
+    except RedisError:
+        return None
+    if cut:
+        return "; ".join(f"{s} {w} cannot reach PostgreSQL (its heartbeat says so): {CUT_OFF[s]}" for s, w in cut)
     return None
 
 
