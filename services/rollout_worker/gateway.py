@@ -24,7 +24,7 @@ from aiohttp import web
 from prometheus_client import Counter, Histogram
 
 from services.rollout_worker.chat_assembly import AgentCalls, BadRequest, ChatFormat, Prompt, parse_tool_calls
-from services.rollout_worker.engines import InferenceError, SamplingParams
+from services.rollout_worker.engines import InferenceError, SamplingParams, traced_generate
 from shared.platform import tracing
 from shared.platform.logs import get_logger
 from shared.platform.service import wait_for
@@ -291,9 +291,7 @@ class Gateway:
         if left <= 0:
             raise TimeoutError
         start = time.perf_counter()
-        with tracing.span("generate", session.traceparent, prompt_tokens=len(prompt.ids)) as span:
-            gen = await wait_for(session.ctx.engine.generate(prompt.ids, sampling, max_tokens), left)
-            span.set_attributes({"tokens": len(gen.ids), "weight_version": gen.weight_version})
+        gen = await traced_generate(session.ctx.engine, prompt.ids, sampling, max_tokens, left, session.traceparent)
         return gen, time.perf_counter() - start
 
     def _chat_body(self, session: GatewaySession, agent: AgentCalls, body: dict, gen: Any,

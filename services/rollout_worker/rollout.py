@@ -20,11 +20,10 @@ from typing import Any
 from prometheus_client import Counter, Histogram
 
 from services.rollout_worker.assembly import PromptBuilder
-from services.rollout_worker.engines import InferenceError
+from services.rollout_worker.engines import InferenceError, traced_generate
 from services.rollout_worker.env_client import EnvClient, EnvSessionLost
 from services.rollout_worker.run_engines import RunContext
 from shared.contracts.messages import EnvReply, RolloutTask
-from shared.platform import tracing
 from shared.platform.logs import get_logger
 from shared.platform.service import wait_for
 from shared.sdk.agent import BaseAgent, WorkflowTerminated
@@ -199,10 +198,7 @@ class AgentSession:
     async def generate(self, prompt_ids: list[int], max_tokens: int):
         start = time.perf_counter()
         sampling = self.r.ctx.sampling(self.r.task.greedy)
-        with tracing.span("generate", prompt_tokens=len(prompt_ids)) as span:
-            gen = await wait_for(self.r.ctx.engine.generate(prompt_ids, sampling, max_tokens),
-                                         max(self.r.time_left(), 0.001))
-            span.set_attributes({"tokens": len(gen.ids), "weight_version": gen.weight_version})
+        gen = await traced_generate(self.r.ctx.engine, prompt_ids, sampling, max_tokens, max(self.r.time_left(), 0.001))
         self.timings["gen_s"] += time.perf_counter() - start
         GEN_SECONDS.observe(time.perf_counter() - start)
         TOKENS.labels("prompt").inc(len(prompt_ids))

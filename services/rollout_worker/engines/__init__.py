@@ -13,12 +13,24 @@ from services.rollout_worker.engines.base import (
     InferenceError,
     SamplingParams,
 )
+from shared.platform import tracing
+from shared.platform.service import wait_for
 
 ENGINES = {
     "hf": "services.rollout_worker.engines.hf:HFEngine",
     "openai": "services.rollout_worker.engines.openai:OpenAIEngine",
     "vllm": "services.rollout_worker.engines.vllm:VLLMEngine",
 }
+
+
+async def traced_generate(engine: InferenceEngine, prompt_ids: list[int], sampling: SamplingParams, max_tokens: int,
+                          timeout_s: float, parent: str | None = None) -> Generation:
+    """One generation within `timeout_s`, as a `generate` span (child of `parent`, a traceparent, or of the
+    current span) that says the weight version which served it."""
+    with tracing.span("generate", parent, prompt_tokens=len(prompt_ids)) as span:
+        gen = await wait_for(engine.generate(prompt_ids, sampling, max_tokens), timeout_s)
+        span.set_attributes({"tokens": len(gen.ids), "weight_version": gen.weight_version})
+    return gen
 
 
 def build_engine(engine_type: str, model_path: str, engine_cfg: Any, tokenizer: Any, **kwargs) -> InferenceEngine:
@@ -29,4 +41,5 @@ def build_engine(engine_type: str, model_path: str, engine_cfg: Any, tokenizer: 
     return getattr(importlib.import_module(module), cls)(model_path, engine_cfg, tokenizer, **kwargs)
 
 
-__all__ = ["ENGINES", "AdapterView", "Generation", "InferenceEngine", "InferenceError", "SamplingParams", "build_engine"]
+__all__ = ["ENGINES", "AdapterView", "Generation", "InferenceEngine", "InferenceError", "SamplingParams", "build_engine",
+           "traced_generate"]
