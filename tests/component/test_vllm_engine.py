@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fixtures.vllm_env import VLLMDriver, hf_generate, reference_logprobs
+from fixtures.vllm_env import VLLM_TIMEOUT, VLLMDriver, hf_generate, reference_logprobs
 from fixtures.weight_deltas import STEPS, corrupted, expected_digests, export, step, write_delta
 from safetensors.torch import load_file
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, VLLM_TIMEOUT]  # the module fixture starts vLLM
 PROMPTS = [[5, 6, 7, 8], [40, 41, 42], [100, 7, 300, 12, 9], [1, 2]]
 
 

@@ -14,7 +14,7 @@ import asyncio
 import httpx
 import pytest
 import torch
-from fixtures.vllm_env import hf_generate, reference_logprobs, start_vllm_server
+from fixtures.vllm_env import VLLM_TIMEOUT, hf_generate, reference_logprobs, start_vllm_server
 from fixtures.weight_deltas import STEPS, corrupted, expected_digests, export, load_update, step, write_delta
 from safetensors.torch import load_file
 
@@ -23,7 +23,7 @@ from services.rollout_worker.engines import InferenceError, SamplingParams, buil
 from shared.contracts.run_config import EngineConfig
 from shared.weights.manifest import ChecksumError
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, VLLM_TIMEOUT]  # the module fixture starts vLLM
 PROMPTS = [[5, 6, 7, 8], [40, 41, 42], [100, 7, 300, 12, 9], [1, 2]]
 GREEDY = SamplingParams(temperature=0.0)
 
