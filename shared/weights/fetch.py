@@ -92,7 +92,14 @@ def fetch_checkpoint(msg: WeightsPublished, cache_dir: Path, *, verify_shared_pa
                     relay.fetch(client, msg, name, entry, tmp / name)
                 else:
                     _download(client, f"{msg.uri.rstrip('/')}/{name}", tmp / name, entry)
-        os.replace(tmp, dest)
+        try:
+            os.replace(tmp, dest)
+        except OSError:
+            if not dest.is_dir():
+                raise
+            # another process sharing this cache (rollout workers on one host) put the same version there first
+            shutil.rmtree(tmp, ignore_errors=True)
+            verify_folder(dest, msg.sha256, full=False)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

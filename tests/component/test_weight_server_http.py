@@ -95,6 +95,30 @@ def test_upload_publish_download_roundtrip(server, run_id, redis_url, database_u
                             for i in range(0, len(data), entry.piece_bytes)]
 
 
+def test_processes_sharing_a_cache_fetch_one_version_at_once(server, run_id, redis_url, tmp_path):
+    """Rollout workers on one host may share a checkpoint cache: several downloading the same version at once
+    all get the verified folder (the first to finish puts it in place; the others keep it, not fail)."""
+    from concurrent.futures import ThreadPoolExecutor
+    from threading import Barrier
+
+    files = _files(2, 200_000)
+    assert _upload(server.url, run_id, 1, files) == [200] * len(files)
+    r = _publish(server.url, run_id, 1, files)
+    assert r.status_code == 200, r.text
+    msg = WeightsPublished.model_validate(r.json()).model_copy(update={"path": None})  # over HTTP
+    for attempt in range(3):
+        cache, barrier = tmp_path / f"shared-cache-{attempt}", Barrier(6)
+
+        def fetch(_: int, cache: Path = cache, barrier: Barrier = barrier) -> Path:
+            barrier.wait()
+            return fetch_checkpoint(msg, cache)
+        with ThreadPoolExecutor(6) as pool:
+            folders = list(pool.map(fetch, range(6)))
+        assert len(set(folders)) == 1
+        verify_folder(folders[0], msg.sha256, full=True)
+        assert sorted(p.name for p in folders[0].parent.iterdir()) == ["v1"]  # no download left behind
+
+
 def test_checksum_mismatch_on_upload_is_rejected_and_nothing_is_announced(server, run_id, redis_url):
     files = _files()
     codes = _upload(server.url, run_id, 1, files, wrong="model-1.safetensors")
