@@ -1,5 +1,5 @@
 """The command loop: group "controller" on `run.commands` -> a run created, paused, resumed or stopped
-(queries.apply_command: one transaction, idempotent by command id), then the change published on
+(run_commands.apply_command: one transaction, idempotent by command id), then the change published on
 `run.control`, the `RunCommandReply` put on the command's reply stream, and the dispatch loop woken.
 
 A command read more than `expires_at - sent_at` seconds (the sender's wait) after it entered the stream is
@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from services.controller import queries
+from services.controller import run_commands
 from services.controller.settings import ControllerSettings
 from shared.contracts.messages import RunCommand, RunControl
 from shared.contracts.streams import GROUP_CONTROLLER, RUN_COMMANDS, RUN_CONTROL, command_reply
@@ -38,7 +38,7 @@ class CommandLoop:
         for d in deliveries:
             cmd: RunCommand = d.message
             expired = d.age_s(now) > cmd.expires_at - cmd.sent_at
-            reply = await asyncio.to_thread(queries.apply_command, self.db, cmd, expired)
+            reply = await asyncio.to_thread(run_commands.apply_command, self.db, cmd, expired)
             log.info("%s: %s (%s)", cmd.action, reply.outcome, reply.status, extra={"run_id": cmd.run_id})
             if reply.status_version is not None and cmd.action != "create":  # applied now, not a redelivery
                 await self.bus.publish(RUN_CONTROL, RunControl(run_id=cmd.run_id, action=cmd.action,

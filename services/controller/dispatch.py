@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import SQLAlchemyError
 
-from services.controller import lifecycle, queries
+from services.controller import dataset_rows, ledger, lifecycle, run_rows, run_summary, trainer_groups
 from services.controller.plan import Slot
 from services.controller.run_driver import RunDriver
 from services.controller.settings import ControllerSettings
@@ -83,7 +83,7 @@ class DispatchLoop:
     # -- runs: leases, drivers -------------------------------------------------------------------------------
     async def poll_runs(self) -> None:
         """Renew/take leases; runs no longer returned (lease lost, finished elsewhere) are dropped."""
-        rows = await asyncio.to_thread(queries.lease_runs, self.db, self.worker_id, self.cfg.run_lease_s,
+        rows = await asyncio.to_thread(run_rows.lease_runs, self.db, self.worker_id, self.cfg.run_lease_s,
                                        self.cfg.max_runs)
         seen = set()
         for row in rows:
@@ -116,14 +116,14 @@ class DispatchLoop:
         except KeyError:
             pass
 
-    async def take_run(self, row: queries.RunRow) -> None:
+    async def take_run(self, row: run_rows.RunRow) -> None:
         """Build a driver from config + dataset + ledger; a config that cannot run fails the run."""
         try:
             cfg = RunConfig.model_validate(row.config)
             driver = await asyncio.to_thread(self.load_driver, row, cfg)
         except (ValidationError, ValueError) as e:
             log.warning("run %s cannot start: %s", row.id, e, extra={"run_id": row.id})
-            await asyncio.to_thread(queries.fail_run, self.db, row.id, row.status, str(e))
+            await asyncio.to_thread(run_rows.fail_run, self.db, row.id, row.status, str(e))
             return
         driver.last_progress = time.monotonic()
         self.drivers[row.id] = driver
@@ -132,13 +132,14 @@ class DispatchLoop:
         log.info("driving run %s (%s, %d in flight, %d completed)", row.id, row.status, len(driver.in_flight),
                  driver.num_completed, extra={"run_id": row.id})
 
-    def load_driver(self, row: queries.RunRow, cfg: RunConfig) -> RunDriver:
+    def load_driver(self, row: run_rows.RunRow, cfg: RunConfig) -> RunDriver:
         """The run's state rebuilt from its dataset and ledger; final failures recorded (in case a controller
         crashed before recording them) and announced again, like errored slots."""
         with self.db.begin() as conn:
-            tasks = queries.load_tasks(conn, cfg.dataset, cfg.dataset_split, cfg.dataset_version, cfg.max_tasks)
+            tasks = dataset_rows.load_tasks(conn, cfg.dataset, cfg.dataset_split, cfg.dataset_version,
+                                            cfg.max_tasks)
             driver = RunDriver(row, cfg, tasks)
-            driver.rebuild(queries.ledger_rows(conn, row.id))
+            driver.rebuild(ledger.ledger_rows(conn, row.id))
             if not driver.plan.is_eval:
                 count_dropped(conn, driver)
             for task_id, sample_idx in driver.final_failed:
@@ -149,7 +150,7 @@ class DispatchLoop:
                                                 driver.states[(task_id, sample_idx)].attempt)
             lease_s = cfg.trajectory_timeout_s + self.cfg.ledger_lease_margin_s
             driver.unpublished = [rollout_task(driver, driver.states[(t, s)].slot, a, v, lease_s)
-                                  for t, s, a, v in queries.take_unpublished(conn, row.id, lease_s)]
+                                  for t, s, a, v in ledger.take_unpublished(conn, row.id, lease_s)]
         return driver
 
     # -- one pass per run ------------------------------------------------------------------------------------
@@ -196,7 +197,7 @@ class DispatchLoop:
         """One transaction: apply what ended, move the run's status, insert the ledger rows of the tasks to
         publish (returned; published after the commit)."""
         with self.db.begin() as conn:
-            queries.mark_published(conn, d.run_id, d.published)
+            ledger.mark_published(conn, d.run_id, d.published)
             d.published = []
             # Results our own store loop committed are applied as they come; the ledger itself (results other
             # controllers stored, dead-lettered tasks) is read every poll_interval_s. Reading it on every pass
@@ -208,14 +209,14 @@ class DispatchLoop:
                 count_dropped(conn, d)
             if time.monotonic() >= d.next_ledger_scan:
                 d.next_ledger_scan = time.monotonic() + self.cfg.poll_interval_s
-                for ended in queries.ended_among(conn, d.run_id, d.in_flight_keys()):
+                for ended in ledger.ended_among(conn, d.run_id, d.in_flight_keys()):
                     lifecycle.ended(conn, d, *ended)
             if d.fail_reason is None and d.nothing_scored():
-                d.fail_reason = lifecycle.nothing_scored_reason(d, queries.top_reasons(conn, d.run_id))
+                d.fail_reason = lifecycle.nothing_scored_reason(d, run_summary.top_reasons(conn, d.run_id))
             if d.fail_reason and d.status in ("pending", "running", "paused"):
                 lifecycle.fail(conn, d)
                 return []
-            if d.status == "pending" and queries.set_status(conn, d.run_id, "pending", "running"):
+            if d.status == "pending" and run_rows.set_status(conn, d.run_id, "pending", "running"):
                 d.status = "running"
             if d.status == "stopping":
                 lifecycle.stopping(conn, d, self.cfg.stop_timeout_s)
@@ -234,7 +235,7 @@ class DispatchLoop:
         if not items:
             return []
         lease_s = d.cfg.trajectory_timeout_s + self.cfg.ledger_lease_margin_s
-        inserted = queries.insert_dispatched(conn, d.run_id, items, d.policy_version, lease_s)
+        inserted = ledger.insert_dispatched(conn, d.run_id, items, d.policy_version, lease_s)
         d.mark_dispatched(items, inserted)
         if len(inserted) < len(items):  # someone else dispatched some of these: re-read the ledger next poll
             log.warning("%d slots were already in the ledger", len(items) - len(inserted), extra={"run_id": d.run_id})
@@ -305,12 +306,12 @@ class DispatchLoop:
         """Dispatched rows past their lease are lost: recorded as such and retried while attempts remain. Those a
         live rollout worker says it runs (`held`, from its heartbeat) have their lease renewed instead."""
         with self.db.begin() as conn:
-            lost = queries.expire_leases(conn, d.run_id, held, d.cfg.trajectory_timeout_s + self.cfg.ledger_lease_margin_s)
+            lost = ledger.expire_leases(conn, d.run_id, held, d.cfg.trajectory_timeout_s + self.cfg.ledger_lease_margin_s)
             if not lost:
                 return
             LOST.inc(len(lost))
-            queries.add_event(conn, d.run_id, "lost", f"{len(lost)} dispatched tasks had no result before their "
-                             "lease", {"count": len(lost), "keys": [list(k) for k in lost[:100]]})
+            run_rows.add_event(conn, d.run_id, "lost", f"{len(lost)} dispatched tasks had no result before their "
+                              "lease", {"count": len(lost), "keys": [list(k) for k in lost[:100]]})
             for key in lost:
                 lifecycle.ended(conn, d, *key, "lost", "no result before the task lease expired")
         self.wake.set()
@@ -352,13 +353,13 @@ class DispatchLoop:
                 facts = facts or await gather_facts(self.bus.redis)
                 reason = stall_reason(d, facts, window)
             if reason != d.stall_reason:
-                await asyncio.to_thread(queries.set_stall, self.db, d.run_id, reason)
+                await asyncio.to_thread(run_rows.set_stall, self.db, d.run_id, reason)
                 if reason:
                     log.warning("run stalled: %s", reason, extra={"run_id": d.run_id})
                 d.stall_reason = reason
             if not d.plan.is_eval and d.policy_version != d.signal_checked_version:
                 d.signal_checked_version = d.policy_version
-                warning = await asyncio.to_thread(queries.update_run_warning, self.db, d.run_id,
+                warning = await asyncio.to_thread(run_rows.update_run_warning, self.db, d.run_id,
                                                   self.cfg.no_signal_versions)
                 if warning:
                     log.warning("%s", warning, extra={"run_id": d.run_id})
@@ -391,4 +392,4 @@ def dispatch_span(d: RunDriver, s: Slot, attempt: int) -> str | None:
 
 def count_dropped(conn: Connection, d: RunDriver) -> None:
     """Groups the trainer consumed without a step widen the dispatch window, so dropped groups are refilled."""
-    d.dropped_groups = queries.dropped_groups(conn, d.run_id, d.final_failed_groups())
+    d.dropped_groups = trainer_groups.dropped_groups(conn, d.run_id, d.final_failed_groups())

@@ -10,7 +10,7 @@ import asyncio
 from prometheus_client import Counter
 from sqlalchemy import Engine
 
-from services.controller import queries
+from services.controller import run_rows
 from services.controller.run_driver import RunDriver
 from services.controller.settings import ControllerSettings
 from services.controller.store import TrajectoryStore
@@ -79,7 +79,7 @@ class IngestLoop:
 
     def record_dead_letter(self, msg: EpisodeResult, entry_id: str, reason: str) -> None:
         with self.db.begin() as conn:
-            queries.add_event(conn, msg.run_id, "dead_lettered",
-                             f"trajectories entry {entry_id} could not be stored: {reason[-2000:]}",
-                             {"stream": TRAJECTORIES, "task_id": msg.task_id, "sample_idx": msg.sample_idx,
-                              "attempt": msg.attempt})
+            run_rows.add_event(conn, msg.run_id, "dead_lettered",
+                              f"trajectories entry {entry_id} could not be stored: {reason[-2000:]}",
+                              {"stream": TRAJECTORIES, "task_id": msg.task_id, "sample_idx": msg.sample_idx,
+                               "attempt": msg.attempt})

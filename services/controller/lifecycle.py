@@ -10,7 +10,7 @@ import time
 from prometheus_client import Counter
 from sqlalchemy import Connection
 
-from services.controller import queries
+from services.controller import dataset_rows, ledger, run_rows, run_summary
 from services.controller.run_driver import RunDriver
 from shared.contracts.messages import AcceptedResult
 from shared.contracts.passk import pass_at_k_table
@@ -33,8 +33,8 @@ def ended(conn: Connection, d: RunDriver, task_id: str, sample_idx: int, attempt
 
 
 def final_failure_event(conn: Connection, d: RunDriver, task_id: str, sample_idx: int, attempt: int) -> None:
-    queries.add_event(conn, d.run_id, "final_failure", f"{task_id}/{sample_idx} is out of attempts ({attempt + 1})",
-                     {"task_id": task_id, "sample_idx": sample_idx, "attempt": attempt}, once=True)
+    run_rows.add_event(conn, d.run_id, "final_failure", f"{task_id}/{sample_idx} is out of attempts ({attempt + 1})",
+                      {"task_id": task_id, "sample_idx": sample_idx, "attempt": attempt}, once=True)
     group_cannot_complete(d, task_id, sample_idx, attempt)
 
 
@@ -51,28 +51,28 @@ def stopping(conn: Connection, d: RunDriver, stop_timeout_s: float) -> None:
     """Stop dispatching; cancel the tasks taken back from the stream (no worker had started them); wait for
     the others up to stop_timeout_s, then cancel and record them."""
     if d.withdrawn:
-        keys = queries.cancel_dispatched(conn, d.run_id, d.withdrawn, "run stopped before a worker took the task")
+        keys = ledger.cancel_dispatched(conn, d.run_id, d.withdrawn, "run stopped before a worker took the task")
         d.withdrawn = []
         for key in keys:
             ended(conn, d, *key, "cancelled")
         if keys:
-            queries.add_event(conn, d.run_id, "cancelled", f"{len(keys)} queued tasks withdrawn at stop",
-                             {"count": len(keys), "queued": True})
+            run_rows.add_event(conn, d.run_id, "cancelled", f"{len(keys)} queued tasks withdrawn at stop",
+                              {"count": len(keys), "queued": True})
     d.stopping_since = d.stopping_since or time.monotonic()
     if d.in_flight and time.monotonic() - d.stopping_since < stop_timeout_s:
         return
-    cancelled = queries.cancel_in_flight(conn, d.run_id)
+    cancelled = ledger.cancel_in_flight(conn, d.run_id)
     if cancelled:
-        queries.add_event(conn, d.run_id, "cancelled", f"{cancelled} in-flight tasks cancelled at stop",
-                         {"count": cancelled})
-    if queries.set_status(conn, d.run_id, "stopping", "stopped"):
+        run_rows.add_event(conn, d.run_id, "cancelled", f"{cancelled} in-flight tasks cancelled at stop",
+                          {"count": cancelled})
+    if run_rows.set_status(conn, d.run_id, "stopping", "stopped"):
         d.status = "stopped"
 
 
 def fail(conn: Connection, d: RunDriver) -> None:
     """Fail fast (RunDriver._track_failures): stop dispatching, cancel what is in flight, and say why."""
-    cancelled = queries.cancel_in_flight(conn, d.run_id)
-    if queries.set_status(conn, d.run_id, d.status, "failed", error=d.fail_reason):
+    cancelled = ledger.cancel_in_flight(conn, d.run_id)
+    if run_rows.set_status(conn, d.run_id, d.status, "failed", error=d.fail_reason):
         log.warning("run failed: %s (%d in-flight tasks cancelled)", d.fail_reason, cancelled,
                     extra={"run_id": d.run_id})
         d.status = "failed"
@@ -90,16 +90,16 @@ def complete(conn: Connection, d: RunDriver) -> None:
     """Every unit ended (eval) or the planned steps are trained. A run none of whose units produced a scored
     result fails instead, with the reason most of them failed for: "completed" would read as "the model
     scores 0"."""
-    reasons = queries.top_reasons(conn, d.run_id)
-    summary = {"ledger": queries.ledger_summary(conn, d.run_id), "requeued": queries.requeued_units(conn, d.run_id),
-               "final_failures": len(d.final_failed),
+    reasons = run_summary.top_reasons(conn, d.run_id)
+    summary = {"ledger": run_summary.ledger_summary(conn, d.run_id),
+               "requeued": run_summary.requeued_units(conn, d.run_id), "final_failures": len(d.final_failed),
                "scored": d.num_completed, "errored": d.num_errored, "top_reasons": reasons}
     if d.plan.is_eval:
-        summary.update(pass_at_k_table(queries.eval_samples(conn, d.run_id, d.cfg.dataset, d.cfg.dataset_split,
-                                                           d.cfg.dataset_version)))
-    queries.write_summary(conn, d.run_id, summary)
+        summary.update(pass_at_k_table(dataset_rows.eval_samples(conn, d.run_id, d.cfg.dataset,
+                                                                 d.cfg.dataset_split, d.cfg.dataset_version)))
+    run_summary.write_summary(conn, d.run_id, summary)
     if d.num_completed == 0:
         d.fail_reason = nothing_scored_reason(d, reasons)
         fail(conn, d)
-    elif queries.set_status(conn, d.run_id, "running", "completed"):
+    elif run_rows.set_status(conn, d.run_id, "running", "completed"):
         d.status = "completed"

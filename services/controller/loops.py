@@ -4,7 +4,8 @@ controller lease (shared/platform/leases.py). It is the one writer of `runs` and
 Seven loops, one module each: dispatch (dispatch.py, the only loop that changes the drivers' dispatch state;
 the others hand it what they learn and wake it), store (ingest.py), progress (progress.py), reconcile
 (reconcile.py), commands (command_loop.py), control (control_loop.py), trim (trim.py). Postgres reads and
-writes are in queries.py and store.py.
+writes are in run_rows.py (runs, leases, events), run_commands.py, ledger.py (rollout_tasks), run_summary.py,
+trainer_groups.py, dataset_rows.py and store.py (the trajectories).
 
 More: docs/architecture.md#the-controller
 """
@@ -15,7 +16,7 @@ import asyncio
 
 from sqlalchemy import Engine
 
-from services.controller import queries
+from services.controller import run_rows
 from services.controller.command_loop import CommandLoop
 from services.controller.control_loop import ControlLoop
 from services.controller.dispatch import DispatchLoop
@@ -47,4 +48,4 @@ class Controller:
 
     async def close(self) -> None:
         """Release the run leases: another controller takes the runs over at once instead of at expiry."""
-        await asyncio.to_thread(queries.release_runs, self.db, self.worker_id)
+        await asyncio.to_thread(run_rows.release_runs, self.db, self.worker_id)

@@ -9,7 +9,7 @@ import time
 
 from sqlalchemy import Engine
 
-from services.controller import queries
+from services.controller import trainer_groups
 from services.controller.run_driver import RunDriver
 from services.controller.settings import ControllerSettings
 from shared.contracts.messages import TrainerProgress
@@ -30,7 +30,7 @@ class ProgressLoop:
 
     async def record(self, deliveries: list[Delivery]) -> None:
         msgs = [d.message for d in deliveries]
-        await asyncio.to_thread(queries.record_progress, self.db, msgs)
+        await asyncio.to_thread(trainer_groups.record_progress, self.db, msgs)
         for m in msgs:  # runs we drive see it at once; others at their controller's next poll
             driver = self.drivers.get(m.run_id)
             if driver is not None:

@@ -9,7 +9,7 @@ import asyncio
 
 from sqlalchemy import Engine
 
-from services.controller import queries
+from services.controller import ledger, run_rows, trainer_groups
 from services.controller.settings import ControllerSettings
 from services.controller.store import load_results
 from shared.contracts.messages import AcceptedResult, RolloutTask
@@ -48,10 +48,10 @@ class ReconcileLoop:
 
     def fail_attempt(self, task: RolloutTask, reason: str) -> None:
         with self.db.begin() as conn:
-            if queries.fail_dispatched(conn, task.run_id, (task.task_id, task.sample_idx, task.attempt), reason):
-                queries.add_event(conn, task.run_id, "dead_lettered", f"rollout task dead-lettered: {reason[-2000:]}",
-                                 {"stream": ROLLOUT_TASKS, "task_id": task.task_id, "sample_idx": task.sample_idx,
-                                  "attempt": task.attempt})
+            if ledger.fail_dispatched(conn, task.run_id, (task.task_id, task.sample_idx, task.attempt), reason):
+                run_rows.add_event(conn, task.run_id, "dead_lettered", f"rollout task dead-lettered: {reason[-2000:]}",
+                                  {"stream": ROLLOUT_TASKS, "task_id": task.task_id, "sample_idx": task.sample_idx,
+                                   "attempt": task.attempt})
 
     @staticmethod
     async def unrecordable(delivery: Delivery | None, entry_id: bytes, reason: str) -> None:
@@ -66,7 +66,7 @@ class ReconcileLoop:
         crash before the key is set just replays again."""
         if await self.bus.redis.exists(epoch_key()):
             return
-        for run_id in await asyncio.to_thread(queries.active_train_runs, self.db):
+        for run_id in await asyncio.to_thread(run_rows.active_train_runs, self.db):
             msgs = await asyncio.to_thread(self.unconsumed, run_id)
             for i in range(0, len(msgs), 100):
                 await self.bus.publish_many(ACCEPTED_RESULTS, msgs[i:i + 100])
@@ -79,7 +79,8 @@ class ReconcileLoop:
         """The accepted results of the run's groups the trainer has not reported consuming, and the notices of
         its slots out of attempts or errored."""
         with self.db.connect() as conn:
-            groups = queries.unconsumed_groups(conn, run_id)
+            groups = trainer_groups.unconsumed_groups(conn, run_id)
             results = [AcceptedResult.stored(r) for r in load_results(conn, run_id, groups)] if groups else []
             return results + [AcceptedResult(run_id=run_id, task_id=t, sample_idx=s, attempt=a, batch_idx=b,
-                                             greedy=g) for t, s, a, b, g in queries.final_failures(conn, run_id)]
+                                             greedy=g)
+                              for t, s, a, b, g in trainer_groups.final_failures(conn, run_id)]

@@ -11,8 +11,9 @@ import re
 import time
 from dataclasses import dataclass, field
 
+from services.controller.ledger import LedgerRow
 from services.controller.plan import Plan, Slot
-from services.controller.queries import LedgerRow, RunRow
+from services.controller.run_rows import RunRow
 from shared.contracts.run_config import RunConfig
 
 BAD = ("failed", "lost")  # attempts that count against max_attempts

@@ -18,7 +18,7 @@ from fixtures.aio import cancel_and_wait
 from sqlalchemy import insert, select, text, update
 from sqlalchemy.orm import Session
 
-from services.controller.queries import ledger_summary
+from services.controller.run_summary import ledger_summary
 from shared.contracts.db.models import Dataset, DatasetRow, Run, RunEvent
 from shared.contracts.messages import (
     AcceptedResult,

@@ -7,7 +7,7 @@ import uuid
 import pytest
 from sqlalchemy import insert, select, text, update
 
-from services.controller.queries import ledger_summary
+from services.controller.run_summary import ledger_summary
 from services.controller.store import TrajectoryStore
 from shared.contracts.db.models import RolloutTaskRow, Run, RunEvent
 from shared.contracts.messages import EpisodeResult, TrajectoryRecord, TrajectoryStep, decode, encode

@@ -23,8 +23,8 @@ from sqlalchemy import select
 
 from services.controller.dispatch import DispatchLoop
 from services.controller.ingest import IngestLoop
-from services.controller.queries import RunRow
 from services.controller.run_driver import RunDriver
+from services.controller.run_rows import RunRow
 from services.controller.settings import ControllerSettings
 from services.env_worker.settings import EnvWorkerSettings
 from services.env_worker.worker import EnvWorker

@@ -12,7 +12,7 @@ import uuid
 import pytest
 from sqlalchemy import text
 
-from services.controller import queries
+from services.controller import trainer_groups
 from services.trainer.batch import GroupBuffer
 from services.trainer.loop import RunState, Trainer
 from services.trainer.settings import TrainerSettings
@@ -85,9 +85,9 @@ async def _final_failure(trainer: Trainer, run_id: str, task: str, sample: int, 
 async def _controller_count(trainer: Trainer, run_id: str, final_failed: list[tuple[str, int]]) -> int:
     """The controller's count of dropped groups after it applied every `trainer.progress` report so far."""
     reports = [decode(f, TrainerProgress) for _, f in await trainer.redis.xrange(TRAINER_PROGRESS)]
-    queries.record_progress(trainer.db, reports)
+    trainer_groups.record_progress(trainer.db, reports)
     with trainer.db.connect() as c:
-        return queries.dropped_groups(c, run_id, final_failed)
+        return trainer_groups.dropped_groups(c, run_id, final_failed)
 
 
 def _recorded(trainer: Trainer, run_id: str) -> dict[tuple[str, int], str]:

@@ -135,7 +135,7 @@ def test_the_contract_scan_sees_every_spelling(tmp_path):
 
 def test_the_cross_service_scan_sees_every_spelling(tmp_path):
     root = _tree(tmp_path, {
-        "services/api/a.py": "from services.controller import queries\n",
+        "services/api/a.py": "from services.controller import run_rows\n",
         "services/api/b.py": "def f():\n    import services.jobs.tasks\n",
         "services/api/c.py": "from services import trainer\n",
         "services/api/ok.py": "from services.api.settings import ApiSettings\nfrom shared.contracts import streams\n",

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import insert, text
 
-from services.controller.queries import ledger_summary
+from services.controller.run_summary import ledger_summary
 from shared.contracts.db.models import Dataset, DatasetRow, Run
 from shared.platform.db.session import make_engine
 from tests.support.live import wait_run_ended

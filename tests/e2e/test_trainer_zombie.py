@@ -22,7 +22,7 @@ from fixtures.fake_rollouts import serve_rollout_tasks
 from sqlalchemy import create_engine, text
 from trainer_testlib import REPO, WeightServer
 
-from services.controller import queries
+from services.controller import ledger
 from shared.contracts.messages import EpisodeResult, RolloutTask, TrajectoryRecord, encode
 from shared.contracts.run_config import RunConfig
 from shared.contracts.streams import TRAJECTORIES
@@ -84,7 +84,7 @@ def test_a_zombie_result_stored_as_late_is_never_trained_on(urls, tmp_path: Path
                    procs=[trainer])
         time.sleep(2.0)  # whatever the trainer reads of `trajectories`, it has read by now
         with engine.begin() as c:  # the controller's expiry pass (what its drive loop runs)
-            assert queries.expire_leases(c, run_id) == [("t0", 0, 0)]
+            assert ledger.expire_leases(c, run_id) == [("t0", 0, 0)]
         worker.start()
         group.start("controller", "services.controller.main", worker_id="ctl-z", poll_interval_s="0.2",
                     run_lease_s="2", reconcile_interval_s="0.3")

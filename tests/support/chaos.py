@@ -308,14 +308,18 @@ def run_scenario(scenario: Scenario, tasks: int = 60, samples: int = 2, latency_
     return result
 
 
+def passed(result: dict) -> bool:
+    """A scenario passed: its run completed with nothing lost and no slot stored twice (the report's target)."""
+    return bool(result.get("completed")) and result.get("lost") == 0 and result.get("duplicates") == 0
+
+
 def merge_report(results: list[dict], path: Path = RESULTS) -> bool:
     """Write these scenarios into the chaos report, replacing those of the same name; True if every scenario
     of the report passed."""
     report = json.loads(path.read_text()) if path.exists() else {"scenarios": []}
     names = {r["name"] for r in results}
     report["scenarios"] = [s for s in report["scenarios"] if s["name"] not in names] + results
-    report["all_passed"] = all(s.get("completed") and s.get("lost") == 0 and s.get("duplicates") == 0
-                               for s in report["scenarios"])
+    report["all_passed"] = all(passed(s) for s in report["scenarios"])
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2) + "\n")
     return report["all_passed"]
@@ -338,7 +342,7 @@ def main() -> None:
         result = run_scenario(scenario, args.tasks, args.samples, args.latency_ms)
         print(json.dumps(result), flush=True)
         report.append(result)
-    ok = all(r.get("completed") and r.get("lost") == 0 and r.get("duplicates") == 0 for r in report)
+    ok = all(passed(r) for r in report)
     merge_report(report, args.out)
     print(f"wrote {args.out}; all scenarios completed with nothing lost or doubled: {ok}")
     sys.exit(0 if ok else 1)

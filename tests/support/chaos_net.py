@@ -30,7 +30,7 @@ from sqlalchemy.engine import make_url
 
 from infra.local.ports import free_port
 from infra.local.servers import PostgresServer, RedisServer
-from tests.support.chaos import RESULTS, SERVICE_ENV, Chaos, Scenario, merge_report, run_scenario
+from tests.support.chaos import RESULTS, SERVICE_ENV, Chaos, Scenario, merge_report, passed, run_scenario
 from tests.support.netns import NETNS_DIR, ShapedNetwork
 from tests.support.procs import wait_until
 
@@ -309,7 +309,7 @@ def main() -> None:
         print(f"== {scenario.name}: {scenario.doc}", flush=True)
         results.append(run_net_scenario(scenario, args.tasks, args.samples))
         print(json.dumps(results[-1]), flush=True)
-    ok = all(r.get("completed") and r.get("lost") == 0 and r.get("duplicates") == 0 for r in results)
+    ok = all(passed(r) for r in results)
     merge_report(results, args.out)
     print(f"wrote {args.out}; every network scenario completed with nothing lost or doubled: {ok}")
     sys.exit(0 if ok else 1)

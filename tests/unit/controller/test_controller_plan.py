@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from services.controller.ledger import LedgerRow
 from services.controller.plan import Plan
-from services.controller.queries import LedgerRow, RunRow
 from services.controller.run_driver import RunDriver
+from services.controller.run_rows import RunRow
 from shared.contracts.run_config import RunConfig
 
 

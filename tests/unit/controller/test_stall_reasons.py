@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from services.controller.queries import RunRow
 from services.controller.run_driver import RunDriver
+from services.controller.run_rows import RunRow
 from services.controller.stall import Facts, stall_reason
 from shared.contracts.run_config import RunConfig
 from shared.platform.heartbeats import Heartbeat
