@@ -1,7 +1,8 @@
 """The Tinker protocol's state, in Redis, every record tagged with the key (owner) that made it: sessions,
 training models and futures. An owner is the sha256 of the flywheel token behind the `tml-` key, so a record
 is found only by the key that made it; another key's record reads as absent (404), never as forbidden.
-Futures resolve at once in this slice (create_model's work is a record); their results are kept a day.
+A future of work done here (create_model) is resolved at once; one of the trainer's (`tinker.requests`) holds
+`try_again` until the trainer writes its result. Futures are kept a day.
 More: docs/tinker.md"""
 
 from __future__ import annotations
@@ -11,11 +12,12 @@ import time
 import uuid
 from typing import Any
 
+from shared.contracts.messages import TinkerFuture
 from shared.contracts.streams import tinker_key
+from shared.contracts.tinker_run import FUTURE_TTL_S
 from shared.platform.bus import SyncRedis
 
 SESSION_TTL_S = 7 * 24 * 3600  # a session this long without a heartbeat is forgotten; a model this long after creation
-FUTURE_TTL_S = 24 * 3600
 
 
 class TinkerStore:
@@ -68,11 +70,19 @@ class TinkerStore:
     def model(self, owner: str, model_id: str) -> dict[str, Any] | None:
         return self._get("model", model_id, owner)
 
-    def complete(self, owner: str, result: dict[str, Any], model_id: str | None = None) -> str:
-        """A future already resolved to `result`; its request id."""
-        request_id = str(uuid.uuid4())
-        self._put("future", request_id, {"owner": owner, "model_id": model_id, "result": result}, FUTURE_TTL_S)
+    def complete(self, owner: str, result: dict[str, Any], model_id: str | None = None,
+                 request_id: str | None = None) -> str:
+        """A future resolved to `result` (or, `try_again`, waiting for a trainer); its request id."""
+        request_id = request_id or str(uuid.uuid4())
+        record = TinkerFuture(owner=owner, model_id=model_id, result=result)
+        self._put("future", request_id, record.model_dump(), FUTURE_TTL_S)
         return request_id
+
+    def pending(self, owner: str, model_id: str) -> str:
+        """A future of work sent to a trainer: `try_again` until the trainer writes its result."""
+        request_id = str(uuid.uuid4())
+        return self.complete(owner, {"type": "try_again", "request_id": request_id, "queue_state": "active"},
+                             model_id, request_id)
 
     def future(self, owner: str, request_id: str) -> dict[str, Any] | None:
         return self._get("future", request_id, owner)

@@ -126,12 +126,13 @@ class PolicyEngine:
 
         from verl.workers.config import TrainingWorkerConfig
         from verl.workers.config.checkpoint import CheckpointConfig
-        from verl.workers.engine_workers import TrainingWorker
+        from verl.workers.engine_workers_tinker import TinkerTrainingWorker
         from verl.workers.utils.losses import ppo_loss
 
         engine_config = deepcopy(self.engine_config)
         engine_config.forward_only = forward_only
-        worker = TrainingWorker(TrainingWorkerConfig(
+        # verl's TrainingWorker plus Tinker's split primitives (forward_backward, optimizer_step)
+        worker = TinkerTrainingWorker(TrainingWorkerConfig(
             model_type="language_model", model_config=model_config, engine_config=engine_config,
             optimizer_config=None if forward_only else self.optim_config,
             checkpoint_config=CheckpointConfig(save_contents=["model", "optimizer", "extra"],
@@ -244,6 +245,36 @@ class PolicyEngine:
                               micro_batch_size_per_gpu=self._micro(rows // minis))
         out = self.actor.train_mini_batch(td)
         return {k: _mean(v) for k, v in tu.get(out, "metrics").items()}
+
+    def forward_backward(self, t: dict, loss_fn, extra: dict) -> tuple[torch.Tensor, float]:
+        """Tinker's split step: the gradients of `loss_fn` (verl's loss signature; `extra` per-token tensors of
+        the responses' shape it reads) accumulated in the parameters, no optimizer step. Returns the responses'
+        per-token log-probs and the loss."""
+        from verl.workers.utils.losses import ppo_loss
+
+        rows = t["input_ids"].shape[0]
+        td = self._tensordict(t, extra, compute_loss=True, calculate_entropy=False,
+                              micro_batch_size_per_gpu=self._micro(rows))
+        self.actor.set_loss_fn(loss_fn)
+        try:
+            out = self.actor.forward_backward(td)
+        finally:
+            self.actor.set_loss_fn(partial(ppo_loss, self.actor_config))
+        from verl.utils import tensordict_utils as tu
+
+        return self._response_values(out["log_probs"], t), float(tu.get(out, "metrics")["loss"])
+
+    def optim_step(self, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
+                   grad_clip: float) -> dict[str, float]:
+        """Apply the accumulated gradients with these Adam hyperparameters (grad_clip 0: no clipping), then zero
+        them (verl's Tinker optimizer_step)."""
+        optim = self.actor.engine.optimizer_config
+        clip, optim.clip_grad = optim.clip_grad, grad_clip or float("inf")
+        try:
+            metrics = self.actor.optimizer_step({"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+        finally:
+            optim.clip_grad = clip
+        return {k: _mean(v) for k, v in metrics.items()}
 
     # -- state ------------------------------------------------------------------------------------------------
     def save(self, folder: Path, step: int) -> None:

@@ -29,6 +29,7 @@ from services.trainer.learner import rollout_idle_ratio
 from services.trainer.publisher import WeightPublisher
 from services.trainer.settings import TrainerSettings
 from services.trainer.state import CheckpointDir, SampleRecord, StepRecord
+from services.trainer.tinker_models import TinkerModels
 from services.trainer.tracking import RunTrackers
 from shared.contracts.messages import AcceptedResult, ConsumedGroup, RunControl, TrainerProgress
 from shared.contracts.run_config import RunConfig
@@ -95,6 +96,7 @@ class Trainer:
         self.publisher = WeightPublisher(settings.weight_server_url, settings.weights_dir, settings.publish_timeout_s,
                                          settings.delta_zstd_level)
         self.torch_thread = ThreadPoolExecutor(1, thread_name_prefix="torch")  # all verl work on one thread
+        self.tinker = TinkerModels(self)  # Tinker training clients (`tinker.requests`), beside the runs
         self.runs: dict[str, RunState] = {}
         self.closed_trackers: list[RunTrackers] = []  # let go, their last calls perhaps still running
         self.foreign: set[str] = set()  # runs another trainer holds
@@ -106,6 +108,7 @@ class Trainer:
     async def serve(self, stop: asyncio.Event) -> None:
         await self.consumer.start()
         await self.control.start()
+        await self.tinker.start()
         while not stop.is_set():
             try:
                 await self.train(stop)
@@ -122,12 +125,14 @@ class Trainer:
                 for run in list(self.runs.values()):
                     if run.report_all:
                         await self.report_record(run)
+                await self.tinker.renew()
                 next_poll = time.monotonic() + self.settings.runs_poll_s
             while self.claim_due:  # routing claimed entries may open further runs
                 self.claim_due = False
                 await self.claim_pending()
             await self.route(await self.consumer.read())
             await self.control.process(self.apply_control, await self.control.read())
+            await self.tinker.poll()
             for run in list(self.runs.values()):
                 await self.maybe_step(run)
 
@@ -174,7 +179,7 @@ class Trainer:
 
         # model_copies: copies of a model held (LoRA runs of one kind share one)
         self.status.update(runs={r.run_id: r.version for r in self.runs.values()}, trains=sorted(self.runs),
-                           broken=self.broken, model_copies=engines_held(),
+                           broken=self.broken, model_copies=engines_held(), tinker_models=sorted(self.tinker.models),
                            tracker_warnings={r.run_id: r.trackers.warning for r in self.runs.values()
                                              if r.trackers is not None and r.trackers.warning})
 
@@ -294,6 +299,7 @@ class Trainer:
 
         for run_id in list(self.runs):
             await self.close_run(run_id)
+        await self.tinker.close()
         await self._in_torch(stop_followers)
         self.torch_thread.shutdown(wait=True)
         # the runs' trackers flushed (W&B's files, TensorBoard's events), unless one hangs: its thread is a daemon

@@ -20,7 +20,7 @@ from services.trainer.engine import PolicyEngine
 from shared.platform.logs import get_logger
 
 log = get_logger(__name__)
-SWAPPED_IN = ("log_probs", "update", "save", "load", "export_adapter", "export_hf")  # calls that read a run's state
+SWAPPED_IN = ("log_probs", "update", "forward_backward", "optim_step", "save", "load", "export_adapter", "export_hf")  # calls that read a run's state
 
 
 @dataclass
@@ -31,6 +31,7 @@ class _Slot:
     moments: list[dict]  # the optimizer's state per parameter ({}: none yet)
     schedule: dict | None = None  # the lr scheduler's state_dict (None: the engine's initial one)
     lrs: list[float] | None = None  # each param group's current lr
+    grads: list[torch.Tensor | None] | None = None  # gradients accumulated and not yet applied (Tinker's split step)
 
 
 class SharedLoRABase:
@@ -70,12 +71,14 @@ class SharedLoRABase:
             out.moments = [self.optimizer.state.get(p, {}) for p in self.params]
             out.schedule = self.scheduler.state_dict()
             out.lrs = [g["lr"] for g in self.optimizer.param_groups]
+            out.grads = [p.grad for p in self.params]
         slot = self.slots[run_id]
         with torch.no_grad():
             for p, saved in zip(self.params, slot.params, strict=True):
                 p.detach().copy_(saved)
-        for p, moments in zip(self.params, slot.moments, strict=True):
+        for p, moments, grad in zip(self.params, slot.moments, slot.grads or [None] * len(self.params), strict=True):
             self.optimizer.state[p] = moments
+            p.grad = grad  # one run's gradients never reach another's step
         self.scheduler.load_state_dict(slot.schedule or self.fresh_schedule)
         for group, lr in zip(self.optimizer.param_groups, slot.lrs or self.fresh_lrs, strict=True):
             group["lr"] = lr

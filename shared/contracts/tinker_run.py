@@ -8,6 +8,17 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from shared.contracts.run_config import AlgorithmConfig, LoRAConfig
+
+FUTURE_TTL_S = 24 * 3600  # a future's record is kept this long after it is made or answered
+# The losses served, and the loss inputs each needs besides `target_tokens` (one value per input token)
+LOSS_INPUTS: dict[str, tuple[str, ...]] = {
+    "cross_entropy": (),  # `weights` optional: every token weighs 1 without
+    "importance_sampling": ("logprobs", "advantages"),
+    "ppo": ("logprobs", "advantages"),
+}
+LORA_ALPHA = 32  # Tinker's LoRA scaling numerator (its clients choose the rank only)
+
 
 class TinkerRunConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
@@ -23,3 +34,13 @@ class TinkerRunConfig(BaseModel):
     lora: dict[str, Any] = Field(..., description="the client's LoRA config: rank, seed, train_mlp/attn/unembed")
     optimizer: dict[str, Any] = Field(default_factory=lambda: {"type": "adamw"})
     user_metadata: dict[str, Any] = Field(default_factory=dict)
+
+    def algorithm(self) -> AlgorithmConfig:
+        """The trainer engine's config for this model: its LoRA on the modules the client asked to train. The
+        optimizer's hyperparameters come with each optim_step; the engine's lr and clip are placeholders."""
+        lora = self.lora
+        targets = ([*(("q_proj", "k_proj", "v_proj", "o_proj") if lora.get("train_attn", True) else ()),
+                    *(("gate_proj", "up_proj", "down_proj") if lora.get("train_mlp", True) else ())]
+                   or "all-linear")
+        return AlgorithmConfig(lora=LoRAConfig(rank=lora["rank"], alpha=LORA_ALPHA, target_modules=targets),
+                               lr=1e-4, grad_clip=1e9)

@@ -167,18 +167,15 @@ def test_keys_are_tml_plus_a_flywheel_token(api):
 
 
 def test_operations_not_served_yet_say_so(api):
-    for path, operation in (("/api/v1/forward_backward", "forward_backward"), ("/api/v1/asample", "sample"),
-                            ("/api/v1/save_weights_for_sampler", "save_weights_for_sampler")):
+    for path, operation in (("/api/v1/asample", "sample"), ("/api/v1/create_sampling_session", "create_sampling_session")):
         r = post(api, path, {})
         assert r.status_code == 404, r.text
         assert operation in r.json()["message"] and "not supported by this flywheel server yet" in r.json()["message"]
     r = httpx.get(api.url + "/api/v1/training_runs/x/checkpoints", headers={"X-API-Key": "tml-" + api.token})
     assert r.status_code == 404 and "not supported" in r.json()["message"]
-    training = sdk(api).create_lora_training_client(base_model="tiny-qwen", rank=2).result(timeout=30)
-    datum = tinker.Datum(model_input=tinker.ModelInput.from_ints([1, 2, 3]),
-                         loss_fn_inputs={"target_tokens": [2, 3, 4], "weights": [1.0, 1.0, 1.0]})
-    with pytest.raises(Exception, match="forward_backward"):
-        training.forward_backward([datum], "cross_entropy").result(timeout=60)
+    with pytest.raises(Exception, match="create_sampling_session|sample"):
+        sampler = sdk(api).create_sampling_client(base_model="tiny-qwen")
+        sampler.sample(tinker.ModelInput.from_ints([1, 2, 3]), 1, tinker.SamplingParams(max_tokens=2)).result(timeout=60)
 
 
 def test_the_sdk_configured_from_its_environment(api, monkeypatch):

@@ -21,6 +21,8 @@ from shared.contracts.messages import (
     RunCommand,
     RunCommandReply,
     RunControl,
+    TinkerDatum,
+    TinkerOp,
     TrainerProgress,
     TrajectoryRecord,
     TrajectoryStep,
@@ -65,6 +67,11 @@ SAMPLES["job_request"] = JobRequest(job_id="0b7c9e5e-4f7a-4c55-9a51-7d1e2f7a9c10
                                     run_id="r", sent_at=NOW, expires_at=NOW + 10)
 SAMPLES["job_request_reply"] = JobRequestReply(job_id="0b7c9e5e-4f7a-4c55-9a51-7d1e2f7a9c10", outcome="expired",
                                                message="read after its sender stopped waiting")
+SAMPLES["tinker_op"] = TinkerOp(request_id="f1", owner="ab" * 32, model_id="s:train:0", run_id="r", seq_id=3,
+                                op="forward_backward", loss_fn="importance_sampling",
+                                loss_fn_config={"clip_low_threshold": 0.8},
+                                data=[TinkerDatum(tokens=[1, 2, 3], target_tokens=[2, 3, 4], logprobs=[-0.5, -1.0, -2.0],
+                                                  advantages=[1.0, 1.0, 1.0])], sent_at=NOW)
 
 
 def test_every_message_type_has_a_sample():

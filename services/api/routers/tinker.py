@@ -1,26 +1,35 @@
 """The Tinker protocol (the `tinker` SDK's routes under /api/v1): client config, sessions, server capabilities,
-LoRA training models and the futures their operations return. Auth is the SDK's `X-API-Key: tml-<token>`,
+LoRA training models, their training operations (sent to the trainer on `tinker.requests`) and the futures
+their operations return. Auth is the SDK's `X-API-Key: tml-<token>`,
 a flywheel token (API_TOKEN or an api_tokens row) behind `tml-`. Operations this server does not serve yet
 answer 404 naming the operation (404 is what the SDK neither retries nor treats as a broken client).
 More: docs/tinker.md"""
 
 from __future__ import annotations
 
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Request
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi import APIRouter, Depends, Request, Response
+from fastapi.concurrency import run_in_threadpool
+from google.protobuf.message import DecodeError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from services.api.auth import Principal, hash_token, needs, principal_for, required_scope
 from services.api.deps import DB, Config
 from services.api.errors import ApiError
 from services.api.routers.runs import commanding
 from services.api.tinker_base_models import base_models
+from services.api.tinker_proto import ForwardBackwardRequest, WireError, decode_datums, encode_output
 from services.api.tinker_store import TinkerStore
 from shared.clients.run_commands import run_command
-from shared.contracts.tinker_run import TinkerRunConfig
+from shared.contracts.messages import TinkerOp
+from shared.contracts.messages.tinker import AdamStep
+from shared.contracts.streams import TINKER_REQUESTS
+from shared.contracts.tinker_run import LOSS_INPUTS, TinkerRunConfig
+from shared.platform.bus import RedisError, announce
 
 KEY_PREFIX = "tml-"
 KEY_HINT = "send 'X-API-Key: tml-<flywheel token>' (TINKER_API_KEY=tml-$API_TOKEN, or tml- + a token of `flywheel tokens create`)"
@@ -101,6 +110,13 @@ class GetInfo(Wire):
 
 class RetrieveFuture(Wire):
     request_id: str
+
+
+class OptimStep(Wire):
+    model_id: str
+    seq_id: int | None = None
+    adam_params: dict[str, Any] | None = None
+    optimizer_params: dict[str, Any] | None = None
 
 
 @router.post("/client/config")
@@ -221,12 +237,83 @@ def retrieve_future(body: RetrieveFuture, caller: Key, request: Request) -> dict
     future = store(request).future(caller.owner, body.request_id)
     if future is None:  # another key's future reads as absent: ids of others' work are not confirmed
         raise ApiError(404, f"future {body.request_id} does not exist (or has expired)", field="request_id")
-    return future["result"]
+    result = future["result"]
+    if result.get("type") == "forward_backward":  # the SDK reads ForwardBackwardOutput as protobuf
+        return Response(encode_output(result), media_type="application/x-protobuf")
+    return result
+
+
+def owned_model(request: Request, caller: Caller, model_id: str, field: str = "model_id") -> dict:
+    model = store(request).model(caller.owner, model_id)
+    if model is None or model.get("run_id") is None:
+        raise ApiError(404, f"model {model_id} does not exist", field=field,
+                       hint="create one with create_lora_training_client (POST /api/v1/create_model)")
+    return model
+
+
+def send_op(request: Request, caller: Caller, model: dict, **op) -> dict:
+    """Store the operation's future (`try_again`), then send it to the trainers; the SDK's future answer."""
+    tinker = store(request)
+    try:
+        request_id = tinker.pending(caller.owner, op["model_id"])
+        announce(request.app.state.redis, TINKER_REQUESTS,
+                 TinkerOp(request_id=request_id, owner=caller.owner, run_id=model["run_id"], sent_at=time.time(),
+                          **op))
+    except RedisError as e:
+        raise ApiError(503, f"Redis is unreachable, so the operation could not be sent to a trainer ({e})",
+                       hint="retry once Redis is back") from e
+    return {"request_id": request_id, "model_id": op["model_id"]}
+
+
+@router.post("/forward_backward")
+async def forward_backward(request: Request, caller: Key) -> dict:
+    """The SDK's protobuf ForwardBackwardRequest (`forward_only` for `forward`), checked here datum by datum."""
+    if request.headers.get("content-encoding"):
+        raise ApiError(415, f"Content-Encoding {request.headers['content-encoding']!r} is not accepted",
+                       hint="the client config turns compression off (proto_compress_fwdbwd: false)")
+    msg = ForwardBackwardRequest()
+    try:
+        msg.ParseFromString(await request.body())
+    except DecodeError as e:
+        raise ApiError(400, f"the body is not a protobuf ForwardBackwardRequest ({e})",
+                       hint="send it as the tinker SDK does (Content-Type: application/x-protobuf)") from e
+    return await run_in_threadpool(_forward_backward, request, caller, msg)
+
+
+def _forward_backward(request: Request, caller: Caller, msg) -> dict:
+    model = owned_model(request, caller, msg.model_id)
+    if msg.loss_fn not in LOSS_INPUTS:
+        raise ApiError(400, f"loss {msg.loss_fn!r} is not served", field="forward_backward_input.loss_fn",
+                       hint=f"served losses: {', '.join(LOSS_INPUTS)}")
+    if not msg.data:
+        raise ApiError(400, "no datums", field="forward_backward_input.data")
+    try:
+        data = decode_datums(msg, LOSS_INPUTS)
+    except WireError as e:
+        raise ApiError(400, e.message, field=e.field, hint=e.hint) from e
+    config = {k: v.number for k, v in msg.loss_fn_config_v2.items() if v.WhichOneof("value") == "number"}
+    return send_op(request, caller, model, model_id=msg.model_id, seq_id=msg.seq_id, data=data,
+                   op="forward" if msg.forward_only else "forward_backward", loss_fn=msg.loss_fn,
+                   loss_fn_config=config or dict(msg.loss_fn_config))
+
+
+@router.post("/optim_step")
+def optim_step(body: OptimStep, caller: Key, request: Request) -> dict:
+    model = owned_model(request, caller, body.model_id)
+    if body.adam_params is None:
+        raise ApiError(400, "only Adam steps are served: send adam_params", field="optimizer_params",
+                       hint="models here are created with the adamw optimizer")
+    try:
+        adam = AdamStep.model_validate(body.adam_params)
+    except ValidationError as e:
+        raise ApiError(400, f"bad adam_params: {e.errors()[0]['msg']}",
+                       field="adam_params." + ".".join(map(str, e.errors()[0]["loc"]))) from e
+    return send_op(request, caller, model, model_id=body.model_id, seq_id=body.seq_id or 0, op="optim_step",
+                   adam=adam)
 
 
 # Every other route the SDK (0.38.0) calls: what it is, so the caller learns the operation is not served yet.
 NOT_SERVED = {
-    "/forward_backward": "forward_backward / forward", "/optim_step": "optim_step",
     "/save_weights": "save_weights", "/save_weights_for_sampler": "save_weights_for_sampler",
     "/save_weights_external": "save_weights_external", "/load_weights": "load_weights",
     "/copy_weights": "copy_weights", "/create_sampling_session": "create_sampling_session",

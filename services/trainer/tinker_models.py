@@ -1,0 +1,222 @@
+"""The Tinker training clients this trainer serves: `tinker.requests` (group `train`), each model a LoRA slot on
+the shared-base engine of its base model (lora_shared_engine.py), its operations applied in `seq_id` order and
+answered in their futures (`tinker:future:<request id>`, where the API's `retrieve_future` reads them).
+
+A model is held by one trainer (its run's trainer lease). Its adapter and gradients live in that trainer's
+memory: a trainer that restarts has lost them, and says so to every later operation of the model instead of
+training a fresh adapter in its place. More: docs/tinker.md#training-operations
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from services.trainer import run_store as db
+from shared.contracts.messages import TinkerFuture, TinkerOp
+from shared.contracts.streams import GROUP_TRAIN, TINKER_REQUESTS, tinker_key
+from shared.contracts.tinker_run import FUTURE_TTL_S, TinkerRunConfig
+from shared.platform.bus import StreamConsumer
+from shared.platform.logs import get_logger
+
+log = get_logger(__name__)
+MODEL_SEQ_TTL_S = 7 * 24 * 3600  # as long as the API keeps the model's record
+
+
+# -- losses: Tinker's definitions, per token (summed over a datum's tokens; `mask` marks real tokens) -----------
+def cross_entropy(logp: torch.Tensor, d: dict[str, torch.Tensor], config: dict) -> torch.Tensor:
+    return -logp * d["weights"]
+
+
+def importance_sampling(logp: torch.Tensor, d: dict[str, torch.Tensor], config: dict) -> torch.Tensor:
+    return -torch.exp(logp - d["logprobs"]) * d["advantages"]
+
+
+def ppo(logp: torch.Tensor, d: dict[str, torch.Tensor], config: dict) -> torch.Tensor:
+    ratio = torch.exp(logp - d["logprobs"])
+    clipped = ratio.clamp(config.get("clip_low_threshold", 0.8), config.get("clip_high_threshold", 1.2))
+    return -torch.minimum(ratio * d["advantages"], clipped * d["advantages"])
+
+
+LOSSES: dict[str, Callable] = {"cross_entropy": cross_entropy, "importance_sampling": importance_sampling, "ppo": ppo}
+INPUTS = ("weights", "advantages", "logprobs")  # a datum's per-token loss inputs, padded like the responses
+
+
+def verl_loss(name: str, config: dict) -> Callable:
+    """Loss `name` in verl's loss signature: the sum over the micro-batch's tokens (Tinker's losses are sums)."""
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    def loss(model_output, data, dp_group=None):
+        logp = no_padding_2_padding(model_output["log_probs"], data).float()
+        inputs = {k: data[f"tinker_{k}"] for k in INPUTS}
+        return (LOSSES[name](logp, inputs, config) * data["response_mask"]).sum(), {}
+
+    return loss
+
+
+def tensors(op: TinkerOp, pad_id: int) -> tuple[dict, dict]:
+    """The engine's padded batch of the op's datums: each datum's first input token as its prompt and its
+    target tokens as its response, so the response log-probs are those of the targets; and the loss inputs."""
+    rows = op.data
+    B, R = len(rows), max(len(d.target_tokens) for d in rows)
+    t = {"prompts": torch.tensor([[d.tokens[0]] for d in rows]), "responses": torch.full((B, R), pad_id),
+         "attention_mask": torch.zeros((B, R + 1), dtype=torch.long), "response_mask": torch.zeros((B, R), dtype=torch.long)}
+    extra = {f"tinker_{k}": torch.zeros((B, R)) for k in INPUTS}
+    for i, d in enumerate(rows):
+        n = len(d.target_tokens)
+        t["responses"][i, :n] = torch.tensor(d.target_tokens)
+        t["attention_mask"][i, :n + 1] = 1
+        t["response_mask"][i, :n] = 1
+        extra["tinker_weights"][i, :n] = torch.tensor(d.weights) if d.weights is not None else 1.0
+        for k in ("advantages", "logprobs"):
+            if getattr(d, k) is not None:
+                extra[f"tinker_{k}"][i, :n] = torch.tensor(getattr(d, k))
+    t["input_ids"] = torch.cat([t["prompts"], t["responses"]], dim=1)
+    t["position_ids"] = (t["attention_mask"].cumsum(1) - 1).clamp(min=0)
+    return t, extra
+
+
+def outputs(op: TinkerOp, t: dict, extra: dict, logp: torch.Tensor) -> list[dict[str, list[float]]]:
+    """Per datum: the targets' log-probs and each token's loss (Tinker's `logprobs`, `elementwise_loss`)."""
+    inputs = {k: extra[f"tinker_{k}"] for k in INPUTS}
+    elementwise = LOSSES[op.loss_fn](logp, inputs, op.loss_fn_config) * t["response_mask"]
+    return [{"logprobs": logp[i, :len(d.target_tokens)].tolist(),
+             "elementwise_loss": elementwise[i, :len(d.target_tokens)].tolist()} for i, d in enumerate(op.data)]
+
+
+@dataclass
+class TinkerModel:
+    run_id: str
+    engine: object
+    pad_id: int
+    last_seq: int = 0  # the last seq_id applied
+
+
+class OpFailed(Exception):
+    """An operation that cannot be applied; `category` is the SDK's (user: the caller's to fix)."""
+
+    def __init__(self, message: str, category: str = "user"):
+        super().__init__(message)
+        self.category = category
+
+
+class TinkerModels:
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.consumer = StreamConsumer(trainer.bus, TINKER_REQUESTS, GROUP_TRAIN, trainer.worker_id, expect=TinkerOp,
+                                       max_deliveries=None, claim_idle_ms=None, block_ms=None)
+        self.models: dict[str, TinkerModel] = {}
+
+    async def start(self) -> None:
+        await self.consumer.start()
+        async for deliveries in self.consumer.take_over_pending():  # a crashed trainer's (or our own) unanswered ops
+            await self.serve(deliveries)
+
+    async def poll(self) -> None:
+        await self.serve(await self.consumer.read())
+
+    async def serve(self, deliveries: list) -> None:
+        # one model's operations in seq_id order (the SDK sends them so; a read may still hold several)
+        for d in sorted(deliveries, key=lambda d: (d.message.model_id, d.message.seq_id)):
+            await self.answer(d.message, await self.apply(d.message))
+            await self.consumer.ack([d])
+
+    async def apply(self, op: TinkerOp) -> dict:
+        started = time.monotonic()
+        try:
+            model = await self.model(op)
+            if op.seq_id and op.seq_id <= model.last_seq:
+                raise OpFailed(f"operation seq_id {op.seq_id} of {op.model_id} was applied already "
+                               f"(last applied: {model.last_seq}); a retried request is not applied twice")
+            result = await self.trainer._in_torch(self.run_op, model, op)
+            model.last_seq = op.seq_id
+            await self.trainer.redis.set(tinker_key("model_seq", op.model_id), op.seq_id, ex=MODEL_SEQ_TTL_S)
+            log.info("tinker %s of %s (seq %d) in %.2fs", op.op, op.model_id, op.seq_id, time.monotonic() - started,
+                     extra={"run_id": op.run_id})
+            return result
+        except OpFailed as e:
+            return {"error": str(e), "category": e.category}
+        except Exception as e:  # the model's engine failed: the client learns why, the trainer goes on
+            log.exception("tinker %s of %s failed", op.op, op.model_id, extra={"run_id": op.run_id})
+            return {"error": f"{op.op} failed on the trainer: {e!r}", "category": "server"}
+
+    def run_op(self, model: TinkerModel, op: TinkerOp) -> dict:
+        if op.op == "optim_step":
+            a = op.adam
+            metrics = model.engine.optim_step(a.learning_rate, (a.beta1, a.beta2), a.eps, a.weight_decay,
+                                              a.grad_clip_norm)
+            return {"type": "optim_step", "metrics": {f"{k}:mean": v for k, v in metrics.items()}}
+        t, extra = tensors(op, model.pad_id)
+        if op.op == "forward":
+            logp = model.engine.log_probs(t)[0]
+        else:
+            logp, _ = model.engine.forward_backward(t, verl_loss(op.loss_fn, op.loss_fn_config), extra)
+        out = outputs(op, t, extra, logp)
+        loss = sum(sum(o["elementwise_loss"]) for o in out)
+        return {"type": "forward_backward", "loss_fn_outputs": out, "metrics": {"loss:sum": loss}}
+
+    async def model(self, op: TinkerOp) -> TinkerModel:
+        """The op's model, opened on first use: its lease taken, its run active, its state never lost."""
+        model = self.models.get(op.model_id)
+        if model is not None:
+            return model
+        row = await asyncio.to_thread(db.load_run, self.trainer.db, op.run_id)
+        if row is None or row.kind != "tinker":
+            raise OpFailed(f"model {op.model_id} has no tinker run {op.run_id}")
+        if row.status != "running":
+            raise OpFailed(f"model {op.model_id}'s run is {row.status} (its session finished, or it was stopped)")
+        if op.run_id not in await self.trainer._leases([op.run_id]):
+            raise OpFailed(f"model {op.model_id} is held by another trainer; operations of one model are served "
+                           "by the trainer that holds it (more than one trainer per Tinker model is not served)",
+                           "server")
+        applied = await self.trainer.redis.get(tinker_key("model_seq", op.model_id))
+        if applied is not None:
+            await asyncio.to_thread(db.release_leases, self.trainer.db, self.trainer.worker_id, [op.run_id])
+            raise OpFailed(f"the trainer that held model {op.model_id} restarted after applying its operations up to "
+                           f"seq_id {int(applied)}, and its weights since creation are lost (save_state is not served "
+                           "yet); create a new model", "server")
+        config = TinkerRunConfig.model_validate(row.config)
+        model = await self.trainer._in_torch(self.open, op.run_id, config)
+        self.models[op.model_id] = model
+        log.info("serving tinker model %s (rank %d on %s)", op.model_id, config.lora["rank"], config.base_model,
+                 extra={"run_id": op.run_id})
+        return model
+
+    def open(self, run_id: str, config: TinkerRunConfig) -> TinkerModel:
+        from services.trainer.lora_shared_engine import open_engine
+
+        s = self.trainer.settings
+        engine = open_engine(run_id, config.model, config.algorithm(), seed=config.lora.get("seed") or 0,
+                             device=s.device, dtype=s.dtype, **s.engine_options())
+        tokenizer = engine.model_config.tokenizer
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+        return TinkerModel(run_id, engine, pad_id)
+
+    async def answer(self, op: TinkerOp, result: dict) -> None:
+        record = TinkerFuture(owner=op.owner, model_id=op.model_id, result=result)
+        await self.trainer.redis.set(tinker_key("future", op.request_id), record.model_dump_json(), ex=FUTURE_TTL_S)
+
+    async def renew(self) -> None:
+        """Keep the leases of the models held; let go of those whose run ended or whose lease another took."""
+        if not self.models:
+            return
+        runs = {m.run_id: model_id for model_id, m in self.models.items()}
+        held = await self.trainer._leases(list(runs))
+        for run_id, model_id in runs.items():
+            row = await asyncio.to_thread(db.load_run, self.trainer.db, run_id)
+            if run_id not in held or row is None or row.status != "running":
+                await self.close(model_id)
+
+    async def close(self, model_id: str | None = None) -> None:
+        from services.trainer.lora_shared_engine import close_engine
+
+        for mid in [model_id] if model_id else list(self.models):
+            model = self.models.pop(mid)
+            await self.trainer._in_torch(close_engine, model.run_id)
+            await asyncio.to_thread(db.release_leases, self.trainer.db, self.trainer.worker_id, [model.run_id])
+            log.info("let go of tinker model %s", mid, extra={"run_id": model.run_id})
+

@@ -1,0 +1,62 @@
+"""`tinker.requests` (API -> trainer): one Tinker training operation of one LoRA model (docs/tinker.md).
+
+The API checks and decodes the SDK's request, stores the operation's future as `try_again`, then sends a
+`TinkerOp`; the trainer that holds the model applies its operations in `seq_id` order and writes the result
+into the future (`TinkerFuture`), where `retrieve_future` reads it."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from shared.contracts.messages.codec import Logprobs, Message, TokenIds
+
+TinkerOpKind = Literal["forward_backward", "forward", "optim_step"]
+
+
+class TinkerDatum(BaseModel):
+    """One datum: the model input's tokens and the loss inputs, each one value per input token."""
+
+    tokens: TokenIds
+    target_tokens: TokenIds
+    weights: Logprobs | None = None  # cross_entropy (None: every token weighs 1)
+    advantages: Logprobs | None = None  # importance_sampling, ppo
+    logprobs: Logprobs | None = None  # the sampler's logprobs of target_tokens: importance_sampling, ppo
+
+
+class AdamStep(BaseModel):
+    """The SDK's AdamParams of one optim_step."""
+
+    learning_rate: float = Field(1e-4, ge=0)
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.95, ge=0, lt=1)
+    eps: float = Field(1e-12, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip_norm: float = Field(0.0, ge=0, description="0: no clipping")
+
+
+class TinkerOp(Message):
+    TYPE = "tinker_op"
+    SCHEMA_VERSION = 1
+
+    request_id: str  # the future the result goes to
+    owner: str  # sha256 of the key's token: the future's owner
+    model_id: str
+    run_id: str  # the model's run of kind `tinker` (its config: base model and LoRA)
+    seq_id: int = Field(ge=0)
+    op: TinkerOpKind
+    loss_fn: str | None = None
+    loss_fn_config: dict[str, float] = Field(default_factory=dict)
+    data: list[TinkerDatum] = Field(default_factory=list)
+    adam: AdamStep | None = None
+    sent_at: float = 0.0
+
+
+class TinkerFuture(BaseModel):
+    """The record `tinker:future:<request id>`: its owner, its model, and the SDK's answer (try_again until
+    the work is done, then the result or `{"error", "category"}`)."""
+
+    owner: str
+    model_id: str | None = None
+    result: dict[str, Any]
