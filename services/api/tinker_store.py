@@ -84,5 +84,9 @@ class TinkerStore:
         return self.complete(owner, {"type": "try_again", "request_id": request_id, "queue_state": "active"},
                              model_id, request_id)
 
+    def checkpoint(self, owner: str, path: str) -> dict[str, Any] | None:
+        """A checkpoint the trainer recorded (TinkerCheckpoint), if this owner made it."""
+        return self._get("checkpoint", path, owner)
+
     def future(self, owner: str, request_id: str) -> dict[str, Any] | None:
         return self._get("future", request_id, owner)

@@ -3,13 +3,16 @@ the shared-base engine of its base model (lora_shared_engine.py), its operations
 answered in their futures (`tinker:future:<request id>`, where the API's `retrieve_future` reads them).
 
 A model is held by one trainer (its run's trainer lease). Its adapter and gradients live in that trainer's
-memory: a trainer that restarts has lost them, and says so to every later operation of the model instead of
-training a fresh adapter in its place. More: docs/tinker.md#training-operations
+memory; `save_weights` puts adapter and Adam state in STATE_DIR, `save_weights_for_sampler` the adapter on the
+weight server. A restarted trainer resumes a model from its last `save_weights`, or, with none, says its
+weights are lost instead of training a fresh adapter in their place. More: docs/tinker.md#training-operations
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,11 +20,12 @@ from dataclasses import dataclass
 import torch
 
 from services.trainer import run_store as db
-from shared.contracts.messages import TinkerFuture, TinkerOp
+from shared.contracts.messages import TinkerCheckpoint, TinkerFuture, TinkerOp
 from shared.contracts.streams import GROUP_TRAIN, TINKER_REQUESTS, tinker_key
-from shared.contracts.tinker_run import FUTURE_TTL_S, TinkerRunConfig
+from shared.contracts.tinker_run import FUTURE_TTL_S, TinkerRunConfig, checkpoint_path
 from shared.platform.bus import StreamConsumer
 from shared.platform.logs import get_logger
+from shared.weights.manifest import BaseModelRef, base_model_digest, fsync_path, fsync_tree
 
 log = get_logger(__name__)
 MODEL_SEQ_TTL_S = 7 * 24 * 3600  # as long as the API keeps the model's record
@@ -91,6 +95,7 @@ def outputs(op: TinkerOp, t: dict, extra: dict, logp: torch.Tensor) -> list[dict
 @dataclass
 class TinkerModel:
     run_id: str
+    config: TinkerRunConfig
     engine: object
     pad_id: int
     last_seq: int = 0  # the last seq_id applied
@@ -132,8 +137,12 @@ class TinkerModels:
             if op.seq_id and op.seq_id <= model.last_seq:
                 raise OpFailed(f"operation seq_id {op.seq_id} of {op.model_id} was applied already "
                                f"(last applied: {model.last_seq}); a retried request is not applied twice")
-            result = await self.trainer._in_torch(self.run_op, model, op)
+            source = await self.checkpoint(op) if op.op == "load_weights" else None
+            result = await self.trainer._in_torch(self.run_op, model, op, source)
             model.last_seq = op.seq_id
+            if isinstance(result, TinkerCheckpoint):  # durable: recorded, then answered
+                await self.record_checkpoint(result)
+                result = {"type": op.op, "path": checkpoint_path(op.model_id, result.kind, result.name)}
             await self.trainer.redis.set(tinker_key("model_seq", op.model_id), op.seq_id, ex=MODEL_SEQ_TTL_S)
             log.info("tinker %s of %s (seq %d) in %.2fs", op.op, op.model_id, op.seq_id, time.monotonic() - started,
                      extra={"run_id": op.run_id})
@@ -144,7 +153,14 @@ class TinkerModels:
             log.exception("tinker %s of %s failed", op.op, op.model_id, extra={"run_id": op.run_id})
             return {"error": f"{op.op} failed on the trainer: {e!r}", "category": "server"}
 
-    def run_op(self, model: TinkerModel, op: TinkerOp) -> dict:
+    def run_op(self, model: TinkerModel, op: TinkerOp, source: TinkerCheckpoint | None = None):
+        if op.op == "save_weights":
+            return self.save_state(model, op)
+        if op.op == "save_weights_for_sampler":
+            return self.save_for_sampler(model, op)
+        if op.op == "load_weights":
+            self.load_state(model, source, op.optimizer)
+            return {"type": "load_weights", "path": op.path, "model_id": op.model_id}
         if op.op == "optim_step":
             a = op.adam
             metrics = model.engine.optim_step(a.learning_rate, (a.beta1, a.beta2), a.eps, a.weight_decay,
@@ -159,6 +175,62 @@ class TinkerModels:
         loss = sum(sum(o["elementwise_loss"]) for o in out)
         return {"type": "forward_backward", "loss_fn_outputs": out, "metrics": {"loss:sum": loss}}
 
+    # -- checkpoints ------------------------------------------------------------------------------------------
+    def checkpoint_record(self, model: TinkerModel, op: TinkerOp, kind: str, **where) -> TinkerCheckpoint:
+        return TinkerCheckpoint(owner=op.owner, model_id=op.model_id, run_id=model.run_id, kind=kind, name=op.name,
+                                base_model=model.config.base_model, lora=model.config.lora, seq_id=op.seq_id,
+                                created_at=time.time(), **where)
+
+    def save_state(self, model: TinkerModel, op: TinkerOp) -> TinkerCheckpoint:
+        """Adapter and Adam state (verl's checkpoint) under STATE_DIR/tinker/<run>/<name>, renamed into place."""
+        root = self.trainer.settings.state_dir / "tinker" / model.run_id
+        root.mkdir(parents=True, exist_ok=True)
+        final, tmp = root / op.name, root / f".{op.name}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.engine.save(tmp, op.seq_id)
+        fsync_tree(tmp)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        fsync_path(root)
+        return self.checkpoint_record(model, op, "weights", folder=str(final))
+
+    def save_for_sampler(self, model: TinkerModel, op: TinkerOp) -> TinkerCheckpoint:
+        """The adapter, published on the weight server as version `seq_id` of the model's run (rollout workers
+        load it like any LoRA run's version)."""
+        publisher, base = self.trainer.publisher, model.config.model
+        folder = publisher.staging_folder(model.run_id, op.seq_id)
+        tensors = model.engine.export_adapter(folder)
+        publisher.publish(model.run_id, op.seq_id, folder, {}, tensors=tensors,
+                          base_model=BaseModelRef(name=base, sha256=base_model_digest(base)))
+        return self.checkpoint_record(model, op, "sampler_weights", version=op.seq_id)
+
+    @staticmethod
+    def load_state(model: TinkerModel, source: TinkerCheckpoint, optimizer: bool) -> None:
+        model.engine.load(source.folder)
+        if not optimizer:  # the weights alone: Adam starts afresh (only this model's state is in the engine now)
+            model.engine.actor.engine.optimizer.state.clear()
+
+    async def checkpoint(self, op: TinkerOp) -> TinkerCheckpoint:
+        raw = await self.trainer.redis.get(tinker_key("checkpoint", op.path))
+        record = TinkerCheckpoint.model_validate_json(raw) if raw else None
+        if record is None or record.owner != op.owner:
+            raise OpFailed(f"checkpoint {op.path} does not exist")
+        if record.kind != "weights":
+            raise OpFailed(f"{op.path} holds sampler weights; load_state takes a save_state checkpoint "
+                           "(tinker://<model>/weights/<name>)")
+        model = self.models[op.model_id]
+        if (record.base_model, record.lora.get("rank")) != (model.config.base_model, model.config.lora.get("rank")):
+            raise OpFailed(f"{op.path} is a rank-{record.lora.get('rank')} adapter of {record.base_model}; model "
+                           f"{op.model_id} is rank {model.config.lora.get('rank')} on {model.config.base_model}")
+        return record
+
+    async def record_checkpoint(self, record: TinkerCheckpoint) -> None:
+        path = checkpoint_path(record.model_id, record.kind, record.name)
+        await self.trainer.redis.set(tinker_key("checkpoint", path), record.model_dump_json())
+        if record.kind == "weights":  # where a restarted trainer resumes the model
+            await self.trainer.redis.set(tinker_key("model_state", record.model_id), path, ex=MODEL_SEQ_TTL_S)
+
+    # -- models -----------------------------------------------------------------------------------------------
     async def model(self, op: TinkerOp) -> TinkerModel:
         """The op's model, opened on first use: its lease taken, its run active, its state never lost."""
         model = self.models.get(op.model_id)
@@ -173,14 +245,23 @@ class TinkerModels:
             raise OpFailed(f"model {op.model_id} is held by another trainer; operations of one model are served "
                            "by the trainer that holds it (more than one trainer per Tinker model is not served)",
                            "server")
+        config = TinkerRunConfig.model_validate(row.config)
         applied = await self.trainer.redis.get(tinker_key("model_seq", op.model_id))
-        if applied is not None:
+        saved = await self.trainer.redis.get(tinker_key("model_state", op.model_id))
+        state = TinkerCheckpoint.model_validate_json(raw) if saved and (
+            raw := await self.trainer.redis.get(tinker_key("checkpoint", saved.decode()))) else None
+        if applied is not None and state is None:
             await asyncio.to_thread(db.release_leases, self.trainer.db, self.trainer.worker_id, [op.run_id])
             raise OpFailed(f"the trainer that held model {op.model_id} restarted after applying its operations up to "
-                           f"seq_id {int(applied)}, and its weights since creation are lost (save_state is not served "
-                           "yet); create a new model", "server")
-        config = TinkerRunConfig.model_validate(row.config)
+                           f"seq_id {int(applied)} with no save_state before: its weights are lost; create a new "
+                           "model (or save_state regularly to resume from the last one)", "server")
         model = await self.trainer._in_torch(self.open, op.run_id, config)
+        if applied is not None:  # trained by a trainer that is gone: from its last saved state on
+            await self.trainer._in_torch(self.load_state, model, state, True)
+            model.last_seq = state.seq_id
+            log.warning("tinker model %s resumed from %s (seq_id %d); its operations %d..%s since are lost",
+                        op.model_id, saved.decode(), state.seq_id, state.seq_id + 1, int(applied),
+                        extra={"run_id": op.run_id})
         self.models[op.model_id] = model
         log.info("serving tinker model %s (rank %d on %s)", op.model_id, config.lora["rank"], config.base_model,
                  extra={"run_id": op.run_id})
@@ -194,7 +275,7 @@ class TinkerModels:
                              device=s.device, dtype=s.dtype, **s.engine_options())
         tokenizer = engine.model_config.tokenizer
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-        return TinkerModel(run_id, engine, pad_id)
+        return TinkerModel(run_id, config, engine, pad_id)
 
     async def answer(self, op: TinkerOp, result: dict) -> None:
         record = TinkerFuture(owner=op.owner, model_id=op.model_id, result=result)

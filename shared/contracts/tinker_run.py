@@ -17,6 +17,7 @@ LOSS_INPUTS: dict[str, tuple[str, ...]] = {
     "importance_sampling": ("logprobs", "advantages"),
     "ppo": ("logprobs", "advantages"),
 }
+CHECKPOINT_KINDS = ("weights", "sampler_weights")  # tinker://<model id>/<kind>/<name>
 LORA_ALPHA = 32  # Tinker's LoRA scaling numerator (its clients choose the rank only)
 
 
@@ -44,3 +45,15 @@ class TinkerRunConfig(BaseModel):
                    or "all-linear")
         return AlgorithmConfig(lora=LoRAConfig(rank=lora["rank"], alpha=LORA_ALPHA, target_modules=targets),
                                lr=1e-4, grad_clip=1e9)
+
+
+def checkpoint_path(model_id: str, kind: str, name: str) -> str:
+    return f"tinker://{model_id}/{kind}/{name}"
+
+
+def parse_checkpoint_path(path: str) -> tuple[str, str, str] | None:
+    """(model id, kind, name) of a tinker:// checkpoint path, None if it is not one."""
+    parts = path.removeprefix("tinker://").split("/")
+    if not path.startswith("tinker://") or len(parts) != 3 or parts[1] not in CHECKPOINT_KINDS or not all(parts):
+        return None
+    return parts[0], parts[1], parts[2]

@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import contextlib
 import math
+import signal
 
 import httpx
 import pytest
 import redis
 from api_testlib import running_api, service_env
+from trainer_testlib import WeightServer
 
 from infra.local.servers import scratch_database
+from shared.contracts.messages import decode
+from shared.contracts.streams import WEIGHTS
 from tests.support.procs import start_service, stop, wait_heartbeat
 from tests.support.tiny_model import build_tiny_model
 
@@ -39,17 +43,29 @@ def api(database_url, redis_url, tmp_path_factory):
     data_dir = tmp_path_factory.mktemp("tinker-train")
     build_tiny_model(data_dir / "models" / BASE)
     redis.Redis.from_url(redis_url).delete("tinker.requests")
-    trainer = start_service("services.trainer.main", log=data_dir / "trainer.log",
-                            **service_env(database_url, redis_url, data_dir, worker_id="trainer-tinker",
-                                          runs_poll_s="0.5", master_port=None, master_addr=None, rank=None,
-                                          world_size=None))
+    ws = WeightServer(redis_url, database_url, data_dir / "weights", keep_last=10).start()
+    live = None
     try:
-        wait_heartbeat(redis_url, "trainer", "trainer-tinker", trainer, timeout_s=180)
         with running_api(database_url, redis_url, data_dir) as live:
-            live.data_dir, live.trainer = data_dir, trainer
+            live.data_dir, live.ws = data_dir, ws
+            live.start_trainer = lambda: start_trainer(live, database_url, redis_url)
+            live.trainer = live.start_trainer()
             yield live
     finally:
-        stop(trainer)
+        if live is not None and getattr(live, "trainer", None) is not None:
+            stop(live.trainer)
+        ws.stop()
+
+
+def start_trainer(api, database_url: str, redis_url: str):
+    n = len(list(api.data_dir.glob("trainer*.log")))
+    trainer = start_service("services.trainer.main", log=api.data_dir / f"trainer{n}.log",
+                            **service_env(database_url, redis_url, api.data_dir, worker_id="trainer-tinker",
+                                          runs_poll_s="0.5", weight_server_url=api.ws.url,
+                                          weights_dir=api.ws.env["WEIGHTS_DIR"], master_port=None,
+                                          master_addr=None, rank=None, world_size=None))
+    wait_heartbeat(redis_url, "trainer", "trainer-tinker", trainer, timeout_s=180)
+    return trainer
 
 
 @pytest.fixture(autouse=True)
@@ -198,3 +214,65 @@ def test_bad_datums_and_losses_are_refused_with_the_field_named(api):
     # the SDK raises the 400 to its caller
     with pytest.raises(tinker.BadRequestError, match="weights"):
         tc.forward_backward([short], "cross_entropy").result(timeout=60)
+
+
+def forward(tc, datums) -> list[list[float]]:
+    return [o["logprobs"].tolist() for o in tc.forward(datums, "cross_entropy").result(timeout=300).loss_fn_outputs]
+
+
+def train(tc, datums, steps: int, lr: float = 2e-2) -> None:
+    for _ in range(steps):
+        tc.forward_backward(datums, "cross_entropy").result(timeout=300)
+        tc.optim_step(types.AdamParams(learning_rate=lr)).result(timeout=120)
+
+
+def close(a: list[list[float]], b: list[list[float]], tol: float = 1e-4) -> bool:
+    return all(abs(x - y) <= tol for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True))
+
+
+def test_save_state_load_state_and_sampler_weights(api, redis_url):
+    tc = training_client(api)
+    datums = [sft_datum(s) for s in SEQS]
+    train(tc, datums, 2)
+    saved = tc.save_state("after-2").result(timeout=300).path
+    assert saved == f"tinker://{tc.model_id}/weights/after-2"
+    at_save = forward(tc, datums)
+    train(tc, datums, 2)
+    assert not close(forward(tc, datums), at_save)
+    tc.load_state(saved).result(timeout=300)
+    assert close(forward(tc, datums), at_save)
+
+    service = tinker.ServiceClient(base_url=api.url, api_key="tml-" + api.token)
+    OPEN.append(service)
+    twin = service.create_training_client_from_state_with_optimizer(saved).result(timeout=300)
+    assert twin.model_id != tc.model_id and twin.get_info().lora_rank == 8
+    assert close(forward(twin, datums), at_save)
+
+    sampler = tc.save_weights_for_sampler("for-sampling").result(timeout=300).path
+    assert sampler == f"tinker://{tc.model_id}/sampler_weights/for-sampling"
+    with api.client() as admin:
+        runs = admin.get("/v1/runs", params={"kind": "tinker", "limit": 200}).json()["data"]
+    run_id = next(r["id"] for r in runs if r["name"] == f"tinker {tc.model_id}")
+    announced = [decode(f) for _, f in redis.Redis.from_url(redis_url).xrange(WEIGHTS)]
+    assert any(w.run_id == run_id for w in announced)  # a version of the model's run, for rollout workers
+
+    other = new_token(api, "tinker-eve")
+    r = httpx.post(api.url + "/api/v1/load_weights", timeout=30, headers={"X-API-Key": "tml-" + other},
+                   json={"model_id": tc.model_id, "path": saved, "optimizer": False})
+    assert r.status_code == 404, r.text  # neither her model nor her checkpoint
+
+
+def test_a_restarted_trainer_resumes_each_model_from_its_last_save(api):
+    saver, unsaved = training_client(api), training_client(api)
+    datums = [sft_datum(s) for s in SEQS]
+    train(saver, datums, 2)
+    train(unsaved, datums, 1)
+    saver.save_state("before-crash").result(timeout=300)
+    at_save = forward(saver, datums)
+    train(saver, datums, 2)  # lost with the trainer
+    api.trainer.send_signal(signal.SIGKILL)
+    api.trainer.wait(30)
+    api.trainer = api.start_trainer()
+    assert close(forward(saver, datums), at_save)  # from its last save_state on
+    with pytest.raises(Exception, match="weights are lost"):  # never a fresh adapter in its place
+        unsaved.forward(datums, "cross_entropy").result(timeout=300)

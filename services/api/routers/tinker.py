@@ -7,6 +7,7 @@ More: docs/tinker.md"""
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ from shared.clients.run_commands import run_command
 from shared.contracts.messages import TinkerOp
 from shared.contracts.messages.tinker import AdamStep
 from shared.contracts.streams import TINKER_REQUESTS
-from shared.contracts.tinker_run import LOSS_INPUTS, TinkerRunConfig
+from shared.contracts.tinker_run import LOSS_INPUTS, TinkerRunConfig, parse_checkpoint_path
 from shared.platform.bus import RedisError, announce
 
 KEY_PREFIX = "tml-"
@@ -175,32 +176,41 @@ def finish_session(session_id: str, body: FinishSession, caller: Key, request: R
 
 @router.post("/create_model")
 def create_model(body: CreateModel, caller: Key, request: Request, config: Config, db: DB) -> dict:
-    session = owned_session(request, caller, body.session_id, "session_id")
-    if session["finished"] is not None:
-        raise ApiError(400, f"session {body.session_id} has finished", field="session_id")
-    offered = base_models(config.tinker_base_models, config.data_dir)
-    base = offered.get(body.base_model)
-    if base is None:
-        supported = ", ".join(offered) or "none (set TINKER_BASE_MODELS or add model folders to DATA_DIR/models)"
-        raise ApiError(400, f"base model {body.base_model!r} is not offered by this server", field="base_model",
-                       hint=f"supported: {supported}")
     if body.lora_config is None:
         raise ApiError(400, "only LoRA training models are served: give a lora_config", field="lora_config")
-    if body.optimizer_config.get("type", "adamw") != "adamw":
-        raise ApiError(400, f"optimizer {body.optimizer_config.get('type')!r} is not supported; only adamw",
+    model_id = new_model(request, caller, config, db, body.session_id, body.model_seq_id, body.base_model,
+                         body.lora_config.model_dump(), body.optimizer_config, body.user_metadata)
+    request_id = store(request).complete(caller.owner, {"type": "create_model", "model_id": model_id}, model_id)
+    return {"request_id": request_id, "model_id": model_id}
+
+
+def new_model(request: Request, caller: Caller, config, db, session_id: str, model_seq_id: int, base_model: str,
+              lora: dict, optimizer_config: dict, user_metadata: dict | None) -> str:
+    """A LoRA training model: its record, and its run of kind `tinker` stored by the controller."""
+    session = owned_session(request, caller, session_id, "session_id")
+    if session["finished"] is not None:
+        raise ApiError(400, f"session {session_id} has finished", field="session_id")
+    offered = base_models(config.tinker_base_models, config.data_dir)
+    base = offered.get(base_model)
+    if base is None:
+        supported = ", ".join(offered) or "none (set TINKER_BASE_MODELS or add model folders to DATA_DIR/models)"
+        raise ApiError(400, f"base model {base_model!r} is not offered by this server", field="base_model",
+                       hint=f"supported: {supported}")
+    if optimizer_config.get("type", "adamw") != "adamw":
+        raise ApiError(400, f"optimizer {optimizer_config.get('type')!r} is not supported; only adamw",
                        field="optimizer_config.type")
-    model_id = f"{body.session_id}:train:{body.model_seq_id}"  # the id the SDK itself derives for a session's model
+    model_id = f"{session_id}:train:{model_seq_id}"  # the id the SDK itself derives for a session's model
     tinker = store(request)
-    model = {"session_id": body.session_id, "run_id": None, "base_model": base.name, "source": base.source,
-             "arch": base.arch, "lora": body.lora_config.model_dump(), "optimizer_config": body.optimizer_config,
-             "user_metadata": body.user_metadata or {}}
+    model = {"session_id": session_id, "run_id": None, "base_model": base.name, "source": base.source,
+             "arch": base.arch, "lora": lora, "optimizer_config": optimizer_config,
+             "user_metadata": user_metadata or {}}
     if not tinker.put_model(caller.owner, model_id, model, only_new=True):
         # 400, not 409: the SDK retries a 409 as a lock timeout, and this will not change
-        raise ApiError(400, f"model {model_id} exists already (model_seq_id {body.model_seq_id} is taken)",
+        raise ApiError(400, f"model {model_id} exists already (model_seq_id {model_seq_id} is taken)",
                        field="model_seq_id")
-    run = TinkerRunConfig(name=f"tinker {model_id}", model_id=model_id, session_id=body.session_id,
+    run = TinkerRunConfig(name=f"tinker {model_id}", model_id=model_id, session_id=session_id,
                           owner=caller.owner, owner_name=caller.principal.name, base_model=base.name,
-                          model=base.source, lora=model["lora"], optimizer=body.optimizer_config,
+                          model=base.source, lora=lora, optimizer=optimizer_config,
                           user_metadata=model["user_metadata"])
     run_id = uuid.uuid4()
     try:
@@ -214,10 +224,9 @@ def create_model(body: CreateModel, caller: Key, request: Request, config: Confi
     except BaseException:
         tinker.drop_model(model_id)  # no run, no model: the client may try again with the same id
         raise
-    tinker.add_session_run(body.session_id, str(run_id))
+    tinker.add_session_run(session_id, str(run_id))
     tinker.put_model(caller.owner, model_id, model | {"run_id": str(run_id)})
-    request_id = tinker.complete(caller.owner, {"type": "create_model", "model_id": model_id}, model_id)
-    return {"request_id": request_id, "model_id": model_id}
+    return model_id
 
 
 @router.post("/get_info")
@@ -312,10 +321,73 @@ def optim_step(body: OptimStep, caller: Key, request: Request) -> dict:
                    adam=adam)
 
 
+class SaveWeights(Wire):
+    model_id: str
+    path: str | None = None  # the checkpoint's name
+    seq_id: int | None = None
+
+
+class LoadWeights(Wire):
+    model_id: str | None = None
+    seq_id: int | None = None
+    session_id: str | None = None  # create-via-load: a new model, its LoRA config that of the checkpoint
+    model_seq_id: int | None = None
+    base_model: str | None = None
+    user_metadata: dict[str, Any] | None = None
+    path: str
+    optimizer: bool = False
+    optimizer_config: dict[str, Any] | None = None
+
+
+NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
+
+
+def _save(body: SaveWeights, caller: Caller, request: Request, op: str) -> dict:
+    model = owned_model(request, caller, body.model_id)
+    name = body.path or f"{body.seq_id or 0:06d}"
+    if not NAME.fullmatch(name):
+        raise ApiError(400, f"checkpoint name {name!r} is not 1-128 letters, digits, '.', '_' or '-'", field="path")
+    return send_op(request, caller, model, model_id=body.model_id, seq_id=body.seq_id or 0, op=op, name=name)
+
+
+@router.post("/save_weights")
+def save_weights(body: SaveWeights, caller: Key, request: Request) -> dict:
+    """save_state: adapter and Adam state, tinker://<model>/weights/<name>."""
+    return _save(body, caller, request, "save_weights")
+
+
+@router.post("/save_weights_for_sampler")
+def save_weights_for_sampler(body: SaveWeights, caller: Key, request: Request) -> dict:
+    """The adapter for sampling, tinker://<model>/sampler_weights/<name> (a version on the weight server)."""
+    return _save(body, caller, request, "save_weights_for_sampler")
+
+
+@router.post("/load_weights")
+def load_weights(body: LoadWeights, caller: Key, request: Request, config: Config, db: DB) -> dict:
+    """load_state(_with_optimizer) onto a model, or a new model made from the checkpoint (create-via-load)."""
+    parsed = parse_checkpoint_path(body.path)
+    if parsed is None or parsed[1] != "weights":
+        raise ApiError(400, f"{body.path!r} is not a save_state checkpoint path", field="path",
+                       hint="tinker://<model id>/weights/<name>, as save_state returned it")
+    saved = store(request).checkpoint(caller.owner, body.path)
+    if saved is None:
+        raise ApiError(404, f"checkpoint {body.path} does not exist", field="path")
+    model_id, seq_id = body.model_id, body.seq_id or 0
+    if model_id is None:
+        if body.session_id is None or body.model_seq_id is None:
+            raise ApiError(400, "give model_id, or session_id and model_seq_id to make a model from the checkpoint",
+                           field="model_id")
+        model_id = new_model(request, caller, config, db, body.session_id, body.model_seq_id,
+                             body.base_model or saved["base_model"], saved["lora"],
+                             body.optimizer_config or {"type": "adamw"}, body.user_metadata)
+    model = owned_model(request, caller, model_id)
+    return send_op(request, caller, model, model_id=model_id, seq_id=seq_id, op="load_weights", path=body.path,
+                   optimizer=body.optimizer)
+
+
 # Every other route the SDK (0.38.0) calls: what it is, so the caller learns the operation is not served yet.
 NOT_SERVED = {
-    "/save_weights": "save_weights", "/save_weights_for_sampler": "save_weights_for_sampler",
-    "/save_weights_external": "save_weights_external", "/load_weights": "load_weights",
+    "/save_weights_external": "save_weights_external",
     "/copy_weights": "copy_weights", "/create_sampling_session": "create_sampling_session",
     "/join_sampling_session": "join_sampling_session", "/asample": "sample / compute_logprobs",
     "/retrieve_futures": "retrieve_futures", "/cancel_future": "cancel_future",

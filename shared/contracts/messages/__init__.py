@@ -10,14 +10,14 @@ from shared.contracts.messages.control import RunCommand, RunCommandReply, RunCo
 from shared.contracts.messages.env import EnvReply, EnvRequest
 from shared.contracts.messages.jobs import JobRequest, JobRequestReply
 from shared.contracts.messages.rollout import RolloutTask
-from shared.contracts.messages.tinker import TinkerDatum, TinkerFuture, TinkerOp
+from shared.contracts.messages.tinker import TinkerCheckpoint, TinkerDatum, TinkerFuture, TinkerOp
 from shared.contracts.messages.training import AcceptedResult, ConsumedGroup, TrainerProgress
 from shared.contracts.messages.trajectory import EpisodeResult, TrajectoryRecord, TrajectoryStep
 from shared.contracts.messages.weights import WeightsPublished
 
 __all__ = [
     "MESSAGE_TYPES", "AcceptedResult", "ConsumedGroup", "EnvReply", "EnvRequest", "EpisodeResult", "JobRequest",
-    "JobRequestReply", "Message", "MessageDecodeError", "RolloutTask", "RunCommand", "RunCommandReply", "RunControl", "TinkerDatum", "TinkerFuture",
+    "JobRequestReply", "Message", "MessageDecodeError", "RolloutTask", "RunCommand", "RunCommandReply", "RunControl", "TinkerCheckpoint", "TinkerDatum", "TinkerFuture",
     "TinkerOp", "TrajectoryStep", "TrainerProgress", "TrajectoryRecord", "WeightsPublished",
     "decode", "encode",
 ]

@@ -12,7 +12,8 @@ from pydantic import BaseModel, Field
 
 from shared.contracts.messages.codec import Logprobs, Message, TokenIds
 
-TinkerOpKind = Literal["forward_backward", "forward", "optim_step"]
+TinkerOpKind = Literal["forward_backward", "forward", "optim_step", "save_weights", "save_weights_for_sampler",
+                       "load_weights"]
 
 
 class TinkerDatum(BaseModel):
@@ -50,7 +51,28 @@ class TinkerOp(Message):
     loss_fn_config: dict[str, float] = Field(default_factory=dict)
     data: list[TinkerDatum] = Field(default_factory=list)
     adam: AdamStep | None = None
+    name: str | None = None  # save_weights*: the checkpoint's name (its tinker:// path ends with it)
+    path: str | None = None  # load_weights: the tinker:// path of a `save_weights` checkpoint
+    optimizer: bool = False  # load_weights: the Adam state too
     sent_at: float = 0.0
+
+
+class TinkerCheckpoint(BaseModel):
+    """The record `tinker:checkpoint:<tinker path>`, written by the trainer once the checkpoint is durable:
+    `weights` (adapter and Adam state, in the trainer's STATE_DIR) or `sampler_weights` (the adapter, a version
+    of the model's run on the weight server)."""
+
+    owner: str
+    model_id: str
+    run_id: str
+    kind: Literal["weights", "sampler_weights"]
+    name: str
+    base_model: str  # the name get_server_capabilities offers
+    lora: dict[str, Any]
+    seq_id: int  # the model's operations it holds
+    folder: str | None = None  # weights: where the trainer saved it
+    version: int | None = None  # sampler_weights: the run's version on the weight server
+    created_at: float
 
 
 class TinkerFuture(BaseModel):
