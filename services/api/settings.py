@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
+from shared.contracts.run_config import EngineConfig
 from shared.platform.settings import ServiceSettings
 
 
@@ -44,6 +45,9 @@ class ApiSettings(ServiceSettings):
     tinker_base_models: str | None = Field(
         None, description="TINKER_BASE_MODELS: the base models the Tinker API offers, comma-separated local paths or "
         "hub ids; unset: every model folder under DATA_DIR/models, by folder name (docs/tinker.md)")
+    tinker_engine: EngineConfig = Field(
+        default_factory=EngineConfig, description="TINKER_ENGINE: the rollout workers' engine for Tinker samples, "
+        'as a run\'s `engine` in JSON (e.g. {"type": "vllm", "device": "cuda"}); default: hf on cpu')
 
     @model_validator(mode="after")
     def _token(self) -> ApiSettings:

@@ -46,6 +46,9 @@ def _schema() -> dict[str, type]:
     dtype = file.enum_type.add(name="DType")
     for i, n in enumerate(("DTYPE_UNSPECIFIED", "DTYPE_FLOAT32", "DTYPE_INT64", "DTYPE_INT32", "DTYPE_BFLOAT16")):
         dtype.value.add(name=n, number=i)
+    stop_reason = file.enum_type.add(name="StopReason")
+    for i, n in enumerate(("STOP_REASON_STOP", "STOP_REASON_LENGTH")):
+        stop_reason.value.add(name=n, number=i)
     file.message_type.extend([
         _message("SparseCsr", ("values", 1, B, None, False, None), ("crow_indices", 2, B, None, False, None),
                  ("col_indices", 3, B, None, False, None)),
@@ -70,6 +73,10 @@ def _schema() -> dict[str, type]:
                  ("dtype", 3, E, ".tinker_public.DType", False, None), ("trailing_shape", 4, I64, None, True, None)),
         _message("ArrayRecord", ("type_tag", 1, S, None, False, None), ("num_datums", 3, I64, None, False, None),
                  maps=(("fields", 2, "FieldsEntry", M, ".tinker_public.BatchedTensor"),)),
+        _message("SampledSequence", ("stop_reason", 1, E, ".tinker_public.StopReason", False, None),
+                 ("tokens", 2, B, None, False, None), ("logprobs", 3, B, None, False, None)),
+        _message("SampleResponse", ("sequences", 1, M, ".tinker_public.SampledSequence", True, None),
+                 ("prompt_cache_hit_tokens", 4, I32, None, False, None)),
         _message("ForwardBackwardOutput", ("loss_fn_output_type", 1, S, None, False, None),
                  ("loss_fn_outputs", 2, M, ".tinker_public.ArrayRecord", True, None),
                  maps=(("metrics", 3, "MetricsEntry", D, None),)),
@@ -83,6 +90,8 @@ def _schema() -> dict[str, type]:
 _CLASSES = _schema()
 ForwardBackwardRequest = _CLASSES["ForwardBackwardRequest"]
 ForwardBackwardOutput = _CLASSES["ForwardBackwardOutput"]
+SampleResponse = _CLASSES["SampleResponse"]
+STOP_REASONS = {"stop": 0, "length": 1}
 
 
 class WireError(ValueError):
@@ -158,4 +167,14 @@ def encode_output(result: dict) -> bytes:
         field.dtype = DTYPE_FLOAT32
         field.data = b"".join(a.tobytes() for a in arrays)
         field.offsets = np.cumsum([0] + [a.nbytes for a in arrays], dtype="<i8").astype("<i8").tobytes()
+    return out.SerializeToString()
+
+
+def encode_samples(result: dict) -> bytes:
+    """A sample result (`sequences`: tokens, logprobs, stop_reason) as the SDK's protobuf SampleResponse."""
+    out = SampleResponse()
+    for seq in result["sequences"]:
+        out.sequences.add(stop_reason=STOP_REASONS[seq["stop_reason"]],
+                          tokens=np.asarray(seq["tokens"], dtype="<i4").tobytes(),
+                          logprobs=np.asarray(seq["logprobs"], dtype="<f4").tobytes())
     return out.SerializeToString()

@@ -84,6 +84,13 @@ class TinkerStore:
         return self.complete(owner, {"type": "try_again", "request_id": request_id, "queue_state": "active"},
                              model_id, request_id)
 
+    def put_sampler(self, owner: str, sampler_id: str, record: dict[str, Any]) -> None:
+        """A sampling session: the run whose engine serves it, the weight version, the base model's name."""
+        self._put("sampler", sampler_id, {"owner": owner, **record}, SESSION_TTL_S)
+
+    def sampler(self, owner: str, sampler_id: str) -> dict[str, Any] | None:
+        return self._get("sampler", sampler_id, owner)
+
     def checkpoint(self, owner: str, path: str) -> dict[str, Any] | None:
         """A checkpoint the trainer recorded (TinkerCheckpoint), if this owner made it."""
         return self._get("checkpoint", path, owner)

@@ -1,12 +1,12 @@
 """TrajectoryStore: writes EpisodeResults (stream `trajectories`, group "store") into Postgres; the one place
 that decides whether a result is accepted.
-
     store = TrajectoryStore(make_engine(url))
     outcome = store.write(results)   # one transaction; ack the stream entries after it returns
 
 Guarantees: one transaction per batch (episodes, trajectories, steps, token arrays AND the ledger rows);
 idempotent (natural-key ids, ON CONFLICT DO NOTHING); a result is applied only if its ledger row is live
-(status "dispatched"), else recorded once as a `late_result` run event and not stored as a trajectory.
+(status "dispatched"), else recorded once as a `late_result` run event and not stored as a trajectory; a
+Tinker run's samples (never dispatched, never trained on) are stored with no ledger row.
 More: docs/architecture.md#the-trajectory-store
 """
 
@@ -90,7 +90,7 @@ class TrajectoryStore:
         with self.engine.begin() as conn:
             cur = conn.connection.driver_connection.cursor()
             ledger, train_runs = _lock_ledger(cur, [r.key for r in results])
-            accepted, late = _classify(results, ledger, outcome)
+            accepted, late = _classify(results, ledger, outcome, _tinker_runs(cur, {r.run_id for r in results}))
             rows = build_rows(accepted)
             outcome.rows = sum(len(v) for v in rows.values())
             insert = _copy_insert if self.method == "copy" else _values_insert
@@ -128,15 +128,20 @@ def _lock_ledger(cur, keys: list[Key]) -> tuple[dict[Key, str], set[str]]:
     return ledger, {r[0] for r in cur.fetchall()}
 
 
+def _tinker_runs(cur, run_ids: set[str]) -> set[str]:
+    cur.execute("SELECT id::text FROM runs WHERE id = ANY(%s::uuid[]) AND kind = 'tinker'", [sorted(run_ids)])
+    return {r[0] for r in cur.fetchall()}
+
+
 def _classify(
-    results: Sequence[EpisodeResult], ledger: dict[Key, str], outcome: StoreOutcome
+    results: Sequence[EpisodeResult], ledger: dict[Key, str], outcome: StoreOutcome, tinker_runs: set[str] = frozenset()
 ) -> tuple[list[EpisodeResult], list[tuple[EpisodeResult, str | None]]]:
     accepted, late, seen = [], [], set()
     for r in results:
         status = ledger.get(r.key)
         if r.key in seen or status == r.status:  # same message again (in this batch or already applied)
             outcome.duplicates += 1
-        elif status == "dispatched":
+        elif status == "dispatched" or (status is None and r.run_id in tinker_runs):
             accepted.append(r)
             outcome.stored += r.status == "completed"
             outcome.failed += r.status == "failed"

@@ -30,7 +30,8 @@ from services.rollout_worker.weight_relay import Relay
 from shared.contracts.db.models import Checkpoint, Run
 from shared.contracts.messages import WeightsPublished
 from shared.contracts.registry import resolve
-from shared.contracts.run_config import RunConfig
+from shared.contracts.run_config import EngineConfig, RunConfig
+from shared.contracts.tinker_run import TinkerRunConfig
 from shared.platform.logs import get_logger
 from shared.weights.delta import WeightUpdate
 from shared.weights.fetch import fetch_checkpoint, fetch_manifest, materialize, version_source
@@ -84,7 +85,7 @@ async def in_daemon_thread(fn, *args):
 @dataclass
 class RunContext:
     run_id: str
-    config: RunConfig
+    config: RunConfig | TinkerRunConfig  # a Tinker run's: its samples only (no agent, env or workflow)
     chat: ChatTokenizer
     engine: InferenceEngine
     agent_cls: Any
@@ -170,28 +171,35 @@ class RunRegistry:
         config = await asyncio.to_thread(self.load_config, run_id)
         from transformers import AutoTokenizer
 
+        if isinstance(config, TinkerRunConfig):
+            tokenizer = await in_daemon_thread(AutoTokenizer.from_pretrained, config.model)
+            engine = await self._engine(run_id, config.model, config.engine, config.lora is not None, tokenizer)
+            log.info("serving the samples of tinker run %s: model %s", run_id, config.model, extra={"run_id": run_id})
+            return RunContext(run_id, config, ChatTokenizer(tokenizer), engine, None, None, asyncio.Lock())
         tokenizer = await in_daemon_thread(AutoTokenizer.from_pretrained, config.tokenizer_path)
-        kwargs: dict = {"hf": {"batch_wait_ms": self.hf_batch_wait_ms},
-                        # a delta's layers go to the server as a file: where it reads full checkpoints from too
-                        "openai": {"scratch_dir": self.weights_cache / ".deltas"}}.get(config.engine.type, {})
-        if config.algorithm.lora is not None:
-            if config.engine.type == "vllm":
-                kwargs["lora"] = True  # vLLM reserves its adapter slots at start-up
-            key = (config.model, config.engine.model_dump_json())
-            async with self._bases_lock:
-                if key not in self.bases:
-                    self.bases[key] = await in_daemon_thread(
-                        functools.partial(build_engine, config.engine.type, config.model, config.engine, tokenizer,
-                                          **kwargs))
-            engine: InferenceEngine = AdapterView(self.bases[key], run_id)
-        else:
-            engine = await in_daemon_thread(functools.partial(
-                build_engine, config.engine.type, config.model, config.engine, tokenizer, **kwargs))
+        engine = await self._engine(run_id, config.model, config.engine, config.algorithm.lora is not None, tokenizer)
         workflow_cls = resolve("workflow", config.workflow.name) if config.workflow else None
         log.info("serving run %s: model %s, engine %s", run_id, config.model, config.engine.type,
                  extra={"run_id": run_id})
         return RunContext(run_id, config, ChatTokenizer(tokenizer), engine, resolve("agent", config.agent.name),
                           workflow_cls, asyncio.Lock())
+
+    async def _engine(self, run_id: str, model: str, engine: EngineConfig, lora: bool, tokenizer) -> InferenceEngine:
+        """The run's engine; a LoRA run's is a view of the engine every LoRA run of its model shares."""
+        kwargs: dict = {"hf": {"batch_wait_ms": self.hf_batch_wait_ms},
+                        # a delta's layers go to the server as a file: where it reads full checkpoints from too
+                        "openai": {"scratch_dir": self.weights_cache / ".deltas"}}.get(engine.type, {})
+        if not lora:
+            return await in_daemon_thread(functools.partial(build_engine, engine.type, model, engine, tokenizer,
+                                                            **kwargs))
+        if engine.type == "vllm":
+            kwargs["lora"] = True  # vLLM reserves its adapter slots at start-up
+        key = (model, engine.model_dump_json())
+        async with self._bases_lock:
+            if key not in self.bases:
+                self.bases[key] = await in_daemon_thread(
+                    functools.partial(build_engine, engine.type, model, engine, tokenizer, **kwargs))
+        return AdapterView(self.bases[key], run_id)
 
     def ended(self, run_ids: set[str]) -> set[str]:
         """Those of `run_ids` that have ended (stopped, failed, completed) or no longer exist (deleted)."""
@@ -212,12 +220,12 @@ class RunRegistry:
             await ctx.engine.close()
             await self._close_unused_bases()
 
-    def load_config(self, run_id: str) -> RunConfig:
+    def load_config(self, run_id: str) -> RunConfig | TinkerRunConfig:
         with self.db.connect() as conn:
-            raw = conn.execute(select(Run.config).where(Run.id == uuid.UUID(run_id))).scalar_one_or_none()
-        if raw is None:
+            row = conn.execute(select(Run.kind, Run.config).where(Run.id == uuid.UUID(run_id))).first()
+        if row is None:
             raise RunNotFound(f"run {run_id} not found in the runs table")
-        return RunConfig.model_validate(raw)
+        return TinkerRunConfig.model_validate(row.config) if row.kind == "tinker" else RunConfig.model_validate(row.config)
 
     def newest_checkpoint(self, run_id: str) -> WeightsPublished | None:
         query = (select(Checkpoint).where(Checkpoint.run_id == uuid.UUID(run_id), Checkpoint.status == "available")

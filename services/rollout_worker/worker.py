@@ -23,6 +23,7 @@ from services.rollout_worker.episodes import failed, run_episode
 from services.rollout_worker.gateway import Gateway
 from services.rollout_worker.run_engines import RunContext, RunRegistry, RunUnavailable
 from services.rollout_worker.settings import RolloutWorkerSettings
+from services.rollout_worker.tinker_sampling import TinkerSampling
 from services.rollout_worker.weight_relay import Relay
 from shared.contracts.messages import EpisodeResult, RolloutTask, WeightsPublished
 from shared.contracts.streams import GROUP_ROLLOUT, ROLLOUT_TASKS, TRAJECTORIES, WEIGHTS
@@ -58,6 +59,7 @@ class RolloutWorker:
         self.ended: set[str] = set()  # runs that ended: their tasks are acked unrun
         self.status: dict = {}
         self.weights = BroadcastReader(redis, WEIGHTS, WeightsPublished)
+        self.tinker = TinkerSampling(self)  # the Tinker API's sample requests (`tinker.samples`)
 
     async def start(self) -> None:
         # transformers takes seconds to import: pay it before the heartbeat says we serve, not in the first
@@ -67,12 +69,13 @@ class RolloutWorker:
         await self.envs.start()
         await self.gateway.start()
         await self.weights.start()
+        await self.tinker.start()
 
     def loops(self, stop: asyncio.Event) -> list:
         self.status["gateway_port"] = self.gateway.port  # status is the runtime's dict by now (main.py)
         self.status["gateway_url"] = f"http://{self.gateway.public_host}:{self.gateway.port}"  # API forwards claims
         return [self.task_loop(stop), self.keepalive_loop(stop), self.envs.reader(stop), self.weights_loop(stop),
-                self.evict_loop(stop), self.ended_loop(stop)]
+                self.evict_loop(stop), self.ended_loop(stop), self.tinker.loop(stop)]
 
     async def evict_loop(self, stop: asyncio.Event) -> None:
         while not await sleep_or_stop(stop, min(60.0, self.cfg.run_idle_s / 4)):

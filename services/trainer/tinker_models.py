@@ -142,7 +142,8 @@ class TinkerModels:
             model.last_seq = op.seq_id
             if isinstance(result, TinkerCheckpoint):  # durable: recorded, then answered
                 await self.record_checkpoint(result)
-                result = {"type": op.op, "path": checkpoint_path(op.model_id, result.kind, result.name)}
+                result = {"type": op.op, "path": checkpoint_path(op.model_id, result.kind, result.name),
+                          **({"sampling_session_id": op.sampling_session_id} if op.sampling_session_id else {})}
             await self.trainer.redis.set(tinker_key("model_seq", op.model_id), op.seq_id, ex=MODEL_SEQ_TTL_S)
             log.info("tinker %s of %s (seq %d) in %.2fs", op.op, op.model_id, op.seq_id, time.monotonic() - started,
                      extra={"run_id": op.run_id})

@@ -21,6 +21,7 @@ RUN_COMMANDS = "run.commands"
 RUN_CONTROL = "run.control"
 JOB_REQUESTS = "jobs.requests"
 TINKER_REQUESTS = "tinker.requests"
+TINKER_SAMPLES = "tinker.samples"
 
 GROUP_ROLLOUT = "rollout"
 GROUP_ENV = "env"
@@ -171,6 +172,11 @@ STREAM_TABLE: tuple[StreamRow, ...] = (
               'trainer (`train`)',
               '`TinkerOp`',
               "the operation's result (or error) is in its future `tinker:future:<request id>`"),
+    StreamRow('tinker.samples', 'work queue',
+              'API: `asample` of a Tinker sampling session, once its future is stored',
+              'rollout workers (`rollout`)',
+              '`TinkerSample`',
+              "its samples are on `trajectories` (stored as the session run's episodes) and the answer is in its future"),
 )
 
 
@@ -185,7 +191,7 @@ KEY_TABLE: tuple[KeyRow, ...] = (
     KeyRow('heartbeat:<service>:<worker id>', 'every service process (shared/platform/service.py), expiring', 'controller, API (shared/platform/heartbeats.py)', "the process's health JSON"),
     KeyRow('streams:epoch', 'controller', 'controller', 'Redis still holds the streams (absent: its data was lost)'),
     KeyRow('bus:failures:<stream>:<group>', '`StreamConsumer` (hash: entry id -> handler failures)', 'the same', 'when to dead-letter'),
-    KeyRow('tinker:<kind>:<id>', 'API (the Tinker protocol: sessions, LoRA models, futures; docs/tinker.md); trainer: the results of the futures of `tinker.requests`, and `model_seq` (the last seq_id it applied to a model)', 'API; trainer (`model_seq`, a future before it answers it)', 'the record as JSON with the sha256 of the key that made it; expires (futures after a day, models a week after creation, sessions a week after their last heartbeat)'),
+    KeyRow('tinker:<kind>:<id>', 'API (the Tinker protocol: sessions, LoRA models, futures; docs/tinker.md); trainer: the results of the futures of `tinker.requests`, `checkpoint`, `model_state` and `model_seq` (the last seq_id it applied to a model); rollout workers: the results of `tinker.samples`', 'API; trainer (`checkpoint`, `model_state`, `model_seq`)', 'the record as JSON with the sha256 of the key that made it; expires (futures after a day, models a week after creation, sessions a week after their last heartbeat)'),
     KeyRow('tracking:<sink>:<run id>', 'jobs worker (`sync_tracking`)', 'the same', 'the highest metrics.id sent to W&B / MLflow'),
 )
 OTHER_KEYS = "Celery (the jobs queue) keeps its own keys (`celery`, `_kombu.*`, `unacked*`) in the same database."

@@ -1,6 +1,7 @@
 """The config of a Tinker training run: one LoRA training client of the Tinker API (docs/tinker.md), stored in
 `runs.config` of a run of kind `tinker`. The API sends it in a `create` run command; the controller stores the run
-`running` and never drives it (its work arrives as Tinker operations, not rollout tasks)."""
+`running` and never drives it (its work arrives as Tinker operations, not rollout tasks). A sampling session of
+a base model is a run of this kind too (`lora` None): its samples are stored as its episodes."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from shared.contracts.run_config import AlgorithmConfig, LoRAConfig
+from shared.contracts.run_config import AlgorithmConfig, EngineConfig, LoRAConfig
 
 FUTURE_TTL_S = 24 * 3600  # a future's record is kept this long after it is made or answered
 # The losses served, and the loss inputs each needs besides `target_tokens` (one value per input token)
@@ -32,7 +33,9 @@ class TinkerRunConfig(BaseModel):
     owner_name: str = Field(..., description="that token's name (API_TOKEN for the bootstrap token)")
     base_model: str = Field(..., description="the name the client gave, as get_server_capabilities offers it")
     model: str = Field(..., description="the folder or hub id of the base model")
-    lora: dict[str, Any] = Field(..., description="the client's LoRA config: rank, seed, train_mlp/attn/unembed")
+    lora: dict[str, Any] | None = Field(..., description="the client's LoRA config: rank, seed, train_mlp/attn/unembed; "
+                                        "None: a sampling session of the base model (never trained)")
+    engine: EngineConfig = Field(default_factory=EngineConfig, description="the rollout workers' engine for its samples")
     optimizer: dict[str, Any] = Field(default_factory=lambda: {"type": "adamw"})
     user_metadata: dict[str, Any] = Field(default_factory=dict)
 

@@ -1,6 +1,7 @@
-"""Tinker training clients on a stack (API + controller + trainer, real Postgres/Redis), driven by the real `tinker`
-SDK: forward_backward / forward / optim_step on LoRA models of one shared base in one trainer engine, tenants
-kept apart, and bad datums refused with the field named.
+"""Tinker on a stack (API + controller + trainer + weight server + rollout worker, real Postgres/Redis), driven by
+the real `tinker` SDK: forward_backward / forward / optim_step on LoRA models of one shared base in one trainer
+engine, tenants kept apart, bad datums refused with the field named, checkpoints and a trainer restart, and
+sampling on the rollout worker with every sample stored as a trajectory.
 
     pytest -q tests/e2e/test_tinker_training.py
 """
@@ -15,12 +16,13 @@ import httpx
 import pytest
 import redis
 from api_testlib import running_api, service_env
+from sqlalchemy import create_engine, text
 from trainer_testlib import WeightServer
 
 from infra.local.servers import scratch_database
 from shared.contracts.messages import decode
 from shared.contracts.streams import WEIGHTS
-from tests.support.procs import start_service, stop, wait_heartbeat
+from tests.support.procs import start_service, stop, wait_heartbeat, wait_until
 from tests.support.tiny_model import build_tiny_model
 
 tinker = pytest.importorskip("tinker")
@@ -50,10 +52,15 @@ def api(database_url, redis_url, tmp_path_factory):
             live.data_dir, live.ws = data_dir, ws
             live.start_trainer = lambda: start_trainer(live, database_url, redis_url)
             live.trainer = live.start_trainer()
+            live.rollout = start_service("services.rollout_worker.main", log=data_dir / "rollout.log",
+                                         **service_env(database_url, redis_url, data_dir, worker_id="rollout-tinker",
+                                                       drain_timeout_s="1"))
+            wait_heartbeat(redis_url, "rollout-worker", "rollout-tinker", live.rollout, timeout_s=120)
             yield live
     finally:
-        if live is not None and getattr(live, "trainer", None) is not None:
-            stop(live.trainer)
+        for proc in (getattr(live, "trainer", None), getattr(live, "rollout", None)):
+            if proc is not None:
+                stop(proc)
         ws.stop()
 
 
@@ -276,3 +283,42 @@ def test_a_restarted_trainer_resumes_each_model_from_its_last_save(api):
     assert close(forward(saver, datums), at_save)  # from its last save_state on
     with pytest.raises(Exception, match="weights are lost"):  # never a fresh adapter in its place
         unsaved.forward(datums, "cross_entropy").result(timeout=300)
+
+
+def test_samples_of_a_base_model_and_of_trained_weights_are_served_and_stored(api, database_url):
+    service = tinker.ServiceClient(base_url=api.url, api_key="tml-" + api.token)
+    OPEN.append(service)
+    prompt = types.ModelInput.from_ints(SEQS[0][:4])
+    base = service.create_sampling_client(base_model=BASE)
+    out = base.sample(prompt, 3, types.SamplingParams(max_tokens=6)).result(timeout=300)
+    assert len(out.sequences) == 3
+    for seq in out.sequences:
+        assert 1 <= len(seq.tokens) <= 6 and len(seq.logprobs) == len(seq.tokens) and seq.sequence_id
+    greedy = base.sample(prompt, 1, types.SamplingParams(max_tokens=6, temperature=0.0)).result(timeout=300)
+    tokens = greedy.sequences[0].tokens
+    stop_at = tokens[2]
+    cut = base.sample(prompt, 1, types.SamplingParams(max_tokens=6, temperature=0.0, stop=[stop_at])).result(timeout=300)
+    assert cut.sequences[0].tokens == tokens[:tokens.index(stop_at) + 1] and cut.sequences[0].stop_reason == "stop"
+
+    # a trained adapter, sampled on the rollout worker: its logprobs are the trainer's for the same tokens
+    tc = training_client(api)
+    train(tc, [sft_datum(s) for s in SEQS], 3)
+    sampler = tc.save_weights_and_get_sampling_client().result(timeout=300)
+    sampled = sampler.sample(prompt, 2, types.SamplingParams(max_tokens=5)).result(timeout=300)
+    for seq in sampled.sequences:
+        full = SEQS[0][:4] + seq.tokens
+        datum = types.Datum(model_input=types.ModelInput.from_ints(full[:-1]),
+                            loss_fn_inputs={"target_tokens": full[1:], "weights": [1.0] * (len(full) - 1)})
+        trainer_lp = forward(tc, [datum])[0][3:]
+        assert close([trainer_lp], [list(seq.logprobs)], tol=1e-3), (trainer_lp, seq.logprobs)
+
+    # every sample is a stored episode of the sampling run, found by the sequence id the SDK returned
+    ids = [s.sequence_id for s in out.sequences + sampled.sequences]
+    engine = create_engine(database_url)
+
+    def stored() -> int:
+        with engine.connect() as c:
+            return c.execute(text("SELECT count(*) FROM episodes e JOIN trajectories t ON t.episode_id = e.id "
+                                  "WHERE e.info->>'sequence_id' = ANY(:ids)"), {"ids": ids}).scalar()
+    wait_until(lambda: stored() == len(ids), timeout_s=60, what="the samples stored as episodes")
+    engine.dispose()

@@ -23,13 +23,19 @@ from services.api.deps import DB, Config
 from services.api.errors import ApiError
 from services.api.routers.runs import commanding
 from services.api.tinker_base_models import base_models
-from services.api.tinker_proto import ForwardBackwardRequest, WireError, decode_datums, encode_output
+from services.api.tinker_proto import (
+    ForwardBackwardRequest,
+    WireError,
+    decode_datums,
+    encode_output,
+    encode_samples,
+)
 from services.api.tinker_store import TinkerStore
 from shared.clients.run_commands import run_command
-from shared.contracts.messages import TinkerOp
+from shared.contracts.messages import TinkerOp, TinkerSample
 from shared.contracts.messages.tinker import AdamStep
-from shared.contracts.streams import TINKER_REQUESTS
-from shared.contracts.tinker_run import LOSS_INPUTS, TinkerRunConfig, parse_checkpoint_path
+from shared.contracts.streams import TINKER_REQUESTS, TINKER_SAMPLES
+from shared.contracts.tinker_run import LOSS_INPUTS, TinkerRunConfig, checkpoint_path, parse_checkpoint_path
 from shared.platform.bus import RedisError, announce
 
 KEY_PREFIX = "tml-"
@@ -136,9 +142,8 @@ def healthz(_: Key) -> dict:
 @router.get("/get_server_capabilities")
 def get_server_capabilities(_: Key, config: Config) -> dict:
     models = base_models(config.tinker_base_models, config.data_dir).values()
-    # sampleable: false until sampling runs on rollout workers (docs/tinker.md#not-served-yet)
     return {"supported_models": [{"model_name": m.name, "max_context_length": m.max_context_length,
-                                  "trainable": True, "sampleable": False} for m in models]}
+                                  "trainable": True, "sampleable": True} for m in models]}
 
 
 @router.post("/create_session")
@@ -184,18 +189,22 @@ def create_model(body: CreateModel, caller: Key, request: Request, config: Confi
     return {"request_id": request_id, "model_id": model_id}
 
 
+def offered_model(config, name: str):
+    offered = base_models(config.tinker_base_models, config.data_dir)
+    if name not in offered:
+        supported = ", ".join(offered) or "none (set TINKER_BASE_MODELS or add model folders to DATA_DIR/models)"
+        raise ApiError(400, f"base model {name!r} is not offered by this server", field="base_model",
+                       hint=f"supported: {supported}")
+    return offered[name]
+
+
 def new_model(request: Request, caller: Caller, config, db, session_id: str, model_seq_id: int, base_model: str,
               lora: dict, optimizer_config: dict, user_metadata: dict | None) -> str:
     """A LoRA training model: its record, and its run of kind `tinker` stored by the controller."""
     session = owned_session(request, caller, session_id, "session_id")
     if session["finished"] is not None:
         raise ApiError(400, f"session {session_id} has finished", field="session_id")
-    offered = base_models(config.tinker_base_models, config.data_dir)
-    base = offered.get(base_model)
-    if base is None:
-        supported = ", ".join(offered) or "none (set TINKER_BASE_MODELS or add model folders to DATA_DIR/models)"
-        raise ApiError(400, f"base model {base_model!r} is not offered by this server", field="base_model",
-                       hint=f"supported: {supported}")
+    base = offered_model(config, base_model)
     if optimizer_config.get("type", "adamw") != "adamw":
         raise ApiError(400, f"optimizer {optimizer_config.get('type')!r} is not supported; only adamw",
                        field="optimizer_config.type")
@@ -211,22 +220,29 @@ def new_model(request: Request, caller: Caller, config, db, session_id: str, mod
     run = TinkerRunConfig(name=f"tinker {model_id}", model_id=model_id, session_id=session_id,
                           owner=caller.owner, owner_name=caller.principal.name, base_model=base.name,
                           model=base.source, lora=lora, optimizer=optimizer_config,
-                          user_metadata=model["user_metadata"])
-    run_id = uuid.uuid4()
+                          user_metadata=model["user_metadata"], engine=config.tinker_engine)
     try:
-        with commanding():  # the controller, the one writer of `runs`, stores it (503 when none answers)
-            reply = run_command(db, request.app.state.redis, run_id, "create", wait_s=config.run_command_wait_s,
-                                config=run.model_dump(mode="json"), rows=0,
-                                created_by=f"the tinker key of token {caller.principal.name!r}")
-        if reply.outcome != "applied":
-            raise ApiError(502, f"the controller refused the training run: {reply.message}",
-                           hint="the API and the controller may run different versions; update both")
+        run_id = store_run(request, caller, config, db, run)
     except BaseException:
         tinker.drop_model(model_id)  # no run, no model: the client may try again with the same id
         raise
-    tinker.add_session_run(session_id, str(run_id))
-    tinker.put_model(caller.owner, model_id, model | {"run_id": str(run_id)})
+    tinker.put_model(caller.owner, model_id, model | {"run_id": run_id})
     return model_id
+
+
+def store_run(request: Request, caller: Caller, config, db, run: TinkerRunConfig) -> str:
+    """The run of a training model or a base sampling session, stored by the controller (the one writer of
+    `runs`; 503 when none answers) and filed under its session (finishing the session stops it)."""
+    run_id = uuid.uuid4()
+    with commanding():
+        reply = run_command(db, request.app.state.redis, run_id, "create", wait_s=config.run_command_wait_s,
+                            config=run.model_dump(mode="json"), rows=0,
+                            created_by=f"the tinker key of token {caller.principal.name!r}")
+    if reply.outcome != "applied":
+        raise ApiError(502, f"the controller refused the tinker run: {reply.message}",
+                       hint="the API and the controller may run different versions; update both")
+    store(request).add_session_run(run.session_id, str(run_id))
+    return str(run_id)
 
 
 @router.post("/get_info")
@@ -249,6 +265,8 @@ def retrieve_future(body: RetrieveFuture, caller: Key, request: Request) -> dict
     result = future["result"]
     if result.get("type") == "forward_backward":  # the SDK reads ForwardBackwardOutput as protobuf
         return Response(encode_output(result), media_type="application/x-protobuf")
+    if result.get("type") == "sample":  # and SampleResponse
+        return Response(encode_samples(result), media_type="application/x-protobuf")
     return result
 
 
@@ -325,6 +343,7 @@ class SaveWeights(Wire):
     model_id: str
     path: str | None = None  # the checkpoint's name
     seq_id: int | None = None
+    sampling_session_seq_id: int | None = None  # save_weights_and_get_sampling_client: a sampler of these weights
 
 
 class LoadWeights(Wire):
@@ -344,10 +363,19 @@ NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
 
 def _save(body: SaveWeights, caller: Caller, request: Request, op: str) -> dict:
     model = owned_model(request, caller, body.model_id)
-    name = body.path or f"{body.seq_id or 0:06d}"
+    seq_id = body.seq_id or 0
+    name = body.path or (f"sampler-{seq_id:06d}" if op == "save_weights_for_sampler" else f"{seq_id:06d}")
     if not NAME.fullmatch(name):
         raise ApiError(400, f"checkpoint name {name!r} is not 1-128 letters, digits, '.', '_' or '-'", field="path")
-    return send_op(request, caller, model, model_id=body.model_id, seq_id=body.seq_id or 0, op=op, name=name)
+    sampler_id = None
+    if op == "save_weights_for_sampler" and body.sampling_session_seq_id is not None:
+        # the trainer publishes these weights as version seq_id of the model's run: the sampler serves that
+        sampler_id = f"{model['session_id']}:sample:{body.sampling_session_seq_id}"
+        store(request).put_sampler(caller.owner, sampler_id, {
+            "run_id": model["run_id"], "version": seq_id, "base_model": model["base_model"],
+            "model_path": checkpoint_path(body.model_id, "sampler_weights", name)})
+    return send_op(request, caller, model, model_id=body.model_id, seq_id=seq_id, op=op, name=name,
+                   sampling_session_id=sampler_id)
 
 
 @router.post("/save_weights")
@@ -385,11 +413,129 @@ def load_weights(body: LoadWeights, caller: Key, request: Request, config: Confi
                    optimizer=body.optimizer)
 
 
+# -- sampling -----------------------------------------------------------------------------------------------------
+class CreateSamplingSession(Wire):
+    session_id: str
+    sampling_session_seq_id: Annotated[int, Field(ge=0)]
+    base_model: str | None = None
+    model_path: str | None = None
+
+
+@router.post("/create_sampling_session")
+def create_sampling_session(body: CreateSamplingSession, caller: Key, request: Request, config: Config,
+                            db: DB) -> dict:
+    """A sampler of saved sampler weights (`model_path`) or of a base model (a run of its own, its samples
+    stored as that run's episodes)."""
+    session = owned_session(request, caller, body.session_id, "session_id")
+    if session["finished"] is not None:
+        raise ApiError(400, f"session {body.session_id} has finished", field="session_id")
+    sampler_id = f"{body.session_id}:sample:{body.sampling_session_seq_id}"
+    if body.model_path is not None:
+        parsed = parse_checkpoint_path(body.model_path)
+        saved = store(request).checkpoint(caller.owner, body.model_path) if parsed else None
+        if parsed is None or parsed[1] != "sampler_weights":
+            raise ApiError(400, f"{body.model_path!r} is not a sampler weights path", field="model_path",
+                           hint="tinker://<model id>/sampler_weights/<name>, as save_weights_for_sampler returned it")
+        if saved is None:
+            raise ApiError(404, f"sampler weights {body.model_path} do not exist", field="model_path")
+        record = {"run_id": saved["run_id"], "version": saved["version"], "base_model": saved["base_model"],
+                  "model_path": body.model_path}
+    elif body.base_model is not None:
+        base = offered_model(config, body.base_model)
+        run = TinkerRunConfig(name=f"tinker sampler {sampler_id}", model_id=sampler_id, session_id=body.session_id,
+                              owner=caller.owner, owner_name=caller.principal.name, base_model=base.name,
+                              model=base.source, lora=None, engine=config.tinker_engine)
+        record = {"run_id": store_run(request, caller, config, db, run), "version": 0, "base_model": base.name,
+                  "model_path": None}
+    else:
+        raise ApiError(400, "give base_model or model_path", field="base_model")
+    store(request).put_sampler(caller.owner, sampler_id, record)
+    return {"type": "create_sampling_session", "sampling_session_id": sampler_id}
+
+
+@router.get("/samplers/{sampler_id}")
+@needs("read")
+def get_sampler(sampler_id: str, caller: Key, request: Request) -> dict:
+    sampler = store(request).sampler(caller.owner, sampler_id)
+    if sampler is None:
+        raise ApiError(404, f"sampler {sampler_id} does not exist", field="path.sampler_id")
+    return {"sampler_id": sampler_id, "base_model": sampler["base_model"], "model_path": sampler["model_path"]}
+
+
+class SampleParams(Wire):
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    seed: int | None = None
+    stop: str | list[str] | list[int] | None = None
+    temperature: Annotated[float, Field(ge=0)] = 1.0
+    top_k: int = -1
+    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
+
+
+class SampleRequest(Wire):
+    sampling_session_id: str | None = None
+    seq_id: int | None = None
+    num_samples: Annotated[int, Field(ge=1, le=1024)] = 1
+    prompt: dict[str, Any]
+    sampling_params: SampleParams
+    base_model: str | None = None
+    model_path: str | None = None
+    prompt_logprobs: bool | None = None
+    topk_prompt_logprobs: int = 0
+    topk_sample_logprobs: int = 0
+    prompt_alt_tokens_k: int = 0
+
+
+DEFAULT_MAX_TOKENS = 256  # a sample request without max_tokens
+
+
+def prompt_tokens(prompt: dict[str, Any]) -> list[int]:
+    tokens = []
+    for j, chunk in enumerate(prompt.get("chunks", [])):
+        if chunk.get("type") != "encoded_text":
+            raise ApiError(400, f"only text chunks (encoded_text) are served, not {chunk.get('type')!r}",
+                           field=f"prompt.chunks[{j}]")
+        tokens.extend(int(t) for t in chunk.get("tokens", []))
+    if not tokens:
+        raise ApiError(400, "the prompt is empty", field="prompt")
+    return tokens
+
+
+@router.post("/asample")
+def asample(body: SampleRequest, caller: Key, request: Request) -> dict:
+    if body.sampling_session_id is None:
+        raise ApiError(400, "sample through a sampling session (the SDK's SamplingClient)", field="sampling_session_id")
+    sampler = store(request).sampler(caller.owner, body.sampling_session_id)
+    if sampler is None:
+        raise ApiError(404, f"sampling session {body.sampling_session_id} does not exist", field="sampling_session_id")
+    unserved = [f for f in ("prompt_logprobs", "topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k")
+                if getattr(body, f)]
+    if unserved:
+        raise ApiError(400, f"{unserved[0]} is not served by this server yet", field=unserved[0],
+                       hint="sample without it (compute_logprobs and top-k logprobs are not served yet)")
+    p = body.sampling_params
+    stop = [p.stop] if isinstance(p.stop, str) else list(p.stop or [])
+    tinker = store(request)
+    request_id = str(uuid.uuid4())
+    sequence_ids = [f"{request_id}:{i}" for i in range(body.num_samples)]
+    try:
+        tinker.complete(caller.owner, {"type": "try_again", "request_id": request_id, "queue_state": "active"},
+                        None, request_id)
+        announce(request.app.state.redis, TINKER_SAMPLES, TinkerSample(
+            request_id=request_id, owner=caller.owner, run_id=sampler["run_id"], version=sampler["version"],
+            sequence_ids=sequence_ids, prompt=prompt_tokens(body.prompt), num_samples=body.num_samples,
+            max_tokens=p.max_tokens or DEFAULT_MAX_TOKENS, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
+            stop_strings=[x for x in stop if isinstance(x, str)], stop_tokens=[x for x in stop if isinstance(x, int)],
+            sent_at=time.time()))
+    except RedisError as e:
+        raise ApiError(503, f"Redis is unreachable, so the sample could not be sent to a rollout worker ({e})",
+                       hint="retry once Redis is back") from e
+    return {"request_id": request_id, "sample_sequence_ids": sequence_ids}
+
+
 # Every other route the SDK (0.38.0) calls: what it is, so the caller learns the operation is not served yet.
 NOT_SERVED = {
     "/save_weights_external": "save_weights_external",
-    "/copy_weights": "copy_weights", "/create_sampling_session": "create_sampling_session",
-    "/join_sampling_session": "join_sampling_session", "/asample": "sample / compute_logprobs",
+    "/copy_weights": "copy_weights", "/join_sampling_session": "join_sampling_session",
     "/retrieve_futures": "retrieve_futures", "/cancel_future": "cancel_future",
     "/create_custom_loss": "create_custom_loss", "/auth/token": "auth_token (JWT exchange)",
     "/auth/apikey/me": "API key introspection", "/client/dynamic_config": "client dynamic config",
@@ -397,7 +543,7 @@ NOT_SERVED = {
     "/training_runs/{rest:path}": "training runs and their checkpoints", "/checkpoints": "list_user_checkpoints",
     "/sessions": "list_sessions", "/sessions/search": "search_sessions",
     "/sessions/{session_id}": "get_session", "/sessions/{session_id}/{rest:path}": "session projects and traces",
-    "/samplers/{rest:path}": "get_sampler", "/audit": "audit log", "/billing/{rest:path}": "billing",
+    "/audit": "audit log", "/billing/{rest:path}": "billing",
 }
 
 

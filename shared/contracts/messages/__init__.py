@@ -10,7 +10,13 @@ from shared.contracts.messages.control import RunCommand, RunCommandReply, RunCo
 from shared.contracts.messages.env import EnvReply, EnvRequest
 from shared.contracts.messages.jobs import JobRequest, JobRequestReply
 from shared.contracts.messages.rollout import RolloutTask
-from shared.contracts.messages.tinker import TinkerCheckpoint, TinkerDatum, TinkerFuture, TinkerOp
+from shared.contracts.messages.tinker import (
+    TinkerCheckpoint,
+    TinkerDatum,
+    TinkerFuture,
+    TinkerOp,
+    TinkerSample,
+)
 from shared.contracts.messages.training import AcceptedResult, ConsumedGroup, TrainerProgress
 from shared.contracts.messages.trajectory import EpisodeResult, TrajectoryRecord, TrajectoryStep
 from shared.contracts.messages.weights import WeightsPublished
@@ -18,6 +24,6 @@ from shared.contracts.messages.weights import WeightsPublished
 __all__ = [
     "MESSAGE_TYPES", "AcceptedResult", "ConsumedGroup", "EnvReply", "EnvRequest", "EpisodeResult", "JobRequest",
     "JobRequestReply", "Message", "MessageDecodeError", "RolloutTask", "RunCommand", "RunCommandReply", "RunControl", "TinkerCheckpoint", "TinkerDatum", "TinkerFuture",
-    "TinkerOp", "TrajectoryStep", "TrainerProgress", "TrajectoryRecord", "WeightsPublished",
+    "TinkerOp", "TinkerSample", "TrajectoryStep", "TrainerProgress", "TrajectoryRecord", "WeightsPublished",
     "decode", "encode",
 ]

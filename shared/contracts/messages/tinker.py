@@ -1,8 +1,12 @@
-"""`tinker.requests` (API -> trainer): one Tinker training operation of one LoRA model (docs/tinker.md).
+"""The Tinker protocol's work (docs/tinker.md). The API checks and decodes the SDK's request, stores the
+operation's future as `try_again`, then sends:
 
-The API checks and decodes the SDK's request, stores the operation's future as `try_again`, then sends a
-`TinkerOp`; the trainer that holds the model applies its operations in `seq_id` order and writes the result
-into the future (`TinkerFuture`), where `retrieve_future` reads it."""
+- `tinker.requests` (API -> trainer): `TinkerOp`, one training operation of one LoRA model; the trainer that
+  holds the model applies its operations in `seq_id` order.
+- `tinker.samples` (API -> rollout workers): `TinkerSample`, one sample request of a sampling session; its
+  samples are stored as trajectories of the session's run.
+
+Whoever does the work writes the result into the future (`TinkerFuture`), where `retrieve_future` reads it."""
 
 from __future__ import annotations
 
@@ -54,6 +58,27 @@ class TinkerOp(Message):
     name: str | None = None  # save_weights*: the checkpoint's name (its tinker:// path ends with it)
     path: str | None = None  # load_weights: the tinker:// path of a `save_weights` checkpoint
     optimizer: bool = False  # load_weights: the Adam state too
+    sampling_session_id: str | None = None  # save_weights_for_sampler: the session made for its weights
+    sent_at: float = 0.0
+
+
+class TinkerSample(Message):
+    TYPE = "tinker_sample"
+    SCHEMA_VERSION = 1
+
+    request_id: str  # the future the result goes to
+    owner: str
+    run_id: str  # the run whose engine serves it: a training model's (its adapter) or a base sampling session's
+    version: int = Field(0, ge=0, description="the run's weight version to sample from (0: the base)")
+    sequence_ids: list[str]  # one per sample: the SDK's sample_sequence_ids, the stored episodes' task ids
+    prompt: TokenIds
+    num_samples: int = Field(ge=1, le=1024)
+    max_tokens: int = Field(ge=1)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = -1
+    stop_strings: list[str] = Field(default_factory=list)
+    stop_tokens: list[int] = Field(default_factory=list)
     sent_at: float = 0.0
 
 

@@ -1,0 +1,121 @@
+"""Tinker samples on the rollout workers: `tinker.samples` (group `rollout`). Each request is served by the
+engine of its run (a training model's adapter at the version its sampler checkpoint named, or a base model's),
+its samples go to `trajectories` (stored as the run's episodes: SQL works over Tinker work), then the answer
+goes into the request's future. More: docs/tinker.md#sampling
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+from services.rollout_worker.engines import SamplingParams
+from services.rollout_worker.run_engines import RunContext
+from shared.contracts.messages import EpisodeResult, TinkerFuture, TinkerSample, TrajectoryRecord
+from shared.contracts.messages.trajectory import TrajectoryStep
+from shared.contracts.streams import GROUP_ROLLOUT, TINKER_SAMPLES, TRAJECTORIES, tinker_key
+from shared.contracts.tinker_run import FUTURE_TTL_S
+from shared.platform.bus import StreamConsumer
+from shared.platform.logs import get_logger
+from shared.sdk.types import TerminationReason
+
+log = get_logger(__name__)
+VERSION_WAIT_S = 60.0  # how long a request waits for its sampler weights to reach this worker
+
+
+class SampleRefused(Exception):
+    """A request this worker cannot serve as asked (the client's to change): answered, not retried."""
+
+
+def cut_at_stop_tokens(ids: list[int], logprobs: list[float], stop: list[int]) -> tuple[list[int], list[float], bool]:
+    """The generation up to and including its first stop token; whether one was found."""
+    for i, token in enumerate(ids):
+        if token in stop:
+            return ids[:i + 1], logprobs[:i + 1], True
+    return ids, logprobs, False
+
+
+class TinkerSampling:
+    def __init__(self, worker):
+        self.worker = worker
+        cfg = worker.cfg
+        self.consumer = StreamConsumer(worker.bus, TINKER_SAMPLES, GROUP_ROLLOUT, worker.worker_id,
+                                       expect=TinkerSample, max_deliveries=cfg.max_deliveries,
+                                       claim_idle_ms=cfg.claim_idle_ms, block_ms=cfg.read_block_ms,
+                                       batch_size=cfg.max_concurrency)
+        self.running: set[asyncio.Task] = set()
+
+    async def start(self) -> None:
+        await self.consumer.start()
+
+    async def loop(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            if len(self.running) >= self.worker.cfg.max_concurrency:
+                await asyncio.wait(list(self.running), timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
+                continue
+            for d in await self.consumer.read():
+                task = asyncio.create_task(self.serve(d))
+                self.running.add(task)
+                task.add_done_callback(self.running.discard)
+        for task in list(self.running):
+            task.cancel()
+
+    async def serve(self, delivery) -> None:
+        msg: TinkerSample = delivery.message
+        started = time.time()
+        try:
+            ctx = await self.worker.runs.get(msg.run_id)
+            with ctx.in_use():
+                await self.at_version(ctx, msg.version)
+                params = SamplingParams(temperature=msg.temperature, top_p=msg.top_p, top_k=msg.top_k,
+                                        stop=tuple(msg.stop_strings))
+                gens = await asyncio.gather(*(ctx.engine.generate(msg.prompt, params, msg.max_tokens)
+                                              for _ in range(msg.num_samples)))
+            sequences, results = [], []
+            for i, g in enumerate(gens):
+                ids, logprobs, stopped = cut_at_stop_tokens(g.ids, g.logprobs, msg.stop_tokens)
+                reason = "stop" if stopped or g.finish_reason == "stop" else "length"
+                sequences.append({"tokens": ids, "logprobs": logprobs, "stop_reason": reason})
+                results.append(self.episode(msg, i, ids, logprobs, reason, g.weight_version, started))
+            # stored first: an answered sample is on `trajectories` (the store keeps it once)
+            await self.worker.bus.publish_many(TRAJECTORIES, results)
+            answer = {"type": "sample", "sequences": sequences}
+        except SampleRefused as e:
+            answer = {"error": str(e), "category": "user"}
+        except Exception as e:  # an engine or a run that cannot serve: the client learns why, the worker goes on
+            log.exception("tinker sample of run %s failed", msg.run_id, extra={"run_id": msg.run_id})
+            answer = {"error": f"sampling failed on rollout worker {self.worker.worker_id}: {e!r}",
+                      "category": "server"}
+        record = TinkerFuture(owner=msg.owner, model_id=None, result=answer)
+        await self.worker.bus.redis.set(tinker_key("future", msg.request_id), record.model_dump_json(),
+                                        ex=FUTURE_TTL_S)
+        await self.consumer.ack([delivery])
+
+    async def at_version(self, ctx: RunContext, version: int) -> None:
+        """Serve `version` of the run's weights: wait for it to arrive (announced on `weights`), refuse when the
+        run has moved past it (only a run's newest adapter is served)."""
+        if ctx.engine.version < version:
+            await self.worker.runs.load_newest(ctx)
+        deadline = time.monotonic() + VERSION_WAIT_S
+        while ctx.engine.version < version and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        if ctx.engine.version != version:
+            raise SampleRefused(f"the sampler weights asked for are version {version} of run {ctx.run_id}; this "
+                                f"worker serves version {ctx.engine.version}: a model's newest sampler weights are "
+                                "served (sample from the newest save_weights_for_sampler)")
+
+    def episode(self, msg: TinkerSample, i: int, ids: list[int], logprobs: list[float], reason: str, version: int,
+                started: float) -> EpisodeResult:
+        """One sample as the run's episode: task id = the request, sample_idx = its index, the sequence id in
+        `info` (what the SDK returned as sample_sequence_ids)."""
+        termination = TerminationReason.ENV_DONE if reason == "stop" else TerminationReason.RESPONSE_TRUNCATION
+        step = TrajectoryStep(prompt_ids=msg.prompt, response_ids=ids, logprobs=logprobs, weight_version=version,
+                              done=True, info={"stop_reason": reason})
+        traj = TrajectoryRecord(uid=uuid.uuid4().hex, name="tinker_sample", termination_reason=termination,
+                                steps=[step], prompt_ids=msg.prompt, response_ids=ids, logprobs=logprobs,
+                                loss_mask=[1] * len(ids), versions=[version] * len(ids))
+        return EpisodeResult(run_id=msg.run_id, task_id=msg.request_id, sample_idx=i, status="completed",
+                             termination_reason=termination, trajectories=[traj], worker_id=self.worker.worker_id,
+                             info={"sequence_id": msg.sequence_ids[i], "tinker": True}, started_at=started,
+                             finished_at=time.time())
