@@ -34,6 +34,9 @@ $(VENV)/.installed: pyproject.toml infra/constraints-cpu.txt
 	@$(PIP) install torch==2.13.0
 	@echo "==> [4/4] the project and its extras ($(EXTRAS)): verl, transformers, ... (~3 min the first time)"
 	@$(PIP) install -c infra/constraints-cpu.txt -e ".[$(EXTRAS)]"
+	@# tests drive the tinker-cookbook unmodified (tests/e2e/test_tinker_cookbook.py). It pins tml-renderers>=0.4.1,
+	@# which the package index here lacks; the cookbook imports it only for Inkling and Kimi tokenizers, never HF ones.
+	@case ",$(EXTRAS)," in *,dev,*) $(PIP) install -q --no-deps tinker-cookbook==0.6.1 ;; esac
 	@touch $@
 	@echo "==> installed: source $(VENV)/bin/activate, then see README's 'The first ten minutes'"
 

@@ -10,26 +10,22 @@ from __future__ import annotations
 
 import contextlib
 import math
-import signal
 
 import httpx
 import pytest
 import redis
-from api_testlib import running_api, service_env
 from sqlalchemy import create_engine, text
-from trainer_testlib import WeightServer
+from tinker_testlib import BASE, tinker_stack
 
 from infra.local.servers import scratch_database
 from shared.contracts.messages import decode
 from shared.contracts.streams import WEIGHTS
-from tests.support.procs import start_service, stop, wait_heartbeat, wait_until
-from tests.support.tiny_model import build_tiny_model
+from tests.support.procs import wait_until
 
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
 from tinker.proto.request_conv import forward_backward_request_to_proto  # noqa: E402
 
-BASE = "tiny-qwen2"
 SEQS = [[5, 9, 13, 17, 21, 25, 29, 33, 37], [40, 44, 48, 52, 56, 60, 64, 68, 72]]
 
 
@@ -42,37 +38,8 @@ def database_url(pg_admin_url):
 
 @pytest.fixture(scope="module")
 def api(database_url, redis_url, tmp_path_factory):
-    data_dir = tmp_path_factory.mktemp("tinker-train")
-    build_tiny_model(data_dir / "models" / BASE)
-    redis.Redis.from_url(redis_url).delete("tinker.requests")
-    ws = WeightServer(redis_url, database_url, data_dir / "weights", keep_last=10).start()
-    live = None
-    try:
-        with running_api(database_url, redis_url, data_dir) as live:
-            live.data_dir, live.ws = data_dir, ws
-            live.start_trainer = lambda: start_trainer(live, database_url, redis_url)
-            live.trainer = live.start_trainer()
-            live.rollout = start_service("services.rollout_worker.main", log=data_dir / "rollout.log",
-                                         **service_env(database_url, redis_url, data_dir, worker_id="rollout-tinker",
-                                                       drain_timeout_s="1"))
-            wait_heartbeat(redis_url, "rollout-worker", "rollout-tinker", live.rollout, timeout_s=120)
-            yield live
-    finally:
-        for proc in (getattr(live, "trainer", None), getattr(live, "rollout", None)):
-            if proc is not None:
-                stop(proc)
-        ws.stop()
-
-
-def start_trainer(api, database_url: str, redis_url: str):
-    n = len(list(api.data_dir.glob("trainer*.log")))
-    trainer = start_service("services.trainer.main", log=api.data_dir / f"trainer{n}.log",
-                            **service_env(database_url, redis_url, api.data_dir, worker_id="trainer-tinker",
-                                          runs_poll_s="0.5", weight_server_url=api.ws.url,
-                                          weights_dir=api.ws.env["WEIGHTS_DIR"], master_port=None,
-                                          master_addr=None, rank=None, world_size=None))
-    wait_heartbeat(redis_url, "trainer", "trainer-tinker", trainer, timeout_s=180)
-    return trainer
+    with tinker_stack(database_url, redis_url, tmp_path_factory.mktemp("tinker-train")) as stack:
+        yield stack
 
 
 @pytest.fixture(autouse=True)
@@ -277,9 +244,8 @@ def test_a_restarted_trainer_resumes_each_model_from_its_last_save(api):
     saver.save_state("before-crash").result(timeout=300)
     at_save = forward(saver, datums)
     train(saver, datums, 2)  # lost with the trainer
-    api.trainer.send_signal(signal.SIGKILL)
-    api.trainer.wait(30)
-    api.trainer = api.start_trainer()
+    api.kill_trainer()
+    api.start_trainer()
     assert close(forward(saver, datums), at_save)  # from its last save_state on
     with pytest.raises(Exception, match="weights are lost"):  # never a fresh adapter in its place
         unsaved.forward(datums, "cross_entropy").result(timeout=300)

@@ -1,0 +1,88 @@
+"""A Tinker stack for tests: API (with its controller), trainer, weight server and rollout worker on real
+Postgres/Redis, the tiny model offered as a base. `tinker_stack(...)` yields a `TinkerStack`."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis
+from api_testlib import LiveApi, running_api, service_env
+from trainer_testlib import WeightServer
+
+from tests.support.procs import start_service, stop, wait_heartbeat
+from tests.support.tiny_model import build_tiny_model
+
+BASE = "tiny-qwen2"
+
+
+@dataclass
+class TinkerStack:
+    api: LiveApi
+    data_dir: Path
+    database_url: str
+    redis_url: str
+    ws: WeightServer
+    trainer: object = None
+    rollout: object = None
+    procs: list = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return self.api.url
+
+    @property
+    def token(self) -> str:
+        return self.api.token
+
+    @property
+    def model_dir(self) -> Path:
+        return self.data_dir / "models" / BASE
+
+    def start_trainer(self):
+        n = len(list(self.data_dir.glob("trainer*.log")))
+        self.trainer = start_service("services.trainer.main", log=self.data_dir / f"trainer{n}.log",
+                                     **service_env(self.database_url, self.redis_url, self.data_dir,
+                                                   worker_id="trainer-tinker", runs_poll_s="0.5",
+                                                   weight_server_url=self.ws.url, weights_dir=self.ws.env["WEIGHTS_DIR"],
+                                                   master_port=None, master_addr=None, rank=None, world_size=None))
+        wait_heartbeat(self.redis_url, "trainer", "trainer-tinker", self.trainer, timeout_s=180)
+        return self.trainer
+
+    def kill_trainer(self) -> None:
+        self.trainer.send_signal(signal.SIGKILL)
+        self.trainer.wait(30)
+
+    def start_rollout(self):
+        self.rollout = start_service("services.rollout_worker.main", log=self.data_dir / "rollout.log",
+                                     **service_env(self.database_url, self.redis_url, self.data_dir,
+                                                   worker_id="rollout-tinker", drain_timeout_s="1"))
+        wait_heartbeat(self.redis_url, "rollout-worker", "rollout-tinker", self.rollout, timeout_s=120)
+        return self.rollout
+
+    def client(self):
+        return self.api.client()
+
+
+@contextlib.contextmanager
+def tinker_stack(database_url: str, redis_url: str, data_dir: Path, **api_env: str) -> Iterator[TinkerStack]:
+    """The stack with the tiny model at DATA_DIR/models/tiny-qwen2 (offered as `tiny-qwen2` unless `api_env`
+    sets TINKER_BASE_MODELS)."""
+    build_tiny_model(data_dir / "models" / BASE)
+    redis.Redis.from_url(redis_url).delete("tinker.requests", "tinker.samples")
+    ws = WeightServer(redis_url, database_url, data_dir / "weights", keep_last=10).start()
+    stack = None
+    try:
+        with running_api(database_url, redis_url, data_dir, **api_env) as api:
+            stack = TinkerStack(api, data_dir, database_url, redis_url, ws)
+            stack.start_trainer()
+            stack.start_rollout()
+            yield stack
+    finally:
+        for proc in (getattr(stack, "trainer", None), getattr(stack, "rollout", None)):
+            if proc is not None:
+                stop(proc)
+        ws.stop()
