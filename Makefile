@@ -12,7 +12,7 @@ DEMO_ARGS ?=
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 
-.PHONY: sandbox-deps bench-sandbox browser-deps install vllm-venv up demo demo-lora demo-agent demo-multiturn demo-multiturn-8 test test-fast test-unit test-contract test-component test-e2e test-learning test-chaos test-browser test-gpu lint bench-rollout bench-train bench-lora bench-lora-runs bench-load bench-long bench-vllm chaos chaos-net gpu-smoke clean
+.PHONY: sandbox-deps bench-sandbox browser-deps install vllm-venv up demo demo-lora demo-tinker demo-agent demo-multiturn demo-multiturn-8 test test-fast test-unit test-contract test-component test-e2e test-learning test-chaos test-browser test-gpu lint bench-rollout bench-train bench-lora bench-lora-runs bench-load bench-long bench-vllm chaos chaos-net gpu-smoke clean
 
 install: $(VENV)/.installed sandbox-deps
 
@@ -63,6 +63,11 @@ demo: install
 # The demo's task learned by a LoRA run (adapter only, frozen base) -> bench/results/demo_lora.json
 demo-lora: install
 	$(PY) -m tests.support.demo --lora
+
+# The demo's task learned from chance through the real `tinker` SDK (a plain Tinker RL loop: sample on the rollout
+# worker, importance_sampling on the trainer's LoRA engine) -> bench/results/demo_tinker.json
+demo-tinker: install
+	$(PY) -m tests.support.demo_tinker $(DEMO_ARGS)
 
 demo-multiturn: install  # DEMO_ARGS="--keep-last-turns 1": an agent that drops old turns (a context rewrite a turn)
 	$(PY) -m tests.support.demo_multiturn $(DEMO_ARGS)
