@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis
-from api_testlib import LiveApi, running_api, service_env
+from api_testlib import ADMIN_TOKEN, LiveApi, running_api, service_env
 from trainer_testlib import WeightServer
 
-from tests.support.procs import start_service, stop, wait_heartbeat
+from tests.support.procs import start_service, stop, wait_heartbeat, wait_http
 from tests.support.tiny_model import build_tiny_model
 
 BASE = "tiny-qwen2"
@@ -28,7 +28,7 @@ class TinkerStack:
     ws: WeightServer
     trainer: object = None
     rollout: object = None
-    procs: list = field(default_factory=list)
+    api_env: dict = field(default_factory=dict)
 
     @property
     def url(self) -> str:
@@ -66,6 +66,16 @@ class TinkerStack:
     def client(self):
         return self.api.client()
 
+    def restart_api(self) -> None:
+        """Kill the API process (SIGKILL) and start it again on the same port."""
+        self.api.proc.send_signal(signal.SIGKILL)
+        self.api.proc.wait(30)
+        port = self.api.url.rsplit(":", 1)[1]
+        self.api.proc = start_service("services.api.main", log=self.data_dir / "api-restarted.log",
+                                      **service_env(self.database_url, self.redis_url, self.data_dir, API_PORT=port,
+                                                    API_TOKEN=ADMIN_TOKEN, API_HOST="127.0.0.1", **self.api_env))
+        wait_http(self.api.url + "/healthz", self.api.proc)
+
 
 @contextlib.contextmanager
 def tinker_stack(database_url: str, redis_url: str, data_dir: Path, **api_env: str) -> Iterator[TinkerStack]:
@@ -77,7 +87,7 @@ def tinker_stack(database_url: str, redis_url: str, data_dir: Path, **api_env: s
     stack = None
     try:
         with running_api(database_url, redis_url, data_dir, **api_env) as api:
-            stack = TinkerStack(api, data_dir, database_url, redis_url, ws)
+            stack = TinkerStack(api, data_dir, database_url, redis_url, ws, api_env=api_env)
             stack.start_trainer()
             stack.start_rollout()
             yield stack

@@ -288,3 +288,16 @@ def test_samples_of_a_base_model_and_of_trained_weights_are_served_and_stored(ap
                                   "WHERE e.info->>'sequence_id' = ANY(:ids)"), {"ids": ids}).scalar()
     wait_until(lambda: stored() == len(ids), timeout_s=60, what="the samples stored as episodes")
     engine.dispose()
+
+
+def test_futures_outlive_an_api_restart_mid_session(api):
+    """Futures and operations live in Redis, not in the API process: an operation in flight when the API is
+    killed completes, and the session goes on against the restarted API."""
+    tc = training_client(api)
+    datums = [sft_datum(s) for s in SEQS]
+    before = forward(tc, datums)
+    pending = tc.forward_backward(datums, "cross_entropy")  # sent (or retried by the SDK) around the restart
+    api.restart_api()
+    assert pending.result(timeout=300).metrics["loss:sum"] > 0
+    tc.optim_step(types.AdamParams(learning_rate=2e-2)).result(timeout=120)
+    assert not close(forward(tc, datums), before)  # the step after the restart applied the gradients from before it
