@@ -12,7 +12,7 @@ DEMO_ARGS ?=
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 
-.PHONY: sandbox-deps bench-sandbox browser-deps install vllm-venv up demo demo-lora demo-tinker demo-agent demo-multiturn demo-multiturn-8 test test-fast test-unit test-contract test-component test-e2e test-learning test-chaos test-browser test-gpu lint bench-rollout bench-train bench-lora bench-lora-runs bench-load bench-long bench-vllm chaos chaos-net gpu-smoke clean
+.PHONY: sandbox-deps bench-sandbox browser-deps install vllm-venv up demo demo-lora demo-tinker demo-agent demo-multiturn demo-multiturn-8 test test-fast test-unit test-contract test-component test-e2e test-learning test-chaos test-browser test-gpu lint bench-rollout bench-train bench-lora bench-lora-runs bench-tinker bench-load bench-long bench-vllm chaos chaos-net gpu-smoke clean
 
 install: $(VENV)/.installed sandbox-deps
 
@@ -146,6 +146,10 @@ bench-lora: install
 # N LoRA runs learning at once on one stack, run k answering (digit + k) mod 10 -> "runs" in bench/results/lora.json.
 bench-lora-runs: install
 	$(PY) -m bench.lora --part runs
+
+# The Tinker API through the real SDK on the 114M model: 1 and 4 tenants' training and sampling -> bench/results/tinker.json
+bench-tinker: install
+	$(PY) -m bench.tinker
 
 # Sandbox mode `container`: rootful podman's Docker API (infra/compose/podman-host.sh, root needed), a Debian base
 # made by debootstrap (no registry), the sandbox image on top. Cold ~6 min (debootstrap ~5 min), then seconds.

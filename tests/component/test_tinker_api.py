@@ -183,3 +183,33 @@ def test_the_sdk_configured_from_its_environment(api, monkeypatch):
     monkeypatch.setenv("TINKER_API_KEY", "tml-" + api.token)
     training = sdk(None).create_lora_training_client(base_model="tiny-qwen", rank=2).result(timeout=30)
     assert training.get_info().lora_rank == 2
+
+
+def test_a_future_not_done_is_long_polled_until_its_result_arrives(api, redis_url):
+    """retrieve_future holds a future that is not done until the worker writes its result (the SDK polls again
+    at once after each try_again: answered at once, every waiting client would spin on the API)."""
+    import hashlib
+    import threading
+    import time
+
+    import redis
+
+    from shared.contracts.messages import TinkerFuture
+    from shared.contracts.streams import tinker_key
+
+    owner = hashlib.sha256(api.token.encode()).hexdigest()
+    client = redis.Redis.from_url(redis_url)
+    key = tinker_key("future", "long-polled")
+    waiting = {"type": "try_again", "request_id": "long-polled", "queue_state": "active"}
+    client.set(key, TinkerFuture(owner=owner, result=waiting).model_dump_json(), ex=60)
+
+    def finish() -> None:
+        time.sleep(1.0)
+        client.set(key, TinkerFuture(owner=owner, result={"type": "optim_step", "metrics": {}}).model_dump_json(),
+                   ex=60)
+
+    threading.Thread(target=finish).start()
+    started = time.monotonic()
+    r = post(api, "/api/v1/retrieve_future", {"request_id": "long-polled"})
+    assert r.status_code == 200 and r.json()["type"] == "optim_step", r.text  # one poll, answered with the result
+    assert time.monotonic() - started >= 0.9

@@ -7,6 +7,7 @@ More: docs/tinker.md"""
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 import uuid
@@ -256,12 +257,25 @@ def get_info(body: GetInfo, caller: Key, request: Request) -> dict:
             "is_lora": True, "lora_rank": model["lora"]["rank"], "optimizer_config": model["optimizer_config"]}
 
 
+LONG_POLL_S = 20.0  # a future not done is answered try_again after this long (the SDK waits 45 s per poll)
+POLL_EVERY_S = (0.005, 0.05)  # how often the record is read meanwhile: from the first to the longest pause
+
+
 @router.post("/retrieve_future")
 @needs("read")
-def retrieve_future(body: RetrieveFuture, caller: Key, request: Request) -> dict:
-    future = store(request).future(caller.owner, body.request_id)
-    if future is None:  # another key's future reads as absent: ids of others' work are not confirmed
-        raise ApiError(404, f"future {body.request_id} does not exist (or has expired)", field="request_id")
+async def retrieve_future(body: RetrieveFuture, caller: Key, request: Request) -> dict:
+    """The future's answer, long-polled: a future not done yet is answered when its result arrives, or try_again
+    after LONG_POLL_S (the SDK polls again at once after a try_again: answering at once would have each waiting
+    client spin on the API)."""
+    tinker, deadline, pause = store(request), time.monotonic() + LONG_POLL_S, POLL_EVERY_S[0]
+    while True:
+        future = await run_in_threadpool(tinker.future, caller.owner, body.request_id)
+        if future is None:  # another key's future reads as absent: ids of others' work are not confirmed
+            raise ApiError(404, f"future {body.request_id} does not exist (or has expired)", field="request_id")
+        if future["result"].get("type") != "try_again" or time.monotonic() >= deadline:
+            break
+        await asyncio.sleep(pause)
+        pause = min(2 * pause, POLL_EVERY_S[1])
     result = future["result"]
     if result.get("type") == "forward_backward":  # the SDK reads ForwardBackwardOutput as protobuf
         return Response(encode_output(result), media_type="application/x-protobuf")
