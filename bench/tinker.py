@@ -128,18 +128,20 @@ def main() -> None:
             sample_four = sampling(samplers)
             for s in services:
                 s.close("success").result()
-    ratio = four["tokens_per_s"] / one["tokens_per_s"]
+    ratio, fused_ratio = four["tokens_per_s"] / one["tokens_per_s"], fused["tokens_per_s"] / one["tokens_per_s"]
     result = {
         "model": f"tiny Qwen2 {hidden} x {layers}" + ("" if args.small else " (114M params)"), "lora_rank": RANK,
         "device": "cpu", "train_1": one, "train_4": four, "train_1_with_4x_batch": fused,
         "aggregate_tokens_per_s_4_vs_1": round(ratio, 2),
         "one_pass_4x_batch_tokens_per_s": fused["tokens_per_s"],
-        "one_pass_4x_batch_vs_1": round(fused["tokens_per_s"] / one["tokens_per_s"], 2),
+        "one_pass_4x_batch_vs_1": round(fused_ratio, 2),
         # the target is 4 tenants >= 1.5x one tenant's tokens/s; under it, the measured reason
         "reason": None if ratio >= 1.5 else (
-            "the trainer applies one model's operation at a time (its adapter, Adam state and gradients swapped "
-            "in; verl/PEFT train one adapter per pass), so 4 tenants' small batches take 4 passes; "
-            "one_pass_4x_batch_vs_1 is what one pass over the 4 tenants' rows would give"),
+            f"one pass over 4 tenants' rows (one tenant, a 4x batch) gives {fused_ratio:.2f}x one tenant's tokens/s "
+            "here: the step is compute-bound at this batch, so no batching of tenants into one pass can reach 1.5x "
+            "on this machine" if fused_ratio < 1.5 else
+            "the trainer applies one model's operation at a time (its adapter, Adam state and gradients swapped in; "
+            f"verl/PEFT train one adapter per pass): one pass over the 4 tenants' rows would give {fused_ratio:.2f}x"),
         "sample_1": sample_one, "sample_4": sample_four,
         "sample_aggregate_4_vs_1": round(sample_four["tokens_per_s"] / sample_one["tokens_per_s"], 2),
         "loadavg_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
