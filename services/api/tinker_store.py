@@ -95,5 +95,16 @@ class TinkerStore:
         """A checkpoint the trainer recorded (TinkerCheckpoint), if this owner made it."""
         return self._get("checkpoint", path, owner)
 
+    def checkpoints(self, owner: str, model_id: str | None = None) -> list[dict[str, Any]]:
+        """The owner's checkpoints (of one model, or all), oldest first."""
+        prefix = f"tinker://{model_id}/" if model_id else "tinker://"
+        records = []
+        for key in self.redis.scan_iter(match=tinker_key("checkpoint", prefix) + "*", count=500):
+            raw = self.redis.get(key)
+            record = json.loads(raw) if raw else None
+            if record is not None and record.get("owner") == owner:
+                records.append(record)
+        return sorted(records, key=lambda r: r["created_at"])
+
     def future(self, owner: str, request_id: str) -> dict[str, Any] | None:
         return self._get("future", request_id, owner)

@@ -301,3 +301,30 @@ def test_futures_outlive_an_api_restart_mid_session(api):
     assert pending.result(timeout=300).metrics["loss:sum"] > 0
     tc.optim_step(types.AdamParams(learning_rate=2e-2)).result(timeout=120)
     assert not close(forward(tc, datums), before)  # the step after the restart applied the gradients from before it
+
+
+def test_the_rest_clients_listings_show_a_keys_training_runs_and_checkpoints(api):
+    tc = training_client(api)
+    train(tc, [sft_datum(SEQS[0])], 1)
+    state = tc.save_state("listed").result(timeout=300).path
+    sampler = tc.save_weights_for_sampler("listed-sampler").result(timeout=300).path
+    rest = tinker.ServiceClient(base_url=api.url, api_key="tml-" + api.token)
+    OPEN.append(rest)
+    client = rest.create_rest_client()
+    run = client.get_training_run(tc.model_id).result(timeout=60)
+    assert (run.base_model, run.lora_rank, run.is_lora) == (BASE, 8, True)
+    assert run.last_checkpoint.tinker_path == state and run.last_sampler_checkpoint.tinker_path == sampler
+    assert [c.tinker_path for c in client.list_checkpoints(tc.model_id).result(timeout=60).checkpoints] == [state, sampler]
+    runs = client.list_training_runs(limit=200).result(timeout=60)
+    assert tc.model_id in {r.training_run_id for r in runs.training_runs}
+    assert runs.cursor.total_count >= 1
+    assert state in {c.tinker_path for c in client.list_user_checkpoints(limit=500).result(timeout=60).checkpoints}
+    info = client.get_weights_info_by_tinker_path(state).result(timeout=60)
+    assert (info.base_model, info.lora_rank) == (BASE, 8)
+
+    eve = tinker.ServiceClient(base_url=api.url, api_key="tml-" + new_token(api, "tinker-eve-lists"))
+    OPEN.append(eve)
+    theirs = eve.create_rest_client()
+    assert tc.model_id not in {r.training_run_id for r in theirs.list_training_runs(limit=200).result(timeout=60).training_runs}
+    with pytest.raises(Exception, match="does not exist"):
+        theirs.get_training_run(tc.model_id).result(timeout=60)

@@ -12,12 +12,14 @@ import re
 import time
 import uuid
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from google.protobuf.message import DecodeError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from sqlalchemy import func, select
 
 from services.api.auth import Principal, hash_token, needs, principal_for, required_scope
 from services.api.deps import DB, Config
@@ -33,6 +35,7 @@ from services.api.tinker_proto import (
 )
 from services.api.tinker_store import TinkerStore
 from shared.clients.run_commands import run_command
+from shared.contracts.db.models import Run
 from shared.contracts.messages import TinkerOp, TinkerSample
 from shared.contracts.messages.tinker import AdamStep
 from shared.contracts.streams import TINKER_REQUESTS, TINKER_SAMPLES
@@ -546,6 +549,91 @@ def asample(body: SampleRequest, caller: Key, request: Request) -> dict:
     return {"request_id": request_id, "sample_sequence_ids": sequence_ids}
 
 
+# -- the RestClient's listings ---------------------------------------------------------------------------------
+def checkpoint_view(record: dict) -> dict:
+    """A TinkerCheckpoint as the SDK's Checkpoint."""
+    path = checkpoint_path(record["model_id"], record["kind"], record["name"])
+    return {"checkpoint_id": f"{record['kind']}/{record['name']}",
+            "checkpoint_type": "training" if record["kind"] == "weights" else "sampler",
+            "time": datetime.fromtimestamp(record["created_at"], UTC).isoformat(), "tinker_path": path,
+            "public": False}
+
+
+def training_run_view(run: Run, checkpoints: list[dict]) -> dict:
+    cfg = TinkerRunConfig.model_validate(run.config)
+    last = {kind: next((checkpoint_view(c) for c in reversed(checkpoints) if c["kind"] == kind), None)
+            for kind in ("weights", "sampler_weights")}
+    return {"training_run_id": cfg.model_id, "base_model": cfg.base_model, "model_owner": cfg.owner_name,
+            "is_lora": True, "corrupted": run.status == "failed", "lora_rank": cfg.lora["rank"],
+            "last_request_time": (run.updated_at or run.created_at).isoformat(), "last_checkpoint": last["weights"],
+            "last_sampler_checkpoint": last["sampler_weights"],
+            "user_metadata": {k: str(v) for k, v in cfg.user_metadata.items()} or None}
+
+
+def owned_runs(caller: Caller):
+    """The key's training models' runs (not its base samplers'), newest first."""
+    return (select(Run).where(Run.kind == "tinker", Run.config["owner"].astext == caller.owner,
+                              Run.config["lora"].astext.isnot(None))  # ->> of a JSON null is NULL
+            .order_by(Run.created_at.desc()))
+
+
+@router.get("/training_runs")
+@needs("read")
+def list_training_runs(caller: Key, request: Request, db: DB, limit: Annotated[int, Field(ge=1, le=1000)] = 20,
+                       offset: Annotated[int, Field(ge=0)] = 0) -> dict:
+    query = owned_runs(caller)
+    total = db.execute(select(func.count()).select_from(query.subquery())).scalar_one()
+    runs = db.execute(query.limit(limit).offset(offset)).scalars().all()
+    tinker = store(request)
+    return {"training_runs": [training_run_view(r, tinker.checkpoints(caller.owner, r.config["model_id"]))
+                              for r in runs],
+            "cursor": {"offset": offset, "limit": limit, "total_count": total}}
+
+
+def owned_training_run(request: Request, caller: Caller, db, model_id: str) -> Run:
+    model = owned_model(request, caller, model_id, field="path.training_run_id")
+    return db.get(Run, uuid.UUID(model["run_id"]))
+
+
+@router.get("/training_runs/{model_id}")
+@needs("read")
+def get_training_run(model_id: str, caller: Key, request: Request, db: DB) -> dict:
+    run = owned_training_run(request, caller, db, model_id)
+    return training_run_view(run, store(request).checkpoints(caller.owner, model_id))
+
+
+@router.get("/training_runs/{model_id}/checkpoints")
+@needs("read")
+def list_checkpoints(model_id: str, caller: Key, request: Request) -> dict:
+    owned_model(request, caller, model_id, field="path.training_run_id")
+    return {"checkpoints": [checkpoint_view(c) for c in store(request).checkpoints(caller.owner, model_id)]}
+
+
+@router.get("/checkpoints")
+@needs("read")
+def list_user_checkpoints(caller: Key, request: Request, limit: Annotated[int, Field(ge=1, le=1000)] = 100,
+                          offset: Annotated[int, Field(ge=0)] = 0) -> dict:
+    records = list(reversed(store(request).checkpoints(caller.owner)))  # newest first
+    return {"checkpoints": [checkpoint_view(c) for c in records[offset:offset + limit]],
+            "cursor": {"offset": offset, "limit": limit, "total_count": len(records)}}
+
+
+class WeightsInfo(Wire):
+    tinker_path: str
+
+
+@router.post("/weights_info")
+@needs("read")
+def weights_info(body: WeightsInfo, caller: Key, request: Request) -> dict:
+    saved = store(request).checkpoint(caller.owner, body.tinker_path)
+    if saved is None:
+        raise ApiError(404, f"checkpoint {body.tinker_path} does not exist", field="tinker_path")
+    lora = saved["lora"]
+    return {"base_model": saved["base_model"], "is_lora": True, "lora_rank": lora["rank"],
+            "train_unembed": lora.get("train_unembed"), "train_mlp": lora.get("train_mlp"),
+            "train_attn": lora.get("train_attn")}
+
+
 # Every other route the SDK (0.38.0) calls: what it is, so the caller learns the operation is not served yet.
 NOT_SERVED = {
     "/save_weights_external": "save_weights_external",
@@ -553,8 +641,8 @@ NOT_SERVED = {
     "/retrieve_futures": "retrieve_futures", "/cancel_future": "cancel_future",
     "/create_custom_loss": "create_custom_loss", "/auth/token": "auth_token (JWT exchange)",
     "/auth/apikey/me": "API key introspection", "/client/dynamic_config": "client dynamic config",
-    "/telemetry": "telemetry", "/weights_info": "weights_info", "/training_runs": "list_training_runs",
-    "/training_runs/{rest:path}": "training runs and their checkpoints", "/checkpoints": "list_user_checkpoints",
+    "/telemetry": "telemetry",
+    "/training_runs/{rest:path}": "checkpoint management (delete, publish, ttl, external weights)",
     "/sessions": "list_sessions", "/sessions/search": "search_sessions",
     "/sessions/{session_id}": "get_session", "/sessions/{session_id}/{rest:path}": "session projects and traces",
     "/audit": "audit log", "/billing/{rest:path}": "billing",
