@@ -18,7 +18,8 @@ from sqlalchemy import create_engine
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session
 
-from shared.contracts.db.models import EpisodeRow, RolloutTaskRow
+from shared.contracts.db.models import EpisodeRow, RolloutTaskRow, Run
+from shared.contracts.tinker_run import TinkerRunConfig
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]  # every query, wherever it is documented
@@ -45,7 +46,13 @@ def stored(database_url):
     a = seed_run(database_url, name="sql-docs-a", num_tasks=3, samples=2, versions=3)
     seed_run(database_url, name="sql-docs-b", status="completed", num_tasks=2, samples=2, versions=2)
     stopped = seed_run(database_url, name="sql-docs-stopped", status="stopped", num_tasks=1, samples=2, versions=1)
+    tinker = seed_run(database_url, name="sql-docs-tinker", kind="tinker", num_tasks=1, samples=2, versions=1)
     engine = create_engine(database_url)
+    with Session(engine) as s:  # a Tinker client's run (docs/tinker.md): its config is a TinkerRunConfig
+        s.get(Run, tinker).config = TinkerRunConfig(
+            name="sql-docs-tinker", model_id="s:train:0", session_id="s", owner="0" * 64, owner_name="sql-docs",
+            base_model="tiny", model="tiny", lora={"rank": 8}).model_dump(mode="json")
+        s.commit()
     with Session(engine) as s:
         # out of attempts (failed, lost, failed); retried then completed; in flight; cancelled by a stop
         for task, attempts in (("t-out", ["failed", "lost", "failed"]), ("t-retried", ["failed", "completed"]),

@@ -171,11 +171,11 @@ def test_operations_not_served_yet_say_so(api):
         r = post(api, path, {})
         assert r.status_code == 404, r.text
         assert operation in r.json()["message"] and "not supported by this flywheel server yet" in r.json()["message"]
-    r = httpx.get(api.url + "/api/v1/training_runs/x/checkpoints", headers={"X-API-Key": "tml-" + api.token})
+    r = httpx.delete(api.url + "/api/v1/training_runs/x/checkpoints/weights/y", headers={"X-API-Key": "tml-" + api.token})
     assert r.status_code == 404 and "not supported" in r.json()["message"]
     rest = tinker.RestClient(base_url=api.url, api_key="tml-" + api.token)
-    with pytest.raises(Exception, match="list_training_runs"):
-        rest.list_training_runs().result(timeout=60)
+    with pytest.raises(Exception, match="list_sessions"):
+        rest.list_sessions().result(timeout=60)
 
 
 def test_the_sdk_configured_from_its_environment(api, monkeypatch):
