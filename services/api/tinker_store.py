@@ -14,10 +14,8 @@ from typing import Any
 
 from shared.contracts.messages import TinkerFuture
 from shared.contracts.streams import tinker_key
-from shared.contracts.tinker_run import FUTURE_TTL_S
+from shared.contracts.tinker_run import FUTURE_TTL_S, MODEL_TTL_S
 from shared.platform.bus import SyncRedis
-
-SESSION_TTL_S = 7 * 24 * 3600  # a session this long without a heartbeat is forgotten; a model this long after creation
 
 
 class TinkerStore:
@@ -35,25 +33,25 @@ class TinkerStore:
     def create_session(self, owner: str, tags: list[str], metadata: dict[str, Any]) -> str:
         session_id = str(uuid.uuid4())
         self._put("session", session_id, {"owner": owner, "tags": tags, "user_metadata": metadata,
-                                          "created_at": time.time(), "finished": None}, SESSION_TTL_S)
+                                          "created_at": time.time(), "finished": None}, MODEL_TTL_S)
         return session_id
 
     def session(self, owner: str, session_id: str) -> dict[str, Any] | None:
         return self._get("session", session_id, owner)
 
     def touch_session(self, session_id: str) -> None:
-        self.redis.expire(tinker_key("session", session_id), SESSION_TTL_S)
+        self.redis.expire(tinker_key("session", session_id), MODEL_TTL_S)
 
     def finish_session(self, owner: str, session_id: str, reason: str, detail: str | None) -> None:
         record = self.session(owner, session_id)
         if record is not None and record["finished"] is None:  # first reason wins, as the SDK documents
             record["finished"] = {"reason": reason, "detail": detail, "at": time.time()}
-            self._put("session", session_id, record, SESSION_TTL_S)
+            self._put("session", session_id, record, MODEL_TTL_S)
 
     def add_session_run(self, session_id: str, run_id: str) -> None:
         """A set beside the session record, so that concurrent create_models never drop each other's run."""
         key = tinker_key("session_runs", session_id)
-        self.redis.pipeline().sadd(key, run_id).expire(key, SESSION_TTL_S).execute()
+        self.redis.pipeline().sadd(key, run_id).expire(key, MODEL_TTL_S).execute()
 
     def session_runs(self, session_id: str) -> list[str]:
         return sorted(r.decode() if isinstance(r, bytes) else r
@@ -62,7 +60,7 @@ class TinkerStore:
     def put_model(self, owner: str, model_id: str, record: dict[str, Any], *, only_new: bool = False) -> bool:
         """False when `only_new` and the model exists (SET NX: two creates of one id cannot both win)."""
         return bool(self.redis.set(tinker_key("model", model_id), json.dumps({"owner": owner, **record}),
-                                   ex=SESSION_TTL_S, nx=only_new))
+                                   ex=MODEL_TTL_S, nx=only_new))
 
     def drop_model(self, model_id: str) -> None:
         self.redis.delete(tinker_key("model", model_id))
@@ -78,7 +76,7 @@ class TinkerStore:
         self._put("future", request_id, record.model_dump(), FUTURE_TTL_S)
         return request_id
 
-    def pending(self, owner: str, model_id: str) -> str:
+    def pending(self, owner: str, model_id: str | None) -> str:
         """A future of work sent to a trainer: `try_again` until the trainer writes its result."""
         request_id = str(uuid.uuid4())
         return self.complete(owner, {"type": "try_again", "request_id": request_id, "queue_state": "active"},
@@ -86,7 +84,7 @@ class TinkerStore:
 
     def put_sampler(self, owner: str, sampler_id: str, record: dict[str, Any]) -> None:
         """A sampling session: the run whose engine serves it, the weight version, the base model's name."""
-        self._put("sampler", sampler_id, {"owner": owner, **record}, SESSION_TTL_S)
+        self._put("sampler", sampler_id, {"owner": owner, **record}, MODEL_TTL_S)
 
     def sampler(self, owner: str, sampler_id: str) -> dict[str, Any] | None:
         return self._get("sampler", sampler_id, owner)

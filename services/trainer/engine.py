@@ -250,6 +250,7 @@ class PolicyEngine:
         """Tinker's split step: the gradients of `loss_fn` (verl's loss signature; `extra` per-token tensors of
         the responses' shape it reads) accumulated in the parameters, no optimizer step. Returns the responses'
         per-token log-probs and the loss."""
+        from verl.utils import tensordict_utils as tu
         from verl.workers.utils.losses import ppo_loss
 
         rows = t["input_ids"].shape[0]
@@ -260,8 +261,6 @@ class PolicyEngine:
             out = self.actor.forward_backward(td)
         finally:
             self.actor.set_loss_fn(partial(ppo_loss, self.actor_config))
-        from verl.utils import tensordict_utils as tu
-
         return self._response_values(out["log_probs"], t), float(tu.get(out, "metrics")["loss"])
 
     def optim_step(self, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,

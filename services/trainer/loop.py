@@ -39,7 +39,6 @@ from shared.platform.bus import Delivery, Redis, RedisError, StreamBus, StreamCo
 from shared.platform.db.session import DB_DOWN
 from shared.platform.logs import get_logger
 from shared.platform.service import sleep_or_stop
-from shared.weights.manifest import BaseModelRef, base_model_digest
 
 log = get_logger(__name__)
 STEPS = Counter("trainer_steps_total", "Optimizer steps (policy versions) completed", ["run_id"])
@@ -513,15 +512,13 @@ class Trainer:
         return list(out.values())
 
     def _publish(self, run_id: str, engine, version: int, metrics: dict[str, float]) -> None:
-        folder = self.publisher.staging_folder(run_id, version)
         run = self.runs.get(run_id)
         config = run.config if run is not None else RunConfig.model_validate(db.load_run(self.db, run_id).config)
         if config.algorithm.lora is not None:  # the adapter alone, tied to the base it was trained on
-            tensors = engine.export_adapter(folder, config.engine.weights_dtype)
-            base = BaseModelRef(name=config.model, sha256=base_model_digest(config.model))
-            self.publisher.publish(run_id, version, folder, metrics, self.settings.best_metric, tensors=tensors,
-                                   base_model=base)
+            self.publisher.publish_adapter(run_id, version, engine, config.model, metrics, config.engine.weights_dtype,
+                                           self.settings.best_metric)
             return
+        folder = self.publisher.staging_folder(run_id, version)
         device = self.settings.device if self.settings.delta_on_device else "cpu"
         tensors = engine.export_hf(folder, config.engine.weights_dtype, weights=False, device=device)
         self.publisher.publish(run_id, version, folder, metrics, self.settings.best_metric, tensors=tensors)

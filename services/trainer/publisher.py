@@ -29,6 +29,7 @@ from shared.weights.manifest import (
     DELTA_FILE,
     BaseModelRef,
     TensorEntry,
+    base_model_digest,
     fsync_path,
     sha256_file,
     tensor_entries,
@@ -70,6 +71,15 @@ class WeightPublisher:
         folder = base / f"{run_id}-v{version}-{uuid.uuid4().hex[:6]}"
         folder.mkdir(parents=True, exist_ok=True)
         return folder
+
+    def publish_adapter(self, run_id: str, version: int, engine, base_model: str, metrics: dict[str, float],
+                        dtype: str = "auto", best_metric: str | None = None) -> WeightsPublished:
+        """A LoRA engine's adapter as `version`, tied to the base model it was trained on (a run's step, a Tinker
+        model's sampler weights)."""
+        folder = self.staging_folder(run_id, version)
+        tensors = engine.export_adapter(folder, dtype)
+        return self.publish(run_id, version, folder, metrics, best_metric, tensors=tensors,
+                            base_model=BaseModelRef(name=base_model, sha256=base_model_digest(base_model)))
 
     def publish(self, run_id: str, version: int, folder: Path, metrics: dict[str, float],
                 best_metric: str | None = None, tensors: dict | None = None,

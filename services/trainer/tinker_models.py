@@ -22,13 +22,12 @@ import torch
 from services.trainer import run_store as db
 from shared.contracts.messages import TinkerCheckpoint, TinkerFuture, TinkerOp
 from shared.contracts.streams import GROUP_TRAIN, TINKER_REQUESTS, tinker_key
-from shared.contracts.tinker_run import FUTURE_TTL_S, TinkerRunConfig, checkpoint_path
+from shared.contracts.tinker_run import FUTURE_TTL_S, MODEL_TTL_S, TinkerRunConfig, checkpoint_path
 from shared.platform.bus import StreamConsumer
 from shared.platform.logs import get_logger
-from shared.weights.manifest import BaseModelRef, base_model_digest, fsync_path, fsync_tree
+from shared.weights.manifest import fsync_path, fsync_tree
 
 log = get_logger(__name__)
-MODEL_SEQ_TTL_S = 7 * 24 * 3600  # as long as the API keeps the model's record
 
 
 # -- losses: Tinker's definitions, per token (summed over a datum's tokens; `mask` marks real tokens) -----------
@@ -144,7 +143,7 @@ class TinkerModels:
                 await self.record_checkpoint(result)
                 result = {"type": op.op, "path": checkpoint_path(op.model_id, result.kind, result.name),
                           **({"sampling_session_id": op.sampling_session_id} if op.sampling_session_id else {})}
-            await self.trainer.redis.set(tinker_key("model_seq", op.model_id), op.seq_id, ex=MODEL_SEQ_TTL_S)
+            await self.trainer.redis.set(tinker_key("model_seq", op.model_id), op.seq_id, ex=MODEL_TTL_S)
             log.info("tinker %s of %s (seq %d) in %.2fs", op.op, op.model_id, op.seq_id, time.monotonic() - started,
                      extra={"run_id": op.run_id})
             return result
@@ -198,11 +197,7 @@ class TinkerModels:
     def save_for_sampler(self, model: TinkerModel, op: TinkerOp) -> TinkerCheckpoint:
         """The adapter, published on the weight server as version `seq_id` of the model's run (rollout workers
         load it like any LoRA run's version)."""
-        publisher, base = self.trainer.publisher, model.config.model
-        folder = publisher.staging_folder(model.run_id, op.seq_id)
-        tensors = model.engine.export_adapter(folder)
-        publisher.publish(model.run_id, op.seq_id, folder, {}, tensors=tensors,
-                          base_model=BaseModelRef(name=base, sha256=base_model_digest(base)))
+        self.trainer.publisher.publish_adapter(model.run_id, op.seq_id, model.engine, model.config.model, {})
         return self.checkpoint_record(model, op, "sampler_weights", version=op.seq_id)
 
     @staticmethod
@@ -229,7 +224,7 @@ class TinkerModels:
         path = checkpoint_path(record.model_id, record.kind, record.name)
         await self.trainer.redis.set(tinker_key("checkpoint", path), record.model_dump_json())
         if record.kind == "weights":  # where a restarted trainer resumes the model
-            await self.trainer.redis.set(tinker_key("model_state", record.model_id), path, ex=MODEL_SEQ_TTL_S)
+            await self.trainer.redis.set(tinker_key("model_state", record.model_id), path, ex=MODEL_TTL_S)
 
     # -- models -----------------------------------------------------------------------------------------------
     async def model(self, op: TinkerOp) -> TinkerModel:

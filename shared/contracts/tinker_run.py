@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from shared.contracts.run_config import AlgorithmConfig, EngineConfig, LoRAConfig
 
 FUTURE_TTL_S = 24 * 3600  # a future's record is kept this long after it is made or answered
+MODEL_TTL_S = 7 * 24 * 3600  # a model's records (and a session's, from its last heartbeat) are kept this long
 # The losses served, and the loss inputs each needs besides `target_tokens` (one value per input token)
 LOSS_INPUTS: dict[str, tuple[str, ...]] = {
     "cross_entropy": (),  # `weights` optional: every token weighs 1 without

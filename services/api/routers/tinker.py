@@ -531,12 +531,9 @@ def asample(body: SampleRequest, caller: Key, request: Request) -> dict:
                        hint="sample without it (compute_logprobs and top-k logprobs are not served yet)")
     p = body.sampling_params
     stop = [p.stop] if isinstance(p.stop, str) else list(p.stop or [])
-    tinker = store(request)
-    request_id = str(uuid.uuid4())
-    sequence_ids = [f"{request_id}:{i}" for i in range(body.num_samples)]
     try:
-        tinker.complete(caller.owner, {"type": "try_again", "request_id": request_id, "queue_state": "active"},
-                        None, request_id)
+        request_id = store(request).pending(caller.owner, None)
+        sequence_ids = [f"{request_id}:{i}" for i in range(body.num_samples)]
         announce(request.app.state.redis, TINKER_SAMPLES, TinkerSample(
             request_id=request_id, owner=caller.owner, run_id=sampler["run_id"], version=sampler["version"],
             sequence_ids=sequence_ids, prompt=prompt_tokens(body.prompt), num_samples=body.num_samples,
