@@ -6,6 +6,7 @@ it changes the drivers, which the dispatch loop owns (dispatch.py)."""
 from __future__ import annotations
 
 import asyncio
+import uuid
 
 from sqlalchemy import Engine
 
@@ -20,6 +21,10 @@ from shared.platform.logs import get_logger
 from shared.platform.service import sleep_or_stop
 
 log = get_logger(__name__)
+
+REPLAYING = b"replaying:"
+# Done only if the key still holds this replay's token (nothing wiped or took it over meanwhile).
+_SET_IF_HELD = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('SET', KEYS[1], ARGV[2]) end"
 
 
 class ReconcileLoop:
@@ -62,10 +67,15 @@ class ReconcileLoop:
         """Redis lost its data (the epoch key is gone): `results.accepted` may have lost results the store had
         accepted, and notices of slots out of attempts, that the trainer never read. Nothing would send them
         again, so their groups would wait forever: publish them again from Postgres (every stored group the
-        trainer has not reported consuming), then set the key. Duplicates are harmless to the trainer, and a
-        crash before the key is set just replays again."""
-        if await self.bus.redis.exists(epoch_key()):
+        trainer has not reported consuming). The key says `replaying:<token>` meanwhile and becomes done only if
+        it still holds that token: Redis losing its data again during a replay (which reads the runs one by one,
+        seconds with many runs) wipes the token and the next pass replays again, as does a crash mid-replay.
+        Duplicates are harmless to the trainer."""
+        state = await self.bus.redis.get(epoch_key())
+        if state is not None and not state.startswith(REPLAYING):
             return
+        token = REPLAYING + f"{self.worker_id}:{uuid.uuid4().hex}".encode()
+        await self.bus.redis.set(epoch_key(), token)
         for run_id in await asyncio.to_thread(run_rows.active_train_runs, self.db):
             msgs = await asyncio.to_thread(self.unconsumed, run_id)
             for i in range(0, len(msgs), 100):
@@ -73,7 +83,8 @@ class ReconcileLoop:
             if msgs:
                 log.warning("Redis lost its data: replayed %d accepted results and notices", len(msgs),
                             extra={"run_id": run_id})
-        await self.bus.redis.set(epoch_key(), self.worker_id)
+        if not await self.bus.redis.eval(_SET_IF_HELD, 1, epoch_key(), token, self.worker_id):
+            log.warning("Redis lost its data again during the replay: replaying again")
 
     def unconsumed(self, run_id: str) -> list[AcceptedResult]:
         """The accepted results of the run's groups the trainer has not reported consuming, and the notices of

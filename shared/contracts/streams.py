@@ -68,7 +68,8 @@ def heartbeat_pattern(service: str) -> str:
 
 def epoch_key() -> str:
     """Key the controller sets once Redis holds its streams. Its absence means Redis lost its data (or is new):
-    the controller then replays from Postgres what the trainer may never have received (`results.accepted`)."""
+    the controller then replays from Postgres what the trainer may never have received (`results.accepted`),
+    the key saying `replaying:<token>` until a replay finished with nothing wiping Redis meanwhile."""
     return "streams:epoch"
 
 
