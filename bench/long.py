@@ -12,8 +12,8 @@ exactly that many (unless the context window, `--max-context`, ends it first: co
 
 Per cell, in bench/results/long.json (`cells`):
 - episodes_per_s, generated_tokens_per_s over the run (started_at -> finished_at);
-- pg_bytes: pg_total_relation_size (heap, TOAST, indexes) of episodes, trajectories, steps and token_arrays
-  after the run less their size before it (the scratch database holds this cell's run only), per generated token
+- pg_bytes: pg_total_relation_size (heap, TOAST, indexes) of the tables a result writes (episodes,
+  trajectories, step_records, token_streams) after the run less their size before it (the scratch database holds this cell's run only), per generated token
   and per episode;
 - redis_peak_mb: the Redis server's used_memory sampled during the run, its peak above the value before it;
 - per service (controller, rollout_worker, env_worker): peak RSS and CPU ms per 1k generated tokens;
@@ -145,16 +145,19 @@ WHERE e.run_id = :r
 """)
 
 
-# Where the bytes are: per-step copies of the prompt (token ids and the chat so far) grow with the context, so
-# their sum grows with turns squared before compression; the raw sizes beside the stored (TOAST-compressed) ones.
+# Where the bytes are: the assembled stream (stored once per trajectory), the steps whose arrays are not a slice
+# of it (stored whole), and each step's added messages; stored (TOAST-compressed) sizes beside the raw ones.
 DETAIL_SQL = text("""
-SELECT (SELECT sum(pg_column_size(a.prompt_ids)) FROM token_arrays a WHERE a.step_idx >= 0) AS step_prompt_ids_stored,
-       (SELECT 4 * sum(cardinality(a.prompt_ids)) FROM token_arrays a WHERE a.step_idx >= 0) AS step_prompt_ids_raw,
-       (SELECT sum(pg_column_size(a.prompt_ids) + pg_column_size(a.response_ids) + pg_column_size(a.logprobs)
+SELECT (SELECT sum(pg_column_size(a.prompt_ids) + pg_column_size(a.response_ids) + pg_column_size(a.logprobs)
                    + coalesce(pg_column_size(a.loss_mask), 0) + coalesce(pg_column_size(a.versions), 0))
-          FROM token_arrays a WHERE a.step_idx = -1) AS assembled_arrays_stored,
-       (SELECT sum(pg_column_size(s.chat_completions)) FROM steps s) AS step_chats_stored,
-       (SELECT sum(octet_length(s.chat_completions::text)) FROM steps s) AS step_chats_raw
+          FROM token_streams a WHERE a.step_idx = -1) AS assembled_arrays_stored,
+       (SELECT coalesce(sum(pg_column_size(a.prompt_ids) + pg_column_size(a.response_ids)
+                            + pg_column_size(a.logprobs)), 0)
+          FROM token_streams a WHERE a.step_idx >= 0) AS whole_step_arrays_stored,
+       (SELECT count(*) FROM step_records s WHERE NOT s.tokens_in_stream) AS steps_stored_whole,
+       (SELECT sum(pg_column_size(s.chat_added)) FROM step_records s) AS step_chats_stored,
+       (SELECT sum(octet_length(s.chat_added::text)) FROM step_records s) AS step_chats_raw,
+       (SELECT count(*) FROM step_records s WHERE s.chat_from = s.step_idx AND s.step_idx > 0) AS chat_restarts
 """)
 
 
@@ -318,16 +321,15 @@ def write(args, cells: list[dict], started: float, complete: bool) -> None:
 NOTES = (
     "Everything on one machine (the committed run: 2 cores, shared; see loadavg_before_after per cell): mock LLM, "
     "controller, one rollout worker, one env worker, Redis, Postgres; CPU-bound, so the per-second figures are "
-    "this machine's and the cells start all their episodes at once (short cells are mostly ramp). What grows "
-    "faster than turns: every step of a trajectory carries its whole prompt (token ids, and the chat so far in "
-    "steps.chat_completions), in the EpisodeResult message on Redis and in Postgres (token_arrays rows with "
-    "step_idx >= 0, steps rows), so those bytes grow with turns squared (pg_bytes_detail: *_raw), next to linear "
-    "parts (the trajectory's assembled arrays, per-step row overhead, indexes); the fit over 4..32 turns mixes "
-    "both, last_two_by_tokens_per_turn shows the slope where the squared part dominates. TOAST compresses the "
-    "per-step copies 2.5-5x here; the tiny tokenizer's ids are < 512 (two zero bytes in every int4), which "
-    "compress better than a 150k vocabulary's would, so real bytes per token are higher. Redis peak is the "
-    "results of the cell's episodes waiting in the trajectories stream for the 10 s trim (they finish in one "
-    "wave), quadratic per episode for the same reason; used_memory is the whole server's (other databases on "
+    "this machine's and the cells start all their episodes at once (short cells are mostly ramp). Postgres "
+    "stores each trajectory's token stream once and each step's added messages (step_records.chat_added), so "
+    "its bytes grow linearly; a step whose arrays are not a slice of the stream is stored whole "
+    "(pg_bytes_detail.steps_stored_whole). The tiny tokenizer's ids are < 512 (two zero bytes in every int4), "
+    "which TOAST compresses better than a 150k vocabulary's would, so real bytes per token are higher. What still "
+    "grows with turns squared: the EpisodeResult message on Redis and the controller's decoding of it (every "
+    "step carries its whole prompt ids and chat so far). Redis peak is the results of the cell's episodes "
+    "waiting in the trajectories stream for the 10 s trim (they finish in one wave); used_memory is the whole "
+    "server's (other databases on "
     "it count too). CPU: the rollout worker's per-turn costs (HTTP call with the whole prompt as ids, chat "
     "rendering for the token delta, per-step deep copies of the chat) dominate; the controller's grow with the "
     "message it decodes and stores. trainer_intake is timed in this process (load_results from Postgres + "

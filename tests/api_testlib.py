@@ -23,8 +23,8 @@ from shared.contracts.db.models import (
     RolloutTaskRow,
     Run,
     RunEvent,
-    StepRow,
-    TokenArrayRow,
+    StepRecordRow,
+    TokenStreamRow,
     TrainSample,
     TrajectoryRow,
 )
@@ -186,9 +186,10 @@ def _seed_trajectory(s: Session, run_id, ep: EpisodeRow, reason: str, correct: b
     for i in range(2):
         msgs = [{"role": "user", "content": ep.task["question"]},
                 {"role": "assistant", "content": f"step {i}: the answer is \\boxed{{{answer}}}"}]
-        s.add(StepRow(trajectory_id=traj.id, step_idx=i, chat_completions=msgs, observation=ep.task["question"],
-                      thought="", action=answer, model_response=msgs[-1]["content"],
-                      reward=ep.reward if i == 1 else 0.0, done=i == 1, mc_return=ep.reward, info={},
-                      weight_version=v, prompt_tokens=15, response_tokens=6, gen_ms=5.0, env_ms=1.0))
-    s.add(TokenArrayRow(trajectory_id=traj.id, step_idx=-1, prompt_ids=[1, 2, 3], response_ids=[4, 5, 6],
-                        logprobs=[-0.1, -0.2, -0.3], loss_mask=[1, 1, 1], versions=[v, v, v]))
+        s.add(StepRecordRow(trajectory_id=traj.id, step_idx=i, chat_added=msgs, chat_from=i,
+                            observation=ep.task["question"], thought="", action=answer,
+                            model_response=msgs[-1]["content"], reward=ep.reward if i == 1 else 0.0, done=i == 1,
+                            mc_return=ep.reward, info={}, weight_version=v, prompt_tokens=15, response_tokens=6,
+                            gen_ms=5.0, env_ms=1.0, tokens_in_stream=False))
+    s.add(TokenStreamRow(trajectory_id=traj.id, step_idx=-1, prompt_ids=[1, 2, 3], response_ids=[4, 5, 6],
+                         logprobs=[-0.1, -0.2, -0.3], loss_mask=[1, 1, 1], versions=[v, v, v]))

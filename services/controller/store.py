@@ -27,8 +27,8 @@ from psycopg.types.json import Jsonb
 from sqlalchemy import Column, Engine, Table, and_, select
 from sqlalchemy.dialects import postgresql
 
-from shared.contracts.db.models import EpisodeRow, StepRow, TokenArrayRow, TrajectoryRow
-from shared.contracts.messages.trajectory import EpisodeResult, TrajectoryRecord
+from shared.contracts.db.models import EpisodeRow, StepRecordRow, TokenStreamRow, TrajectoryRow
+from shared.contracts.messages.trajectory import EpisodeResult, TrajectoryRecord, TrajectoryStep
 
 _ID_NAMESPACE = uuid.UUID("5b0c4cf0-6f5e-4c1d-9a56-6a1f0f8f4f10")
 _MAX_PARAMS = 60_000  # Postgres caps bind parameters per statement at 65535
@@ -47,7 +47,7 @@ def _copy_spec(table: Table) -> list[tuple[str, str]]:
 
 # The four tables a result writes, derived from shared/contracts/db/models.py (the one copy of the schema).
 TABLES: dict[str, list[tuple[str, str]]] = {
-    model.__tablename__: _copy_spec(model.__table__) for model in (EpisodeRow, TrajectoryRow, StepRow, TokenArrayRow)
+    model.__tablename__: _copy_spec(model.__table__) for model in (EpisodeRow, TrajectoryRow, StepRecordRow, TokenStreamRow)
 }
 
 Key = tuple[str, str, int, int]  # (run_id, task_id, sample_idx, attempt)
@@ -198,7 +198,7 @@ def load_results(conn, run_id: str, groups: set[tuple[str, int]] | None = None) 
     """The stored completed results of a run (those of `groups`, (task_id, batch_idx), when given), rebuilt from
     their rows with what training needs: each trajectory's assembled tokens, rewards and reasons. For replaying
     `results.accepted` when Redis lost it (the steps' texts are not reloaded)."""
-    e, t, a = EpisodeRow, TrajectoryRow, TokenArrayRow
+    e, t, a = EpisodeRow, TrajectoryRow, TokenStreamRow
     rows = conn.execute(
         select(e.task_id, e.sample_idx, e.attempt, e.termination_reason, e.is_correct, e.reward, e.batch_idx,
                e.greedy, e.worker_id, t.uid, t.name, t.reward.label("t_reward"),
@@ -227,7 +227,10 @@ def load_results(conn, run_id: str, groups: set[tuple[str, int]] | None = None) 
 
 # -- rows -------------------------------------------------------------------------------------------------------
 def build_rows(results: Sequence[EpisodeResult]) -> dict[str, list[tuple]]:
-    """Row tuples per table, in TABLES column order. Failed results get an episode row only."""
+    """Row tuples per table, in TABLES column order. Failed results get an episode row only. Linear in a
+    trajectory's length: the assembled token stream is stored once and a step's arrays only where they are not
+    a slice of it; a step's chat as the messages it added to the step before's (the views `steps` and
+    `token_arrays` rebuild whole steps)."""
     rows: dict[str, list[tuple]] = {t: [] for t in TABLES}
     for r in results:
         ep_id = episode_id(r.key)
@@ -237,20 +240,41 @@ def build_rows(results: Sequence[EpisodeResult]) -> dict[str, list[tuple]]:
         for traj_idx, traj in enumerate(r.trajectories):
             tid = trajectory_id(ep_id, traj_idx)
             rows["trajectories"].append(_trajectory_row(tid, ep_id, r, traj_idx, traj))
+            stream = traj.prompt_ids + traj.response_ids
             # a sequence of a trajectory cut at its agent's context rewrites numbers its steps by their turn
             # in the whole trajectory, so per-turn SQL reads the same cut or not
             first = traj.info.get("first_turn", 0) if isinstance(traj.info.get("first_turn"), int) else 0
+            chat: list = []
+            chat_from = first
             for step_idx, s in enumerate(traj.steps, start=first):
-                rows["steps"].append((
-                    tid, step_idx, _json(s.chat_completions), _json(s.observation), _text(s.thought),
+                n = len(chat)
+                if len(s.chat_completions) >= n and s.chat_completions[:n] == chat:
+                    added = s.chat_completions[n:]
+                else:  # the agent rewrote its history: this step's chat starts over
+                    added, chat_from = s.chat_completions, step_idx
+                chat = s.chat_completions
+                in_stream = _in_stream(s, traj, stream)
+                rows["step_records"].append((
+                    tid, step_idx, _json(added), _json(s.observation), _text(s.thought),
                     _json(s.action), _text(s.model_response), s.reward, s.done, s.mc_return, _json(s.info),
-                    s.weight_version, len(s.prompt_ids), len(s.response_ids), s.gen_ms, s.env_ms,
+                    s.weight_version, len(s.prompt_ids), len(s.response_ids), s.gen_ms, s.env_ms, chat_from,
+                    in_stream,
                 ))
-                rows["token_arrays"].append((tid, step_idx, s.prompt_ids, s.response_ids, s.logprobs, None, None))
-            rows["token_arrays"].append(
+                if not in_stream:
+                    rows["token_streams"].append((tid, step_idx, s.prompt_ids, s.response_ids, s.logprobs, None, None))
+            rows["token_streams"].append(
                 (tid, -1, traj.prompt_ids, traj.response_ids, traj.logprobs, traj.loss_mask, traj.versions)
             )
     return rows
+
+
+def _in_stream(s: TrajectoryStep, traj: TrajectoryRecord, stream: list[int]) -> bool:
+    """The step's prompt is the stream's first len(prompt) ids, its response the next ones, and its logprobs
+    the stream's logprobs at the same positions: the view `token_arrays` rebuilds it exactly from the stream."""
+    p, n = len(s.prompt_ids), len(s.response_ids)
+    at = p - len(traj.prompt_ids)
+    return (at >= 0 and len(s.logprobs) == n and stream[:p] == s.prompt_ids and stream[p:p + n] == s.response_ids
+            and traj.logprobs[at:at + n] == s.logprobs)
 
 
 def _episode_row(ep_id: uuid.UUID, r: EpisodeResult) -> tuple:

@@ -243,7 +243,7 @@ def test_every_legend_entry_has_a_line_axes_say_what_they_measure_and_one_token_
     """The items a user reported: legend entries without a visible line (kl_ref drawn under an identical
     kl_behaviour), a share and logprob differences on one axis, a throughput axis without a unit, "16-16" version
     ranges, a one-token answer missing from its trajectory, and a stopped run without data."""
-    from shared.contracts.db.models import StepRow, TrajectoryRow
+    from shared.contracts.db.models import StepRecordRow, TrajectoryRow
 
     run_id = seed_run(database_url, name="browser-items", num_tasks=2, samples=1, versions=3, status="completed")
     _flatten(database_url, run_id, {"ppo_kl": 0.0, "kl_behaviour": 0.0})
@@ -251,9 +251,9 @@ def test_every_legend_entry_has_a_line_axes_say_what_they_measure_and_one_token_
     with Session(engine) as s:  # the recall task's shape: one token answered, the prompt alone in the messages
         traj = s.query(TrajectoryRow).filter_by(run_id=run_id, task_id="task-1", policy_version_min=2).first()
         traj.termination_reason, traj.reward, traj.num_steps = "response_truncation", 1.0, 1
-        s.query(StepRow).filter_by(trajectory_id=traj.id, step_idx=1).delete()
-        s.query(StepRow).filter_by(trajectory_id=traj.id, step_idx=0).update(
-            {"chat_completions": [{"role": "user", "content": "seven"}], "model_response": "7", "action": "7"})
+        s.query(StepRecordRow).filter_by(trajectory_id=traj.id, step_idx=1).delete()
+        s.query(StepRecordRow).filter_by(trajectory_id=traj.id, step_idx=0).update(
+            {"chat_added": [{"role": "user", "content": "seven"}], "model_response": "7", "action": "7"})
         traj_id = traj.id
         s.commit()
     engine.dispose()

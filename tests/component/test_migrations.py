@@ -64,3 +64,44 @@ def test_upgrade_downgrade_upgrade(empty_database_url):
 def test_models_match_migrations(database_url):
     drift = schema_drift(database_url)
     assert drift == [], f"models and migrations differ; write a new revision for: {drift}"
+
+
+def test_linear_step_storage_keeps_every_step_across_upgrade_and_downgrade(pg_admin_url):
+    """0012 (the stream and each message stored once) on data: steps stored whole before it read the same
+    through its views, and a downgrade stores every step whole again, its chat and arrays as the views read."""
+    import uuid
+
+    from infra.local.servers import scratch_database
+    from sqlalchemy import insert
+
+    from services.controller.store import TrajectoryStore
+    from shared.contracts.db.models import RolloutTaskRow, Run
+    from shared.contracts.messages import EpisodeResult
+    from tests.support.multi_turn import multi_turn
+
+    def read(url: str) -> list[tuple]:
+        engine = create_engine(url)
+        with engine.connect() as c:
+            rows = c.execute(text("SELECT s.step_idx, s.chat_completions, a.prompt_ids, a.response_ids FROM steps s "
+                                  "JOIN token_arrays a USING (trajectory_id, step_idx) ORDER BY 1")).all()
+        engine.dispose()
+        return [tuple(r) for r in rows]
+
+    with scratch_database(pg_admin_url, migrate=False) as url:
+        upgrade(url)
+        engine = create_engine(url)
+        run = uuid.uuid4()
+        with engine.begin() as c:
+            c.execute(insert(Run).values(id=run, name="t", kind="eval", status="running", config={}))
+            c.execute(insert(RolloutTaskRow).values(run_id=run, task_id="t", sample_idx=0, attempt=0, batch_idx=0,
+                                                    status="dispatched", epoch=0, greedy=False, dispatch_version=0))
+        traj = multi_turn(6, rewrite_at=3, off_stream=4)
+        TrajectoryStore(engine).write([EpisodeResult(run_id=str(run), task_id="t", sample_idx=0, status="completed",
+                                                     termination_reason="env_done", trajectories=[traj])])
+        engine.dispose()
+        expected = [(k, s.chat_completions, s.prompt_ids, s.response_ids) for k, s in enumerate(traj.steps)]
+        assert read(url) == expected
+        downgrade(url, "0011_ledger_published_at")
+        assert read(url) == expected  # tables again, every row whole
+        upgrade(url)
+        assert read(url) == expected  # kept whole through the views

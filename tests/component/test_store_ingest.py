@@ -13,6 +13,7 @@ from shared.contracts.db.models import RolloutTaskRow, Run, RunEvent
 from shared.contracts.messages import EpisodeResult, TrajectoryRecord, TrajectoryStep, decode, encode
 from shared.platform.db.session import make_engine
 from shared.sdk.types import TerminationReason
+from tests.support.multi_turn import multi_turn
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +74,7 @@ def test_redelivery_stores_one_set_of_rows(engine, method):
     dispatch(engine, run, [("t0", 0, 0)])
     msg = result(run, "t0")
     first = store.write([msg])
-    assert (first.stored, first.rows) == (1, 1 + 1 + 2 + 3)
+    assert (first.stored, first.rows) == (1, 1 + 1 + 2 + 1)  # both steps' arrays are slices of the stream
     again = store.write([msg, msg])  # re-delivered twice, even within one batch
     assert again.stored == 0 and again.duplicates == 2 and again.rows == 0
     assert counts(engine, run) == {"episodes": 1, "trajectories": 1, "steps": 2, "token_arrays": 3, "late": 0}
@@ -92,7 +93,7 @@ def test_batch_of_many_episodes(engine, method):
     keys = [(f"t{i}", s, 0) for i in range(100) for s in range(3)]
     dispatch(engine, run, keys)
     out = store.write([result(run, t, s, a, steps=3) for t, s, a in keys])
-    assert out.stored == 300 and out.rows == 300 * (1 + 1 + 3 + 4)
+    assert out.stored == 300 and out.rows == 300 * (1 + 1 + 3 + 1)
     assert counts(engine, run) == {"episodes": 300, "trajectories": 300, "steps": 900, "token_arrays": 1200,
                                    "late": 0}
     with engine.connect() as c:
@@ -198,3 +199,34 @@ def test_the_sequences_of_a_rewritten_trajectory_keep_their_turn_numbers(engine,
         rows = c.execute(text("SELECT t.info->>'sequence', s.step_idx FROM steps s JOIN trajectories t ON "
                               "t.id = s.trajectory_id WHERE t.run_id = :r ORDER BY 2"), {"r": run}).all()
     assert [tuple(r) for r in rows] == [("0", 0), ("0", 1), ("1", 2)]
+
+
+@pytest.mark.parametrize("method", ["copy", "values"])
+def test_the_views_rebuild_every_step_exactly_from_what_is_stored_once(engine, method):
+    """`steps` and `token_arrays` read as if every step were stored whole (its chat so far, its prompt, response
+    and logprobs), though the stream and each message are stored once: with a chat rewritten at turn 5 and a
+    retokenized prompt at turn 7. Stored bytes grow linearly: no stored step holds a prompt."""
+    store = TrajectoryStore(engine, method=method)
+    run = new_run(engine)
+    dispatch(engine, run, [("t0", 0, 0)])
+    traj = multi_turn(12, rewrite_at=5, off_stream=7)
+    msg = decode(encode(EpisodeResult(run_id=run, task_id="t0", sample_idx=0, status="completed",
+                                      termination_reason="env_done", trajectories=[traj])))
+    assert store.write([msg]).stored == 1
+    traj = msg.trajectories[0]
+    with engine.connect() as c:
+        steps = c.execute(text("SELECT s.step_idx, s.chat_completions, a.prompt_ids, a.response_ids, a.logprobs "
+                               "FROM steps s JOIN trajectories t ON t.id = s.trajectory_id JOIN token_arrays a "
+                               "ON a.trajectory_id = t.id AND a.step_idx = s.step_idx WHERE t.run_id = :r "
+                               "ORDER BY 1"), {"r": run}).all()
+        stored = c.execute(text("SELECT a.step_idx FROM token_streams a JOIN trajectories t ON t.id = "
+                                "a.trajectory_id WHERE t.run_id = :r ORDER BY 1"), {"r": run}).scalars().all()
+        messages = c.execute(text("SELECT sum(jsonb_array_length(s.chat_added)) FROM step_records s JOIN "
+                                  "trajectories t ON t.id = s.trajectory_id WHERE t.run_id = :r"), {"r": run}).scalar()
+    assert [r.step_idx for r in steps] == list(range(12))
+    for r, s in zip(steps, traj.steps, strict=True):
+        assert r.chat_completions == s.chat_completions, r.step_idx
+        assert (r.prompt_ids, r.response_ids) == (s.prompt_ids, s.response_ids), r.step_idx
+        assert r.logprobs == pytest.approx(s.logprobs, abs=1e-6), r.step_idx
+    assert stored == [-1, 7]  # the stream, and the one step that is not a slice of it
+    assert messages == 2 * 12  # each message once (turn 5 stored its whole chat: the summary and its answer)

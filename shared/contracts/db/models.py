@@ -230,14 +230,19 @@ class TrajectoryRow(Base):
     episode: Mapped[EpisodeRow] = relationship(back_populates="trajectories")
 
 
-class StepRow(Base):
-    __tablename__ = "steps"
+class StepRecordRow(Base):
+    """A step as stored: its chat as the messages it added to the step before's (`chat_added`; the chat began at
+    step `chat_from`, which holds it whole when a step's chat does not extend the one before), and its token
+    arrays only where they are not a slice of the trajectory's stream (`tokens_in_stream` false). Read steps as
+    the view `steps` (the whole chat of each step); its tokens as the view `token_arrays`."""
+
+    __tablename__ = "step_records"
 
     trajectory_id: Mapped[uuid.UUID] = mapped_column(
         ForeignKey("trajectories.id", ondelete="CASCADE"), primary_key=True
     )
     step_idx: Mapped[int] = mapped_column(Integer, primary_key=True)
-    chat_completions: Mapped[list] = mapped_column(JSONB, nullable=False, default=list)
+    chat_added: Mapped[list] = mapped_column(JSONB, nullable=False, default=list)
     observation: Mapped[dict | list | str | None] = mapped_column(JSONB)
     thought: Mapped[str] = mapped_column(Text, nullable=False, default="")
     action: Mapped[dict | list | str | None] = mapped_column(JSONB)
@@ -251,15 +256,17 @@ class StepRow(Base):
     response_tokens: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
     gen_ms: Mapped[float] = mapped_column(Float, nullable=False, default=0.0)
     env_ms: Mapped[float] = mapped_column(Float, nullable=False, default=0.0)
+    chat_from: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
+    tokens_in_stream: Mapped[bool] = mapped_column(Boolean, nullable=False, default=False)
 
 
-class TokenArrayRow(Base):
-    """Token arrays as SQL arrays (queryable: `array_length(response_ids, 1)`).
+class TokenStreamRow(Base):
+    """Token arrays as stored: step_idx = -1 is the trajectory's assembled multi-turn stream (prompt_ids,
+    response_ids with loss_mask, logprobs and versions aligned to response_ids), stored once; a row with
+    step_idx >= 0 holds a step whose prompt/response/logprobs are not a slice of that stream (a retokenized or
+    rewritten context)."""
 
-    step_idx >= 0: that step's prompt/response/logprobs. step_idx = -1: the trajectory's assembled multi-turn
-    stream (prompt_ids, response_ids with loss_mask, logprobs and versions aligned to response_ids)."""
-
-    __tablename__ = "token_arrays"
+    __tablename__ = "token_streams"
 
     trajectory_id: Mapped[uuid.UUID] = mapped_column(
         ForeignKey("trajectories.id", ondelete="CASCADE"), primary_key=True
@@ -268,6 +275,49 @@ class TokenArrayRow(Base):
     prompt_ids: Mapped[list[int]] = mapped_column(ARRAY(Integer), nullable=False, default=list)
     response_ids: Mapped[list[int]] = mapped_column(ARRAY(Integer), nullable=False, default=list)
     logprobs: Mapped[list[float]] = mapped_column(ARRAY(REAL), nullable=False, default=list)
+    loss_mask: Mapped[list[int] | None] = mapped_column(ARRAY(SmallInteger))
+    versions: Mapped[list[int] | None] = mapped_column(ARRAY(Integer))
+
+
+class View(DeclarativeBase):
+    """Views (migrations create them; `Base.metadata` holds tables only): read-only."""
+
+
+class StepRow(View):
+    """The view `steps`: every step with its whole chat (`chat_completions`), rebuilt from `step_records`."""
+
+    __tablename__ = "steps"
+
+    trajectory_id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), primary_key=True)
+    step_idx: Mapped[int] = mapped_column(Integer, primary_key=True)
+    chat_completions: Mapped[list] = mapped_column(JSONB)
+    observation: Mapped[dict | list | str | None] = mapped_column(JSONB)
+    thought: Mapped[str] = mapped_column(Text)
+    action: Mapped[dict | list | str | None] = mapped_column(JSONB)
+    model_response: Mapped[str] = mapped_column(Text)
+    reward: Mapped[float] = mapped_column(Float)
+    done: Mapped[bool] = mapped_column(Boolean)
+    mc_return: Mapped[float] = mapped_column(Float)
+    info: Mapped[dict] = mapped_column(JSONB)
+    weight_version: Mapped[int | None] = mapped_column(Integer)
+    prompt_tokens: Mapped[int] = mapped_column(Integer)
+    response_tokens: Mapped[int] = mapped_column(Integer)
+    gen_ms: Mapped[float] = mapped_column(Float)
+    env_ms: Mapped[float] = mapped_column(Float)
+
+
+class TokenArrayRow(View):
+    """The view `token_arrays` (queryable: `array_length(response_ids, 1)`): step_idx = -1 is the trajectory's
+    assembled stream; step_idx >= 0 that step's prompt/response/logprobs, sliced from the stream where they lie
+    in it (`token_streams` holds the rest)."""
+
+    __tablename__ = "token_arrays"
+
+    trajectory_id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), primary_key=True)
+    step_idx: Mapped[int] = mapped_column(Integer, primary_key=True)
+    prompt_ids: Mapped[list[int]] = mapped_column(ARRAY(Integer))
+    response_ids: Mapped[list[int]] = mapped_column(ARRAY(Integer))
+    logprobs: Mapped[list[float]] = mapped_column(ARRAY(REAL))
     loss_mask: Mapped[list[int] | None] = mapped_column(ARRAY(SmallInteger))
     versions: Mapped[list[int] | None] = mapped_column(ARRAY(Integer))
 

@@ -39,8 +39,11 @@ OWNERS: dict[str, TableOwner] = {
     "rollout_tasks": TableOwner("controller", ("api",), "the controller's dispatch; `trajectories` (each attempt's end)"),
     "episodes": TableOwner("controller", ("api", "jobs"), "`trajectories` (the store, exactly once)"),
     "trajectories": TableOwner("controller", ("api", "jobs"), "`trajectories` (the store, exactly once)"),
-    "steps": TableOwner("controller", ("api", "jobs"), "`trajectories` (the store, exactly once)"),
-    "token_arrays": TableOwner("controller", ("api", "jobs"), "`trajectories` (the store, exactly once)"),
+    "step_records": TableOwner("controller", (), "`trajectories` (the store, exactly once)"),
+    "token_streams": TableOwner("controller", (), "`trajectories` (the store, exactly once)"),
+    "steps": TableOwner("controller", ("api", "jobs"), "a view of `step_records` (each step with its whole chat)"),
+    "token_arrays": TableOwner(
+        "controller", ("api", "jobs"), "a view of `token_streams` (each step's arrays, sliced from the stream)"),
     "metrics": TableOwner(
         "trainer", ("api", "controller", "jobs"), "each policy version's step (loss, grad norm, rewards)"),
     "tracker_progress": TableOwner(
