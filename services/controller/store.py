@@ -28,7 +28,7 @@ from sqlalchemy import Column, Engine, Table, and_, select
 from sqlalchemy.dialects import postgresql
 
 from shared.contracts.db.models import EpisodeRow, StepRecordRow, TokenStreamRow, TrajectoryRow
-from shared.contracts.messages.trajectory import EpisodeResult, TrajectoryRecord, TrajectoryStep
+from shared.contracts.messages.trajectory import EpisodeResult, TrajectoryRecord
 
 _ID_NAMESPACE = uuid.UUID("5b0c4cf0-6f5e-4c1d-9a56-6a1f0f8f4f10")
 _MAX_PARAMS = 60_000  # Postgres caps bind parameters per statement at 65535
@@ -244,37 +244,20 @@ def build_rows(results: Sequence[EpisodeResult]) -> dict[str, list[tuple]]:
             # a sequence of a trajectory cut at its agent's context rewrites numbers its steps by their turn
             # in the whole trajectory, so per-turn SQL reads the same cut or not
             first = traj.info.get("first_turn", 0) if isinstance(traj.info.get("first_turn"), int) else 0
-            chat: list = []
-            chat_from = first
-            for step_idx, s in enumerate(traj.steps, start=first):
-                n = len(chat)
-                if len(s.chat_completions) >= n and s.chat_completions[:n] == chat:
-                    added = s.chat_completions[n:]
-                else:  # the agent rewrote its history: this step's chat starts over
-                    added, chat_from = s.chat_completions, step_idx
-                chat = s.chat_completions
-                in_stream = _in_stream(s, traj, stream)
+            for k, (s, (chat_from, added)) in enumerate(zip(traj.steps, traj.chat_deltas(), strict=True)):
+                cut = traj.stream_slice(s, stream)
+                p, n = cut or (len(s.prompt_ids), len(s.response_ids))
                 rows["step_records"].append((
-                    tid, step_idx, _json(added), _json(s.observation), _text(s.thought),
+                    tid, first + k, _json(added), _json(s.observation), _text(s.thought),
                     _json(s.action), _text(s.model_response), s.reward, s.done, s.mc_return, _json(s.info),
-                    s.weight_version, len(s.prompt_ids), len(s.response_ids), s.gen_ms, s.env_ms, chat_from,
-                    in_stream,
+                    s.weight_version, p, n, s.gen_ms, s.env_ms, first + chat_from, cut is not None,
                 ))
-                if not in_stream:
-                    rows["token_streams"].append((tid, step_idx, s.prompt_ids, s.response_ids, s.logprobs, None, None))
+                if cut is None:
+                    rows["token_streams"].append((tid, first + k, s.prompt_ids, s.response_ids, s.logprobs, None, None))
             rows["token_streams"].append(
                 (tid, -1, traj.prompt_ids, traj.response_ids, traj.logprobs, traj.loss_mask, traj.versions)
             )
     return rows
-
-
-def _in_stream(s: TrajectoryStep, traj: TrajectoryRecord, stream: list[int]) -> bool:
-    """The step's prompt is the stream's first len(prompt) ids, its response the next ones, and its logprobs
-    the stream's logprobs at the same positions: the view `token_arrays` rebuilds it exactly from the stream."""
-    p, n = len(s.prompt_ids), len(s.response_ids)
-    at = p - len(traj.prompt_ids)
-    return (at >= 0 and len(s.logprobs) == n and stream[:p] == s.prompt_ids and stream[p:p + n] == s.response_ids
-            and traj.logprobs[at:at + n] == s.logprobs)
 
 
 def _episode_row(ep_id: uuid.UUID, r: EpisodeResult) -> tuple:
@@ -289,7 +272,8 @@ def _episode_row(ep_id: uuid.UUID, r: EpisodeResult) -> tuple:
 def _trajectory_row(tid: uuid.UUID, ep_id: uuid.UUID, r: EpisodeResult, idx: int, t: TrajectoryRecord) -> tuple:
     vmin, vmax = t.policy_versions
     prompt_tokens = len(t.prompt_ids) or sum(len(s.prompt_ids) for s in t.steps[:1])
-    response_tokens = sum(t.loss_mask) if t.loss_mask else sum(len(s.response_ids) for s in t.steps)
+    response_tokens = sum(t.loss_mask) if t.loss_mask else \
+        sum(s.stream_slice[1] if s.stream_slice else len(s.response_ids) for s in t.steps)
     return (
         tid, ep_id, uuid.UUID(r.run_id), r.task_id, r.sample_idx, r.attempt, idx, t.uid[:64], t.name[:100],
         t.reward, t.termination_reason.value, len(t.steps), prompt_tokens, response_tokens, vmin, vmax,

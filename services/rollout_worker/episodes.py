@@ -85,7 +85,7 @@ def completed(ctx: RunContext, task: RolloutTask, episode: Episode) -> EpisodeRe
         compute_mc_returns(traj, ctx.config.algorithm.gamma)  # over the whole trajectory, before any cut
         for part in sequences(traj):
             part.tokens = assemble(part.steps)
-            records.append(TrajectoryRecord.from_trajectory(part))
+            records.append(TrajectoryRecord.from_trajectory(part).compact())  # linear in turns on the wire
     reason = episode.termination_reason or TR.UNKNOWN
     # One trajectory: its reward. Several (solver/judge): whether the episode was right.
     reward = records[0].reward if len(records) == 1 else float(episode.is_correct)

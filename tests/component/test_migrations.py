@@ -71,9 +71,9 @@ def test_linear_step_storage_keeps_every_step_across_upgrade_and_downgrade(pg_ad
     through its views, and a downgrade stores every step whole again, its chat and arrays as the views read."""
     import uuid
 
-    from infra.local.servers import scratch_database
     from sqlalchemy import insert
 
+    from infra.local.servers import scratch_database
     from services.controller.store import TrajectoryStore
     from shared.contracts.db.models import RolloutTaskRow, Run
     from shared.contracts.messages import EpisodeResult

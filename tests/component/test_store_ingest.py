@@ -201,19 +201,21 @@ def test_the_sequences_of_a_rewritten_trajectory_keep_their_turn_numbers(engine,
     assert [tuple(r) for r in rows] == [("0", 0), ("0", 1), ("1", 2)]
 
 
-@pytest.mark.parametrize("method", ["copy", "values"])
-def test_the_views_rebuild_every_step_exactly_from_what_is_stored_once(engine, method):
+@pytest.mark.parametrize(("method", "compact"), [("copy", False), ("values", False), ("copy", True)])
+def test_the_views_rebuild_every_step_exactly_from_what_is_stored_once(engine, method, compact):
     """`steps` and `token_arrays` read as if every step were stored whole (its chat so far, its prompt, response
     and logprobs), though the stream and each message are stored once: with a chat rewritten at turn 5 and a
-    retokenized prompt at turn 7. Stored bytes grow linearly: no stored step holds a prompt."""
+    retokenized prompt at turn 7, sent whole or compact (as rollout workers send it). Stored bytes grow
+    linearly: no stored step holds a prompt."""
     store = TrajectoryStore(engine, method=method)
     run = new_run(engine)
     dispatch(engine, run, [("t0", 0, 0)])
-    traj = multi_turn(12, rewrite_at=5, off_stream=7)
+    whole = multi_turn(12, rewrite_at=5, off_stream=7)
     msg = decode(encode(EpisodeResult(run_id=run, task_id="t0", sample_idx=0, status="completed",
-                                      termination_reason="env_done", trajectories=[traj])))
+                                      termination_reason="env_done",
+                                      trajectories=[whole.compact() if compact else whole])))
     assert store.write([msg]).stored == 1
-    traj = msg.trajectories[0]
+    traj = msg.trajectories[0].expanded()
     with engine.connect() as c:
         steps = c.execute(text("SELECT s.step_idx, s.chat_completions, a.prompt_ids, a.response_ids, a.logprobs "
                                "FROM steps s JOIN trajectories t ON t.id = s.trajectory_id JOIN token_arrays a "

@@ -163,3 +163,15 @@ def test_trajectory_record_from_dataclass():
     assert rec.policy_versions == (4, 6)
     assert rec.termination_reason is TerminationReason.MAX_STEPS
     assert rec.steps[0].logprobs == [-1.0, -2.0]
+
+
+def test_an_episode_result_of_version_1_is_still_read_and_a_newer_one_refused():
+    """EpisodeResult 2 may carry compact steps; a version-1 writer's whole steps read as they always did."""
+    msg = EpisodeResult(run_id="r", task_id="t", sample_idx=0, status="completed", termination_reason="env_done",
+                        trajectories=[TrajectoryRecord(uid="u", steps=[TrajectoryStep(prompt_ids=[1],
+                                                                                      chat_completions=[{"a": 1}])])])
+    fields = encode(msg)
+    old = decode({**fields, b"v": b"1"})
+    assert old == msg and old.trajectories[0].steps[0].chat_from is None
+    with pytest.raises(MessageDecodeError, match="schema version 3 unsupported"):
+        decode({**fields, b"v": b"3"})

@@ -46,11 +46,13 @@ Logprobs = Annotated[list[float], BeforeValidator(_floats_in), PlainSerializer(_
 
 
 class Message(BaseModel):
-    """Base of every stream message. Subclasses set TYPE and SCHEMA_VERSION."""
+    """Base of every stream message. Subclasses set TYPE and SCHEMA_VERSION, and MIN_SCHEMA_VERSION when this
+    reader still reads older versions (their fields a subset of this one's, read with the same meaning)."""
 
     model_config = ConfigDict(extra="ignore")  # newer writers may add optional fields
     TYPE: ClassVar[str] = ""
     SCHEMA_VERSION: ClassVar[int] = 1
+    MIN_SCHEMA_VERSION: ClassVar[int | None] = None
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -99,7 +101,7 @@ def decode(fields: dict[bytes, bytes], expect: type[Message] | None = None) -> M
         raise MessageDecodeError(f"unknown message type {mtype!r}")
     if expect is not None and cls is not expect:
         raise MessageDecodeError(f"expected {expect.TYPE!r} on this stream, got {mtype!r}")
-    if version != cls.SCHEMA_VERSION:
+    if not (cls.MIN_SCHEMA_VERSION or cls.SCHEMA_VERSION) <= version <= cls.SCHEMA_VERSION:
         raise MessageDecodeError(f"{mtype} schema version {version} unsupported (reader has {cls.SCHEMA_VERSION})")
     try:
         data = msgpack.unpackb(body, raw=False, strict_map_key=False)

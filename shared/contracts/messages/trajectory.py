@@ -36,6 +36,13 @@ class TrajectoryStep(BaseModel):
     weight_version: int | None = None
     gen_ms: float = 0.0
     env_ms: float = 0.0
+    # Compact form (TrajectoryRecord.compact): None means the field above holds the step whole.
+    chat_from: int | None = Field(
+        None, description="chat_completions holds only the messages this step added to the step before's; the "
+        "chat began at this step (its index in the trajectory's steps), which holds it whole")
+    stream_slice: tuple[int, int] | None = Field(
+        None, description="(prompt length, response length): prompt_ids, response_ids and logprobs are left out; "
+        "they are the trajectory's stream (prompt_ids + response_ids) sliced there, logprobs at the same positions")
 
     @classmethod
     def from_step(cls, step: Step, **timing: float) -> TrajectoryStep:
@@ -83,10 +90,73 @@ class TrajectoryRecord(BaseModel):
         v = [s.weight_version for s in self.steps if s.weight_version is not None]
         return (min(v), max(v)) if v else (None, None)
 
+    def stream_slice(self, s: TrajectoryStep, stream: list[int]) -> tuple[int, int] | None:
+        """(prompt length, response length) when step `s` is a slice of the stream (`stream`: prompt_ids +
+        response_ids): its prompt the stream's first ids, its response the next, its logprobs the stream's at
+        those positions; None otherwise (a retokenized or rewritten context)."""
+        if s.stream_slice is not None:
+            return s.stream_slice
+        p, n = len(s.prompt_ids), len(s.response_ids)
+        at = p - len(self.prompt_ids)
+        ok = (at >= 0 and len(s.logprobs) == n and stream[:p] == s.prompt_ids and stream[p:p + n] == s.response_ids
+              and self.logprobs[at:at + n] == s.logprobs)
+        return (p, n) if ok else None
+
+    def chat_deltas(self) -> list[tuple[int, list[dict[str, Any]]]]:
+        """Per step: (the index of the step its chat began at, the messages it added to the step before's). A
+        step whose chat does not extend the one before (the agent rewrote its history) begins anew, whole."""
+        out, chat, start = [], [], 0
+        for k, s in enumerate(self.steps):
+            if s.chat_from is not None:  # compact already: as sent
+                start, added = s.chat_from, s.chat_completions
+                chat = (chat if start < k else []) + added
+                out.append((start, added))
+                continue
+            whole = s.chat_completions
+            if len(whole) >= len(chat) and whole[:len(chat)] == chat:
+                added = whole[len(chat):]
+            else:
+                start, added = k, whole
+            chat = whole
+            out.append((start, added))
+        return out
+
+    def compact(self) -> TrajectoryRecord:
+        """The same trajectory, linear in its length on the wire: a step after the first carries only the
+        messages it added (`chat_from`) and, where its arrays are a slice of the stream, not the arrays
+        (`stream_slice`). `expanded()` gives back the whole steps."""
+        stream = self.prompt_ids + self.response_ids
+        steps = [self.steps[0]] if self.steps else []
+        for k, (s, (start, added)) in enumerate(zip(self.steps, self.chat_deltas(), strict=True)):
+            if k == 0:
+                continue
+            update: dict[str, Any] = {"chat_from": start, "chat_completions": added}
+            if (cut := self.stream_slice(s, stream)) is not None:
+                update |= {"stream_slice": cut, "prompt_ids": [], "response_ids": [], "logprobs": []}
+            steps.append(s.model_copy(update=update))
+        return self.model_copy(update={"steps": steps})
+
+    def expanded(self) -> TrajectoryRecord:
+        """Every step whole (its whole chat and its arrays), from the compact form or the whole one."""
+        stream, plen = self.prompt_ids + self.response_ids, len(self.prompt_ids)
+        steps, chat = [], []
+        for k, (s, (start, added)) in enumerate(zip(self.steps, self.chat_deltas(), strict=True)):
+            chat = (chat if start < k else []) + added
+            update: dict[str, Any] = {"chat_from": None, "chat_completions": chat}
+            if s.stream_slice is not None:
+                p, n = s.stream_slice
+                update |= {"stream_slice": None, "prompt_ids": stream[:p], "response_ids": stream[p:p + n],
+                           "logprobs": self.logprobs[p - plen:p - plen + n]}
+            steps.append(s.model_copy(update=update))
+        return self.model_copy(update={"steps": steps})
+
 
 class EpisodeResult(Message):
     TYPE = "episode_result"
-    SCHEMA_VERSION = 1
+    # 2: steps may be compact (TrajectoryRecord.compact), which a version-1 reader would store as whole steps;
+    # a version-1 message is all whole steps, read as it always was.
+    SCHEMA_VERSION = 2
+    MIN_SCHEMA_VERSION = 1
 
     run_id: str
     task_id: str
@@ -116,6 +186,10 @@ class EpisodeResult(Message):
     @property
     def key(self) -> tuple[str, str, int, int]:
         return (self.run_id, self.task_id, self.sample_idx, self.attempt)
+
+    def expanded(self) -> EpisodeResult:
+        """The result with every step whole (rollout workers send trajectories compact)."""
+        return self.model_copy(update={"trajectories": [t.expanded() for t in self.trajectories]})
 
     @property
     def policy_versions(self) -> tuple[int | None, int | None]:
