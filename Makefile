@@ -12,7 +12,7 @@ DEMO_ARGS ?=
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 
-.PHONY: sandbox-deps bench-sandbox browser-deps install vllm-venv up demo demo-lora demo-tinker demo-agent demo-multiturn demo-multiturn-8 test test-fast test-unit test-contract test-component test-e2e test-learning test-chaos test-browser test-gpu lint bench-rollout bench-train bench-lora bench-lora-runs bench-tinker bench-load bench-long bench-vllm chaos chaos-net gpu-smoke clean
+.PHONY: sandbox-deps bench-sandbox browser-deps install vllm-venv up demo demo-lora demo-tinker demo-agent demo-multiturn demo-multiturn-8 test test-fast test-unit test-contract test-component test-e2e test-learning test-chaos test-browser test-gpu lint bench-rollout bench-train bench-lora bench-lora-runs bench-tinker bench-load bench-long bench-partial bench-vllm chaos chaos-net gpu-smoke clean
 
 install: $(VENV)/.installed sandbox-deps
 
@@ -175,6 +175,9 @@ bench-load: install
 # growth in turns -> bench/results/long.json (the committed 2-core run: 64 episodes, 64 in flight; see its `command`).
 bench-long: install
 	$(PY) -m bench.long
+
+bench-partial: install
+	$(PY) -m bench.partial_rollout
 
 bench-vllm: install vllm-venv
 	$(PY) -m bench.vllm

@@ -140,7 +140,8 @@ def assemble(steps: list[Step]) -> TokenSequence:
             context = list(step.prompt_ids)
         missing_logprobs = missing_logprobs or (bool(step.response_ids) and not step.logprobs)
         version = step.weight_version if step.weight_version is not None else -1
-        _append(seq, step.response_ids, 1, step.logprobs or [0.0] * len(step.response_ids), version)
+        _append(seq, step.response_ids, 1, step.logprobs or [0.0] * len(step.response_ids), version,
+                step.response_versions if len(step.response_versions) == len(step.response_ids) else None)
         context += step.response_ids
     if seq.mismatch:
         seq.loss_mask = [0] * len(seq.loss_mask)
@@ -149,8 +150,10 @@ def assemble(steps: list[Step]) -> TokenSequence:
     return seq
 
 
-def _append(seq: TokenSequence, ids: list[int], mask: int, logprobs: list[float], version: int) -> None:
+def _append(seq: TokenSequence, ids: list[int], mask: int, logprobs: list[float], version: int,
+            versions: list[int] | None = None) -> None:
+    """`versions`: each token's policy version (a partial rollout's), else `version` for all."""
     seq.response_ids.extend(ids)
     seq.loss_mask.extend([mask] * len(ids))
     seq.logprobs.extend(logprobs)
-    seq.versions.extend([version] * len(ids))
+    seq.versions.extend(versions if versions is not None else [version] * len(ids))

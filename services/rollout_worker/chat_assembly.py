@@ -240,7 +240,7 @@ class AgentCalls:
         step = Step(prompt_ids=list(prompt.ids), response_ids=list(gen.ids), logprobs=list(gen.logprobs),
                     chat_completions=openai_messages or [{"role": "user", "content": prompt.prompt_text}],
                     model_response=gen.text, action=reply, weight_version=gen.weight_version,
-                    info={"finish_reason": gen.finish_reason})
+                    response_versions=gen.versions or [], info={"finish_reason": gen.finish_reason})
         seg.trajectory.steps.append(step)
         return step
 

@@ -145,7 +145,7 @@ class AgentSession:
         if step.action is None:
             step.action = action.action
         step.prompt_ids, step.response_ids, step.logprobs = list(prompt_ids), gen.ids, gen.logprobs
-        step.weight_version, step.gen_ms = gen.weight_version, gen_ms
+        step.weight_version, step.response_versions, step.gen_ms = gen.weight_version, gen.versions or [], gen_ms
         step.info["finish_reason"] = gen.finish_reason
         self.builder.record(messages, prompt_ids, gen.ids, gen.text)
         action = step.action.action if hasattr(step.action, "action") else step.action

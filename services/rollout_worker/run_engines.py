@@ -106,9 +106,11 @@ class RunContext:
 
     def sampling(self, greedy: bool) -> SamplingParams:
         s = self.config.sampling
+        partial = self.config.partial_rollout
         if greedy:  # ReMax baseline / evaluation: deterministic decoding
-            return SamplingParams(temperature=0.0, top_p=1.0, top_k=-1, stop=tuple(s.stop))
-        return SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, stop=tuple(s.stop))
+            return SamplingParams(temperature=0.0, top_p=1.0, top_k=-1, stop=tuple(s.stop), partial=partial)
+        return SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, stop=tuple(s.stop),
+                              partial=partial)
 
 
 class RunRegistry:

@@ -62,6 +62,8 @@ class EngineConfig(_Strict):
                            "the least recently used adapter and reloads it from disk when its run asks again")
     max_lora_rank: int = Field(64, ge=1, le=256, description="vllm, LoRA runs: largest adapter rank served")
     request_timeout_s: float = Field(120.0, gt=0, description="one generation request")
+    partial_chunk_tokens: int = Field(32, ge=1, description="hf, partial_rollout runs: tokens decoded between two "
+                                      "chances for a new version to take over")
     max_retries: int = Field(3, ge=0, description="transient inference errors retried before INFRA_ERROR")
 
 
@@ -242,6 +244,11 @@ class RunConfig(_Strict):
     env_step_timeout_s: float = Field(30.0, gt=0)
     max_staleness: int = Field(0, ge=0, description="policy versions rollouts may run ahead; 0 = on-policy")
     stale_policy: Literal["drop", "downweight"] = "drop"
+    partial_rollout: bool = Field(
+        False, description="a generation in flight when a new policy version arrives continues on the new weights "
+        "(hf engine: between decode chunks of engine.partial_chunk_tokens), each token tagged with the version that "
+        "produced it; the trainer weighs each token by its own behaviour logprob and applies max_staleness to a "
+        "sample's oldest token. Other engines finish a generation on the version it started on")
     max_in_flight: int = Field(256, ge=1, description="rollout tasks dispatched and not yet finished")
     max_attempts: int = Field(3, ge=1, description="attempts per (task, sample) on infrastructure failure")
     priority: float = Field(1.0, gt=0, le=1000, description="weight of this run's share of rollout capacity "

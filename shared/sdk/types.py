@@ -59,8 +59,10 @@ class Step:
     done: bool = False
     mc_return: float = 0.0
     advantage: list[float] | float | None = None
-    # Policy version of the weights that produced response_ids (None before generation).
+    # Policy version of the weights that produced response_ids (None before generation); with partial rollouts
+    # the version the generation started on, and response_versions the version of each token (else empty).
     weight_version: int | None = None
+    response_versions: list[int] = field(default_factory=list)
     # Milliseconds spent generating this step's response and in the environment's step (the rollout worker).
     gen_ms: float = 0.0
     env_ms: float = 0.0
@@ -116,7 +118,7 @@ class Trajectory:
 
     @property
     def policy_versions(self) -> tuple[int | None, int | None]:
-        versions = [s.weight_version for s in self.steps if s.weight_version is not None]
+        versions = [v for s in self.steps for v in (s.response_versions or [s.weight_version]) if v is not None]
         return (min(versions), max(versions)) if versions else (None, None)
 
 

@@ -27,6 +27,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = -1  # -1 disables
     stop: tuple[str, ...] = ()
+    partial: bool = False  # partial rollout: a new version may take over mid-generation (engines that can)
 
     @property
     def greedy(self) -> bool:
@@ -40,7 +41,9 @@ class Generation:
     logprobs: list[float]
     text: str
     finish_reason: str  # "stop" | "length"
-    weight_version: int
+    weight_version: int  # the version the generation started on
+    # each token's version when a partial rollout changed versions mid-generation; None: all weight_version
+    versions: list[int] | None = None
     info: dict = field(default_factory=dict)
 
 

@@ -2,8 +2,9 @@
 
 Requests collected for `batch_wait_ms` are generated together. Logprobs are of the distribution each token was
 sampled from (after temperature, top-k, top-p), the meaning every engine shares. A weight reload or a delta
-waits for the batch in flight, so every result carries the version its batch started on; a delta that does not
-verify is undone. LoRA runs share one engine per base model: one batch mixes runs' named PEFT adapters, and a
+waits for the batch in flight, so every result carries the version its batch started on (a partial rollout's
+batch yields between decode chunks instead: each token carries its own version); a delta that does not verify
+is undone. LoRA runs share one engine per base model: one batch mixes runs' named PEFT adapters, and a
 run's new adapter version changes no other run's adapter or version.
 
 More: docs/vllm.md#the-hf-engine
@@ -62,6 +63,7 @@ class HFEngine(InferenceEngine):
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(self.device).eval()
         self.tokenizer = tokenizer
         self.max_batch_size = engine_cfg.max_batch_size
+        self.partial_chunk_tokens = engine_cfg.partial_chunk_tokens
         self.batch_wait_s = batch_wait_ms / 1000
         self.eos_ids = _eos_ids(tokenizer, self.model)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
@@ -111,6 +113,8 @@ class HFEngine(InferenceEngine):
         return batch
 
     async def _run_batch(self, batch: list[_Request]) -> None:
+        if batch[0].sampling.partial and not any(r.adapter for r in batch):
+            return await self._run_partial(batch)
         async with self._lock:
             versions = [self.adapter_version(r.adapter) if r.adapter else self._version for r in batch]
             names = [self._adapters.get(r.adapter, ("__base__", 0))[0] for r in batch]
@@ -125,6 +129,45 @@ class HFEngine(InferenceEngine):
             if not r.future.done():
                 text = self.tokenizer.decode(ids, skip_special_tokens=True)
                 r.future.set_result(Generation(ids, logprobs, text, finish, version))
+
+    async def _run_partial(self, batch: list[_Request]) -> None:
+        """A partial rollout's batch: decode `partial_chunk_tokens` at a time, letting a weight swap waiting for
+        the engine take it between chunks; the rest of each generation continues on the new weights (its text so
+        far re-read by them: no KV cache crosses a swap), each token tagged with the version that produced it."""
+        ids: list[list[int]] = [[] for _ in batch]
+        logprobs: list[list[float]] = [[] for _ in batch]
+        versions: list[list[int]] = [[] for _ in batch]
+        finish = ["length"] * len(batch)
+        live = list(range(len(batch)))
+        while live:
+            async with self._lock:
+                version = self._version
+                chunk = [_Request(batch[i].prompt_ids + ids[i], batch[i].sampling,
+                                  min(self.partial_chunk_tokens, batch[i].max_tokens - len(ids[i])), batch[i].future)
+                         for i in live]
+                try:
+                    results = await asyncio.to_thread(self._generate_batch, chunk)
+                except Exception as e:
+                    for r in batch:
+                        if not r.future.done():
+                            r.future.set_exception(e)
+                    return
+            still = []
+            for i, (new, lps, why) in zip(live, results, strict=True):
+                ids[i] += new
+                logprobs[i] += lps
+                versions[i] += [version] * len(new)
+                if why == "length" and len(ids[i]) < batch[i].max_tokens:
+                    still.append(i)
+                else:
+                    finish[i] = why
+            live = still
+            await asyncio.sleep(0)  # the lock is free: a swap waiting for it goes first
+        for i, r in enumerate(batch):
+            if not r.future.done():
+                text = self.tokenizer.decode(ids[i], skip_special_tokens=True)
+                first = versions[i][0] if versions[i] else self._version
+                r.future.set_result(Generation(ids[i], logprobs[i], text, finish[i], first, versions[i]))
 
     def _generate_batch(self, batch: list[_Request], adapter_names: list[str] | None = None,
                         ) -> list[tuple[list[int], list[float], str]]:

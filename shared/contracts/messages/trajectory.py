@@ -34,6 +34,9 @@ class TrajectoryStep(BaseModel):
     done: bool = False
     mc_return: float = 0.0
     weight_version: int | None = None
+    response_versions: TokenIds = Field(
+        default_factory=list, description="the policy version of each response token when a partial rollout "
+        "changed versions mid-generation; empty: all weight_version")
     gen_ms: float = 0.0
     env_ms: float = 0.0
     # Compact form (TrajectoryRecord.compact): None means the field above holds the step whole.
@@ -52,6 +55,7 @@ class TrajectoryStep(BaseModel):
             chat_completions=step.chat_completions, observation=step.observation, thought=step.thought,
             action=action, model_response=step.model_response, info=step.info, reward=step.reward,
             done=step.done, mc_return=step.mc_return, weight_version=step.weight_version,
+            response_versions=step.response_versions,
             **({"gen_ms": step.gen_ms, "env_ms": step.env_ms} | timing),
         )
 
@@ -87,7 +91,7 @@ class TrajectoryRecord(BaseModel):
 
     @property
     def policy_versions(self) -> tuple[int | None, int | None]:
-        v = [s.weight_version for s in self.steps if s.weight_version is not None]
+        v = [v for s in self.steps for v in (s.response_versions or [s.weight_version]) if v is not None]
         return (min(v), max(v)) if v else (None, None)
 
     def stream_slice(self, s: TrajectoryStep, stream: list[int]) -> tuple[int, int] | None:

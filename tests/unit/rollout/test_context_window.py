@@ -1,6 +1,7 @@
 """The agent loop's token budgets against a fake engine and env (one character = one token): a turn's response is
 cut so prompt + response never pass max_context_tokens, a turn whose prompt leaves no room ends the episode as
-context_exceeded with the earlier steps kept, and the trainer gives that trajectory no loss by default."""
+context_exceeded with the earlier steps kept, and the trainer gives that trajectory no loss by default. Also: a
+partial rollout run asks the engine for it and its steps keep each token's version."""
 
 from __future__ import annotations
 
@@ -103,3 +104,33 @@ def test_without_a_context_window_the_same_episode_runs_to_max_steps():
 def test_trajectory_budget_and_context_window_together(budgets, reason, calls):
     result, engine = episode(max_prompt_tokens=32, max_response_tokens=16, **budgets)
     assert result.termination_reason == reason and engine.calls == calls
+
+
+class PartialEngine(Engine):
+    """A partial rollout's engine: version 1 arrives three tokens into every generation."""
+
+    def __init__(self):
+        super().__init__()
+        self.sampling = []
+
+    async def generate(self, prompt_ids, sampling, max_tokens):
+        self.sampling.append(sampling)
+        ids = [ord("7")] * 5
+        return Generation(ids=ids, logprobs=[-0.1] * 5, text="77777", finish_reason="length", weight_version=0,
+                          versions=[0, 0, 0, 1, 1])
+
+
+def test_a_partial_rollout_run_asks_for_it_and_tags_its_tokens_one_by_one():
+    cfg = RunConfig.model_validate({
+        "name": "ctx", "kind": "train", "model": "m", "dataset": "d", "agent": {"name": "digits"},
+        "env": {"name": "digits"}, "max_steps": 2, "samples_per_task": 2, "partial_rollout": True})
+    engine = PartialEngine()
+    ctx = RunContext("run", cfg, Chat(), engine, DigitsAgent, None, asyncio.Lock())
+    task = RolloutTask(run_id="run", task_id="t", sample_idx=0, task={"first": "seven", "offsets": [1]},
+                       dispatched_at=time.time())
+    result = asyncio.run(run_episode(ctx, Envs(), task, "w", error_retries=0)).expanded()
+    assert engine.sampling and all(s.partial for s in engine.sampling)
+    [traj] = result.trajectories
+    assert [s.response_versions for s in traj.steps] == [[0, 0, 0, 1, 1]] * 2
+    model = [v for v, m in zip(traj.versions, traj.loss_mask, strict=True) if m]
+    assert model == [0, 0, 0, 1, 1] * 2 and traj.policy_versions == (0, 1)

@@ -111,9 +111,8 @@ def test_step_without_logprobs_leaves_the_trajectory_without_any():
 def test_both_assemblers_extend_a_context_by_the_same_rule(chat):
     """PromptBuilder (built-in agents) and the gateway's AgentCalls share `extend_context`: the same
     conversation gives the same prompt ids, token for token, whether the model stopped on EOS or was cut."""
-    from types import SimpleNamespace
-
     from services.rollout_worker.chat_assembly import AgentCalls, ChatFormat
+    from services.rollout_worker.engines import Generation
 
     for generated in (chat.encode("4") + chat.encode("2") + [chat.tokenizer.eos_token_id], chat.encode("abc")):
         text = chat.decode(generated)
@@ -124,8 +123,7 @@ def test_both_assemblers_extend_a_context_by_the_same_rule(chat):
         prompt = calls.chat_prompt(first, None)
         assert prompt.ids == p1
         builder.record(first, p1, generated, text)
-        calls.record(prompt, SimpleNamespace(ids=generated, text=text, logprobs=[0.0] * len(generated),
-                                             weight_version=0, finish_reason="stop"), first, None)
+        calls.record(prompt, Generation(generated, [0.0] * len(generated), text, "stop", 0), first, None)
         extended = builder.prompt_ids(later)
         assert extended[: len(p1) + len(generated)] == p1 + generated
         assert calls.chat_prompt(later, None).ids == extended
