@@ -12,7 +12,7 @@ DEMO_ARGS ?=
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 
-.PHONY: sandbox-deps bench-sandbox browser-deps install vllm-venv up demo demo-lora demo-tinker demo-agent demo-multiturn demo-multiturn-8 test test-fast test-unit test-contract test-component test-e2e test-learning test-chaos test-browser test-gpu lint bench-rollout bench-train bench-lora bench-lora-runs bench-tinker bench-load bench-long bench-partial bench-vllm chaos chaos-net gpu-smoke clean
+.PHONY: sandbox-deps bench-sandbox browser-deps chaos-deps install vllm-venv up demo demo-lora demo-tinker demo-agent demo-multiturn demo-multiturn-8 test test-fast test-unit test-contract test-component test-e2e test-learning test-chaos test-browser test-gpu lint bench-rollout bench-train bench-lora bench-lora-runs bench-tinker bench-load bench-long bench-partial bench-vllm chaos chaos-net gpu-smoke clean
 
 install: $(VENV)/.installed sandbox-deps
 
@@ -89,7 +89,7 @@ demo-agent: install
 # saturate the cores on their own and run alone.
 XDIST ?= -n auto --maxprocesses 4 --dist loadfile
 TEST_DESELECT := -m "not gpu and not container"
-test: install vllm-venv browser-deps
+test: install vllm-venv browser-deps chaos-deps
 	@rc=0; \
 	$(PY) -m pytest -q $(TEST_DESELECT) $(PYTEST_ARGS) tests/unit tests/contract || rc=1; \
 	$(PY) -m pytest -q $(TEST_DESELECT) $(XDIST) --durations=15 $(PYTEST_ARGS) tests/component tests/e2e || rc=1; \
@@ -115,8 +115,15 @@ test-e2e: install vllm-venv
 test-learning: install
 	$(PY) -m pytest -q $(PYTEST_ARGS) tests/learning
 
-test-chaos: install
+test-chaos: install chaos-deps
 	$(PY) -m pytest -q $(PYTEST_ARGS) tests/chaos
+
+# The network chaos tests shape links with tc and drop packets at random with nftables (the kernel here has no
+# netem); socat forwards Redis and Postgres into the namespaces. Installed when we may, else those tests skip.
+chaos-deps:
+	@command -v nft >/dev/null 2>&1 && command -v socat >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && \
+	  command -v apt-get >/dev/null && (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	  nftables socat >/dev/null) || echo "nftables or socat not installed: the network chaos tests will be skipped"; }
 
 # The dashboard test drives Debian's chromium (never a browser download); installed when we may, else skipped.
 browser-deps:
@@ -186,7 +193,7 @@ chaos: install
 	$(PY) -m tests.support.chaos
 
 # Network faults (root: network namespaces, tc): partitions between the services' hosts, into bench/results/chaos.json
-chaos-net: install
+chaos-net: install chaos-deps
 	$(PY) -m tests.support.chaos_net
 
 gpu-smoke: install

@@ -14,6 +14,7 @@ from tests.support.chaos_net import NET_SCENARIOS, run_net_scenario
 
 pytestmark = [pytest.mark.chaos, pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("socat"),
                                                     reason="network namespaces and tc need root; socat forwards")]
+LOSSY = pytest.mark.skipif(not shutil.which("nft"), reason="random packet loss needs nftables (make chaos-deps)")
 BY_NAME = {s.name: s for s in NET_SCENARIOS}
 
 
@@ -66,3 +67,14 @@ def test_trainer_cut_off_from_postgres_lets_its_runs_go_and_resumes_them_without
 def test_weight_server_link_down_while_a_checkpoint_crosses_it():
     result = run("weight_transfer_cut_5s")
     assert result["weight_reloads"].get("ok", 0) > 0, result
+
+
+@LOSSY
+@pytest.mark.timeout(900)
+def test_a_whole_training_run_over_slow_lossy_weight_server_links():
+    """200 ms each way and 10% of packets lost each way on every weight-server link, from the start: every version
+    is uploaded, fetched and served all the same (run() checks nothing lost or trained twice)."""
+    result = run("weight_links_200ms_10pct_loss")
+    assert result["weight_reloads"].get("ok", 0) >= result["versions_trained"] - 1, result
+    link = result["weight_link"]  # the fault was real: packets dropped, and a round trip takes the delay twice
+    assert link["packets_dropped"] > 0 and link["healthz_round_trip_s"] >= 0.4, result

@@ -8,7 +8,9 @@ server's unix socket), `controller`, `rollout` (both rollout workers and the moc
 `api` (the API and the Celery worker), `trainer`, `weights` (the weight server: checkpoints cross its link over
 HTTP), and `observer`, where this harness runs. A partition drops every packet
 between two hosts on one port, both ways (a u32 filter on each end's link into a queue that holds nothing), so
-connections hang as they do when a network splits, rather than being refused. Per scenario the report adds
+connections hang as they do when a network splits, rather than being refused; a lossy link drops packets at
+random with nftables, and a slow one is a delay proxy in front of the weight server (the kernel has no netem).
+Per scenario the report adds
 `partitioned_s`, the stall reason the run showed while it lasted, and `recovery_s` from the fault's end to
 progress again. Scenario bring-up, accounting and the report are tests/support/chaos.py's.
 """
@@ -44,6 +46,8 @@ FAULT_S = 30.0
 class NetChaos(Chaos):
     """tests/support/chaos.py's live system, each service on its own host of a bridged network."""
 
+    WEIGHT_LINK_DELAY_MS = 0.0  # > 0: the weight server behind tests/support/delay_proxy.py from the start
+
     def __init__(self, tmp: Path, tasks: int, samples: int, latency_ms: float, kind: str = "eval"):
         from infra.local.stack import LocalStack, Placement
 
@@ -71,12 +75,21 @@ class NetChaos(Chaos):
             self.observer.__enter__()  # from here on this thread (and what it starts) lives on `observer`
             weight_port = free_port()
             weight_url = f"http://{self.net.address('weights')}:{weight_port}"
+            behind_proxy = {}
+            if self.WEIGHT_LINK_DELAY_MS:  # the server on an inner port, the proxy on the one everyone uses
+                inner = free_port()
+                behind_proxy = {"WEIGHT_SERVER_PORT": str(inner)}
+                self.forwarders.append(subprocess.Popen(
+                    [*self.net.exec_prefix("weights"), sys.executable, "-m", "tests.support.delay_proxy", "--listen",
+                     f"{self.net.address('weights')}:{weight_port}", "--to", f"127.0.0.1:{inner}", "--delay-ms",
+                     str(self.WEIGHT_LINK_DELAY_MS)], cwd=Path(__file__).resolve().parents[2],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
 
             def placement(name: str, index: int) -> Placement:
                 # nsenter, not `ip netns exec`: that one mounts a sysfs of its own, without the cgroups the env
                 # worker's sandbox limits processes with
                 host = WHERE[name]
-                env = ({"PUBLIC_URL": weight_url, "ANNOUNCE_PATH": "false"} if name == "weight-server"
+                env = ({"PUBLIC_URL": weight_url, "ANNOUNCE_PATH": "false", **behind_proxy} if name == "weight-server"
                        else {"WEIGHT_SERVER_URL": weight_url})  # checkpoints cross the weight server's link
                 return Placement(("nsenter", f"--net={NETNS_DIR / self.net.ns(host)}"), self.net.address(host), env)
 
@@ -145,6 +158,15 @@ class NetChaos(Chaos):
             else:
                 subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate",
                                 rate, "burst", "16kb", "latency", "2s"], check=True, capture_output=True)
+
+    def lossy_link(self, host: str, share: float) -> None:
+        """Packets into and out of `host` dropped at random, `share` of them each way (nftables' random number
+        per packet: real loss, which TCP retransmits), until close."""
+        rule = f"numgen random mod 1000 < {round(share * 1000)} counter drop"
+        script = (f"table inet chaos {{\n chain in {{ type filter hook input priority 0; iifname \"eth0\" {rule}; }}\n"
+                  f" chain out {{ type filter hook output priority 0; oifname \"eth0\" {rule}; }}\n}}\n")
+        subprocess.run(["ip", "netns", "exec", self.net.ns(host), "nft", "-f", "-"], input=script.encode(),
+                       check=True, capture_output=True)
 
     @staticmethod
     def _drop(ns: str, match: str) -> None:
@@ -269,6 +291,41 @@ def weight_transfer_cut(c: NetChaos) -> None:
         c.slow_link("weights", None)
 
 
+class SlowLossyWeightLinks(NetChaos):
+    """The weight server's host on a link with 200 ms of delay each way and 10% of packets lost each way, from
+    before the run starts to its end."""
+
+    WEIGHT_LINK_DELAY_MS = 200.0
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.lossy_link("weights", 0.10)
+
+    def observed(self) -> dict:
+        """Besides the run: the packets the weight server's link dropped (nftables' counters) and a round trip to
+        it (its /healthz, through the delay): the fault was real."""
+        import re
+
+        import httpx
+
+        listing = subprocess.run(["ip", "netns", "exec", self.net.ns("weights"), "nft", "list", "table", "inet",
+                                  "chaos"], check=True, capture_output=True, text=True).stdout
+        dropped = sum(int(n) for n in re.findall(r"counter packets (\d+)", listing))
+        server = next(i for i in self.stack.instances if i.name == "weight-server")
+        started = time.monotonic()
+        with contextlib.suppress(httpx.HTTPError):
+            httpx.get(f"{server.url}/healthz", timeout=30)
+        return {**super().observed(), "weight_link": {"packets_dropped": dropped,
+                                                      "healthz_round_trip_s": round(time.monotonic() - started, 3)}}
+
+
+def lossy_weight_links(c: NetChaos) -> None:
+    """Nothing more to inject: the links were slow and lossy from the start; watch the run's stall reasons."""
+    c.progress_during.append(c.progress())
+    c.watch_stall(5)
+    c.progress_during.append(c.progress())
+
+
 NET_SCENARIOS = [
     Scenario("rollout_redis_partition_30s", partition("rollout", "redis"),
              "the rollout host (both rollout workers) cut off from Redis for 30 s"),
@@ -281,7 +338,11 @@ NET_SCENARIOS = [
     Scenario("weight_transfer_cut_5s", weight_transfer_cut,
              "the weight server's link (256 kbit/s) down for 5 s while a version's checkpoint crosses it",
              kind="train"),
+    Scenario("weight_links_200ms_10pct_loss", lossy_weight_links,
+             "every link of the weight server 200 ms slower each way and losing 10% of packets each way, for the "
+             "whole training run", kind="train"),
 ]
+SYSTEMS: dict[str, type[NetChaos]] = {"weight_links_200ms_10pct_loss": SlowLossyWeightLinks}
 
 
 def run_net_scenario(scenario: Scenario, tasks: int = 40, samples: int = 2, latency_ms: float = 400) -> dict:
@@ -289,7 +350,7 @@ def run_net_scenario(scenario: Scenario, tasks: int = 40, samples: int = 2, late
     out: dict = {}
 
     def body() -> None:
-        out.update(run_scenario(scenario, tasks, samples, latency_ms, system=NetChaos))
+        out.update(run_scenario(scenario, tasks, samples, latency_ms, system=SYSTEMS.get(scenario.name, NetChaos)))
     worker = threading.Thread(target=body, name=f"chaos-net-{scenario.name}")
     worker.start()
     worker.join()
