@@ -17,16 +17,15 @@ import pytest
 from sqlalchemy import create_engine, text
 from tinker_testlib import tinker_stack
 
-from infra.local.servers import scratch_database
-
 pytest.importorskip("tinker_cookbook")
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
 
 @pytest.fixture(scope="module")
-def database_url(pg_admin_url):
-    with scratch_database(pg_admin_url, migrate=True) as url:
-        yield url
+def database_url(isolated_urls):
+    """This module's own database (its trainer takes leases on tinker runs only) and the session's Redis database
+    flushed (no stream holds an earlier module's entries: the fuzz suite leaves junk on `weights`)."""
+    return isolated_urls[1]
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,6 @@ import redis
 from sqlalchemy import create_engine, text
 from tinker_testlib import BASE, tinker_stack
 
-from infra.local.servers import scratch_database
 from shared.contracts.messages import decode
 from shared.contracts.streams import WEIGHTS
 from tests.support.procs import wait_until
@@ -30,10 +29,10 @@ SEQS = [[5, 9, 13, 17, 21, 25, 29, 33, 37], [40, 44, 48, 52, 56, 60, 64, 68, 72]
 
 
 @pytest.fixture(scope="module")
-def database_url(pg_admin_url):
-    """This module's own database: its trainer takes leases on tinker runs only."""
-    with scratch_database(pg_admin_url, migrate=True) as url:
-        yield url
+def database_url(isolated_urls):
+    """This module's own database (its trainer takes leases on tinker runs only) and the session's Redis database
+    flushed (no stream holds an earlier module's entries: the fuzz suite leaves junk on `weights`)."""
+    return isolated_urls[1]
 
 
 @pytest.fixture(scope="module")
