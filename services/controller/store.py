@@ -246,11 +246,10 @@ def build_rows(results: Sequence[EpisodeResult]) -> dict[str, list[tuple]]:
             first = traj.info.get("first_turn", 0) if isinstance(traj.info.get("first_turn"), int) else 0
             for k, (s, (chat_from, added)) in enumerate(zip(traj.steps, traj.chat_deltas(), strict=True)):
                 cut = traj.stream_slice(s, stream)
-                p, n = cut or (len(s.prompt_ids), len(s.response_ids))
                 rows["step_records"].append((
                     tid, first + k, _json(added), _json(s.observation), _text(s.thought),
                     _json(s.action), _text(s.model_response), s.reward, s.done, s.mc_return, _json(s.info),
-                    s.weight_version, p, n, s.gen_ms, s.env_ms, first + chat_from, cut is not None,
+                    s.weight_version, *s.lengths, s.gen_ms, s.env_ms, first + chat_from, cut is not None,
                 ))
                 if cut is None:
                     rows["token_streams"].append((tid, first + k, s.prompt_ids, s.response_ids, s.logprobs, None, None))
@@ -272,8 +271,7 @@ def _episode_row(ep_id: uuid.UUID, r: EpisodeResult) -> tuple:
 def _trajectory_row(tid: uuid.UUID, ep_id: uuid.UUID, r: EpisodeResult, idx: int, t: TrajectoryRecord) -> tuple:
     vmin, vmax = t.policy_versions
     prompt_tokens = len(t.prompt_ids) or sum(len(s.prompt_ids) for s in t.steps[:1])
-    response_tokens = sum(t.loss_mask) if t.loss_mask else \
-        sum(s.stream_slice[1] if s.stream_slice else len(s.response_ids) for s in t.steps)
+    response_tokens = sum(t.loss_mask) if t.loss_mask else sum(s.lengths[1] for s in t.steps)
     return (
         tid, ep_id, uuid.UUID(r.run_id), r.task_id, r.sample_idx, r.attempt, idx, t.uid[:64], t.name[:100],
         t.reward, t.termination_reason.value, len(t.steps), prompt_tokens, response_tokens, vmin, vmax,

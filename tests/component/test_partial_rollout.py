@@ -8,6 +8,7 @@ import asyncio
 import threading
 
 import pytest
+import torch
 from fixtures.vllm_env import reference_logprobs
 
 from services.rollout_worker.assembly import assemble
@@ -26,7 +27,6 @@ async def generate_across_a_swap(tmp_path, partial: bool):
     """Generate 24 tokens; once the first decode chunk (or, without partial rollouts, the whole generation) is
     under way, load version 1. The engine's thread is held after its first generate call until the swap is
     waiting for the engine, so where the swap lands does not depend on timing."""
-    import torch
     from transformers import AutoTokenizer
 
     v0, v1 = build_tiny_model(tmp_path / "v0", initializer_range=0.1), \
@@ -93,16 +93,10 @@ def test_a_two_version_trajectory_trains_with_per_token_weights_and_its_oldest_t
     assert sample.min_version == 0
     t = build_tensors([Group(("t", 0), {(0, 0): sample})], pad_id=0)
     assert t["behaviour_versions"][0].tolist() == [0, 0, 1, 1]
-    old = torch_tensor([[-1.5, -1.5, -1.5, -1.5]])  # the trainer's policy before its step
+    old = torch.tensor([[-1.5, -1.5, -1.5, -1.5]])  # the trainer's policy before its step
     weights, _, _ = rollout_correction(old, t["behaviour_log_probs"], t["response_mask"], AlgorithmConfig(is_cap=2.0))
     # exp(-1.5 - (-1)) for version 0's tokens, exp(-1.5 - (-2)) for version 1's
     assert weights[0].tolist() == pytest.approx([0.6065, 0.6065, 1.6487, 1.6487], abs=1e-4)
     chosen, dropped = select_groups([Group(("t", 0), {(0, 0): sample})], 1, dynamic_sampling=False, version=2,
                                     max_staleness=1, stale_policy="drop")
     assert not chosen and len(dropped["stale"]) == 1  # its newest token is 1 version old, its oldest 2
-
-
-def torch_tensor(rows):
-    import torch
-
-    return torch.tensor(rows, dtype=torch.float32)

@@ -121,14 +121,9 @@ class HFEngine(InferenceEngine):
             try:
                 results = await asyncio.to_thread(self._generate_batch, batch, names)
             except Exception as e:
-                for r in batch:
-                    if not r.future.done():
-                        r.future.set_exception(e)
-                return
+                return self._fail(batch, e)
         for r, version, (ids, logprobs, finish) in zip(batch, versions, results, strict=True):
-            if not r.future.done():
-                text = self.tokenizer.decode(ids, skip_special_tokens=True)
-                r.future.set_result(Generation(ids, logprobs, text, finish, version))
+            self._resolve(r, ids, logprobs, finish, version)
 
     async def _run_partial(self, batch: list[_Request]) -> None:
         """A partial rollout's batch: decode `partial_chunk_tokens` at a time, letting a weight swap waiting for
@@ -148,10 +143,7 @@ class HFEngine(InferenceEngine):
                 try:
                     results = await asyncio.to_thread(self._generate_batch, chunk)
                 except Exception as e:
-                    for r in batch:
-                        if not r.future.done():
-                            r.future.set_exception(e)
-                    return
+                    return self._fail(batch, e)
             still = []
             for i, (new, lps, why) in zip(live, results, strict=True):
                 ids[i] += new
@@ -164,10 +156,20 @@ class HFEngine(InferenceEngine):
             live = still
             await asyncio.sleep(0)  # the lock is free: a swap waiting for it goes first
         for i, r in enumerate(batch):
+            self._resolve(r, ids[i], logprobs[i], finish[i], versions[i][0] if versions[i] else self._version,
+                          versions[i])
+
+    @staticmethod
+    def _fail(batch: list[_Request], error: Exception) -> None:
+        for r in batch:
             if not r.future.done():
-                text = self.tokenizer.decode(ids[i], skip_special_tokens=True)
-                first = versions[i][0] if versions[i] else self._version
-                r.future.set_result(Generation(ids[i], logprobs[i], text, finish[i], first, versions[i]))
+                r.future.set_exception(error)
+
+    def _resolve(self, r: _Request, ids: list[int], logprobs: list[float], finish: str, version: int,
+                 versions: list[int] | None = None) -> None:
+        if not r.future.done():
+            text = self.tokenizer.decode(ids, skip_special_tokens=True)
+            r.future.set_result(Generation(ids, logprobs, text, finish, version, versions))
 
     def _generate_batch(self, batch: list[_Request], adapter_names: list[str] | None = None,
                         ) -> list[tuple[list[int], list[float], str]]:

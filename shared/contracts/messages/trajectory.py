@@ -47,6 +47,11 @@ class TrajectoryStep(BaseModel):
         None, description="(prompt length, response length): prompt_ids, response_ids and logprobs are left out; "
         "they are the trajectory's stream (prompt_ids + response_ids) sliced there, logprobs at the same positions")
 
+    @property
+    def lengths(self) -> tuple[int, int]:
+        """(prompt tokens, response tokens), whether the arrays are carried or left to the stream."""
+        return self.stream_slice or (len(self.prompt_ids), len(self.response_ids))
+
     @classmethod
     def from_step(cls, step: Step, **timing: float) -> TrajectoryStep:
         action = step.action.action if hasattr(step.action, "action") else step.action
