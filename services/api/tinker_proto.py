@@ -41,8 +41,8 @@ def _message(name: str, *fields: tuple, maps: tuple = (), oneofs: tuple = ()) ->
 def _schema() -> dict[str, type]:
     file = descriptor_pb2.FileDescriptorProto(name="flywheel_tinker_public.proto", package="tinker_public",
                                               syntax="proto3")
-    M, B, S, I32, I64, D, E, BOOL = (F.TYPE_MESSAGE, F.TYPE_BYTES, F.TYPE_STRING, F.TYPE_INT32, F.TYPE_INT64,
-                                     F.TYPE_DOUBLE, F.TYPE_ENUM, F.TYPE_BOOL)
+    M, B, S, I32, U32, I64, D, E, BOOL = (F.TYPE_MESSAGE, F.TYPE_BYTES, F.TYPE_STRING, F.TYPE_INT32, F.TYPE_UINT32,
+                                          F.TYPE_INT64, F.TYPE_DOUBLE, F.TYPE_ENUM, F.TYPE_BOOL)
     dtype = file.enum_type.add(name="DType")
     for i, n in enumerate(("DTYPE_UNSPECIFIED", "DTYPE_FLOAT32", "DTYPE_INT64", "DTYPE_INT32", "DTYPE_BFLOAT16")):
         dtype.value.add(name=n, number=i)
@@ -73,9 +73,14 @@ def _schema() -> dict[str, type]:
                  ("dtype", 3, E, ".tinker_public.DType", False, None), ("trailing_shape", 4, I64, None, True, None)),
         _message("ArrayRecord", ("type_tag", 1, S, None, False, None), ("num_datums", 3, I64, None, False, None),
                  maps=(("fields", 2, "FieldsEntry", M, ".tinker_public.BatchedTensor"),)),
+        _message("TopkLogprobs", ("token_ids", 1, B, None, False, None), ("logprobs", 2, B, None, False, None),
+                 ("k", 3, U32, None, False, None), ("length", 4, U32, None, False, None)),
         _message("SampledSequence", ("stop_reason", 1, E, ".tinker_public.StopReason", False, None),
-                 ("tokens", 2, B, None, False, None), ("logprobs", 3, B, None, False, None)),
+                 ("tokens", 2, B, None, False, None), ("logprobs", 3, B, None, False, None),
+                 ("topk_sampled_logprobs", 4, M, ".tinker_public.TopkLogprobs", False, None)),
         _message("SampleResponse", ("sequences", 1, M, ".tinker_public.SampledSequence", True, None),
+                 ("prompt_logprobs", 2, B, None, False, None),
+                 ("topk_prompt_logprobs", 3, M, ".tinker_public.TopkLogprobs", False, None),
                  ("prompt_cache_hit_tokens", 4, I32, None, False, None)),
         _message("ForwardBackwardOutput", ("loss_fn_output_type", 1, S, None, False, None),
                  ("loss_fn_outputs", 2, M, ".tinker_public.ArrayRecord", True, None),
@@ -91,6 +96,7 @@ _CLASSES = _schema()
 ForwardBackwardRequest = _CLASSES["ForwardBackwardRequest"]
 ForwardBackwardOutput = _CLASSES["ForwardBackwardOutput"]
 SampleResponse = _CLASSES["SampleResponse"]
+TopkLogprobs = _CLASSES["TopkLogprobs"]
 STOP_REASONS = {"stop": 0, "length": 1}
 
 
@@ -171,10 +177,31 @@ def encode_output(result: dict) -> bytes:
 
 
 def encode_samples(result: dict) -> bytes:
-    """A sample result (`sequences`: tokens, logprobs, stop_reason) as the SDK's protobuf SampleResponse."""
+    """A sample result (`sequences`: tokens, logprobs, stop_reason, `topk` when asked; `prompt_logprobs` and
+    `topk_prompt_logprobs` when asked) as the SDK's protobuf SampleResponse; an unscored prompt position is NaN."""
     out = SampleResponse()
     for seq in result["sequences"]:
-        out.sequences.add(stop_reason=STOP_REASONS[seq["stop_reason"]],
-                          tokens=np.asarray(seq["tokens"], dtype="<i4").tobytes(),
-                          logprobs=np.asarray(seq["logprobs"], dtype="<f4").tobytes())
+        added = out.sequences.add(stop_reason=STOP_REASONS[seq["stop_reason"]],
+                                  tokens=np.asarray(seq["tokens"], dtype="<i4").tobytes(),
+                                  logprobs=np.asarray(seq["logprobs"], dtype="<f4").tobytes())
+        if "topk" in seq:
+            added.topk_sampled_logprobs.CopyFrom(encode_topk(seq["topk"]))
+    if "prompt_logprobs" in result:
+        values = [np.nan if v is None else v for v in result["prompt_logprobs"]]
+        out.prompt_logprobs = np.asarray(values, dtype="<f4").tobytes()
+    if "topk_prompt_logprobs" in result:
+        out.topk_prompt_logprobs.CopyFrom(encode_topk(result["topk_prompt_logprobs"]))
     return out.SerializeToString()
+
+
+TOPK_EMPTY = (0, -99999.0)  # the SDK's filler of a position with fewer than k (or no) tokens
+
+
+def encode_topk(rows: list[list | None]):
+    """Per position, up to k (token id, logprob) pairs or None, as the SDK's TopkLogprobs: two dense (length, k)
+    matrices, short rows and None filled with TOPK_EMPTY."""
+    k = max((len(r) for r in rows if r), default=0)
+    filled = [list(map(tuple, r or ())) + [TOPK_EMPTY] * (k - len(r or ())) for r in rows]
+    ids = np.asarray([[t for t, _ in row] for row in filled], dtype="<i4").reshape(len(rows), k)
+    values = np.asarray([[v for _, v in row] for row in filled], dtype="<f4").reshape(len(rows), k)
+    return TopkLogprobs(token_ids=ids.tobytes(), logprobs=values.tobytes(), k=k, length=len(rows))

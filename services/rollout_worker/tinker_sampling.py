@@ -7,10 +7,11 @@ goes into the request's future. More: docs/tinker.md#sampling
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 
-from services.rollout_worker.engines import SamplingParams
+from services.rollout_worker.engines import Generation, SamplingParams, UnservedRequest
 from services.rollout_worker.run_engines import RunContext
 from shared.contracts.messages import EpisodeResult, TinkerFuture, TinkerSample, TrajectoryRecord
 from shared.contracts.messages.trajectory import TrajectoryStep
@@ -34,6 +35,19 @@ def cut_at_stop_tokens(ids: list[int], logprobs: list[float], stop: list[int]) -
         if token in stop:
             return ids[:i + 1], logprobs[:i + 1], True
     return ids, logprobs, False
+
+
+def prompt_scores(msg: TinkerSample, gen: Generation) -> dict:
+    """The prompt logprobs the request asked for, from the generation that scored its prompt: each position's
+    logprob and/or its k likeliest tokens, None where not scored (the first token, and those before the last
+    `prompt_logprobs_last_n`)."""
+    skip = len(msg.prompt) - msg.prompt_logprobs_last_n if msg.prompt_logprobs_last_n else 0
+    scores = {}
+    if msg.prompt_logprobs:
+        scores["prompt_logprobs"] = [None if i < skip else v for i, v in enumerate(gen.prompt_logprobs)]
+    if msg.topk_prompt_logprobs:
+        scores["topk_prompt_logprobs"] = [None if i < skip else v for i, v in enumerate(gen.prompt_top_logprobs)]
+    return scores
 
 
 class TinkerSampling:
@@ -69,19 +83,24 @@ class TinkerSampling:
             with ctx.in_use():
                 await self.at_version(ctx, msg.version)
                 params = SamplingParams(temperature=msg.temperature, top_p=msg.top_p, top_k=msg.top_k,
-                                        stop=tuple(msg.stop_strings))
-                gens = await asyncio.gather(*(ctx.engine.generate(msg.prompt, params, msg.max_tokens)
-                                              for _ in range(msg.num_samples)))
+                                        stop=tuple(msg.stop_strings), logprobs=msg.topk_sample_logprobs)
+                scored = params  # the first sample's request also scores the prompt, when that was asked
+                if msg.prompt_logprobs or msg.topk_prompt_logprobs:
+                    scored = dataclasses.replace(params, prompt_logprobs=msg.topk_prompt_logprobs)
+                gens = await asyncio.gather(*(ctx.engine.generate(msg.prompt, scored if i == 0 else params,
+                                                                  msg.max_tokens) for i in range(msg.num_samples)))
             sequences, results = [], []
             for i, g in enumerate(gens):
                 ids, logprobs, stopped = cut_at_stop_tokens(g.ids, g.logprobs, msg.stop_tokens)
                 reason = "stop" if stopped or g.finish_reason == "stop" else "length"
                 sequences.append({"tokens": ids, "logprobs": logprobs, "stop_reason": reason})
+                if msg.topk_sample_logprobs:
+                    sequences[-1]["topk"] = g.top_logprobs[:len(ids)]
                 results.append(self.episode(msg, i, ids, logprobs, reason, g.weight_version, started))
             # stored first: an answered sample is on `trajectories` (the store keeps it once)
             await self.worker.bus.publish_many(TRAJECTORIES, results)
-            answer = {"type": "sample", "sequences": sequences}
-        except SampleRefused as e:
+            answer = {"type": "sample", "sequences": sequences, **prompt_scores(msg, gens[0])}
+        except (SampleRefused, UnservedRequest) as e:
             answer = {"error": str(e), "category": "user"}
         except Exception as e:  # an engine or a run that cannot serve: the client learns why, the worker goes on
             log.exception("tinker sample of run %s failed", msg.run_id, extra={"run_id": msg.run_id})

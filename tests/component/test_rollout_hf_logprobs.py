@@ -3,7 +3,7 @@ from (temperature, then top-k and top-p), checked against a plain forward pass (
 reference, which also checks vLLM's)."""
 
 import pytest
-from fixtures.vllm_env import reference_logprobs
+from fixtures.vllm_env import check_top_and_prompt_logprobs, reference_logprobs
 
 from services.rollout_worker.engines import SamplingParams, build_engine
 from shared.contracts.run_config import EngineConfig
@@ -24,3 +24,18 @@ async def test_hf_logprobs_are_of_the_sampling_distribution(tmp_path, temperatur
         await engine.close()
     ref = reference_logprobs(model, prompt, gen.ids, temperature=temperature, top_k=top_k, top_p=top_p)
     assert gen.logprobs == pytest.approx(ref, abs=1e-5)
+
+
+async def test_hf_top_k_and_prompt_logprobs(tmp_path):
+    from transformers import AutoTokenizer
+
+    model = build_tiny_model(tmp_path / "m", initializer_range=0.1)
+    engine = build_engine("hf", str(model), EngineConfig(), AutoTokenizer.from_pretrained(model), batch_wait_ms=0)
+    prompt = [5, 6, 7, 8, 9]
+    try:
+        gen = await engine.generate(prompt, SamplingParams(temperature=0.7, top_k=3, logprobs=5, prompt_logprobs=4), 8)
+        plain = await engine.generate(prompt, SamplingParams(), 4)
+    finally:
+        await engine.close()
+    check_top_and_prompt_logprobs(gen, model, prompt, k=5, prompt_k=4, kept=3)
+    assert plain.top_logprobs is None and plain.prompt_logprobs is None  # only what was asked for

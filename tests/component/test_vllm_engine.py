@@ -10,9 +10,17 @@ One engine for the module (start-up is 30-60 s on 2 cores); the tests run in ord
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
-from fixtures.vllm_env import VLLM_TIMEOUT, VLLMDriver, hf_generate, reference_logprobs
+from fixtures.vllm_env import (
+    VLLM_TIMEOUT,
+    VLLMDriver,
+    check_top_and_prompt_logprobs,
+    hf_generate,
+    reference_logprobs,
+)
 from fixtures.weight_deltas import STEPS, corrupted, expected_digests, export, step, write_delta
 from safetensors.torch import load_file
 
@@ -51,6 +59,14 @@ def test_logprobs_are_those_of_the_sampling_distribution(driver, vllm_models):
         assert r["logprobs"] == pytest.approx(ref, abs=1e-4)  # not the raw logits' (vLLM's default)
     (g,) = ok(driver.call({"op": "generate", "requests": [greedy(PROMPTS[0])]}))["results"]
     assert_matches_hf(g, vllm_models[0], PROMPTS[0])
+
+
+def test_top_k_and_prompt_logprobs_as_the_hf_engine_gives_them(driver, vllm_models):
+    prompt = PROMPTS[1]
+    (r,) = ok(driver.call({"op": "generate", "requests": [{"prompt": prompt, "max_tokens": 8, "temperature": 0.7,
+                                                             "top_k": 3, "logprobs": 5, "prompt_logprobs": 4}]}))["results"]
+    assert r["version"] == 0
+    check_top_and_prompt_logprobs(SimpleNamespace(**r), vllm_models[0], prompt, k=5, prompt_k=4, kept=3)
 
 
 def test_hot_reload_serves_the_new_checkpoint_and_in_flight_requests_keep_their_version(driver, vllm_models):

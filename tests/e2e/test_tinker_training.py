@@ -254,7 +254,7 @@ def test_samples_of_a_base_model_and_of_trained_weights_are_served_and_stored(ap
     service = tinker.ServiceClient(base_url=api.url, api_key="tml-" + api.token)
     OPEN.append(service)
     prompt = types.ModelInput.from_ints(SEQS[0][:4])
-    base = service.create_sampling_client(base_model=BASE)
+    base = service.create_sampling_client(base_model=BASE).result(timeout=120)
     out = base.sample(prompt, 3, types.SamplingParams(max_tokens=6)).result(timeout=300)
     assert len(out.sequences) == 3
     for seq in out.sequences:
@@ -287,6 +287,41 @@ def test_samples_of_a_base_model_and_of_trained_weights_are_served_and_stored(ap
                                   "WHERE e.info->>'sequence_id' = ANY(:ids)"), {"ids": ids}).scalar()
     wait_until(lambda: stored() == len(ids), timeout_s=60, what="the samples stored as episodes")
     engine.dispose()
+
+
+def test_compute_logprobs_and_top_k_logprobs_are_the_models(api):
+    """compute_logprobs on trained sampler weights gives the trainer's logprobs of the same tokens; the last n
+    alone when asked; top-k logprobs of sampled and prompt positions hold each token's own logprob."""
+    tc = training_client(api)
+    train(tc, [sft_datum(s) for s in SEQS], 2)
+    sampler = tc.save_weights_and_get_sampling_client().result(timeout=300)
+    seq = SEQS[1]
+    datum = types.Datum(model_input=types.ModelInput.from_ints(seq[:-1]),
+                        loss_fn_inputs={"target_tokens": seq[1:], "weights": [1.0] * (len(seq) - 1)})
+    trainer_lp = forward(tc, [datum])[0]
+    scored = sampler.compute_logprobs(types.ModelInput.from_ints(seq)).result(timeout=300)
+    assert scored[0] is None and close([scored[1:]], [trainer_lp], tol=1e-3), (scored, trainer_lp)
+    last = sampler.compute_logprobs(types.ModelInput.from_ints(seq), prompt_logprobs_last_n=3).result(timeout=300)
+    assert last[:-3] == [None] * (len(seq) - 3) and close([last[-3:]], [scored[-3:]], tol=1e-5)
+
+    out = sampler.sample(types.ModelInput.from_ints(seq[:4]), 2, types.SamplingParams(max_tokens=4, top_k=3),
+                         include_prompt_logprobs=True, topk_prompt_logprobs=2, topk_sample_logprobs=5,
+                         ).result(timeout=300)
+    assert out.prompt_logprobs[0] is None and close([out.prompt_logprobs[1:]], [scored[1:4]], tol=1e-5)
+    for position, (token, lp) in enumerate(zip(seq[1:4], scored[1:4], strict=True), start=1):
+        top = out.topk_prompt_logprobs[position]
+        assert len(top) == 2 and top[0][1] >= lp - 1e-5 and dict(top).get(token, lp) == pytest.approx(lp, abs=1e-5)
+    for sample in out.sequences:
+        assert len(sample.topk_logprobs) == len(sample.tokens)
+        for token, lp, top in zip(sample.tokens, sample.logprobs, sample.topk_logprobs, strict=True):
+            assert 1 <= len(top) <= 3 and dict(top)[token] == pytest.approx(lp, abs=1e-4)  # top_k 3 left 3 at most
+
+    # asked of the server without the SDK's own checks: a clear 400 naming the field
+    r = httpx.post(api.url + "/api/v1/asample", headers={"X-API-Key": "tml-" + api.token}, json={
+        "sampling_session_id": sampler._sampling_session_id, "num_samples": 1, "prompt_logprobs": True,
+        "prompt_logprobs_last_n": len(seq), "sampling_params": {"max_tokens": 1},
+        "prompt": {"chunks": [{"type": "encoded_text", "tokens": seq}]}})
+    assert r.status_code == 400 and "prompt_logprobs_last_n" in r.text, r.text
 
 
 def test_futures_outlive_an_api_restart_mid_session(api):

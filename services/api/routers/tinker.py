@@ -37,7 +37,7 @@ from services.api.tinker_store import TinkerStore
 from shared.clients.run_commands import run_command
 from shared.contracts.db.models import Run
 from shared.contracts.messages import TinkerOp, TinkerSample
-from shared.contracts.messages.tinker import AdamStep
+from shared.contracts.messages.tinker import MAX_TOPK_LOGPROBS, AdamStep
 from shared.contracts.streams import TINKER_REQUESTS, TINKER_SAMPLES
 from shared.contracts.tinker_run import LOSS_INPUTS, TinkerRunConfig, checkpoint_path, parse_checkpoint_path
 from shared.platform.bus import RedisError, announce
@@ -497,8 +497,10 @@ class SampleRequest(Wire):
     base_model: str | None = None
     model_path: str | None = None
     prompt_logprobs: bool | None = None
-    topk_prompt_logprobs: int = 0
-    topk_sample_logprobs: int = 0
+    prompt_logprobs_last_n: Annotated[int, Field(ge=1)] | None = None
+    topk_prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_TOPK_LOGPROBS)] = 0
+    topk_sample_logprobs: Annotated[int, Field(ge=0, le=MAX_TOPK_LOGPROBS)] = 0
+    target_prompt_logprobs: dict[str, Any] | None = None
     prompt_alt_tokens_k: int = 0
 
 
@@ -524,11 +526,16 @@ def asample(body: SampleRequest, caller: Key, request: Request) -> dict:
     sampler = store(request).sampler(caller.owner, body.sampling_session_id)
     if sampler is None:
         raise ApiError(404, f"sampling session {body.sampling_session_id} does not exist", field="sampling_session_id")
-    unserved = [f for f in ("prompt_logprobs", "topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k")
-                if getattr(body, f)]
+    unserved = [f for f in ("target_prompt_logprobs", "prompt_alt_tokens_k") if getattr(body, f)]
     if unserved:
         raise ApiError(400, f"{unserved[0]} is not served by this server yet", field=unserved[0],
-                       hint="sample without it (compute_logprobs and top-k logprobs are not served yet)")
+                       hint="sample without it (prompt_logprobs and the top-k logprobs are served)")
+    prompt = prompt_tokens(body.prompt)
+    last_n = body.prompt_logprobs_last_n
+    if last_n is not None and (not (body.prompt_logprobs or body.topk_prompt_logprobs) or last_n >= len(prompt)):
+        raise ApiError(400, f"prompt_logprobs_last_n {last_n} needs prompt logprobs asked for and a prompt longer "
+                       f"than it (this prompt has {len(prompt)} tokens)", field="prompt_logprobs_last_n",
+                       hint="between 1 and len(prompt) - 1, with prompt_logprobs or topk_prompt_logprobs")
     p = body.sampling_params
     stop = [p.stop] if isinstance(p.stop, str) else list(p.stop or [])
     try:
@@ -536,9 +543,11 @@ def asample(body: SampleRequest, caller: Key, request: Request) -> dict:
         sequence_ids = [f"{request_id}:{i}" for i in range(body.num_samples)]
         announce(request.app.state.redis, TINKER_SAMPLES, TinkerSample(
             request_id=request_id, owner=caller.owner, run_id=sampler["run_id"], version=sampler["version"],
-            sequence_ids=sequence_ids, prompt=prompt_tokens(body.prompt), num_samples=body.num_samples,
+            sequence_ids=sequence_ids, prompt=prompt, num_samples=body.num_samples,
             max_tokens=p.max_tokens or DEFAULT_MAX_TOKENS, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
             stop_strings=[x for x in stop if isinstance(x, str)], stop_tokens=[x for x in stop if isinstance(x, int)],
+            prompt_logprobs=bool(body.prompt_logprobs), prompt_logprobs_last_n=last_n,
+            topk_prompt_logprobs=body.topk_prompt_logprobs, topk_sample_logprobs=body.topk_sample_logprobs,
             sent_at=time.time()))
     except RedisError as e:
         raise ApiError(503, f"Redis is unreachable, so the sample could not be sent to a rollout worker ({e})",

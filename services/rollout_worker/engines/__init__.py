@@ -12,6 +12,7 @@ from services.rollout_worker.engines.base import (
     InferenceEngine,
     InferenceError,
     SamplingParams,
+    UnservedRequest,
 )
 from shared.platform import tracing
 from shared.platform.service import wait_for
@@ -41,5 +42,5 @@ def build_engine(engine_type: str, model_path: str, engine_cfg: Any, tokenizer: 
     return getattr(importlib.import_module(module), cls)(model_path, engine_cfg, tokenizer, **kwargs)
 
 
-__all__ = ["ENGINES", "AdapterView", "Generation", "InferenceEngine", "InferenceError", "SamplingParams", "build_engine",
-           "traced_generate"]
+__all__ = ["ENGINES", "AdapterView", "Generation", "InferenceEngine", "InferenceError", "SamplingParams", "UnservedRequest",
+           "build_engine", "traced_generate"]

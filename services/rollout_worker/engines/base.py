@@ -28,6 +28,10 @@ class SamplingParams:
     top_k: int = -1  # -1 disables
     stop: tuple[str, ...] = ()
     partial: bool = False  # partial rollout: a new version may take over mid-generation (engines that can)
+    logprobs: int = 0  # k > 0: each generated token's k likeliest tokens (Generation.top_logprobs)
+    # None: no prompt logprobs; 0: each prompt token's logprob under the model (temperature 1: what a trainer
+    # computes); k > 0: with each position's k likeliest tokens too (Generation.prompt_logprobs / prompt_top_logprobs)
+    prompt_logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -45,6 +49,17 @@ class Generation:
     # each token's version when a partial rollout changed versions mid-generation; None: all weight_version
     versions: list[int] | None = None
     info: dict = field(default_factory=dict)
+    # SamplingParams.logprobs > 0: per generated token, its k likeliest tokens (id, logprob), likeliest first,
+    # under the distribution it was sampled from (the sampled token's own logprob is the one in `logprobs`)
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    # SamplingParams.prompt_logprobs set: per prompt token, its logprob given the tokens before it (None for the
+    # first), and with k > 0 that position's k likeliest tokens
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+
+
+class UnservedRequest(ValueError):
+    """A request this engine cannot serve as asked (the caller's to change, not an inference failure)."""
 
 
 def behaviour_logprobs(ids: list[int], logprobs: list | None, source: str) -> list[float]:

@@ -122,8 +122,8 @@ class HFEngine(InferenceEngine):
                 results = await asyncio.to_thread(self._generate_batch, batch, names)
             except Exception as e:
                 return self._fail(batch, e)
-        for r, version, (ids, logprobs, finish) in zip(batch, versions, results, strict=True):
-            self._resolve(r, ids, logprobs, finish, version)
+        for r, version, (ids, logprobs, finish, details) in zip(batch, versions, results, strict=True):
+            self._resolve(r, ids, logprobs, finish, version, **details)
 
     async def _run_partial(self, batch: list[_Request]) -> None:
         """A partial rollout's batch: decode `partial_chunk_tokens` at a time, letting a weight swap waiting for
@@ -145,7 +145,7 @@ class HFEngine(InferenceEngine):
                 except Exception as e:
                     return self._fail(batch, e)
             still = []
-            for i, (new, lps, why) in zip(live, results, strict=True):
+            for i, (new, lps, why, _) in zip(live, results, strict=True):
                 ids[i] += new
                 logprobs[i] += lps
                 versions[i] += [version] * len(new)
@@ -166,13 +166,15 @@ class HFEngine(InferenceEngine):
                 r.future.set_exception(error)
 
     def _resolve(self, r: _Request, ids: list[int], logprobs: list[float], finish: str, version: int,
-                 versions: list[int] | None = None) -> None:
+                 versions: list[int] | None = None, **details) -> None:
         if not r.future.done():
             text = self.tokenizer.decode(ids, skip_special_tokens=True)
-            r.future.set_result(Generation(ids, logprobs, text, finish, version, versions))
+            r.future.set_result(Generation(ids, logprobs, text, finish, version, versions, **details))
 
     def _generate_batch(self, batch: list[_Request], adapter_names: list[str] | None = None,
-                        ) -> list[tuple[list[int], list[float], str]]:
+                        ) -> list[tuple[list[int], list[float], str, dict]]:
+        """Per request: its tokens, their logprobs, the finish reason and the Generation fields the sampling asked
+        for beyond those (top_logprobs, prompt_logprobs, prompt_top_logprobs)."""
         torch = self.torch
         start = time.perf_counter()
         width = max(len(r.prompt_ids) for r in batch)
@@ -194,11 +196,35 @@ class HFEngine(InferenceEngine):
             )
         tokens = out.sequences[:, width:].cpu()
         scores = torch.stack(out.scores, dim=1).float().cpu()  # (batch, steps, vocab), after the warpers
-        logprobs = torch.log_softmax(scores, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        distributions = torch.log_softmax(scores, dim=-1)
+        logprobs = distributions.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        results = []
+        for i, r in enumerate(batch):
+            ids, lps, finish = self._cut(tokens[i].tolist(), logprobs[i].tolist(), r.max_tokens, bool(sampling.stop))
+            details = {}
+            if sampling.logprobs:
+                details["top_logprobs"] = top_logprobs(distributions[i, :len(ids)], sampling.logprobs)
+            if sampling.prompt_logprobs is not None:
+                name = adapter_names[i] if per_row else None
+                details |= self._prompt_logprobs(r.prompt_ids, name, sampling.prompt_logprobs)
+            results.append((ids, lps, finish, details))
         BATCH_SIZE.observe(len(batch))
         BATCH_SECONDS.observe(time.perf_counter() - start)
-        return [self._cut(tokens[i].tolist(), logprobs[i].tolist(), r.max_tokens, bool(sampling.stop))
-                for i, r in enumerate(batch)]
+        return results
+
+    def _prompt_logprobs(self, prompt_ids: list[int], adapter_name: str | None, k: int) -> dict:
+        """The prompt's logprobs under the model served to the request (no temperature: a trainer's), one forward
+        pass of the prompt alone: HF's generate keeps no prompt logits."""
+        torch = self.torch
+        per_row = {"adapter_names": [adapter_name]} if adapter_name else {}
+        with torch.no_grad():
+            logits = self.model(input_ids=torch.tensor([prompt_ids], device=self.device), **per_row).logits
+        distributions = torch.log_softmax(logits[0, :-1].float().cpu(), dim=-1)
+        own = distributions.gather(-1, torch.tensor(prompt_ids[1:]).unsqueeze(-1)).squeeze(-1).tolist()
+        details = {"prompt_logprobs": [None, *own]}
+        if k:
+            details["prompt_top_logprobs"] = [None, *top_logprobs(distributions, k)]
+        return details
 
     def _sampling_kwargs(self, s: SamplingParams) -> dict:
         if s.greedy:
@@ -329,6 +355,14 @@ class HFEngine(InferenceEngine):
     async def close(self) -> None:
         if self._loop_task is not None:
             self._loop_task.cancel()
+
+
+def top_logprobs(distributions, k: int) -> list[list[tuple[int, float]]]:
+    """Per row of log-probabilities, its k likeliest tokens (id, logprob), likeliest first; tokens a warper ruled
+    out (-inf) are left out, so a row may hold fewer than k."""
+    values, ids = distributions.topk(min(k, distributions.shape[-1]), dim=-1)
+    return [[(t, v) for t, v in zip(row_ids, row_values, strict=True) if v != float("-inf")]
+            for row_ids, row_values in zip(ids.tolist(), values.tolist(), strict=True)]
 
 
 def _eos_ids(tokenizer: Any, model: Any) -> list[int]:

@@ -27,6 +27,7 @@ from services.rollout_worker.engines.base import (
     InferenceError,
     ReloadGate,
     SamplingParams,
+    UnservedRequest,
     behaviour_logprobs,
     check_adapter_base,
     zero_adapter,
@@ -95,6 +96,10 @@ class OpenAIEngine(InferenceEngine):
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams, max_tokens: int,
                        adapter: str | None = None) -> Generation:
+        if sampling.logprobs or sampling.prompt_logprobs is not None:
+            # the completions API names top tokens by their text, which does not map back to ids losslessly
+            raise UnservedRequest("engine type openai returns each generated token's own logprob only; top-k and "
+                                  "prompt logprobs are served by engine types hf and vllm")
         name = None
         if adapter is not None:  # a LoRA run: the name pins the adapter version, whatever loads meanwhile
             name, version = self._adapters.get(adapter, (self._zero, 0))

@@ -77,9 +77,10 @@ class VLLMEngine(InferenceEngine):
         from vllm import SamplingParams as VllmSampling
 
         params = VllmSampling(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-                              max_tokens=max_tokens, stop=list(sampling.stop) or None, logprobs=0)
+                              max_tokens=max_tokens, stop=list(sampling.stop) or None, logprobs=sampling.logprobs,
+                              prompt_logprobs=sampling.prompt_logprobs)
         if sampling.partial and adapter is None:
-            return await self._generate_partial(prompt_ids, params)
+            return await self._generate_partial(prompt_ids, params, sampling)
         async with self._gate.request():
             version = self._version  # no reload starts its swap while this request runs
             lora_request = None
@@ -89,9 +90,9 @@ class VLLMEngine(InferenceEngine):
             async for out in self.engine.generate({"prompt_token_ids": list(prompt_ids)}, params,
                                                   uuid.uuid4().hex, lora_request=lora_request):
                 final = out
-        return self._generation(final, version)
+        return self._generation(final, version, sampling)
 
-    async def _generate_partial(self, prompt_ids: list[int], params: Any) -> Generation:
+    async def _generate_partial(self, prompt_ids: list[int], params: Any, sampling: SamplingParams) -> Generation:
         """Outside the reload gate: a swap pauses this request (kept) instead of waiting for it. Each output
         vLLM streams is tagged with the version served when it arrived: a swap changes the version only after
         its pause returned, which is after every output made before the pause was sent."""
@@ -102,12 +103,12 @@ class VLLMEngine(InferenceEngine):
             final = out
             arrived = len(out.outputs[0].token_ids) if out.outputs else 0
             versions += [self._version] * (arrived - len(versions))
-        gen = self._generation(final, versions[0] if versions else self._version)
+        gen = self._generation(final, versions[0] if versions else self._version, sampling)
         gen.versions = versions[:len(gen.ids)]
         return gen
 
     @staticmethod
-    def _generation(final: Any, version: int) -> Generation:
+    def _generation(final: Any, version: int, sampling: SamplingParams) -> Generation:
         if final is None or not final.outputs:
             raise InferenceError("vLLM returned no output for the request")
         completion = final.outputs[0]
@@ -116,7 +117,16 @@ class VLLMEngine(InferenceEngine):
                                             for tok, entry in zip(ids, completion.logprobs or [], strict=False)],
                                       "vLLM")
         finish = "length" if completion.finish_reason == "length" else "stop"
-        return Generation(ids, logprobs, completion.text, finish, version)
+        gen = Generation(ids, logprobs, completion.text, finish, version)
+        if sampling.logprobs:
+            gen.top_logprobs = [_likeliest(entry, sampling.logprobs) for entry in completion.logprobs[:len(ids)]]
+        if sampling.prompt_logprobs is not None:
+            prompt, entries = final.prompt_token_ids, final.prompt_logprobs or []
+            gen.prompt_logprobs = [entry[tok].logprob if entry else None for tok, entry in zip(prompt, entries, strict=True)]
+            if sampling.prompt_logprobs:
+                gen.prompt_top_logprobs = [_likeliest(entry, sampling.prompt_logprobs) if entry else None
+                                           for entry in entries]
+        return gen
 
     async def load_weights(self, folder: Path, version: int) -> None:
         folder = Path(folder)
@@ -183,3 +193,10 @@ class VLLMEngine(InferenceEngine):
 
     async def close(self) -> None:
         self.engine.shutdown()
+
+
+def _likeliest(entry: dict, k: int) -> list[tuple[int, float]]:
+    """vLLM's logprobs of one position (token id -> Logprob, the k likeliest by rank and the token there) as its k
+    likeliest (id, logprob), likeliest first; tokens a warper ruled out (-inf) are left out."""
+    ranked = sorted((lp.rank, tok, lp.logprob) for tok, lp in entry.items() if lp.rank is not None and lp.rank <= k)
+    return [(tok, value) for _, tok, value in ranked if value != float("-inf")]

@@ -16,6 +16,7 @@ from pydantic import BaseModel, Field
 
 from shared.contracts.messages.codec import Logprobs, Message, TokenIds
 
+MAX_TOPK_LOGPROBS = 20  # vLLM's default max_logprobs: the most a rollout worker's engine returns
 TinkerOpKind = Literal["forward_backward", "forward", "optim_step", "save_weights", "save_weights_for_sampler",
                        "load_weights"]
 
@@ -64,7 +65,9 @@ class TinkerOp(Message):
 
 class TinkerSample(Message):
     TYPE = "tinker_sample"
-    SCHEMA_VERSION = 1
+    # 2: logprob requests (prompt, top-k); a reader of version 1 would answer them without what they asked for
+    SCHEMA_VERSION = 2
+    MIN_SCHEMA_VERSION = 1
 
     request_id: str  # the future the result goes to
     owner: str
@@ -79,6 +82,10 @@ class TinkerSample(Message):
     top_k: int = -1
     stop_strings: list[str] = Field(default_factory=list)
     stop_tokens: list[int] = Field(default_factory=list)
+    prompt_logprobs: bool = False  # each prompt token's logprob under the model (the SDK's compute_logprobs)
+    prompt_logprobs_last_n: int | None = Field(None, ge=1, description="only the last n prompt positions scored")
+    topk_prompt_logprobs: int = Field(0, ge=0, le=MAX_TOPK_LOGPROBS)  # each prompt position's k likeliest tokens
+    topk_sample_logprobs: int = Field(0, ge=0, le=MAX_TOPK_LOGPROBS)  # each sampled position's k likeliest tokens
     sent_at: float = 0.0
 
 

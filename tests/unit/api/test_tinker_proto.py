@@ -1,0 +1,38 @@
+"""The server's protobuf SampleResponse, read back by the `tinker` SDK's own decoder: sampled tokens and their
+logprobs, top-k logprobs per sampled and per prompt position, prompt logprobs with unscored positions."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from services.api.tinker_proto import encode_samples
+
+response_conv = pytest.importorskip("tinker.proto.response_conv")
+
+
+def test_sample_response_as_the_sdk_reads_it():
+    result = {"type": "sample",
+              "sequences": [{"tokens": [7, 3], "logprobs": [-0.5, -1.25], "stop_reason": "stop",
+                             "topk": [[[7, -0.5], [2, -1.5]], [[1, -0.25], [3, -1.25]]]},
+                            {"tokens": [4], "logprobs": [-2.0], "stop_reason": "length", "topk": [[[9, -0.75]]]}],
+              "prompt_logprobs": [None, -3.5, -0.125],
+              "topk_prompt_logprobs": [None, [[5, -0.5], [6, -1.0], [8, -2.0]], [[2, -0.125]]]}
+    out = response_conv.deserialize_sample_response(encode_samples(result))
+    first, second = out.sequences
+    assert first.tokens == [7, 3] and first.logprobs == [-0.5, -1.25] and first.stop_reason == "stop"
+    assert second.stop_reason == "length"
+    assert first.topk_logprobs == [[(7, -0.5), (2, -1.5)], [(1, -0.25), (3, -1.25)]]
+    assert second.topk_logprobs == [[(9, -0.75)]]
+    assert out.prompt_logprobs == [None, -3.5, -0.125]
+    # rows shorter than the longest are filled with the SDK's sentinel, which its reader drops again
+    assert out.topk_prompt_logprobs == [None, [(5, -0.5), (6, -1.0), (8, -2.0)], [(2, -0.125)]]
+
+
+def test_a_plain_sample_carries_no_logprob_extras():
+    out = response_conv.deserialize_sample_response(encode_samples(
+        {"sequences": [{"tokens": [1], "logprobs": [-0.1], "stop_reason": "length"}]}))
+    assert out.prompt_logprobs is None and out.topk_prompt_logprobs is None
+    assert out.sequences[0].topk_logprobs is None
+    assert math.isclose(out.sequences[0].logprobs[0], -0.1, rel_tol=1e-6)
