@@ -1,5 +1,5 @@
-"""The Tinker protocol's state, in Redis, every record tagged with the key (owner) that made it: sessions,
-training models and futures. An owner is the sha256 of the flywheel token behind the `tml-` key, so a record
+"""The Tinker protocol's state, in Redis, every record tagged with the key (owner) that made it: sessions (with
+the runs, models and samplers made in each), training models and futures. An owner is the sha256 of the flywheel token behind the `tml-` key, so a record
 is found only by the key that made it; another key's record reads as absent (404), never as forbidden.
 A future of work done here (create_model) is resolved at once; one of the trainer's (`tinker.requests`) holds
 `try_again` until the trainer writes its result. Futures are kept a day.
@@ -31,10 +31,24 @@ class TinkerStore:
         return record if record is not None and record.get("owner") == owner else None
 
     def create_session(self, owner: str, tags: list[str], metadata: dict[str, Any]) -> str:
-        session_id = str(uuid.uuid4())
+        session_id, now = str(uuid.uuid4()), time.time()
         self._put("session", session_id, {"owner": owner, "tags": tags, "user_metadata": metadata,
-                                          "created_at": time.time(), "finished": None}, MODEL_TTL_S)
+                                          "created_at": now, "finished": None}, MODEL_TTL_S)
+        index = tinker_key("owner_sessions", owner)  # the owner's sessions by creation time, for list_sessions
+        self.redis.pipeline().zadd(index, {session_id: now}).expire(index, MODEL_TTL_S).execute()
         return session_id
+
+    def sessions(self, owner: str, offset: int, limit: int) -> list[str]:
+        """The owner's sessions that still exist, newest first; expired ones leave the index as they are met."""
+        index = tinker_key("owner_sessions", owner)
+        ids = [i.decode() if isinstance(i, bytes) else i for i in self.redis.zrevrange(index, 0, -1)]
+        pipe = self.redis.pipeline()
+        for session_id in ids:
+            pipe.exists(tinker_key("session", session_id))
+        live = [i for i, exists in zip(ids, pipe.execute(), strict=True) if exists]
+        if len(live) < len(ids):
+            self.redis.zrem(index, *(set(ids) - set(live)))
+        return live[offset:offset + limit]
 
     def session(self, owner: str, session_id: str) -> dict[str, Any] | None:
         return self._get("session", session_id, owner)
@@ -48,14 +62,15 @@ class TinkerStore:
             record["finished"] = {"reason": reason, "detail": detail, "at": time.time()}
             self._put("session", session_id, record, MODEL_TTL_S)
 
-    def add_session_run(self, session_id: str, run_id: str) -> None:
-        """A set beside the session record, so that concurrent create_models never drop each other's run."""
-        key = tinker_key("session_runs", session_id)
-        self.redis.pipeline().sadd(key, run_id).expire(key, MODEL_TTL_S).execute()
+    def file_under_session(self, session_id: str, kind: str, member: str) -> None:
+        """`member` (a run, model or sampler id) in the session's set of `kind` ("runs", "models", "samplers"):
+        a set beside the session record, so that concurrent creates never drop each other's."""
+        key = tinker_key(f"session_{kind}", session_id)
+        self.redis.pipeline().sadd(key, member).expire(key, MODEL_TTL_S).execute()
 
-    def session_runs(self, session_id: str) -> list[str]:
+    def session_members(self, session_id: str, kind: str) -> list[str]:
         return sorted(r.decode() if isinstance(r, bytes) else r
-                      for r in self.redis.smembers(tinker_key("session_runs", session_id)))
+                      for r in self.redis.smembers(tinker_key(f"session_{kind}", session_id)))
 
     def put_model(self, owner: str, model_id: str, record: dict[str, Any], *, only_new: bool = False) -> bool:
         """False when `only_new` and the model exists (SET NX: two creates of one id cannot both win)."""
@@ -82,9 +97,10 @@ class TinkerStore:
         return self.complete(owner, {"type": "try_again", "request_id": request_id, "queue_state": "active"},
                              model_id, request_id)
 
-    def put_sampler(self, owner: str, sampler_id: str, record: dict[str, Any]) -> None:
+    def put_sampler(self, owner: str, sampler_id: str, session_id: str, record: dict[str, Any]) -> None:
         """A sampling session: the run whose engine serves it, the weight version, the base model's name."""
-        self._put("sampler", sampler_id, {"owner": owner, **record}, MODEL_TTL_S)
+        self._put("sampler", sampler_id, {"owner": owner, "session_id": session_id, **record}, MODEL_TTL_S)
+        self.file_under_session(session_id, "samplers", sampler_id)
 
     def sampler(self, owner: str, sampler_id: str) -> dict[str, Any] | None:
         return self._get("sampler", sampler_id, owner)

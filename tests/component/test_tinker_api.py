@@ -152,6 +152,28 @@ def test_a_key_sees_only_its_own_sessions_models_and_futures(api):
     assert post(api, "/api/v1/get_info", {"model_id": created["model_id"]}, mine).json()["lora_rank"] == 2
 
 
+def test_session_listings_show_a_keys_own_sessions_with_their_models_and_samplers(api):
+    mine, theirs = new_token(api, ["read", "write"]), new_token(api, ["read", "write"])
+    client = sdk(api, mine)
+    trained = client.create_lora_training_client(base_model="tiny-qwen", rank=2).result(timeout=60)
+    other = client.create_lora_training_client(base_model="tiny-qwen", rank=2).result(timeout=60)
+    sampler = client.create_sampling_client(base_model="tiny-qwen2").result(timeout=60)
+    later = sdk(api, mine).create_lora_training_client(base_model="tiny-qwen", rank=2).result(timeout=60)
+    rest = tinker.RestClient(base_url=api.url, api_key="tml-" + mine)
+    listed = rest.list_sessions().result(timeout=30).sessions
+    # newest first; a model id is <session>:train:<n>
+    assert listed == [later.model_id.split(":")[0], trained.model_id.split(":")[0]]
+    assert rest.list_sessions(limit=1, offset=1).result(timeout=30).sessions == listed[1:]
+    session = rest.get_session(listed[1]).result(timeout=30)
+    assert session.training_run_ids == sorted([trained.model_id, other.model_id])
+    assert session.sampler_ids == [sampler._sampling_session_id]
+
+    stranger = tinker.RestClient(base_url=api.url, api_key="tml-" + theirs)
+    assert stranger.list_sessions().result(timeout=30).sessions == []
+    r = httpx.get(f"{api.url}/api/v1/sessions/{listed[0]}", headers={"X-API-Key": "tml-" + theirs})
+    assert r.status_code == 404, r.text
+
+
 def test_keys_are_tml_plus_a_flywheel_token(api):
     for headers in ({}, {"X-API-Key": api.token}, {"X-API-Key": "tml-wrong-token"},
                     {"Authorization": f"Bearer {api.token}"}):
@@ -174,8 +196,8 @@ def test_operations_not_served_yet_say_so(api):
     r = httpx.delete(api.url + "/api/v1/training_runs/x/checkpoints/weights/y", headers={"X-API-Key": "tml-" + api.token})
     assert r.status_code == 404 and "not supported" in r.json()["message"]
     rest = tinker.RestClient(base_url=api.url, api_key="tml-" + api.token)
-    with pytest.raises(Exception, match="list_sessions"):
-        rest.list_sessions().result(timeout=60)
+    with pytest.raises(Exception, match="checkpoint management"):
+        rest.publish_checkpoint_from_tinker_path("tinker://s:train:0/weights/w").result(timeout=60)
 
 
 def test_the_sdk_configured_from_its_environment(api, monkeypatch):

@@ -164,6 +164,24 @@ def owned_session(request: Request, caller: Caller, session_id: str, field: str)
     return record
 
 
+@router.get("/sessions")
+@needs("read")
+def list_sessions(caller: Key, request: Request, limit: Annotated[int, Field(ge=1, le=1000)] = 20,
+                  offset: Annotated[int, Field(ge=0)] = 0) -> dict:
+    """The key's sessions, newest first (`access_scope` is not read: a key reaches only its own)."""
+    return {"sessions": store(request).sessions(caller.owner, offset, limit)}
+
+
+@router.get("/sessions/{session_id}")
+@needs("read")
+def get_session(session_id: str, caller: Key, request: Request) -> dict:
+    record = owned_session(request, caller, session_id, "path.session_id")
+    tinker = store(request)
+    return {"training_run_ids": tinker.session_members(session_id, "models"),
+            "sampler_ids": tinker.session_members(session_id, "samplers"),
+            "user_metadata": {k: str(v) for k, v in record["user_metadata"].items()} or None, "display_name": None}
+
+
 @router.post("/session_heartbeat")
 def session_heartbeat(body: Heartbeat, caller: Key, request: Request) -> dict:
     if owned_session(request, caller, body.session_id, "session_id")["finished"] is not None:
@@ -179,7 +197,7 @@ def finish_session(session_id: str, body: FinishSession, caller: Key, request: R
     tinker = store(request)
     tinker.finish_session(caller.owner, session_id, str(body.reason.get("type", "")), body.detail)
     with commanding():  # the session's training runs end with it (a stopped run stays stopped: not applied again)
-        for run_id in tinker.session_runs(session_id):
+        for run_id in tinker.session_members(session_id, "runs"):
             run_command(db, request.app.state.redis, run_id, "stop", wait_s=config.run_command_wait_s)
 
 
@@ -231,6 +249,7 @@ def new_model(request: Request, caller: Caller, config, db, session_id: str, mod
         tinker.drop_model(model_id)  # no run, no model: the client may try again with the same id
         raise
     tinker.put_model(caller.owner, model_id, model | {"run_id": run_id})
+    tinker.file_under_session(session_id, "models", model_id)
     return model_id
 
 
@@ -245,7 +264,7 @@ def store_run(request: Request, caller: Caller, config, db, run: TinkerRunConfig
     if reply.outcome != "applied":
         raise ApiError(502, f"the controller refused the tinker run: {reply.message}",
                        hint="the API and the controller may run different versions; update both")
-    store(request).add_session_run(run.session_id, str(run_id))
+    store(request).file_under_session(run.session_id, "runs", str(run_id))
     return str(run_id)
 
 
@@ -388,7 +407,7 @@ def _save(body: SaveWeights, caller: Caller, request: Request, op: str) -> dict:
     if op == "save_weights_for_sampler" and body.sampling_session_seq_id is not None:
         # the trainer publishes these weights as version seq_id of the model's run: the sampler serves that
         sampler_id = f"{model['session_id']}:sample:{body.sampling_session_seq_id}"
-        store(request).put_sampler(caller.owner, sampler_id, {
+        store(request).put_sampler(caller.owner, sampler_id, model["session_id"], {
             "run_id": model["run_id"], "version": seq_id, "base_model": model["base_model"],
             "model_path": checkpoint_path(body.model_id, "sampler_weights", name)})
     return send_op(request, caller, model, model_id=body.model_id, seq_id=seq_id, op=op, name=name,
@@ -466,7 +485,7 @@ def create_sampling_session(body: CreateSamplingSession, caller: Key, request: R
                   "model_path": None}
     else:
         raise ApiError(400, "give base_model or model_path", field="base_model")
-    store(request).put_sampler(caller.owner, sampler_id, record)
+    store(request).put_sampler(caller.owner, sampler_id, body.session_id, record)
     return {"type": "create_sampling_session", "sampling_session_id": sampler_id}
 
 
@@ -649,8 +668,7 @@ NOT_SERVED = {
     "/auth/apikey/me": "API key introspection", "/client/dynamic_config": "client dynamic config",
     "/telemetry": "telemetry",
     "/training_runs/{rest:path}": "checkpoint management (delete, publish, ttl, external weights)",
-    "/sessions": "list_sessions", "/sessions/search": "search_sessions",
-    "/sessions/{session_id}": "get_session", "/sessions/{session_id}/{rest:path}": "session projects and traces",
+    "/sessions/search": "search_sessions", "/sessions/{session_id}/{rest:path}": "session projects and traces",
     "/audit": "audit log", "/billing/{rest:path}": "billing",
 }
 
