@@ -46,7 +46,7 @@ class TinkerStack:
         n = len(list(self.data_dir.glob("trainer*.log")))
         self.trainer = start_service("services.trainer.main", log=self.data_dir / f"trainer{n}.log",
                                      **service_env(self.database_url, self.redis_url, self.data_dir,
-                                                   worker_id="trainer-tinker", runs_poll_s="0.5",
+                                                   worker_id="trainer-tinker", runs_poll_s="0.5", tinker_sweep_s="1",
                                                    weight_server_url=self.ws.url, weights_dir=self.ws.env["WEIGHTS_DIR"],
                                                    master_port=None, master_addr=None, rank=None, world_size=None))
         wait_heartbeat(self.redis_url, "trainer", "trainer-tinker", self.trainer, timeout_s=180)

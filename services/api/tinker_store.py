@@ -12,7 +12,7 @@ import time
 import uuid
 from typing import Any
 
-from shared.contracts.messages import TinkerFuture
+from shared.contracts.messages import TinkerCheckpoint, TinkerFuture
 from shared.contracts.streams import tinker_key
 from shared.contracts.tinker_run import FUTURE_TTL_S, MODEL_TTL_S
 from shared.platform.bus import SyncRedis
@@ -106,19 +106,38 @@ class TinkerStore:
         return self._get("sampler", sampler_id, owner)
 
     def checkpoint(self, owner: str, path: str) -> dict[str, Any] | None:
-        """A checkpoint the trainer recorded (TinkerCheckpoint), if this owner made it."""
-        return self._get("checkpoint", path, owner)
+        """A checkpoint the trainer recorded (TinkerCheckpoint), if this owner made it and it has not expired."""
+        record = self._get("checkpoint", path, owner)
+        return record if record is not None and _live(record, time.time()) else None
+
+    def expire_checkpoint(self, owner: str, path: str, expires_at: float | None) -> None:
+        """Set when the checkpoint expires (now: deleted; None: never). Read and rewritten in one transaction: a
+        record the trainer removes meanwhile is not written back."""
+        key = tinker_key("checkpoint", path)
+
+        def update(pipe) -> None:
+            raw = pipe.get(key)
+            record = json.loads(raw) if raw else None
+            pipe.multi()
+            if record is not None and record.get("owner") == owner:
+                pipe.set(key, json.dumps(record | {"expires_at": expires_at}))
+
+        self.redis.transaction(update, key)
 
     def checkpoints(self, owner: str, model_id: str | None = None) -> list[dict[str, Any]]:
         """The owner's checkpoints (of one model, or all), oldest first."""
         prefix = f"tinker://{model_id}/" if model_id else "tinker://"
-        records = []
+        records, now = [], time.time()
         for key in self.redis.scan_iter(match=tinker_key("checkpoint", prefix) + "*", count=500):
             raw = self.redis.get(key)
             record = json.loads(raw) if raw else None
-            if record is not None and record.get("owner") == owner:
+            if record is not None and record.get("owner") == owner and _live(record, now):
                 records.append(record)
         return sorted(records, key=lambda r: r["created_at"])
 
     def future(self, owner: str, request_id: str) -> dict[str, Any] | None:
         return self._get("future", request_id, owner)
+
+
+def _live(checkpoint: dict[str, Any], now: float) -> bool:
+    return TinkerCheckpoint.model_validate(checkpoint).live(now)

@@ -118,6 +118,7 @@ class Trainer:
     async def train(self, stop: asyncio.Event) -> None:
         await self.refresh_runs()
         next_poll = time.monotonic() + self.settings.runs_poll_s
+        next_sweep = time.monotonic()
         while not stop.is_set():
             if time.monotonic() >= next_poll:
                 await self.refresh_runs()
@@ -126,6 +127,9 @@ class Trainer:
                         await self.report_record(run)
                 await self.tinker.renew()
                 next_poll = time.monotonic() + self.settings.runs_poll_s
+            if time.monotonic() >= next_sweep:
+                await self.tinker.sweep_checkpoints()
+                next_sweep = time.monotonic() + self.settings.tinker_sweep_s
             while self.claim_due:  # routing claimed entries may open further runs
                 self.claim_due = False
                 await self.claim_pending()

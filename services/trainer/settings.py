@@ -45,6 +45,8 @@ class TrainerSettings(ServiceSettings):
         "package; 1.1x on packed RL-shaped batches, 0.92x on full-length padded ones, bench/results/gpu_check.json)")
     keep_checkpoints: int = Field(2, ge=1, description="trainer checkpoints kept per run")
     runs_poll_s: float = Field(0.5, gt=0, description="how often the runs table is read, seconds")
+    tinker_sweep_s: float = Field(60.0, gt=0, description="how often expired Tinker checkpoints (deleted, or past "
+                                  "their ttl) are removed from STATE_DIR and Redis, seconds")
     lease_ttl_s: float = Field(15.0, gt=0, description="a run's trainer lease (shared/platform/leases.py) expires this long after renewal")
     read_block_ms: int = Field(200, ge=1, description="blocking read on results.accepted, milliseconds")
     read_batch: int = Field(256, ge=1, description="stream entries per read")

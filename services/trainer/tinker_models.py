@@ -16,6 +16,7 @@ import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -177,9 +178,10 @@ class TinkerModels:
 
     # -- checkpoints ------------------------------------------------------------------------------------------
     def checkpoint_record(self, model: TinkerModel, op: TinkerOp, kind: str, **where) -> TinkerCheckpoint:
+        now = time.time()
         return TinkerCheckpoint(owner=op.owner, model_id=op.model_id, run_id=model.run_id, kind=kind, name=op.name,
                                 base_model=model.config.base_model, lora=model.config.lora, seq_id=op.seq_id,
-                                created_at=time.time(), **where)
+                                created_at=now, expires_at=now + op.ttl_s if op.ttl_s else None, **where)
 
     def save_state(self, model: TinkerModel, op: TinkerOp) -> TinkerCheckpoint:
         """Adapter and Adam state (verl's checkpoint) under STATE_DIR/tinker/<run>/<name>, renamed into place."""
@@ -206,9 +208,14 @@ class TinkerModels:
         if not optimizer:  # the weights alone: Adam starts afresh (only this model's state is in the engine now)
             model.engine.actor.engine.optimizer.state.clear()
 
-    async def checkpoint(self, op: TinkerOp) -> TinkerCheckpoint:
-        raw = await self.trainer.redis.get(tinker_key("checkpoint", op.path))
+    async def saved(self, path: str) -> TinkerCheckpoint | None:
+        """The checkpoint recorded at `path`, None when there is none or it expired (deleted, or past its ttl)."""
+        raw = await self.trainer.redis.get(tinker_key("checkpoint", path))
         record = TinkerCheckpoint.model_validate_json(raw) if raw else None
+        return record if record is not None and record.live(time.time()) else None
+
+    async def checkpoint(self, op: TinkerOp) -> TinkerCheckpoint:
+        record = await self.saved(op.path)
         if record is None or record.owner != op.owner:
             raise OpFailed(f"checkpoint {op.path} does not exist")
         if record.kind != "weights":
@@ -219,6 +226,25 @@ class TinkerModels:
             raise OpFailed(f"{op.path} is a rank-{record.lora.get('rank')} adapter of {record.base_model}; model "
                            f"{op.model_id} is rank {model.config.lora.get('rank')} on {model.config.base_model}")
         return record
+
+    async def sweep_checkpoints(self) -> None:
+        """Remove what expired checkpoints hold: a save_state's folder under this trainer's STATE_DIR, then the
+        record (sampler weights are versions on the weight server, which its retention removes). A folder under
+        another STATE_DIR is left, record and all, to the trainer that wrote it."""
+        now, root = time.time(), (self.trainer.settings.state_dir / "tinker").resolve()
+        async for key in self.trainer.redis.scan_iter(match=tinker_key("checkpoint", "tinker://*"), count=500):
+            raw = await self.trainer.redis.get(key)
+            record = TinkerCheckpoint.model_validate_json(raw) if raw else None
+            if record is None or record.live(now):
+                continue
+            if record.folder:
+                folder = Path(record.folder).resolve()
+                if root not in folder.parents:
+                    continue
+                await asyncio.to_thread(shutil.rmtree, folder, True)
+            await self.trainer.redis.delete(key)
+            log.info("removed tinker checkpoint %s (deleted or past its ttl)",
+                     checkpoint_path(record.model_id, record.kind, record.name), extra={"run_id": record.run_id})
 
     async def record_checkpoint(self, record: TinkerCheckpoint) -> None:
         path = checkpoint_path(record.model_id, record.kind, record.name)
@@ -244,8 +270,7 @@ class TinkerModels:
         config = TinkerRunConfig.model_validate(row.config)
         applied = await self.trainer.redis.get(tinker_key("model_seq", op.model_id))
         saved = await self.trainer.redis.get(tinker_key("model_state", op.model_id))
-        state = TinkerCheckpoint.model_validate_json(raw) if saved and (
-            raw := await self.trainer.redis.get(tinker_key("checkpoint", saved.decode()))) else None
+        state = await self.saved(saved.decode()) if saved else None
         if applied is not None and state is None:
             await asyncio.to_thread(db.release_leases, self.trainer.db, self.trainer.worker_id, [op.run_id])
             raise OpFailed(f"the trainer that held model {op.model_id} restarted after applying its operations up to "

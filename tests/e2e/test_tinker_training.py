@@ -9,7 +9,9 @@ sampling on the rollout worker with every sample stored as a trajectory.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
+from pathlib import Path
 
 import httpx
 import pytest
@@ -233,6 +235,42 @@ def test_save_state_load_state_and_sampler_weights(api, redis_url):
     r = httpx.post(api.url + "/api/v1/load_weights", timeout=30, headers={"X-API-Key": "tml-" + other},
                    json={"model_id": tc.model_id, "path": saved, "optimizer": False})
     assert r.status_code == 404, r.text  # neither her model nor her checkpoint
+
+
+def test_deleted_and_expired_checkpoints_are_gone_and_their_files_removed(api, redis_url):
+    """A deleted checkpoint is gone at once (not listed, not loadable); one past its ttl too; the trainer then
+    removes their folders and records, and leaves the others alone. Another key can delete nothing."""
+    tc = training_client(api)
+    train(tc, [sft_datum(s) for s in SEQS], 1)
+    kept, doomed = (tc.save_state(name).result(timeout=300).path for name in ("kept", "doomed"))
+    brief = tc.save_state("brief", ttl_seconds=3).result(timeout=300).path
+    r = redis.Redis.from_url(redis_url)
+    folders = {p: Path(json.loads(r.get("tinker:checkpoint:" + p))["folder"]) for p in (kept, doomed, brief)}
+    assert all(f.is_dir() for f in folders.values())
+    rest = tinker.RestClient(base_url=api.url, api_key="tml-" + api.token)
+
+    def listed() -> dict:
+        return {c.tinker_path: c for c in rest.list_checkpoints(tc.model_id).result(timeout=60).checkpoints}
+
+    assert listed()[kept].expires_at is None
+    stranger = httpx.delete(f"{api.url}/api/v1/training_runs/{tc.model_id}/checkpoints/weights/kept",
+                            headers={"X-API-Key": "tml-" + new_token(api, "tinker-mallory")})
+    assert stranger.status_code == 404, stranger.text
+    rest.delete_checkpoint_from_tinker_path(doomed).result(timeout=60)
+    assert doomed not in listed()
+    with pytest.raises(Exception, match="does not exist"):
+        tc.load_state(doomed).result(timeout=300)
+
+    rest.set_checkpoint_ttl_from_tinker_path(kept, 7200).result(timeout=60)
+    assert listed()[kept].expires_at is not None
+    rest.set_checkpoint_ttl_from_tinker_path(kept, None).result(timeout=60)
+    assert listed()[kept].expires_at is None
+
+    wait_until(lambda: brief not in listed(), timeout_s=60, what="the 3 s checkpoint to expire")
+    wait_until(lambda: not folders[doomed].exists() and not folders[brief].exists(), timeout_s=60,
+               what="the trainer to remove the deleted and the expired checkpoints' folders")
+    assert folders[kept].is_dir() and r.get("tinker:checkpoint:" + doomed) is None
+    tc.load_state(kept).result(timeout=300)  # what was kept still loads
 
 
 def test_a_restarted_trainer_resumes_each_model_from_its_last_save(api):

@@ -379,6 +379,7 @@ class SaveWeights(Wire):
     model_id: str
     path: str | None = None  # the checkpoint's name
     seq_id: int | None = None
+    ttl_seconds: Annotated[int, Field(ge=1, le=MAX_TTL_S)] | None = None  # None: kept until deleted
     sampling_session_seq_id: int | None = None  # save_weights_and_get_sampling_client: a sampler of these weights
 
 
@@ -411,7 +412,7 @@ def _save(body: SaveWeights, caller: Caller, request: Request, op: str) -> dict:
             "run_id": model["run_id"], "version": seq_id, "base_model": model["base_model"],
             "model_path": checkpoint_path(body.model_id, "sampler_weights", name)})
     return send_op(request, caller, model, model_id=body.model_id, seq_id=seq_id, op=op, name=name,
-                   sampling_session_id=sampler_id)
+                   sampling_session_id=sampler_id, ttl_s=body.ttl_seconds)
 
 
 @router.post("/save_weights")
@@ -523,7 +524,8 @@ class SampleRequest(Wire):
     prompt_alt_tokens_k: int = 0
 
 
-DEFAULT_MAX_TOKENS = 256  # a sample request without max_tokens
+DEFAULT_MAX_TOKENS = 256
+MAX_TTL_S = 10 * 365 * 86400  # the SDK documents ten years as the longest ttl  # a sample request without max_tokens
 
 
 def prompt_tokens(prompt: dict[str, Any]) -> list[int]:
@@ -578,10 +580,11 @@ def asample(body: SampleRequest, caller: Key, request: Request) -> dict:
 def checkpoint_view(record: dict) -> dict:
     """A TinkerCheckpoint as the SDK's Checkpoint."""
     path = checkpoint_path(record["model_id"], record["kind"], record["name"])
+    expires = record.get("expires_at")
     return {"checkpoint_id": f"{record['kind']}/{record['name']}",
             "checkpoint_type": "training" if record["kind"] == "weights" else "sampler",
             "time": datetime.fromtimestamp(record["created_at"], UTC).isoformat(), "tinker_path": path,
-            "public": False}
+            "public": False, "expires_at": datetime.fromtimestamp(expires, UTC).isoformat() if expires else None}
 
 
 def training_run_view(run: Run, checkpoints: list[dict]) -> dict:
@@ -643,6 +646,35 @@ def list_user_checkpoints(caller: Key, request: Request, limit: Annotated[int, F
             "cursor": {"offset": offset, "limit": limit, "total_count": len(records)}}
 
 
+def owned_checkpoint(request: Request, caller: Caller, model_id: str, checkpoint_id: str) -> str:
+    """The tinker:// path of the key's live checkpoint `checkpoint_id` (`weights/<name>` or
+    `sampler_weights/<name>`) of model `model_id`; 404 otherwise."""
+    owned_model(request, caller, model_id, field="path.training_run_id")
+    path = f"tinker://{model_id}/{checkpoint_id}"
+    if parse_checkpoint_path(path) is None or store(request).checkpoint(caller.owner, path) is None:
+        raise ApiError(404, f"checkpoint {checkpoint_id} of {model_id} does not exist", field="path.checkpoint_id",
+                       hint="weights/<name> or sampler_weights/<name>, as list_checkpoints shows them")
+    return path
+
+
+@router.delete("/training_runs/{model_id}/checkpoints/{checkpoint_id:path}", status_code=204)
+def delete_checkpoint(model_id: str, checkpoint_id: str, caller: Key, request: Request) -> None:
+    """Gone at once (never listed or loaded again); the trainer then removes its files and record."""
+    path = owned_checkpoint(request, caller, model_id, checkpoint_id)
+    store(request).expire_checkpoint(caller.owner, path, time.time())
+
+
+class CheckpointTtl(Wire):
+    ttl_seconds: Annotated[int, Field(ge=1, le=MAX_TTL_S)] | None
+
+
+@router.put("/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/ttl", status_code=204)
+def set_checkpoint_ttl(model_id: str, checkpoint_id: str, body: CheckpointTtl, caller: Key, request: Request) -> None:
+    """Expire the checkpoint `ttl_seconds` from now, or (None) keep it until deleted."""
+    path = owned_checkpoint(request, caller, model_id, checkpoint_id)
+    store(request).expire_checkpoint(caller.owner, path, time.time() + body.ttl_seconds if body.ttl_seconds else None)
+
+
 class WeightsInfo(Wire):
     tinker_path: str
 
@@ -667,7 +699,7 @@ NOT_SERVED = {
     "/create_custom_loss": "create_custom_loss", "/auth/token": "auth_token (JWT exchange)",
     "/auth/apikey/me": "API key introspection", "/client/dynamic_config": "client dynamic config",
     "/telemetry": "telemetry",
-    "/training_runs/{rest:path}": "checkpoint management (delete, publish, ttl, external weights)",
+    "/training_runs/{rest:path}": "checkpoint publishing and external weights URLs",
     "/sessions/search": "search_sessions", "/sessions/{session_id}/{rest:path}": "session projects and traces",
     "/audit": "audit log", "/billing/{rest:path}": "billing",
 }

@@ -60,6 +60,8 @@ class TinkerOp(Message):
     path: str | None = None  # load_weights: the tinker:// path of a `save_weights` checkpoint
     optimizer: bool = False  # load_weights: the Adam state too
     sampling_session_id: str | None = None  # save_weights_for_sampler: the session made for its weights
+    ttl_s: float | None = Field(None, gt=0, description="save_weights*: the checkpoint expires this long after it "
+                                "is saved (the SDK's ttl_seconds); None: kept until deleted")
     sent_at: float = 0.0
 
 
@@ -105,6 +107,11 @@ class TinkerCheckpoint(BaseModel):
     folder: str | None = None  # weights: where the trainer saved it
     version: int | None = None  # sampler_weights: the run's version on the weight server
     created_at: float
+    # deleted (then) or given a ttl: from then on it reads as absent, and the trainer removes its files and record
+    expires_at: float | None = None
+
+    def live(self, now: float) -> bool:
+        return self.expires_at is None or self.expires_at > now
 
 
 class TinkerFuture(BaseModel):
