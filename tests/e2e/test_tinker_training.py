@@ -124,6 +124,31 @@ def test_importance_sampling_raises_the_advantaged_sequence_and_lowers_the_other
     assert up > 0 > down, (up, down)
 
 
+def test_forward_backward_custom_trains_with_the_clients_own_loss(api):
+    """The SDK's client-side custom loss: forward for the logprobs, the loss and its gradient computed by the
+    client, sent back as the weights of a cross_entropy step. A custom NLL gives cross_entropy's gradients."""
+    import torch
+
+    custom, reference = training_client(api), training_client(api)
+    datums = [sft_datum(s) for s in SEQS]
+
+    def weighted_nll(data, logprobs_list):
+        weighted = [-(lp * d.loss_fn_inputs["weights"].to_torch()).sum() for d, lp in zip(data, logprobs_list,
+                                                                                           strict=True)]
+        loss = torch.stack(weighted).sum()
+        return loss, {"nll": float(loss.detach())}
+
+    before = forward(reference, datums)  # both adapters start as zero updates of one base
+    expected = -sum(lp * w for lps, d in zip(before, datums, strict=True)
+                    for lp, w in zip(lps, d.loss_fn_inputs["weights"].tolist(), strict=True))
+    out = custom.forward_backward_custom(datums, weighted_nll).result(timeout=300)
+    assert out.metrics["loss:sum"] == pytest.approx(expected, rel=1e-4) and "nll" in str(out.metrics)
+    reference.forward_backward(datums, "cross_entropy").result(timeout=300)
+    for tc in (custom, reference):
+        tc.optim_step(types.AdamParams(learning_rate=2e-2)).result(timeout=120)
+    assert close(forward(custom, datums), forward(reference, datums), tol=1e-4)  # the same step
+
+
 def test_one_tenants_steps_leave_another_tenants_adapter_and_models_alone(api):
     alice, bob = new_token(api, "tinker-alice"), new_token(api, "tinker-bob")
     a, b = training_client(api, alice), training_client(api, bob)
