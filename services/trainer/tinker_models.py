@@ -23,7 +23,13 @@ import torch
 from services.trainer import run_store as db
 from shared.contracts.messages import TinkerCheckpoint, TinkerFuture, TinkerOp
 from shared.contracts.streams import GROUP_TRAIN, TINKER_REQUESTS, tinker_key
-from shared.contracts.tinker_run import FUTURE_TTL_S, MODEL_TTL_S, TinkerRunConfig, checkpoint_path
+from shared.contracts.tinker_run import (
+    FUTURE_TTL_S,
+    LOSS_CONFIG,
+    MODEL_TTL_S,
+    TinkerRunConfig,
+    checkpoint_path,
+)
 from shared.platform.bus import StreamConsumer
 from shared.platform.logs import get_logger
 from shared.weights.manifest import fsync_path, fsync_tree
@@ -40,19 +46,42 @@ def importance_sampling(logp: torch.Tensor, d: dict[str, torch.Tensor], config: 
     return -torch.exp(logp - d["logprobs"]) * d["advantages"]
 
 
-def ppo(logp: torch.Tensor, d: dict[str, torch.Tensor], config: dict) -> torch.Tensor:
+def clipped_ratio(logp: torch.Tensor, d: dict[str, torch.Tensor], config: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ratio to the sampler's probability, and that ratio clipped to the config's thresholds."""
     ratio = torch.exp(logp - d["logprobs"])
-    clipped = ratio.clamp(config.get("clip_low_threshold", 0.8), config.get("clip_high_threshold", 1.2))
+    return ratio, ratio.clamp(config["clip_low_threshold"], config["clip_high_threshold"])
+
+
+def ppo(logp: torch.Tensor, d: dict[str, torch.Tensor], config: dict) -> torch.Tensor:
+    ratio, clipped = clipped_ratio(logp, d, config)
     return -torch.minimum(ratio * d["advantages"], clipped * d["advantages"])
 
 
-LOSSES: dict[str, Callable] = {"cross_entropy": cross_entropy, "importance_sampling": importance_sampling, "ppo": ppo}
+def cispo(logp: torch.Tensor, d: dict[str, torch.Tensor], config: dict) -> torch.Tensor:
+    # the clipped ratio weighs the policy gradient and takes none itself (stop-gradient)
+    return -clipped_ratio(logp, d, config)[1].detach() * logp * d["advantages"]
+
+
+def dro(logp: torch.Tensor, d: dict[str, torch.Tensor], config: dict) -> torch.Tensor:
+    # a quadratic penalty on the log-ratio keeps the update near the sampler's distribution
+    return -(logp * d["advantages"] - 0.5 * config["beta"] * (logp - d["logprobs"]) ** 2)
+
+
+LOSSES: dict[str, Callable] = {"cross_entropy": cross_entropy, "importance_sampling": importance_sampling, "ppo": ppo,
+                               "cispo": cispo, "dro": dro}
 INPUTS = ("weights", "advantages", "logprobs")  # a datum's per-token loss inputs, padded like the responses
+
+
+def loss_config(name: str, config: dict) -> dict:
+    """The loss's config with its defaults filled in (the API refused a request that lacks a required one)."""
+    return {k: v for k, v in LOSS_CONFIG.get(name, {}).items() if v is not None} | config
 
 
 def verl_loss(name: str, config: dict) -> Callable:
     """Loss `name` in verl's loss signature: the sum over the micro-batch's tokens (Tinker's losses are sums)."""
     from verl.workers.utils.padding import no_padding_2_padding
+
+    config = loss_config(name, config)
 
     def loss(model_output, data, dp_group=None):
         logp = no_padding_2_padding(model_output["log_probs"], data).float()
@@ -87,7 +116,7 @@ def tensors(op: TinkerOp, pad_id: int) -> tuple[dict, dict]:
 def outputs(op: TinkerOp, t: dict, extra: dict, logp: torch.Tensor) -> list[dict[str, list[float]]]:
     """Per datum: the targets' log-probs and each token's loss (Tinker's `logprobs`, `elementwise_loss`)."""
     inputs = {k: extra[f"tinker_{k}"] for k in INPUTS}
-    elementwise = LOSSES[op.loss_fn](logp, inputs, op.loss_fn_config) * t["response_mask"]
+    elementwise = LOSSES[op.loss_fn](logp, inputs, loss_config(op.loss_fn, op.loss_fn_config)) * t["response_mask"]
     return [{"logprobs": logp[i, :len(d.target_tokens)].tolist(),
              "elementwise_loss": elementwise[i, :len(d.target_tokens)].tolist()} for i, d in enumerate(op.data)]
 

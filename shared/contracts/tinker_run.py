@@ -18,6 +18,14 @@ LOSS_INPUTS: dict[str, tuple[str, ...]] = {
     "cross_entropy": (),  # `weights` optional: every token weighs 1 without
     "importance_sampling": ("logprobs", "advantages"),
     "ppo": ("logprobs", "advantages"),
+    "cispo": ("logprobs", "advantages"),
+    "dro": ("logprobs", "advantages"),
+}
+# Each loss's loss_fn_config: its keys and their defaults (None: the client must give it)
+LOSS_CONFIG: dict[str, dict[str, float | None]] = {
+    "ppo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
+    "cispo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
+    "dro": {"beta": None},
 }
 CHECKPOINT_KINDS = ("weights", "sampler_weights")  # tinker://<model id>/<kind>/<name>
 LORA_ALPHA = 32  # Tinker's LoRA scaling numerator (its clients choose the rank only)

@@ -81,5 +81,16 @@ def test_importance_sampling_and_ppo_outputs(model_dir):
         out = step(engine, op("ppo", SEQS, logprobs=stale, advantages=adv))
         assert out[0]["elementwise_loss"] == pytest.approx([-1.2] * 6, abs=1e-4)  # clipped at 1.2
         assert out[1]["elementwise_loss"] == pytest.approx([torch.e] * 6, abs=1e-4)  # min(r*A, clip(r)*A) = r*A
+        now = probe(engine)[:, :6]  # ppo stepped nothing yet (no optim_step): still `current`
+        out = step(engine, op("cispo", SEQS, logprobs=stale, advantages=adv))
+        expected = (-1.2 * now * torch.tensor(adv)).tolist()  # -sg(clip(ratio e)) * logprob * advantage
+        assert out[0]["elementwise_loss"] == pytest.approx(expected[0], abs=1e-4)
+        assert out[1]["elementwise_loss"] == pytest.approx(expected[1], abs=1e-4)
+        dro = op("dro", SEQS, logprobs=stale, advantages=adv)
+        dro.loss_fn_config = {"beta": 0.5}
+        out = step(engine, dro)  # -(logprob * advantage - beta/2 * (log ratio 1)^2)
+        expected = (-(now * torch.tensor(adv) - 0.25)).tolist()
+        assert out[0]["elementwise_loss"] == pytest.approx(expected[0], abs=1e-4)
+        assert out[1]["elementwise_loss"] == pytest.approx(expected[1], abs=1e-4)
     finally:
         close_engine("is")

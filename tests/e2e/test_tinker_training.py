@@ -183,9 +183,10 @@ def test_one_tenants_steps_leave_another_tenants_adapter_and_models_alone(api):
     assert r.status_code == 404, r.text
 
 
-def _post_fb(api, model_id: str, datums: list[types.Datum], loss: str = "cross_entropy") -> httpx.Response:
+def _post_fb(api, model_id: str, datums: list[types.Datum], loss: str = "cross_entropy",
+             config: dict | None = None) -> httpx.Response:
     body = forward_backward_request_to_proto(types.ForwardBackwardRequest(
-        forward_backward_input=types.ForwardBackwardInput(data=datums, loss_fn=loss),
+        forward_backward_input=types.ForwardBackwardInput(data=datums, loss_fn=loss, loss_fn_config=config),
         model_id=model_id, seq_id=1)).SerializeToString()
     return httpx.post(api.url + "/api/v1/forward_backward", content=body, timeout=30,
                       headers={"X-API-Key": "tml-" + api.token, "Content-Type": "application/x-protobuf"})
@@ -210,6 +211,16 @@ def test_bad_datums_and_losses_are_refused_with_the_field_named(api):
 
     r = _post_fb(api, tc.model_id, [good], loss="importance_sampling")  # no logprobs, no advantages
     assert r.status_code == 400 and "needs" in r.json()["message"], r.text
+
+    n = len(SEQS[0]) - 1
+    rl = sft_datum(SEQS[0])
+    rl = types.Datum(model_input=rl.model_input, loss_fn_inputs={"target_tokens": SEQS[0][1:],
+                                                                 "logprobs": [-1.0] * n, "advantages": [1.0] * n})
+    r = _post_fb(api, tc.model_id, [rl], loss="dro")  # dro's beta has no default
+    assert r.status_code == 400 and r.json()["detail"][0]["field"] == "forward_backward_input.loss_fn_config.beta"
+    r = _post_fb(api, tc.model_id, [rl], loss="cispo", config={"clip_ratio": 0.2})
+    assert r.status_code == 400 and "clip_high_threshold" in r.json()["detail"][0]["hint"], r.text
+    assert _post_fb(api, tc.model_id, [rl], loss="dro", config={"beta": 0.1}).status_code == 200
 
     # the SDK raises the 400 to its caller
     with pytest.raises(tinker.BadRequestError, match="weights"):

@@ -39,7 +39,13 @@ from shared.contracts.db.models import Run
 from shared.contracts.messages import TinkerOp, TinkerSample
 from shared.contracts.messages.tinker import MAX_TOPK_LOGPROBS, AdamStep
 from shared.contracts.streams import TINKER_REQUESTS, TINKER_SAMPLES
-from shared.contracts.tinker_run import LOSS_INPUTS, TinkerRunConfig, checkpoint_path, parse_checkpoint_path
+from shared.contracts.tinker_run import (
+    LOSS_CONFIG,
+    LOSS_INPUTS,
+    TinkerRunConfig,
+    checkpoint_path,
+    parse_checkpoint_path,
+)
 from shared.platform.bus import RedisError, announce
 
 KEY_PREFIX = "tml-"
@@ -355,9 +361,15 @@ def _forward_backward(request: Request, caller: Caller, msg) -> dict:
     except WireError as e:
         raise ApiError(400, e.message, field=e.field, hint=e.hint) from e
     config = {k: v.number for k, v in msg.loss_fn_config_v2.items() if v.WhichOneof("value") == "number"}
+    config = config or dict(msg.loss_fn_config)
+    known = LOSS_CONFIG.get(msg.loss_fn, {})
+    for key in [k for k in config if k not in known] + [k for k, v in known.items() if v is None and k not in config]:
+        raise ApiError(400, f"loss {msg.loss_fn!r} {'has no' if key in config else 'needs the'} loss_fn_config "
+                       f"{key!r}", field=f"forward_backward_input.loss_fn_config.{key}",
+                       hint=f"its config: {', '.join(known) or 'none'}")
     return send_op(request, caller, model, model_id=msg.model_id, seq_id=msg.seq_id, data=data,
                    op="forward" if msg.forward_only else "forward_backward", loss_fn=msg.loss_fn,
-                   loss_fn_config=config or dict(msg.loss_fn_config))
+                   loss_fn_config=config)
 
 
 @router.post("/optim_step")
