@@ -193,10 +193,11 @@ def test_operations_not_served_yet_say_so(api):
         r = post(api, path, {})
         assert r.status_code == 404, r.text
         assert operation in r.json()["message"] and "not supported by this flywheel server yet" in r.json()["message"]
-    r = httpx.delete(api.url + "/api/v1/training_runs/x/checkpoints/weights/y", headers={"X-API-Key": "tml-" + api.token})
+    r = httpx.delete(api.url + "/api/v1/training_runs/x/checkpoints/weights/y/publish",  # unpublish
+                     headers={"X-API-Key": "tml-" + api.token})
     assert r.status_code == 404 and "not supported" in r.json()["message"]
     rest = tinker.RestClient(base_url=api.url, api_key="tml-" + api.token)
-    with pytest.raises(Exception, match="checkpoint management"):
+    with pytest.raises(Exception, match="checkpoint publishing"):
         rest.publish_checkpoint_from_tinker_path("tinker://s:train:0/weights/w").result(timeout=60)
 
 

@@ -658,21 +658,25 @@ def list_user_checkpoints(caller: Key, request: Request, limit: Annotated[int, F
             "cursor": {"offset": offset, "limit": limit, "total_count": len(records)}}
 
 
-def owned_checkpoint(request: Request, caller: Caller, model_id: str, checkpoint_id: str) -> str:
-    """The tinker:// path of the key's live checkpoint `checkpoint_id` (`weights/<name>` or
-    `sampler_weights/<name>`) of model `model_id`; 404 otherwise."""
+def owned_checkpoint(request: Request, caller: Caller, model_id: str, kind: str, name: str) -> str:
+    """The tinker:// path of the key's live checkpoint `<kind>/<name>` (the SDK's checkpoint id) of model
+    `model_id`; 404 otherwise."""
     owned_model(request, caller, model_id, field="path.training_run_id")
-    path = f"tinker://{model_id}/{checkpoint_id}"
+    path = checkpoint_path(model_id, kind, name)
     if parse_checkpoint_path(path) is None or store(request).checkpoint(caller.owner, path) is None:
-        raise ApiError(404, f"checkpoint {checkpoint_id} of {model_id} does not exist", field="path.checkpoint_id",
+        raise ApiError(404, f"checkpoint {kind}/{name} of {model_id} does not exist", field="path.checkpoint_id",
                        hint="weights/<name> or sampler_weights/<name>, as list_checkpoints shows them")
     return path
 
 
-@router.delete("/training_runs/{model_id}/checkpoints/{checkpoint_id:path}", status_code=204)
-def delete_checkpoint(model_id: str, checkpoint_id: str, caller: Key, request: Request) -> None:
+# A checkpoint id is <kind>/<name>: two path segments, so .../<kind>/<name>/publish is not taken for one
+CHECKPOINT = "/training_runs/{model_id}/checkpoints/{kind}/{name}"
+
+
+@router.delete(CHECKPOINT, status_code=204)
+def delete_checkpoint(model_id: str, kind: str, name: str, caller: Key, request: Request) -> None:
     """Gone at once (never listed or loaded again); the trainer then removes its files and record."""
-    path = owned_checkpoint(request, caller, model_id, checkpoint_id)
+    path = owned_checkpoint(request, caller, model_id, kind, name)
     store(request).expire_checkpoint(caller.owner, path, time.time())
 
 
@@ -680,10 +684,10 @@ class CheckpointTtl(Wire):
     ttl_seconds: Annotated[int, Field(ge=1, le=MAX_TTL_S)] | None
 
 
-@router.put("/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/ttl", status_code=204)
-def set_checkpoint_ttl(model_id: str, checkpoint_id: str, body: CheckpointTtl, caller: Key, request: Request) -> None:
+@router.put(CHECKPOINT + "/ttl", status_code=204)
+def set_checkpoint_ttl(model_id: str, kind: str, name: str, body: CheckpointTtl, caller: Key, request: Request) -> None:
     """Expire the checkpoint `ttl_seconds` from now, or (None) keep it until deleted."""
-    path = owned_checkpoint(request, caller, model_id, checkpoint_id)
+    path = owned_checkpoint(request, caller, model_id, kind, name)
     store(request).expire_checkpoint(caller.owner, path, time.time() + body.ttl_seconds if body.ttl_seconds else None)
 
 
