@@ -98,7 +98,7 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="a smoke-sized model (256 x 2) instead of 114M")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
-    os.environ.setdefault("TINKER_TELEMETRY", "0")
+    os.environ.setdefault("TINKER_TELEMETRY", "0")  # the SDK's telemetry batches are requests the figures would count
     import httpx
     import tinker
 

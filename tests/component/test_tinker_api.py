@@ -15,6 +15,7 @@ import httpx
 import pytest
 from api_testlib import CONFIG_ONLY_MODEL, running_api
 
+from tests.support.procs import wait_until
 from tests.support.tiny_model import build_tiny_model
 
 tinker = pytest.importorskip("tinker")
@@ -29,11 +30,6 @@ def api(database_url, redis_url, tmp_path_factory):
     with running_api(database_url, redis_url, data_dir) as live:  # its controller stores the runs of create_model
         live.data_dir = data_dir
         yield live
-
-
-@pytest.fixture(autouse=True)
-def _no_telemetry(monkeypatch):
-    monkeypatch.setenv("TINKER_TELEMETRY", "0")  # telemetry is not served yet; the SDK would warn of each batch
 
 
 def new_token(api, scopes: list[str]) -> str:
@@ -199,6 +195,27 @@ def test_operations_not_served_yet_say_so(api):
     rest = tinker.RestClient(base_url=api.url, api_key="tml-" + api.token)
     with pytest.raises(Exception, match="checkpoint publishing"):
         rest.publish_checkpoint_from_tinker_path("tinker://s:train:0/weights/w").result(timeout=60)
+
+
+def test_sdk_telemetry_is_counted_and_a_client_exception_logged(api):
+    from datetime import UTC, datetime
+
+    from tinker import types
+
+    now = datetime.now(UTC)
+    batch = types.TelemetrySendRequest(session_id="s-1", platform="linux", sdk_version="0.38.0", process_uuid="p", events=[
+        types.SessionStartEvent(event="SESSION_START", event_id="e1", event_session_index=0, severity="INFO",
+                                timestamp=now),
+        types.UnhandledExceptionEvent(event="UNHANDLED_EXCEPTION", event_id="e2", event_session_index=1,
+                                      severity="ERROR", timestamp=now, error_type="ValueError",
+                                      error_message="telemetry-probe-7f3a", traceback="Traceback: probe")])
+    r = post(api, "/api/v1/telemetry", batch.model_dump(mode="json", exclude_none=True),
+             new_token(api, ["read"]))  # a read-only key may report too
+    assert r.status_code == 200 and r.json() == {"status": "accepted"}, r.text
+    metrics = httpx.get(api.url + "/metrics").text
+    assert 'tinker_client_events_total{event="UNHANDLED_EXCEPTION",severity="ERROR"} 1.0' in metrics
+    wait_until(lambda: "telemetry-probe-7f3a" in (api.data_dir / "api.log").read_text(), timeout_s=10,
+               what="the client exception in the API log")
 
 
 def test_the_sdk_configured_from_its_environment(api, monkeypatch):

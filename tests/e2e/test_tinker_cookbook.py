@@ -38,7 +38,7 @@ def stack(database_url, redis_url, tmp_path_factory):
 
 
 def run(stack, args: list[str], log: Path, timeout_s: int = 600) -> None:
-    env = {**os.environ, "TINKER_API_KEY": "tml-" + stack.token, "TINKER_TELEMETRY": "0"}
+    env = {**os.environ, "TINKER_API_KEY": "tml-" + stack.token}
     with open(log, "w") as out:
         proc = subprocess.run([sys.executable, *args], env=env, stdout=out, stderr=subprocess.STDOUT,
                               timeout=timeout_s, check=False)

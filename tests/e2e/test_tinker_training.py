@@ -43,11 +43,6 @@ def api(database_url, redis_url, tmp_path_factory):
         yield stack
 
 
-@pytest.fixture(autouse=True)
-def _no_telemetry(monkeypatch):
-    monkeypatch.setenv("TINKER_TELEMETRY", "0")
-
-
 OPEN: list = []
 
 

@@ -12,7 +12,6 @@ when that reward climbs from chance (<= 0.3) to >= 0.8 with every question >= 0.
 from __future__ import annotations
 
 import argparse
-import os
 import secrets
 import sys
 import tempfile
@@ -116,7 +115,6 @@ def main() -> None:
                         help="sampling temperature: importance_sampling corrects for it (the sampler's logprobs)")
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args()
-    os.environ.setdefault("TINKER_TELEMETRY", "0")
     from transformers import AutoTokenizer
 
     from infra.local.ports import free_port

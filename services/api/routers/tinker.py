@@ -18,6 +18,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from google.protobuf.message import DecodeError
+from prometheus_client import Counter
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from sqlalchemy import func, select
 
@@ -47,6 +48,7 @@ from shared.contracts.tinker_run import (
     parse_checkpoint_path,
 )
 from shared.platform.bus import RedisError, announce
+from shared.platform.logs import get_logger
 
 KEY_PREFIX = "tml-"
 KEY_HINT = "send 'X-API-Key: tml-<flywheel token>' (TINKER_API_KEY=tml-$API_TOKEN, or tml- + a token of `flywheel tokens create`)"
@@ -707,6 +709,38 @@ def weights_info(body: WeightsInfo, caller: Key, request: Request) -> dict:
             "train_attn": lora.get("train_attn")}
 
 
+log = get_logger(__name__)
+CLIENT_EVENTS = Counter("tinker_client_events_total", "Tinker SDK telemetry events received", ["event", "severity"])
+EVENT_TYPES = {"SESSION_START", "SESSION_END", "UNHANDLED_EXCEPTION", "GENERIC_EVENT"}  # the SDK's EventType
+SEVERITIES = {"DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"}
+
+
+class TelemetryBatch(Wire):
+    events: list[dict[str, Any]]
+    session_id: str | None = None
+    sdk_version: str | None = None
+    platform: str | None = None
+
+
+@router.post("/telemetry")
+@needs("read")
+def telemetry(body: TelemetryBatch, caller: Key) -> dict:
+    """The SDK's telemetry: each event counted (`tinker_client_events_total`, labels bounded to the SDK's own
+    values) and logged, a client's unhandled exception as a warning with its type, message and traceback: what
+    failed on the client's side of a session is in the API's log."""
+    for event in body.events:
+        kind = event.get("event") if event.get("event") in EVENT_TYPES else "other"
+        severity = str(event.get("severity", "INFO")).upper()
+        CLIENT_EVENTS.labels(kind, severity if severity in SEVERITIES else "other").inc()
+        where = {"tinker_session": body.session_id, "sdk_version": body.sdk_version, "owner": caller.principal.name}
+        if kind == "UNHANDLED_EXCEPTION":
+            log.warning("tinker client exception %s: %s\n%s", event.get("error_type"), event.get("error_message"),
+                        event.get("traceback") or "", extra=where)
+        else:
+            log.info("tinker client event %s %s", kind, event.get("event_name") or "", extra=where)
+    return {"status": "accepted"}
+
+
 # Every other route the SDK (0.38.0) calls: what it is, so the caller learns the operation is not served yet.
 NOT_SERVED = {
     "/save_weights_external": "save_weights_external",
@@ -714,7 +748,6 @@ NOT_SERVED = {
     "/retrieve_futures": "retrieve_futures", "/cancel_future": "cancel_future",
     "/create_custom_loss": "create_custom_loss", "/auth/token": "auth_token (JWT exchange)",
     "/auth/apikey/me": "API key introspection", "/client/dynamic_config": "client dynamic config",
-    "/telemetry": "telemetry",
     "/training_runs/{rest:path}": "checkpoint publishing and external weights URLs",
     "/sessions/search": "search_sessions", "/sessions/{session_id}/{rest:path}": "session projects and traces",
     "/audit": "audit log", "/billing/{rest:path}": "billing",
