@@ -210,7 +210,8 @@ class TinkerModels:
         now = time.time()
         return TinkerCheckpoint(owner=op.owner, model_id=op.model_id, run_id=model.run_id, kind=kind, name=op.name,
                                 base_model=model.config.base_model, lora=model.config.lora, seq_id=op.seq_id,
-                                created_at=now, expires_at=now + op.ttl_s if op.ttl_s else None, **where)
+                                created_at=now, expires_at=now + op.ttl_s if op.ttl_s else None,
+                                user_metadata=op.user_metadata, **where)
 
     def save_state(self, model: TinkerModel, op: TinkerOp) -> TinkerCheckpoint:
         """Adapter and Adam state (verl's checkpoint) under STATE_DIR/tinker/<run>/<name>, renamed into place."""

@@ -284,6 +284,11 @@ def test_deleted_and_expired_checkpoints_are_gone_and_their_files_removed(api, r
         return {c.tinker_path: c for c in rest.list_checkpoints(tc.model_id).result(timeout=60).checkpoints}
 
     assert listed()[kept].expires_at is None
+    # a name is taken until deleted, unless the save says overwrite; metadata goes with the checkpoint
+    with pytest.raises(tinker.BadRequestError, match="exists already"):
+        tc.save_state("kept").result(timeout=300)
+    assert tc.save_state("kept", overwrite=True, user_metadata={"step": "1"}).result(timeout=300).path == kept
+    assert listed()[kept].user_metadata == {"step": "1"}
     stranger = httpx.delete(f"{api.url}/api/v1/training_runs/{tc.model_id}/checkpoints/weights/kept",
                             headers={"X-API-Key": "tml-" + new_token(api, "tinker-mallory")})
     assert stranger.status_code == 404, stranger.text

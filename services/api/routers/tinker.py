@@ -394,6 +394,8 @@ class SaveWeights(Wire):
     path: str | None = None  # the checkpoint's name
     seq_id: int | None = None
     ttl_seconds: Annotated[int, Field(ge=1, le=MAX_TTL_S)] | None = None  # None: kept until deleted
+    overwrite: bool = False  # replace a checkpoint of that name (otherwise saving over one is refused)
+    user_metadata: dict[str, str] | None = None  # kept with the checkpoint, shown by its listings
     sampling_session_seq_id: int | None = None  # save_weights_and_get_sampling_client: a sampler of these weights
 
 
@@ -418,6 +420,11 @@ def _save(body: SaveWeights, caller: Caller, request: Request, op: str) -> dict:
     name = body.path or (f"sampler-{seq_id:06d}" if op == "save_weights_for_sampler" else f"{seq_id:06d}")
     if not NAME.fullmatch(name):
         raise ApiError(400, f"checkpoint name {name!r} is not 1-128 letters, digits, '.', '_' or '-'", field="path")
+    kind = "sampler_weights" if op == "save_weights_for_sampler" else "weights"
+    if not body.overwrite and store(request).checkpoint(caller.owner, checkpoint_path(body.model_id, kind, name)):
+        # 400, not 409: the SDK retries a 409 as a lock timeout, and this will not change
+        raise ApiError(400, f"checkpoint {checkpoint_path(body.model_id, kind, name)} exists already", field="path",
+                       hint="save under another name, or pass overwrite=True to replace it")
     sampler_id = None
     if op == "save_weights_for_sampler" and body.sampling_session_seq_id is not None:
         # the trainer publishes these weights as version seq_id of the model's run: the sampler serves that
@@ -426,7 +433,7 @@ def _save(body: SaveWeights, caller: Caller, request: Request, op: str) -> dict:
             "run_id": model["run_id"], "version": seq_id, "base_model": model["base_model"],
             "model_path": checkpoint_path(body.model_id, "sampler_weights", name)})
     return send_op(request, caller, model, model_id=body.model_id, seq_id=seq_id, op=op, name=name,
-                   sampling_session_id=sampler_id, ttl_s=body.ttl_seconds)
+                   sampling_session_id=sampler_id, ttl_s=body.ttl_seconds, user_metadata=body.user_metadata or {})
 
 
 @router.post("/save_weights")
@@ -598,7 +605,8 @@ def checkpoint_view(record: dict) -> dict:
     return {"checkpoint_id": f"{record['kind']}/{record['name']}",
             "checkpoint_type": "training" if record["kind"] == "weights" else "sampler",
             "time": datetime.fromtimestamp(record["created_at"], UTC).isoformat(), "tinker_path": path,
-            "public": False, "expires_at": datetime.fromtimestamp(expires, UTC).isoformat() if expires else None}
+            "public": False, "expires_at": datetime.fromtimestamp(expires, UTC).isoformat() if expires else None,
+            "user_metadata": record.get("user_metadata") or None}
 
 
 def training_run_view(run: Run, checkpoints: list[dict]) -> dict:

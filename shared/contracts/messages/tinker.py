@@ -62,6 +62,7 @@ class TinkerOp(Message):
     sampling_session_id: str | None = None  # save_weights_for_sampler: the session made for its weights
     ttl_s: float | None = Field(None, gt=0, description="save_weights*: the checkpoint expires this long after it "
                                 "is saved (the SDK's ttl_seconds); None: kept until deleted")
+    user_metadata: dict[str, str] = Field(default_factory=dict)  # save_weights*: kept with the checkpoint
     sent_at: float = 0.0
 
 
@@ -107,6 +108,7 @@ class TinkerCheckpoint(BaseModel):
     folder: str | None = None  # weights: where the trainer saved it
     version: int | None = None  # sampler_weights: the run's version on the weight server
     created_at: float
+    user_metadata: dict[str, str] = Field(default_factory=dict)
     # deleted (then) or given a ttl: from then on it reads as absent, and the trainer removes its files and record
     expires_at: float | None = None
 
