@@ -39,3 +39,22 @@ async def test_hf_top_k_and_prompt_logprobs(tmp_path):
         await engine.close()
     check_top_and_prompt_logprobs(gen, model, prompt, k=5, prompt_k=4, kept=3)
     assert plain.top_logprobs is None and plain.prompt_logprobs is None  # only what was asked for
+
+
+async def test_a_sampled_pad_token_is_not_read_as_a_stop_strings_end(tmp_path):
+    """generate pads a row that a stop string ended, with the pad token, which a model may also sample: a sample
+    is cut only where a stop string ended it (the cookbook asserts every sample has tokens and logprobs)."""
+    from transformers import AutoTokenizer
+
+    model = build_tiny_model(tmp_path / "m")
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    engine = build_engine("hf", str(model), EngineConfig(), tokenizer, batch_wait_ms=0)
+    pad, stop_token = tokenizer.pad_token_id, 40
+    stop = (tokenizer.decode([stop_token]),)
+    try:
+        ids = [pad, 7, stop_token, pad, pad]  # a sampled pad, then the stop string, then generate's padding
+        assert engine._cut(ids, [-1.0] * 5, 5, stop) == (ids[:3], [-1.0] * 3, "stop")
+        sampled = [pad, 7, 8, 9]  # a sampled pad and no stop string: the whole sample, cut by max_tokens
+        assert engine._cut(sampled, [-1.0] * 4, 4, stop) == (sampled, [-1.0] * 4, "length")
+    finally:
+        await engine.close()

@@ -200,7 +200,7 @@ class HFEngine(InferenceEngine):
         logprobs = distributions.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
         results = []
         for i, r in enumerate(batch):
-            ids, lps, finish = self._cut(tokens[i].tolist(), logprobs[i].tolist(), r.max_tokens, bool(sampling.stop))
+            ids, lps, finish = self._cut(tokens[i].tolist(), logprobs[i].tolist(), r.max_tokens, sampling.stop)
             details = {}
             if sampling.logprobs:
                 details["top_logprobs"] = top_logprobs(distributions[i, :len(ids)], sampling.logprobs)
@@ -233,15 +233,17 @@ class HFEngine(InferenceEngine):
                 "top_k": s.top_k if s.top_k > 0 else 0}
 
     def _cut(self, ids: list[int], logprobs: list[float], max_tokens: int,
-             stop_strings: bool) -> tuple[list[int], list[float], str]:
+             stop_strings: tuple[str, ...]) -> tuple[list[int], list[float], str]:
         """One sequence's own completion: through its first EOS, without padding, at most max_tokens."""
         for n, tok in enumerate(ids[:max_tokens]):
             if tok in self.eos_ids:
                 return ids[: n + 1], logprobs[: n + 1], "stop"
         ids, logprobs = ids[:max_tokens], logprobs[:max_tokens]
-        if stop_strings and self.pad_id not in self.eos_ids and self.pad_id in ids:  # stopped by a stop string
-            n = ids.index(self.pad_id)
-            return ids[:n], logprobs[:n], "stop"
+        if stop_strings and self.pad_id not in self.eos_ids:
+            # generate pads a row that a stop string ended; a pad token the model sampled is not such an end
+            for n, tok in enumerate(ids):
+                if tok == self.pad_id and any(s in self.tokenizer.decode(ids[:n]) for s in stop_strings):
+                    return ids[:n], logprobs[:n], "stop"
         return ids, logprobs, "length"
 
     async def load_weights(self, folder: Path, version: int) -> None:
