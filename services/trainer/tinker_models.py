@@ -30,7 +30,7 @@ from shared.contracts.tinker_run import (
     TinkerRunConfig,
     checkpoint_path,
 )
-from shared.platform.bus import StreamConsumer
+from shared.platform.bus import RedisError, StreamConsumer
 from shared.platform.logs import get_logger
 from shared.weights.manifest import fsync_path, fsync_tree
 
@@ -260,8 +260,14 @@ class TinkerModels:
     async def sweep_checkpoints(self) -> None:
         """Remove what expired checkpoints hold: a save_state's folder under this trainer's STATE_DIR, then the
         record (sampler weights are versions on the weight server, which its retention removes). A folder under
-        another STATE_DIR is left, record and all, to the trainer that wrote it."""
-        now, root = time.time(), (self.trainer.settings.state_dir / "tinker").resolve()
+        another STATE_DIR is left, record and all, to the trainer that wrote it. Redis out of reach: the next
+        sweep tries again (training goes on)."""
+        try:
+            await self._sweep(time.time(), (self.trainer.settings.state_dir / "tinker").resolve())
+        except RedisError as e:
+            log.warning("tinker checkpoint sweep skipped: Redis is out of reach (%s)", e)
+
+    async def _sweep(self, now: float, root: Path) -> None:
         async for key in self.trainer.redis.scan_iter(match=tinker_key("checkpoint", "tinker://*"), count=500):
             raw = await self.trainer.redis.get(key)
             record = TinkerCheckpoint.model_validate_json(raw) if raw else None

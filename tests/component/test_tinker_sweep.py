@@ -1,0 +1,57 @@
+"""The trainer's sweep of expired Tinker checkpoints against real Redis: an expired checkpoint's folder under the
+trainer's STATE_DIR goes, then its record; a live one stays; a folder under another STATE_DIR is left, record and
+all, to the trainer that wrote it; Redis out of reach skips the sweep instead of failing the trainer's loop."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from types import SimpleNamespace
+
+from services.trainer.tinker_models import TinkerModels
+from shared.contracts.messages import TinkerCheckpoint
+from shared.contracts.streams import tinker_key
+from shared.contracts.tinker_run import checkpoint_path
+from shared.platform.bus import Redis
+
+
+def sweeper(redis, state_dir) -> TinkerModels:
+    models = object.__new__(TinkerModels)  # the sweep reads only the trainer's Redis and STATE_DIR
+    models.trainer = SimpleNamespace(redis=redis, settings=SimpleNamespace(state_dir=state_dir))
+    return models
+
+
+async def test_expired_checkpoints_are_removed_and_the_rest_left(redis_url, tmp_path):
+    redis = Redis.from_url(redis_url)
+    model, now = f"s{uuid.uuid4().hex[:8]}:train:0", time.time()
+    mine, elsewhere = tmp_path / "state", tmp_path / "other-trainer"
+
+    def saved(name: str, root, expires_at) -> tuple:
+        folder = root / "tinker" / "run" / name
+        folder.mkdir(parents=True)
+        record = TinkerCheckpoint(owner="o", model_id=model, run_id="run", kind="weights", name=name, base_model="b",
+                                  lora={"rank": 2}, seq_id=1, folder=str(folder), created_at=now,
+                                  expires_at=expires_at)
+        key = tinker_key("checkpoint", checkpoint_path(model, "weights", name))
+        return key, folder, record
+
+    cases = {"expired": saved("expired", mine, now - 1), "live": saved("live", mine, now + 3600),
+             "kept": saved("kept", mine, None), "theirs": saved("theirs", elsewhere, now - 1)}
+    try:
+        for key, _, record in cases.values():
+            await redis.set(key, record.model_dump_json())
+        await sweeper(redis, mine).sweep_checkpoints()
+        gone = {name for name, (key, folder, _) in cases.items() if not folder.exists()}
+        unrecorded = {name for name, (key, _, _) in cases.items() if not await redis.exists(key)}
+        assert gone == unrecorded == {"expired"}
+    finally:
+        await redis.delete(*(key for key, _, _ in cases.values()))
+        await redis.aclose()
+
+
+async def test_a_sweep_with_redis_out_of_reach_is_skipped(tmp_path):
+    redis = Redis.from_url("redis://127.0.0.1:1/0", socket_connect_timeout=1)  # nothing listens on port 1
+    try:
+        await sweeper(redis, tmp_path).sweep_checkpoints()
+    finally:
+        await redis.aclose()
