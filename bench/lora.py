@@ -20,6 +20,11 @@ on a base whose weights dominate a process's memory (bench/train.py's 114M-param
    trainer holds (services/trainer/lora_shared_engine.py) for one LoRA run, for N LoRA runs of one kind (one base,
    N adapters + optimizers) and for N full-weight runs, each run taking two real PPO updates: private resident
    MB (`trainer_private_mb_*`: resident less file-backed pages), engines held, and the median update time.
+5. lag (`--part lag --variant NAME JSON --stacks S`): S stacks of part 3 one after another under the demo's LoRA
+   config with JSON's run-config overrides, stack j's runs seeded j (one seed a stack: its runs share the
+   trainer's engine) and answering offsets 4j, 4j+1, ... mod 10: per run the final reward, each question's
+   accuracy over its last versions and whether every question reached the demo's bar for a question
+   (`question_accuracy_min`), a lagging question's accuracy at every version; -> `lag[NAME]`.
 """
 
 from __future__ import annotations
@@ -250,12 +255,18 @@ def child(work: Path, model: Path, mode: str, runs: int, trainer: bool = False) 
     return json.loads(lines[-1][2:])
 
 
-def learning_runs(n: int, steps: int, timeout_s: float) -> dict:
-    """Part 3: n LoRA runs of the demo's task at once, run k rewarded for (digit + k) mod 10."""
+def learning_runs(n: int, steps: int, timeout_s: float, overrides: dict | None = None, seed: int = 0,
+                  first_offset: int = 0) -> dict:
+    """Part 3: n LoRA runs of the demo's task at once, run k rewarded for (digit + first_offset + k) mod 10, each
+    under the demo's LoRA config with `overrides` merged in (nested dicts key by key) and `seed`: one seed per
+    stack, so the runs share the trainer's engine as runs of one kind do."""
     from tests.support.demo import (
+        BAR,
+        FINAL_VERSIONS,
         LORA,
         LORA_INIT_STD,
         LORA_LR,
+        LORA_TEMPERATURE,
         SAMPLES,
         SERVICES,
         TASKS,
@@ -265,33 +276,89 @@ def learning_runs(n: int, steps: int, timeout_s: float) -> dict:
         summarize,
         train_runs,
     )
+    from tests.support.recall import WORDS
 
     work = Path(tempfile.mkdtemp(prefix="flywheel-bench-lora-runs-"))
-    started = time.monotonic()
+    started, load = time.monotonic(), os.getloadavg()[0]
     try:
         with recall_stack(work, SERVICES, log=log, init_std=LORA_INIT_STD) as (_, api, model_dir):
             configs = []
             for k in range(n):
-                cfg = demo_config(model_dir, steps, TASKS, SAMPLES, LORA_LR, 1, lora=LORA)
-                configs.append(cfg | {"name": f"lora-offset-{k}", "env": {**cfg["env"], "args": {"offset": k}}})
-            log(f"{n} LoRA runs of {steps} versions, run k answering (digit + k) mod 10")
+                offset = (first_offset + k) % 10
+                cfg = demo_config(model_dir, steps, TASKS, SAMPLES, LORA_LR, 1, lora=LORA, temperature=LORA_TEMPERATURE)
+                cfg = merged(cfg, overrides or {})
+                configs.append(cfg | {"name": f"lora-offset-{offset}", "seed": seed,
+                                      "env": {**cfg["env"], "args": {"offset": offset}}})
+            log(f"{n} LoRA runs of {steps} versions, seed {seed}, run k answering (digit + {first_offset} + k) mod 10"
+                f"{f', with {overrides}' if overrides else ''}")
             run_ids, wall_s = train_runs(api, configs, steps, started + timeout_s, log)
-            runs = dict(enumerate(run_ids))
             out = {}
-            for k, run_id in runs.items():
-                s = summarize(answers_by_version(api, run_id))
-                out[f"offset_{k}"] = {"final_reward": round(s["final_reward"] or 0, 3),
-                                      "initial_reward": round(s["initial_reward"] or 0, 3),
-                                      "min_question_accuracy": min(s["question_accuracy"].values(), default=0),
-                                      "versions_served": s["versions_served"]}
+            for cfg, run_id in zip(configs, run_ids, strict=True):
+                rows = answers_by_version(api, run_id)
+                s = summarize(rows)
+                # each question over the last FINAL_VERSIONS versions it was asked at (the run's last versions
+                # can miss one: a version's samples are a batch's 8 questions, fewer where stale ones were dropped)
+                accuracy = {q: round(statistics.mean(list(accuracy_by_version(rows, q).values())[-FINAL_VERSIONS:]), 3)
+                            for q in WORDS}
+                out[f"offset_{cfg['env']['args']['offset']}"] = {
+                    "seed": seed, "final_reward": round(s["final_reward"] or 0, 3),
+                    "initial_reward": round(s["initial_reward"] or 0, 3),
+                    "min_question_accuracy": min(accuracy.values(), default=0),
+                    # the demo's own bar for a question, for every question
+                    "learned_every_question": min(accuracy.values()) >= BAR["question_accuracy_min"],
+                    "question_accuracy": accuracy, "versions_served": s["versions_served"],
+                    # where a question lags: its accuracy at each version served (0: no sample drew its digit)
+                    "lagging": {q: accuracy_by_version(rows, q) for q, a in accuracy.items()
+                                if a < BAR["question_accuracy_min"]}}
             count = api.post("/v1/sql", json={"query": "SELECT count(*) FROM trajectories WHERE run_id IN (" +
-                                              ", ".join(f"'{r}'" for r in runs.values()) + ")"}).json()["rows"][0][0]
+                                              ", ".join(f"'{r}'" for r in run_ids) + ")"}).json()["rows"][0][0]
     finally:
         shutil.rmtree(work, ignore_errors=True)
     finals = [r["final_reward"] for r in out.values()]
     return {"n_runs": n, "versions": steps, "per_run": out, "every_run_final_reward_min": min(finals),
             "trajectories": count, "traj_per_s_n_runs": round(count / wall_s, 1), "wall_s": round(wall_s, 1),
-            "passed": min(finals) >= 0.8, "cores": os.cpu_count()}
+            "passed": min(finals) >= 0.8, "cores": os.cpu_count(),
+            "load_avg_1m": [round(load, 2), round(os.getloadavg()[0], 2)]}  # at the start and the end
+
+
+def merged(base: dict, overrides: dict) -> dict:
+    """`base` with `overrides` in, nested dicts merged key by key."""
+    return base | {k: merged(base[k], v) if isinstance(v, dict) and isinstance(base.get(k), dict) else v
+                   for k, v in overrides.items()}
+
+
+def accuracy_by_version(rows: list[dict], question: str) -> dict[int, float]:
+    """One question's accuracy at each version its samples were drawn at (answers_by_version's rows)."""
+    by: dict[int, list[float]] = {}
+    for r in rows:
+        if r["question"] == question:
+            got = by.setdefault(r["version"], [0.0, 0.0])
+            got[0], got[1] = got[0] + r["reward"], got[1] + r["num"]
+    return {v: round(right / num, 3) for v, (right, num) in sorted(by.items())}
+
+
+def lag(variant: str, overrides: dict, stacks: int, runs: int, steps: int, first_stack: int = 0) -> dict:
+    """`--part lag`: `stacks` stacks one after another, each `runs` LoRA runs at once under `overrides`, stack j's
+    runs seeded j and answering offsets 4j.. (mod 10): how many runs learned every question (the demo's bar for a
+    question, BAR["question_accuracy_min"], over the last versions). Saved under `lag` by variant after each stack;
+    `first_stack` > 0 goes on from the variant's saved stacks."""
+    saved = json.loads(RESULTS.read_text()).get("lag", {}).get(variant, {}) if RESULTS.exists() else {}
+    per_stack = saved.get("stacks", [])[:first_stack] if first_stack else []
+    started = time.monotonic() - (saved.get("wall_s", 0) if first_stack else 0)
+    for j in range(first_stack, first_stack + stacks):
+        per_stack.append(learning_runs(runs, steps, 3600, overrides, seed=j, first_offset=runs * j))
+        per_run = [r for s in per_stack for r in s["per_run"].values()]
+        result = {"variant": variant, "overrides": overrides, "versions": steps, "runs": len(per_run),
+                  "learned_every_question": sum(r["learned_every_question"] for r in per_run),
+                  "min_question_accuracy": sorted(r["min_question_accuracy"] for r in per_run),
+                  "final_reward": sorted(r["final_reward"] for r in per_run),
+                  "wall_s": round(time.monotonic() - started, 1), "cores": os.cpu_count(),
+                  "load_avg_1m": [s["load_avg_1m"] for s in per_stack],
+                  "stacks": [{k: v for k, v in s.items() if k != "cores"} for s in per_stack]}
+        old = json.loads(RESULTS.read_text()).get("lag", {}) if RESULTS.exists() else {}
+        save({"lag": old | {variant: result}})
+        log(f"{variant}: {result['learned_every_question']} of {result['runs']} runs learned every question")
+    return result
 
 
 def main() -> None:
@@ -301,9 +368,16 @@ def main() -> None:
     parser.add_argument("--engines", nargs="+", help=argparse.SUPPRESS)  # the child process of part 2
     parser.add_argument("--small", action="store_true", help="a smoke-sized model (hidden 256, 2 layers)")
     parser.add_argument("--trainer-engines", nargs="+", help=argparse.SUPPRESS)  # the child process of part 4
-    parser.add_argument("--part", choices=("all", "runs", "trainer"), default="all",
+    parser.add_argument("--part", choices=("all", "runs", "trainer", "lag"), default="all",
                         help="runs: only part 3 (N LoRA runs learning at once); trainer: only part 4 (the "
-                        "trainer's memory); either merged into the results file")
+                        "trainer's memory); lag: seeded stacks of part 3 under --variant's config, each variant "
+                        "under `lag` by name; each merged into the results file")
+    parser.add_argument("--variant", nargs=2, metavar=("NAME", "JSON"), default=("defaults", "{}"),
+                        help='--part lag: a name and the run-config overrides, e.g. t1.5 \'{"sampling": '
+                        '{"temperature": 1.5}}\'')
+    parser.add_argument("--stacks", type=int, default=2, help="--part lag: stacks one after another")
+    parser.add_argument("--first-stack", type=int, default=0,
+                        help="--part lag: go on from the variant's saved stacks with stack (seed) FIRST_STACK")
     parser.add_argument("--runs", type=int, default=N_RUNS)
     parser.add_argument("--steps", type=int, default=80)
     args = parser.parse_args()
@@ -314,6 +388,11 @@ def main() -> None:
     if args.trainer_engines:
         mode, runs, model, *_ = args.trainer_engines
         print("@@" + json.dumps(trainer_engines(Path(model), mode, int(runs))))
+        return
+    if args.part == "lag":
+        result = lag(args.variant[0], json.loads(args.variant[1]), args.stacks, args.runs, args.steps,
+                     args.first_stack)
+        print(json.dumps({k: v for k, v in result.items() if k != "stacks"}, indent=1))
         return
     if args.part == "runs":
         one = learning_runs(1, args.steps, timeout_s=3600)  # the same stack and task with one run, just before

@@ -52,6 +52,7 @@ LORA_LR, LORA_INIT_STD = 1e-2, 0.15
 # about 1 run of 5 here one question still lagged at the end (0.0-0.52, the others >= 0.86): the LoRA bar lets one
 # question lag. A constant answer still fails it (it gets 1 question right, 9 wrong), as does a reward below 0.8.
 LORA_BAR = BAR | {"questions_lagging_max": 1}
+LORA_TEMPERATURE = 1.0  # a LoRA run's sampling temperature (the trainer's policy is that tempered one)
 
 
 def write_result(path: Path, result: dict) -> None:
@@ -145,12 +146,15 @@ def run_inprocess(model_dir: Path, steps: int = STEPS, tasks: int = TASKS, n: in
 
 # -- the full stack ------------------------------------------------------------------------------------------
 def demo_config(model_dir: Path, steps: int, tasks: int, n: int, lr: float, max_staleness: int,
-                stale_policy: str = "drop", lora: dict | None = None, engine: dict | None = None) -> dict:
-    """The demo's run config; `engine`: more EngineConfig fields (bench/gpu_check.py: the device)."""
+                stale_policy: str = "drop", lora: dict | None = None, engine: dict | None = None,
+                temperature: float = 1.0) -> dict:
+    """The demo's run config; `engine`: more EngineConfig fields (bench/gpu_check.py: the device); `temperature`:
+    the rollouts' sampling temperature, which the trainer's policy shares (LORA_TEMPERATURE for a LoRA run)."""
     return {
         "name": "recall-demo", "kind": "train", "model": str(model_dir), "dataset": "recall",
         "agent": {"name": "tests.support.recall:RecallAgent"}, "env": {"name": "tests.support.recall:RecallEnv"},
-        "engine": {"type": "hf", "max_batch_size": tasks * n, **(engine or {})}, "sampling": {"temperature": 1.0},
+        "engine": {"type": "hf", "max_batch_size": tasks * n, **(engine or {})},
+        "sampling": {"temperature": temperature},
         "algorithm": ALGORITHM | {"lr": lr} | ({"lora": lora} if lora else {}),
         "samples_per_task": n, "tasks_per_batch": tasks, "max_prompt_tokens": 64, "max_response_tokens": 1,
         # Reload lag leaves a few samples one version past the bound: dropped (the default; the controller
@@ -200,13 +204,14 @@ def run_stack(data_dir: Path, *, steps: int = STEPS, tasks: int = TASKS, n: int 
               log=print, lora: dict | None = None) -> dict:
     """Start every service, create a training run through the REST API, print reward per policy version until
     `steps` versions are trained, and read the per-question accuracy back through the API. `lora`: the run
-    trains that adapter (`algorithm.lora`) on a base drawn at LORA_INIT_STD."""
+    trains that adapter (`algorithm.lora`) on a base drawn at LORA_INIT_STD, sampling at LORA_TEMPERATURE."""
     started = time.monotonic()
     init_std = LORA_INIT_STD if lora else 0.02
     with recall_stack(data_dir, SERVICES, env, log, init_std=init_std) as (_, api, model_dir):
         log(f"{steps} versions of {tasks} questions x {n} samples, max_staleness {max_staleness}")
-        [run_id], _ = train_runs(api, [demo_config(model_dir, steps, tasks, n, lr, max_staleness, stale_policy, lora)],
-                                 steps, started + timeout_s, log)
+        config = demo_config(model_dir, steps, tasks, n, lr, max_staleness, stale_policy, lora,
+                             temperature=LORA_TEMPERATURE if lora else 1.0)
+        [run_id], _ = train_runs(api, [config], steps, started + timeout_s, log)
         wall_s = time.monotonic() - started
         answers = answers_by_version(api, run_id)
         published = len(api.get(f"/v1/runs/{run_id}/checkpoints").json()["data"])
