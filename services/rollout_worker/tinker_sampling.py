@@ -7,7 +7,6 @@ goes into the request's future. More: docs/tinker.md#sampling
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 import uuid
 
@@ -35,6 +34,15 @@ def cut_at_stop_tokens(ids: list[int], logprobs: list[float], stop: list[int]) -
         if token in stop:
             return ids[:i + 1], logprobs[:i + 1], True
     return ids, logprobs, False
+
+
+def sample_params(msg: TinkerSample, i: int) -> SamplingParams:
+    """Sample i's engine request: seeded with seed + i when the request has a seed; the first sample's also
+    scores the prompt, when that was asked."""
+    return SamplingParams(temperature=msg.temperature, top_p=msg.top_p, top_k=msg.top_k, stop=tuple(msg.stop_strings),
+                          logprobs=msg.topk_sample_logprobs, seed=None if msg.seed is None else msg.seed + i,
+                          prompt_logprobs=msg.topk_prompt_logprobs if i == 0 and (
+                              msg.prompt_logprobs or msg.topk_prompt_logprobs) else None)
 
 
 def prompt_scores(msg: TinkerSample, gen: Generation) -> dict:
@@ -82,13 +90,8 @@ class TinkerSampling:
             ctx = await self.worker.runs.get(msg.run_id)
             with ctx.in_use():
                 await self.at_version(ctx, msg.version)
-                params = SamplingParams(temperature=msg.temperature, top_p=msg.top_p, top_k=msg.top_k,
-                                        stop=tuple(msg.stop_strings), logprobs=msg.topk_sample_logprobs)
-                scored = params  # the first sample's request also scores the prompt, when that was asked
-                if msg.prompt_logprobs or msg.topk_prompt_logprobs:
-                    scored = dataclasses.replace(params, prompt_logprobs=msg.topk_prompt_logprobs)
-                gens = await asyncio.gather(*(ctx.engine.generate(msg.prompt, scored if i == 0 else params,
-                                                                  msg.max_tokens) for i in range(msg.num_samples)))
+                gens = await asyncio.gather(*(ctx.engine.generate(msg.prompt, sample_params(msg, i), msg.max_tokens)
+                                              for i in range(msg.num_samples)))
             sequences, results = [], []
             for i, g in enumerate(gens):
                 ids, logprobs, stopped = cut_at_stop_tokens(g.ids, g.logprobs, msg.stop_tokens)

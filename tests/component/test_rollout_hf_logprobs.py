@@ -2,6 +2,8 @@
 from (temperature, then top-k and top-p), checked against a plain forward pass (tests/fixtures/vllm_env.py's
 reference, which also checks vLLM's)."""
 
+import asyncio
+
 import pytest
 from fixtures.vllm_env import check_top_and_prompt_logprobs, reference_logprobs
 
@@ -58,3 +60,21 @@ async def test_a_sampled_pad_token_is_not_read_as_a_stop_strings_end(tmp_path):
         assert engine._cut(sampled, [-1.0] * 4, 4, stop) == (sampled, [-1.0] * 4, "length")
     finally:
         await engine.close()
+
+
+async def test_hf_seeded_requests_draw_the_same_samples_whatever_runs_beside_them(tmp_path):
+    from transformers import AutoTokenizer
+
+    model = build_tiny_model(tmp_path / "m", initializer_range=0.1)
+    engine = build_engine("hf", str(model), EngineConfig(), AutoTokenizer.from_pretrained(model), batch_wait_ms=5)
+    prompt, seeded = [5, 6, 7, 8], SamplingParams(seed=7)
+    try:
+        alone = await engine.generate(prompt, seeded, 12)
+        # the same request among unseeded ones and other seeds, all sent at once
+        together = await asyncio.gather(engine.generate(prompt, seeded, 12), *(
+            engine.generate(prompt, SamplingParams(seed=s), 12) for s in (8, 9)),
+            *(engine.generate(prompt, SamplingParams(), 12) for _ in range(3)))
+    finally:
+        await engine.close()
+    assert together[0].ids == alone.ids and together[0].logprobs == pytest.approx(alone.logprobs, abs=1e-6)
+    assert len({tuple(g.ids) for g in together[:3]}) > 1  # other seeds, other draws

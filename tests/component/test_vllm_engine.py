@@ -61,12 +61,15 @@ def test_logprobs_are_those_of_the_sampling_distribution(driver, vllm_models):
     assert_matches_hf(g, vllm_models[0], PROMPTS[0])
 
 
-def test_top_k_and_prompt_logprobs_as_the_hf_engine_gives_them(driver, vllm_models):
+def test_top_k_and_prompt_logprobs_as_the_hf_engine_gives_them_and_seeds(driver, vllm_models):
     prompt = PROMPTS[1]
     (r,) = ok(driver.call({"op": "generate", "requests": [{"prompt": prompt, "max_tokens": 8, "temperature": 0.7,
                                                              "top_k": 3, "logprobs": 5, "prompt_logprobs": 4}]}))["results"]
     assert r["version"] == 0
     check_top_and_prompt_logprobs(SimpleNamespace(**r), vllm_models[0], prompt, k=5, prompt_k=4, kept=3)
+    seeded = [{"prompt": prompt, "max_tokens": 8, "temperature": 1.0, "seed": s} for s in (7, 7, 8)]
+    first, again, other = ok(driver.call({"op": "generate", "requests": seeded}))["results"]
+    assert first["ids"] == again["ids"] != other["ids"]  # a seed fixes a request's draws
 
 
 def test_hot_reload_serves_the_new_checkpoint_and_in_flight_requests_keep_their_version(driver, vllm_models):

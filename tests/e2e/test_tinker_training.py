@@ -365,7 +365,8 @@ def test_samples_of_a_base_model_and_of_trained_weights_are_served_and_stored(ap
 
 def test_compute_logprobs_and_top_k_logprobs_are_the_models(api):
     """compute_logprobs on trained sampler weights gives the trainer's logprobs of the same tokens; the last n
-    alone when asked; top-k logprobs of sampled and prompt positions hold each token's own logprob."""
+    alone when asked; top-k logprobs of sampled and prompt positions hold each token's own logprob; a seed fixes
+    the samples."""
     tc = training_client(api)
     train(tc, [sft_datum(s) for s in SEQS], 2)
     sampler = tc.save_weights_and_get_sampling_client().result(timeout=300)
@@ -389,6 +390,11 @@ def test_compute_logprobs_and_top_k_logprobs_are_the_models(api):
         assert len(sample.topk_logprobs) == len(sample.tokens)
         for token, lp, top in zip(sample.tokens, sample.logprobs, sample.topk_logprobs, strict=True):
             assert 1 <= len(top) <= 3 and dict(top)[token] == pytest.approx(lp, abs=1e-4)  # top_k 3 left 3 at most
+
+    # a seed fixes the samples: the same request again draws the same ones
+    seeded = [sampler.sample(types.ModelInput.from_ints(seq[:4]), 2, types.SamplingParams(max_tokens=6, seed=11))
+              .result(timeout=300) for _ in range(2)]
+    assert [s.tokens for s in seeded[0].sequences] == [s.tokens for s in seeded[1].sequences]
 
     # asked of the server without the SDK's own checks: a clear 400 naming the field
     r = httpx.post(api.url + "/api/v1/asample", headers={"X-API-Key": "tml-" + api.token}, json={

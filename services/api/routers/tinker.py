@@ -590,6 +590,7 @@ def asample(body: SampleRequest, caller: Key, request: Request) -> dict:
             stop_strings=[x for x in stop if isinstance(x, str)], stop_tokens=[x for x in stop if isinstance(x, int)],
             prompt_logprobs=bool(body.prompt_logprobs), prompt_logprobs_last_n=last_n,
             topk_prompt_logprobs=body.topk_prompt_logprobs, topk_sample_logprobs=body.topk_sample_logprobs,
+            seed=p.seed,
             sent_at=time.time()))
     except RedisError as e:
         raise ApiError(503, f"Redis is unreachable, so the sample could not be sent to a rollout worker ({e})",

@@ -28,6 +28,7 @@ class SamplingParams:
     top_k: int = -1  # -1 disables
     stop: tuple[str, ...] = ()
     partial: bool = False  # partial rollout: a new version may take over mid-generation (engines that can)
+    seed: int | None = None  # set: this request's draws depend on the seed and the prompt alone (reproducible)
     logprobs: int = 0  # k > 0: each generated token's k likeliest tokens (Generation.top_logprobs)
     # None: no prompt logprobs; 0: each prompt token's logprob under the model (temperature 1: what a trainer
     # computes); k > 0: with each position's k likeliest tokens too (Generation.prompt_logprobs / prompt_top_logprobs)

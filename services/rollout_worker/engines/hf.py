@@ -13,6 +13,7 @@ More: docs/vllm.md#the-hf-engine
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,7 +108,8 @@ class HFEngine(InferenceEngine):
         if not self._pending:
             return []
         key = self._pending[0].sampling
-        batch = [r for r in self._pending if r.sampling == key][: self.max_batch_size]
+        # a seeded request is generated alone: a row's draws would otherwise depend on the rows beside it
+        batch = [r for r in self._pending if r.sampling == key][: 1 if key.seed is not None else self.max_batch_size]
         taken = set(map(id, batch))
         self._pending = [r for r in self._pending if id(r) not in taken]
         return batch
@@ -186,7 +188,7 @@ class HFEngine(InferenceEngine):
         sampling = batch[0].sampling
         max_new = max(r.max_tokens for r in batch)
         per_row = {"adapter_names": adapter_names} if self._adapters and adapter_names else {}
-        with torch.no_grad():
+        with torch.no_grad(), self._rng(sampling.seed):
             out = self.model.generate(**per_row,
                 input_ids=input_ids.to(self.device), attention_mask=attention.to(self.device),
                 max_new_tokens=max_new, **self._sampling_kwargs(sampling),
@@ -211,6 +213,16 @@ class HFEngine(InferenceEngine):
         BATCH_SIZE.observe(len(batch))
         BATCH_SECONDS.observe(time.perf_counter() - start)
         return results
+
+    @contextlib.contextmanager
+    def _rng(self, seed: int | None):
+        """generate's random state: torch's own, or (a seed) one of its own, torch's left as it was."""
+        if seed is None:
+            yield
+            return
+        with self.torch.random.fork_rng(devices=[self.device] if str(self.device).startswith("cuda") else []):
+            self.torch.manual_seed(seed)
+            yield
 
     def _prompt_logprobs(self, prompt_ids: list[int], adapter_name: str | None, k: int) -> dict:
         """The prompt's logprobs under the model served to the request (no temperature: a trainer's), one forward

@@ -108,6 +108,8 @@ class OpenAIEngine(InferenceEngine):
                 "return_token_ids": True}
         if sampling.top_k > 0:
             body["top_k"] = sampling.top_k
+        if sampling.seed is not None:
+            body["seed"] = sampling.seed
         if sampling.stop:
             body["stop"] = list(sampling.stop)
         if name is not None:

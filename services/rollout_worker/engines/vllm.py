@@ -78,7 +78,7 @@ class VLLMEngine(InferenceEngine):
 
         params = VllmSampling(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
                               max_tokens=max_tokens, stop=list(sampling.stop) or None, logprobs=sampling.logprobs,
-                              prompt_logprobs=sampling.prompt_logprobs)
+                              prompt_logprobs=sampling.prompt_logprobs, seed=sampling.seed)
         if sampling.partial and adapter is None:
             return await self._generate_partial(prompt_ids, params, sampling)
         async with self._gate.request():

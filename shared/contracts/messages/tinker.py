@@ -68,7 +68,7 @@ class TinkerOp(Message):
 
 class TinkerSample(Message):
     TYPE = "tinker_sample"
-    # 2: logprob requests (prompt, top-k); a reader of version 1 would answer them without what they asked for
+    # 2: logprob requests (prompt, top-k) and seed; a reader of version 1 would answer them without either
     SCHEMA_VERSION = 2
     MIN_SCHEMA_VERSION = 1
 
@@ -89,6 +89,7 @@ class TinkerSample(Message):
     prompt_logprobs_last_n: int | None = Field(None, ge=1, description="only the last n prompt positions scored")
     topk_prompt_logprobs: int = Field(0, ge=0, le=MAX_TOPK_LOGPROBS)  # each prompt position's k likeliest tokens
     topk_sample_logprobs: int = Field(0, ge=0, le=MAX_TOPK_LOGPROBS)  # each sampled position's k likeliest tokens
+    seed: int | None = None  # sample i draws with seed + i: the same request with the same seed, the same samples
     sent_at: float = 0.0
 
 
