@@ -24,7 +24,8 @@ on a base whose weights dominate a process's memory (bench/train.py's 114M-param
    config with JSON's run-config overrides, stack j's runs seeded j (one seed a stack: its runs share the
    trainer's engine) and answering offsets 4j, 4j+1, ... mod 10: per run the final reward, each question's
    accuracy over its last versions and whether every question reached the demo's bar for a question
-   (`question_accuracy_min`), a lagging question's accuracy at every version; -> `lag[NAME]`.
+   (`question_accuracy_min`), a lagging question's accuracy at every version; -> `lag[NAME]`. `--part base`: the
+   LoRA base's odds at version 0 and the accuracy an adapter can reach at most, per temperature -> `lag["base"]`.
 """
 
 from __future__ import annotations
@@ -361,6 +362,52 @@ def lag(variant: str, overrides: dict, stacks: int, runs: int, steps: int, first
     return result
 
 
+def base_odds(temperatures: tuple[float, ...] = (1.0, 1.25, 1.5)) -> dict:
+    """`--part base`: the demo's LoRA base (build_number_model at LORA_INIT_STD) at each sampling temperature: per
+    offset the question whose right digit is least likely at version 0 (and the chance a group of SAMPLES draws
+    it never), and the best p(digit) any final hidden state can give (what an adapter that leaves the final norm
+    and the tied embeddings frozen can reach at most), found by gradient ascent on the normed hidden state."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.support.demo import LORA_INIT_STD, SAMPLES, prompt_ids
+    from tests.support.recall import ANSWERS, WORDS
+    from tests.support.tiny_model import build_number_model
+
+    work = Path(tempfile.mkdtemp(prefix="flywheel-bench-lora-base-"))
+    try:
+        folder = build_number_model(work / "model", init_std=LORA_INIT_STD)
+        tokenizer, model = AutoTokenizer.from_pretrained(folder), AutoModelForCausalLM.from_pretrained(folder).eval()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    digits = [tokenizer.convert_tokens_to_ids(str(k)) for k in range(10)]
+    with torch.no_grad():
+        logits = torch.stack([model(torch.tensor([prompt_ids(tokenizer, w)])).logits[0, -1] for w in WORDS])
+    embeddings, norm = model.get_output_embeddings().weight.detach(), model.model.norm.weight.detach()
+    out = {}
+    for t in temperatures:
+        p = torch.softmax(logits / t, -1)
+        least = {}
+        for offset in range(10):
+            right = {w: float(p[i, digits[(int(ANSWERS[w]) + offset) % 10]]) for i, w in enumerate(WORDS)}
+            w = min(right, key=right.get)
+            least[offset] = {"question": w, "p": round(right[w], 5), "p_no_right_in_group": round((1 - right[w]) ** SAMPLES, 3)}
+        best = []
+        for d in digits:
+            torch.manual_seed(d)
+            x = torch.randn(embeddings.shape[1], requires_grad=True)
+            opt = torch.optim.Adam([x], lr=0.05)
+            for _ in range(400):
+                logp = torch.log_softmax(embeddings @ (norm * x / x.pow(2).mean().sqrt()) / t, -1)[d]
+                opt.zero_grad()
+                (-logp).backward()
+                opt.step()
+            best.append(round(float(logp.exp()), 3))
+        out[str(t)] = {"least_likely_right_digit_by_offset": least, "best_p_by_digit": best,
+                       "accuracy_ceiling_mean": round(sum(best) / len(best), 3)}
+    return out
+
+
 def main() -> None:
     import asyncio
 
@@ -368,10 +415,11 @@ def main() -> None:
     parser.add_argument("--engines", nargs="+", help=argparse.SUPPRESS)  # the child process of part 2
     parser.add_argument("--small", action="store_true", help="a smoke-sized model (hidden 256, 2 layers)")
     parser.add_argument("--trainer-engines", nargs="+", help=argparse.SUPPRESS)  # the child process of part 4
-    parser.add_argument("--part", choices=("all", "runs", "trainer", "lag"), default="all",
+    parser.add_argument("--part", choices=("all", "runs", "trainer", "lag", "base"), default="all",
                         help="runs: only part 3 (N LoRA runs learning at once); trainer: only part 4 (the "
                         "trainer's memory); lag: seeded stacks of part 3 under --variant's config, each variant "
-                        "under `lag` by name; each merged into the results file")
+                        "under `lag` by name; base: the LoRA base's odds and ceiling per temperature, under "
+                        "`lag`; each merged into the results file")
     parser.add_argument("--variant", nargs=2, metavar=("NAME", "JSON"), default=("defaults", "{}"),
                         help='--part lag: a name and the run-config overrides, e.g. t1.5 \'{"sampling": '
                         '{"temperature": 1.5}}\'')
@@ -388,6 +436,12 @@ def main() -> None:
     if args.trainer_engines:
         mode, runs, model, *_ = args.trainer_engines
         print("@@" + json.dumps(trainer_engines(Path(model), mode, int(runs))))
+        return
+    if args.part == "base":
+        odds = base_odds()
+        old = json.loads(RESULTS.read_text()).get("lag", {}) if RESULTS.exists() else {}
+        save({"lag": old | {"base": odds}})
+        print(json.dumps(odds, indent=1))
         return
     if args.part == "lag":
         result = lag(args.variant[0], json.loads(args.variant[1]), args.stacks, args.runs, args.steps,
