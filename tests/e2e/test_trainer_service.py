@@ -101,8 +101,8 @@ def _insert_run(database_url: str, model_dir: Path, status: str = "running", **o
 
 
 def _result(run_id: str, task: str, sample: int, *, version: int = 0, attempt: int = 0, batch: int = 0,
-            status: str = "completed", reason=TerminationReason.ENV_DONE) -> EpisodeResult:
-    token = random.randrange(2, 64)
+            status: str = "completed", reason=TerminationReason.ENV_DONE, token: int | None = None) -> EpisodeResult:
+    token = random.randrange(2, 64) if token is None else token
     reward = float(4 <= token <= 13)  # the digit tokens of the tiny tokenizer
     traj = TrajectoryRecord(uid=uuid.uuid4().hex, reward=reward, termination_reason=reason,
                             prompt_ids=[62, 32, 12], response_ids=[token], loss_mask=[1], logprobs=[-4.1],
@@ -121,7 +121,11 @@ def _publish_batch(redis_url: str, run_id: str, batch: int, version: int) -> set
     keys = set()
     for t in range(TASKS):
         for s in range(N):
-            _accept(client, _result(run_id, f"b{batch}-t{t}", s, version=version, batch=batch))
+            # each group holds a right answer (a digit, 4..13) and a wrong one, the rest drawn: GRPO has a signal
+            # in every group, so each version moves the weights (all-equal groups leave an adapter at its init,
+            # and two LoRA runs' adapters then equal: about 1 CI run in 250 met that)
+            token = {0: 5, 1: 40}.get(s)
+            _accept(client, _result(run_id, f"b{batch}-t{t}", s, version=version, batch=batch, token=token))
             keys.add((f"b{batch}-t{t}", s))
     return keys
 
