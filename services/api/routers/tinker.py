@@ -545,8 +545,8 @@ class SampleRequest(Wire):
     prompt_alt_tokens_k: int = 0
 
 
-DEFAULT_MAX_TOKENS = 256
-MAX_TTL_S = 10 * 365 * 86400  # the SDK documents ten years as the longest ttl  # a sample request without max_tokens
+DEFAULT_MAX_TOKENS = 256  # a sample request without max_tokens
+MAX_TTL_S = 10 * 365 * 86400  # the SDK documents ten years as the longest ttl
 
 
 def prompt_tokens(prompt: dict[str, Any]) -> list[int]:
