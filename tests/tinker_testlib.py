@@ -42,15 +42,19 @@ class TinkerStack:
     def model_dir(self) -> Path:
         return self.data_dir / "models" / BASE
 
-    def start_trainer(self):
+    def start_trainer(self, worker_id: str = "trainer-tinker"):
+        """The stack's trainer (another `worker_id`: one more trainer of the fleet, with the same STATE_DIR, which
+        the caller stops)."""
         n = len(list(self.data_dir.glob("trainer*.log")))
-        self.trainer = start_service("services.trainer.main", log=self.data_dir / f"trainer{n}.log",
-                                     **service_env(self.database_url, self.redis_url, self.data_dir,
-                                                   worker_id="trainer-tinker", runs_poll_s="0.5", tinker_sweep_s="1",
-                                                   weight_server_url=self.ws.url, weights_dir=self.ws.env["WEIGHTS_DIR"],
-                                                   master_port=None, master_addr=None, rank=None, world_size=None))
-        wait_heartbeat(self.redis_url, "trainer", "trainer-tinker", self.trainer, timeout_s=180)
-        return self.trainer
+        proc = start_service("services.trainer.main", log=self.data_dir / f"trainer{n}.log",
+                             **service_env(self.database_url, self.redis_url, self.data_dir,
+                                           worker_id=worker_id, runs_poll_s="0.5", tinker_sweep_s="1",
+                                           weight_server_url=self.ws.url, weights_dir=self.ws.env["WEIGHTS_DIR"],
+                                           master_port=None, master_addr=None, rank=None, world_size=None))
+        wait_heartbeat(self.redis_url, "trainer", worker_id, proc, timeout_s=180)
+        if worker_id == "trainer-tinker":
+            self.trainer = proc
+        return proc
 
     def kill_trainer(self) -> None:
         self.trainer.send_signal(signal.SIGKILL)

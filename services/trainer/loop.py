@@ -95,7 +95,7 @@ class Trainer:
         self.publisher = WeightPublisher(settings.weight_server_url, settings.weights_dir, settings.publish_timeout_s,
                                          settings.delta_zstd_level)
         self.torch_thread = ThreadPoolExecutor(1, thread_name_prefix="torch")  # all verl work on one thread
-        self.tinker = TinkerModels(self)  # Tinker training clients (`tinker.requests`), beside the runs
+        self.tinker = TinkerModels(self)  # Tinker training clients (`tinker.requests`, `tinker.ops.*`), beside the runs
         self.runs: dict[str, RunState] = {}
         self.closed_trackers: list[RunTrackers] = []  # let go, their last calls perhaps still running
         self.foreign: set[str] = set()  # runs another trainer holds
@@ -182,7 +182,7 @@ class Trainer:
 
         # model_copies: copies of a model held (LoRA runs of one kind share one)
         self.status.update(runs={r.run_id: r.version for r in self.runs.values()}, trains=sorted(self.runs),
-                           broken=self.broken, model_copies=engines_held(), tinker_models=sorted(self.tinker.models),
+                           broken=self.broken, model_copies=engines_held(), tinker_models=sorted(self.tinker.held),
                            tracker_warnings={r.run_id: r.trackers.warning for r in self.runs.values()
                                              if r.trackers is not None and r.trackers.warning})
 

@@ -55,6 +55,16 @@ def hold_leases(db: Engine, owner: str, run_ids: list[str], ttl_s: float) -> set
         return leases.acquire(c, leases.TRAINER, owner, run_ids, ttl_s)
 
 
+def unheld_tinker_models(db: Engine, owner: str) -> dict[str, str]:
+    """Running tinker runs whose trainer lease is free or expired (their holder died or let go): model id ->
+    run id."""
+    with db.connect() as c:
+        rows = c.execute(select(Run.id, Run.config["model_id"].astext).where(
+            Run.kind == "tinker", Run.status == "running")).all()
+        free = set(leases.free_or_ours(c, leases.TRAINER, owner, [str(r[0]) for r in rows]))
+    return {model_id: str(run_id) for run_id, model_id in rows if str(run_id) in free}
+
+
 def release_leases(db: Engine, owner: str, run_ids: list[str] | None = None) -> None:
     with db.begin() as c:
         leases.release(c, leases.TRAINER, owner, run_ids)

@@ -1,11 +1,13 @@
-"""The Tinker training clients this trainer serves: `tinker.requests` (group `train`), each model a LoRA slot on
-the shared-base engine of its base model (lora_shared_engine.py), its operations applied in `seq_id` order and
-answered in their futures (`tinker:future:<request id>`, where the API's `retrieve_future` reads them).
+"""The Tinker training clients this trainer serves, each model a LoRA slot on the shared-base engine of its base
+model (lora_shared_engine.py), its operations applied in `seq_id` order and answered in their futures
+(`tinker:future:<request id>`, where the API's `retrieve_future` reads them).
 
-A model is held by one trainer (its run's trainer lease). Its adapter and gradients live in that trainer's
+A model is held by one trainer of the fleet (its run's trainer lease), which reads the model's own stream
+(`tinker.ops.<model id>`); `tinker.requests` wakes the fleet when a model has work, and a model whose holder died
+is taken over, pending operations and all, once its lease expired. Adapter and gradients live in the holder's
 memory; `save_weights` puts adapter and Adam state in STATE_DIR, `save_weights_for_sampler` the adapter on the
-weight server. A restarted trainer resumes a model from its last `save_weights`, or, with none, says its
-weights are lost instead of training a fresh adapter in their place. More: docs/tinker.md#training-operations
+weight server. A new holder resumes a model from its last `save_weights`, or, with none, says its weights are
+lost instead of training a fresh adapter in their place. More: docs/tinker.md#training-operations
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ from pathlib import Path
 import torch
 
 from services.trainer import run_store as db
-from shared.contracts.messages import TinkerCheckpoint, TinkerFuture, TinkerOp
-from shared.contracts.streams import GROUP_TRAIN, TINKER_REQUESTS, tinker_key
+from shared.contracts.messages import TinkerCheckpoint, TinkerFuture, TinkerOp, TinkerWake
+from shared.contracts.streams import GROUP_TRAIN, TINKER_REQUESTS, tinker_key, tinker_model_ops
 from shared.contracts.tinker_run import (
     FUTURE_TTL_S,
     LOSS_CONFIG,
@@ -30,7 +32,7 @@ from shared.contracts.tinker_run import (
     TinkerRunConfig,
     checkpoint_path,
 )
-from shared.platform.bus import RedisError, StreamConsumer
+from shared.platform.bus import REDIS_DOWN, RedisError, StreamConsumer
 from shared.platform.logs import get_logger
 from shared.weights.manifest import fsync_path, fsync_tree
 
@@ -141,23 +143,80 @@ class OpFailed(Exception):
 class TinkerModels:
     def __init__(self, trainer):
         self.trainer = trainer
-        self.consumer = StreamConsumer(trainer.bus, TINKER_REQUESTS, GROUP_TRAIN, trainer.worker_id, expect=TinkerOp,
-                                       max_deliveries=None, claim_idle_ms=None, block_ms=None)
-        self.models: dict[str, TinkerModel] = {}
+        self.wakes = self.queue(TINKER_REQUESTS, TinkerWake)
+        self.held: dict[str, tuple[str, StreamConsumer]] = {}  # model id -> its run, its operations' stream
+        self.models: dict[str, TinkerModel] = {}  # the held models opened (their first operation came)
+        self.foreign: dict[str, float] = {}  # model id -> until when another trainer is known to hold it
+        self.next_scan = 0.0  # when to look for models whose holder is gone
+
+    def queue(self, stream: str, expect: type) -> StreamConsumer:
+        # entries are held for as long as they take (a model's whole step), never reclaimed on a timer
+        return StreamConsumer(self.trainer.bus, stream, GROUP_TRAIN, self.trainer.worker_id, expect=expect,
+                              max_deliveries=None, claim_idle_ms=None, block_ms=None)
 
     async def start(self) -> None:
-        await self.consumer.start()
-        async for deliveries in self.consumer.take_over_pending():  # a crashed trainer's (or our own) unanswered ops
-            await self.serve(deliveries)
+        await self.wakes.start()
+        async for deliveries in self.wakes.take_over_pending():  # a dead trainer's (or our own) unread wakes
+            await self.woken(deliveries)
 
     async def poll(self) -> None:
-        await self.serve(await self.consumer.read())
+        await self.woken(await self.wakes.read())
+        for _, ops in list(self.held.values()):
+            await self.serve(ops, await ops.read())
 
-    async def serve(self, deliveries: list) -> None:
-        # one model's operations in seq_id order (the SDK sends them so; a read may still hold several)
-        for d in sorted(deliveries, key=lambda d: (d.message.model_id, d.message.seq_id)):
+    async def woken(self, deliveries: list) -> None:
+        """Hold each woken model whose lease is free (or ours); one another live trainer holds is left to it (it
+        reads the model's stream itself)."""
+        now = time.monotonic()
+        for model_id, run_id in {d.message.model_id: d.message.run_id for d in deliveries}.items():
+            if model_id not in self.held and self.foreign.get(model_id, 0.0) <= now:
+                await self.hold(model_id, run_id)
+        await self.wakes.ack(deliveries)
+
+    async def hold(self, model_id: str, run_id: str) -> None:
+        if run_id not in await self.trainer._leases([run_id]):
+            # asked again only after a while: its holder's wakes need no database round trip each
+            self.foreign[model_id] = time.monotonic() + self.trainer.settings.lease_ttl_s / 3
+            return
+        self.foreign.pop(model_id, None)
+        ops = self.queue(tinker_model_ops(model_id), TinkerOp)
+        await ops.start()
+        self.held[model_id] = (run_id, ops)
+        log.info("holding tinker model %s", model_id, extra={"run_id": run_id})
+        async for deliveries in ops.take_over_pending():  # what a holder that died left unanswered
+            await self.serve(ops, deliveries)
+
+    async def take_over_orphans(self) -> None:
+        """Hold the models whose lease lapsed (their holder died) while operations wait on their stream: their
+        wakes were read while the dead holder's lease still stood, so none will come for them."""
+        if time.monotonic() < self.next_scan:
+            return
+        self.next_scan = time.monotonic() + self.trainer.settings.lease_ttl_s / 3
+        self.foreign = {m: t for m, t in self.foreign.items() if t > time.monotonic()}
+        unheld = await asyncio.to_thread(db.unheld_tinker_models, self.trainer.db, self.trainer.worker_id)
+        unheld = {m: r for m, r in unheld.items() if m not in self.held}
+        for model_id, run_id in unheld.items():
+            try:
+                waiting = await self.waiting(tinker_model_ops(model_id))
+            except REDIS_DOWN:
+                return
+            if waiting:
+                await self.hold(model_id, run_id)
+
+    async def waiting(self, stream: str) -> bool:
+        """Whether the stream holds operations not yet answered: pending, or never read."""
+        if not await self.trainer.redis.exists(stream):
+            return False
+        groups = {g["name"].decode() if isinstance(g["name"], bytes) else g["name"]: g
+                  for g in await self.trainer.redis.xinfo_groups(stream)}
+        group = groups.get(GROUP_TRAIN)
+        return group is None or group["pending"] > 0 or group.get("lag") != 0  # lag None: unknown, so look
+
+    async def serve(self, ops: StreamConsumer, deliveries: list) -> None:
+        # in seq_id order (the SDK sends them so; a read may still hold several)
+        for d in sorted(deliveries, key=lambda d: d.message.seq_id):
             await self.answer(d.message, await self.apply(d.message))
-            await self.consumer.ack([d])
+            await ops.ack([d])
 
     async def apply(self, op: TinkerOp) -> dict:
         started = time.monotonic()
@@ -299,16 +358,11 @@ class TinkerModels:
             raise OpFailed(f"model {op.model_id} has no tinker run {op.run_id}")
         if row.status != "running":
             raise OpFailed(f"model {op.model_id}'s run is {row.status} (its session finished, or it was stopped)")
-        if op.run_id not in await self.trainer._leases([op.run_id]):
-            raise OpFailed(f"model {op.model_id} is held by another trainer; operations of one model are served "
-                           "by the trainer that holds it (more than one trainer per Tinker model is not served)",
-                           "server")
         config = TinkerRunConfig.model_validate(row.config)
         applied = await self.trainer.redis.get(tinker_key("model_seq", op.model_id))
         saved = await self.trainer.redis.get(tinker_key("model_state", op.model_id))
         state = await self.saved(saved.decode()) if saved else None
         if applied is not None and state is None:
-            await asyncio.to_thread(db.release_leases, self.trainer.db, self.trainer.worker_id, [op.run_id])
             raise OpFailed(f"the trainer that held model {op.model_id} restarted after applying its operations up to "
                            f"seq_id {int(applied)} with no save_state before: its weights are lost; create a new "
                            "model (or save_state regularly to resume from the last one)", "server")
@@ -339,22 +393,24 @@ class TinkerModels:
         await self.trainer.redis.set(tinker_key("future", op.request_id), record.model_dump_json(), ex=FUTURE_TTL_S)
 
     async def renew(self) -> None:
-        """Keep the leases of the models held; let go of those whose run ended or whose lease another took."""
-        if not self.models:
-            return
-        runs = {m.run_id: model_id for model_id, m in self.models.items()}
-        held = await self.trainer._leases(list(runs))
-        for run_id, model_id in runs.items():
-            row = await asyncio.to_thread(db.load_run, self.trainer.db, run_id)
-            if run_id not in held or row is None or row.status != "running":
-                await self.close(model_id)
+        """Keep the leases of the models held; let go of those whose run ended or whose lease another took; take
+        over the models whose holder died."""
+        if self.held:
+            runs = {run_id: model_id for model_id, (run_id, _) in self.held.items()}
+            leased = await self.trainer._leases(list(runs))
+            for run_id, model_id in runs.items():
+                row = await asyncio.to_thread(db.load_run, self.trainer.db, run_id)
+                if run_id not in leased or row is None or row.status != "running":
+                    await self.close(model_id)
+        await self.take_over_orphans()
 
     async def close(self, model_id: str | None = None) -> None:
         from services.trainer.lora_shared_engine import close_engine
 
-        for mid in [model_id] if model_id else list(self.models):
-            model = self.models.pop(mid)
-            await self.trainer._in_torch(close_engine, model.run_id)
-            await asyncio.to_thread(db.release_leases, self.trainer.db, self.trainer.worker_id, [model.run_id])
-            log.info("let go of tinker model %s", mid, extra={"run_id": model.run_id})
-
+        for mid in [model_id] if model_id else list(self.held):
+            run_id, _ = self.held.pop(mid)
+            model = self.models.pop(mid, None)
+            if model is not None:
+                await self.trainer._in_torch(close_engine, model.run_id)
+            await asyncio.to_thread(db.release_leases, self.trainer.db, self.trainer.worker_id, [run_id])
+            log.info("let go of tinker model %s", mid, extra={"run_id": run_id})

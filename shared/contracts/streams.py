@@ -46,6 +46,12 @@ def command_reply(command_id: str) -> str:
     return f"run.commands.reply.{command_id}"
 
 
+def tinker_model_ops(model_id: str) -> str:
+    """A Tinker training model's operations (`TinkerOp`) in the order sent, read (group `train`) by the one trainer
+    holding the model's run lease; `tinker.requests` tells the fleet that such a stream has work."""
+    return f"tinker.ops.{model_id}"
+
+
 def job_reply(job_id: str) -> str:
     """Where the jobs service answers one `JobRequest` (a stream of one entry that expires; its sender waits on it)."""
     return f"jobs.requests.reply.{job_id}"
@@ -169,8 +175,13 @@ STREAM_TABLE: tuple[StreamRow, ...] = (
               '`RunControl`',
               'controllers: never (read by cursor; the one driving the run applies it, ordered by `status_version`); trainer: applied to the run it trains, or acknowledged untouched by one that does not hold it (the holder reads the status at its next poll)'),
     StreamRow('tinker.requests', 'work queue',
-              'API: `forward_backward`, `forward`, `optim_step` of a Tinker training client, once its future is stored',
+              "API, after each operation it put on a model's `tinker.ops.<model id>`",
               'trainer (`train`)',
+              '`TinkerWake`',
+              "the trainer reading it holds the model (it took the free lease, or had it) or another live trainer does; a model whose holder died is taken over by the next trainer to find its lease expired with operations waiting"),
+    StreamRow('tinker.ops.<model id>', 'work queue',
+              'API: `forward_backward`, `forward`, `optim_step`, `save_*`, `load_*` of a Tinker training client, once its future is stored (expires a week after its last operation)',
+              'the trainer holding the model\'s run lease (`train`); a new holder takes over what the last one left pending',
               '`TinkerOp`',
               "the operation's result (or error) is in its future `tinker:future:<request id>`"),
     StreamRow('tinker.samples', 'work queue',
@@ -192,7 +203,7 @@ KEY_TABLE: tuple[KeyRow, ...] = (
     KeyRow('heartbeat:<service>:<worker id>', 'every service process (shared/platform/service.py), expiring', 'controller, API (shared/platform/heartbeats.py)', "the process's health JSON"),
     KeyRow('streams:epoch', 'controller', 'controller', 'Redis still holds the streams (absent: its data was lost)'),
     KeyRow('bus:failures:<stream>:<group>', '`StreamConsumer` (hash: entry id -> handler failures)', 'the same', 'when to dead-letter'),
-    KeyRow('tinker:<kind>:<id>', 'API (the Tinker protocol: sessions and their indexes `owner_sessions`, `session_runs`, `session_models`, `session_samplers`, LoRA models, samplers, futures; docs/tinker.md); trainer: the results of the futures of `tinker.requests`, `checkpoint`, `model_state` and `model_seq` (the last seq_id it applied to a model); rollout workers: the results of `tinker.samples`', 'API (and a `checkpoint`\'s `expires_at`: delete, ttl); trainer (`checkpoint`, `model_state`, `model_seq`)', 'the record as JSON with the sha256 of the key that made it; expires (futures after a day, models a week after creation, sessions a week after their last heartbeat; a checkpoint past its `expires_at` is removed, files and record, by the trainer)'),
+    KeyRow('tinker:<kind>:<id>', 'API (the Tinker protocol: sessions and their indexes `owner_sessions`, `session_runs`, `session_models`, `session_samplers`, LoRA models, samplers, futures; docs/tinker.md); trainer: the results of the futures of `tinker.ops.<model id>`, `checkpoint`, `model_state` and `model_seq` (the last seq_id it applied to a model); rollout workers: the results of `tinker.samples`', 'API (and a `checkpoint`\'s `expires_at`: delete, ttl); trainer (`checkpoint`, `model_state`, `model_seq`)', 'the record as JSON with the sha256 of the key that made it; expires (futures after a day, models a week after creation, sessions a week after their last heartbeat; a checkpoint past its `expires_at` is removed, files and record, by the trainer)'),
     KeyRow('tracking:<sink>:<run id>', 'jobs worker (`sync_tracking`)', 'the same', 'the highest metrics.id sent to W&B / MLflow'),
 )
 OTHER_KEYS = "Celery (the jobs queue) keeps its own keys (`celery`, `_kombu.*`, `unacked*`) in the same database."

@@ -24,6 +24,7 @@ from shared.contracts.messages import (
     TinkerDatum,
     TinkerOp,
     TinkerSample,
+    TinkerWake,
     TrainerProgress,
     TrajectoryRecord,
     TrajectoryStep,
@@ -73,6 +74,7 @@ SAMPLES["tinker_op"] = TinkerOp(request_id="f1", owner="ab" * 32, model_id="s:tr
                                 loss_fn_config={"clip_low_threshold": 0.8},
                                 data=[TinkerDatum(tokens=[1, 2, 3], target_tokens=[2, 3, 4], logprobs=[-0.5, -1.0, -2.0],
                                                   advantages=[1.0, 1.0, 1.0])], sent_at=NOW)
+SAMPLES["tinker_wake"] = TinkerWake(model_id="s:train:0", run_id="r")
 SAMPLES["tinker_sample"] = TinkerSample(request_id="f2", owner="ab" * 32, run_id="r", version=3,
                                         sequence_ids=["f2:0", "f2:1"], prompt=[1, 2, 3], num_samples=2, max_tokens=8,
                                         temperature=0.7, stop_strings=["\n"], stop_tokens=[2], sent_at=NOW)

@@ -1,7 +1,8 @@
 """Tinker on a stack (API + controller + trainer + weight server + rollout worker, real Postgres/Redis), driven by
 the real `tinker` SDK: forward_backward / forward / optim_step on LoRA models of one shared base in one trainer
-engine, tenants kept apart, bad datums refused with the field named, checkpoints and a trainer restart, and
-sampling on the rollout worker with every sample stored as a trajectory.
+engine, tenants kept apart, bad datums refused with the field named, checkpoints, a trainer restart, a fleet of two
+trainers (each model served by its holder, a dead holder's model taken over), and sampling on the rollout worker
+with every sample stored as a trajectory.
 
     pytest -q tests/e2e/test_tinker_training.py
 """
@@ -21,7 +22,7 @@ from tinker_testlib import BASE, tinker_stack
 
 from shared.contracts.messages import decode
 from shared.contracts.streams import WEIGHTS
-from tests.support.procs import wait_until
+from tests.support.procs import stop, wait_until
 
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
@@ -322,6 +323,45 @@ def test_a_restarted_trainer_resumes_each_model_from_its_last_save(api):
     assert close(forward(saver, datums), at_save)  # from its last save_state on
     with pytest.raises(Exception, match="weights are lost"):  # never a fresh adapter in its place
         unsaved.forward(datums, "cross_entropy").result(timeout=300)
+
+
+def held_by(api, worker_id: str) -> set[str]:
+    raw = redis.Redis.from_url(api.redis_url).get(f"heartbeat:trainer:{worker_id}")
+    return set(json.loads(raw).get("tinker_models", [])) if raw else set()
+
+
+def test_a_fleet_of_trainers_serves_each_model_on_its_holder_and_takes_over_a_dead_ones(api):
+    """Two trainers read `tinker.requests`: every operation of a model is served by the one holding it, whichever
+    trainer a wake reaches; a holder killed, the other takes its model over once the lease lapses, from its last
+    save_state, with the operation sent meanwhile answered."""
+    second = api.start_trainer("trainer-tinker-2")
+    trainers = {"trainer-tinker": api.trainer, "trainer-tinker-2": second}
+    try:
+        clients = [training_client(api) for _ in range(4)]
+        datums = [sft_datum(s) for s in SEQS]
+        for tc in clients:  # each op's wake reaches either trainer: none may fail as held elsewhere
+            train(tc, datums, 2)
+        def holders() -> dict[str, set[str]] | None:  # each model in exactly one trainer's heartbeat
+            h = {tc.model_id: {w for w in trainers if tc.model_id in held_by(api, w)} for tc in clients}
+            return h if all(len(w) == 1 for w in h.values()) else None
+
+        (dead,) = wait_until(holders, timeout_s=30, what="each model held by one trainer")[clients[0].model_id]
+
+        tc = clients[0]
+        tc.save_state("before-takeover").result(timeout=300)
+        at_save = forward(tc, datums)
+        train(tc, datums, 1)  # lost with its holder
+        trainers[dead].kill()
+        trainers[dead].wait(30)
+        # sent while the dead holder's lease still stands: answered by the survivor once it lapses
+        assert close(forward(tc, datums), at_save)
+        (survivor,) = set(trainers) - {dead}
+        wait_until(lambda: tc.model_id in held_by(api, survivor), timeout_s=30, what="the survivor to hold it")
+        train(tc, datums, 1)  # and trained on there
+    finally:
+        stop(second)
+        if api.trainer.poll() is not None:
+            api.start_trainer()
 
 
 def test_samples_of_a_base_model_and_of_trained_weights_are_served_and_stored(api, database_url):

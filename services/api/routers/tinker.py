@@ -37,12 +37,13 @@ from services.api.tinker_proto import (
 from services.api.tinker_store import TinkerStore
 from shared.clients.run_commands import run_command
 from shared.contracts.db.models import Run
-from shared.contracts.messages import TinkerOp, TinkerSample
+from shared.contracts.messages import TinkerOp, TinkerSample, TinkerWake
 from shared.contracts.messages.tinker import MAX_TOPK_LOGPROBS, AdamStep
-from shared.contracts.streams import TINKER_REQUESTS, TINKER_SAMPLES
+from shared.contracts.streams import TINKER_REQUESTS, TINKER_SAMPLES, tinker_model_ops
 from shared.contracts.tinker_run import (
     LOSS_CONFIG,
     LOSS_INPUTS,
+    MODEL_TTL_S,
     TinkerRunConfig,
     checkpoint_path,
     parse_checkpoint_path,
@@ -323,13 +324,17 @@ def owned_model(request: Request, caller: Caller, model_id: str, field: str = "m
 
 
 def send_op(request: Request, caller: Caller, model: dict, **op) -> dict:
-    """Store the operation's future (`try_again`), then send it to the trainers; the SDK's future answer."""
-    tinker = store(request)
+    """Store the operation's future (`try_again`), put the operation on its model's stream (where the trainer
+    holding the model reads it, in order), then wake the trainers (one takes the model if none holds it); the
+    SDK's future answer."""
+    tinker, redis, model_id = store(request), request.app.state.redis, op["model_id"]
     try:
-        request_id = tinker.pending(caller.owner, op["model_id"])
-        announce(request.app.state.redis, TINKER_REQUESTS,
-                 TinkerOp(request_id=request_id, owner=caller.owner, run_id=model["run_id"], sent_at=time.time(),
-                          **op))
+        request_id = tinker.pending(caller.owner, model_id)
+        ops = tinker_model_ops(model_id)
+        announce(redis, ops, TinkerOp(request_id=request_id, owner=caller.owner, run_id=model["run_id"],
+                                      sent_at=time.time(), **op))
+        redis.expire(ops, MODEL_TTL_S)  # outlives the model (a week after its creation)
+        announce(redis, TINKER_REQUESTS, TinkerWake(model_id=model_id, run_id=model["run_id"]))
     except RedisError as e:
         raise ApiError(503, f"Redis is unreachable, so the operation could not be sent to a trainer ({e})",
                        hint="retry once Redis is back") from e

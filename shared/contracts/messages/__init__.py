@@ -16,6 +16,7 @@ from shared.contracts.messages.tinker import (
     TinkerFuture,
     TinkerOp,
     TinkerSample,
+    TinkerWake,
 )
 from shared.contracts.messages.training import AcceptedResult, ConsumedGroup, TrainerProgress
 from shared.contracts.messages.trajectory import EpisodeResult, TrajectoryRecord, TrajectoryStep
@@ -24,6 +25,6 @@ from shared.contracts.messages.weights import WeightsPublished
 __all__ = [
     "MESSAGE_TYPES", "AcceptedResult", "ConsumedGroup", "EnvReply", "EnvRequest", "EpisodeResult", "JobRequest",
     "JobRequestReply", "Message", "MessageDecodeError", "RolloutTask", "RunCommand", "RunCommandReply", "RunControl", "TinkerCheckpoint", "TinkerDatum", "TinkerFuture",
-    "TinkerOp", "TinkerSample", "TrajectoryStep", "TrainerProgress", "TrajectoryRecord", "WeightsPublished",
+    "TinkerOp", "TinkerSample", "TinkerWake", "TrajectoryStep", "TrainerProgress", "TrajectoryRecord", "WeightsPublished",
     "decode", "encode",
 ]

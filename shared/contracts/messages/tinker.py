@@ -1,8 +1,9 @@
 """The Tinker protocol's work (docs/tinker.md). The API checks and decodes the SDK's request, stores the
 operation's future as `try_again`, then sends:
 
-- `tinker.requests` (API -> trainer): `TinkerOp`, one training operation of one LoRA model; the trainer that
-  holds the model applies its operations in `seq_id` order.
+- `tinker.ops.<model id>` (API -> trainer): `TinkerOp`, one training operation of one LoRA model; the trainer that
+  holds the model applies them in `seq_id` order. `tinker.requests` (API -> trainers): `TinkerWake`, that model
+  has work; a trainer that can take the model's lease starts reading its stream.
 - `tinker.samples` (API -> rollout workers): `TinkerSample`, one sample request of a sampling session; its
   samples are stored as trajectories of the session's run.
 
@@ -64,6 +65,14 @@ class TinkerOp(Message):
                                 "is saved (the SDK's ttl_seconds); None: kept until deleted")
     user_metadata: dict[str, str] = Field(default_factory=dict)  # save_weights*: kept with the checkpoint
     sent_at: float = 0.0
+
+
+class TinkerWake(Message):
+    TYPE = "tinker_wake"
+    SCHEMA_VERSION = 1
+
+    model_id: str  # whose operations stream (`tinker.ops.<model id>`) has work
+    run_id: str  # the model's run: its trainer lease says who holds the model
 
 
 class TinkerSample(Message):
