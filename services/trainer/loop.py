@@ -528,4 +528,14 @@ class Trainer:
         self.publisher.publish(run_id, version, folder, metrics, self.settings.best_metric, tensors=tensors)
 
     async def _in_torch(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self.torch_thread, fn, *args)
+        """`fn(*args)` on the torch thread. Work longer than a third of the lease TTL (a long step, a model being
+        opened) renews this trainer's leases meanwhile: a live trainer busy with a run or a Tinker model keeps it,
+        where another trainer of the fleet would otherwise take it over as a dead one's."""
+        work = asyncio.get_running_loop().run_in_executor(self.torch_thread, fn, *args)
+        while not (await asyncio.wait({work}, timeout=self.settings.lease_ttl_s / 3))[0]:
+            held = list(self.runs) + [run_id for run_id, _ in self.tinker.held.values()]
+            try:
+                await self._leases(held)
+            except DB_DOWN as e:  # the work goes on; the loop deals with the outage after it
+                log.warning("could not renew leases during long torch work: %r", e)
+        return work.result()
