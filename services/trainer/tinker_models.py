@@ -180,7 +180,11 @@ class TinkerModels:
             return
         self.foreign.pop(model_id, None)
         ops = self.queue(tinker_model_ops(model_id), TinkerOp)
-        await ops.start()
+        try:
+            await ops.start()
+        except REDIS_DOWN as e:  # its lease is ours: the scan for unheld models tries again while ops wait
+            log.warning("cannot read the operations of tinker model %s yet: %r", model_id, e)
+            return
         self.held[model_id] = (run_id, ops)
         log.info("holding tinker model %s", model_id, extra={"run_id": run_id})
         async for deliveries in ops.take_over_pending():  # what a holder that died left unanswered
@@ -232,7 +236,8 @@ class TinkerModels:
                 await self.record_checkpoint(result)
                 result = {"type": op.op, "path": checkpoint_path(op.model_id, result.kind, result.name),
                           **({"sampling_session_id": op.sampling_session_id} if op.sampling_session_id else {})}
-            await self.trainer.redis.set(tinker_key("model_seq", op.model_id), op.seq_id, ex=MODEL_TTL_S)
+            await self.until_written(f"seq {op.seq_id} of {op.model_id}", lambda: self.trainer.redis.set(
+                tinker_key("model_seq", op.model_id), op.seq_id, ex=MODEL_TTL_S))
             log.info("tinker %s of %s (seq %d) in %.2fs", op.op, op.model_id, op.seq_id, time.monotonic() - started,
                      extra={"run_id": op.run_id})
             return result
@@ -343,9 +348,26 @@ class TinkerModels:
 
     async def record_checkpoint(self, record: TinkerCheckpoint) -> None:
         path = checkpoint_path(record.model_id, record.kind, record.name)
-        await self.trainer.redis.set(tinker_key("checkpoint", path), record.model_dump_json())
+        await self.until_written(path, lambda: self.trainer.redis.set(tinker_key("checkpoint", path),
+                                                                      record.model_dump_json()))
         if record.kind == "weights":  # where a restarted trainer resumes the model
-            await self.trainer.redis.set(tinker_key("model_state", record.model_id), path, ex=MODEL_TTL_S)
+            await self.until_written(path, lambda: self.trainer.redis.set(
+                tinker_key("model_state", record.model_id), path, ex=MODEL_TTL_S))
+
+    @staticmethod
+    async def until_written(what: str, write: Callable) -> None:
+        """A Redis write that follows an applied operation (its seq, its checkpoint, its answer), tried again
+        until Redis answers: the model changed, so its client must learn so (an error in the future would be a
+        lie, and one raised here would stop the trainer's loop)."""
+        delay = 0.25
+        while True:
+            try:
+                await write()
+                return
+            except REDIS_DOWN as e:
+                log.warning("tinker: writing %s waits for Redis (%r)", what, e)
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 5.0)
 
     # -- models -----------------------------------------------------------------------------------------------
     async def model(self, op: TinkerOp) -> TinkerModel:
@@ -390,7 +412,8 @@ class TinkerModels:
 
     async def answer(self, op: TinkerOp, result: dict) -> None:
         record = TinkerFuture(owner=op.owner, model_id=op.model_id, result=result)
-        await self.trainer.redis.set(tinker_key("future", op.request_id), record.model_dump_json(), ex=FUTURE_TTL_S)
+        await self.until_written(f"the answer of {op.request_id}", lambda: self.trainer.redis.set(
+            tinker_key("future", op.request_id), record.model_dump_json(), ex=FUTURE_TTL_S))
 
     async def renew(self) -> None:
         """Keep the leases of the models held; let go of those whose run ended or whose lease another took; take
