@@ -182,13 +182,17 @@ class TinkerModels:
         ops = self.queue(tinker_model_ops(model_id), TinkerOp)
         try:
             await ops.start()
-        except REDIS_DOWN as e:  # its lease is ours: the scan for unheld models tries again while ops wait
+        except REDIS_DOWN as e:  # its lease is ours: the scan for unheld models tries again
             log.warning("cannot read the operations of tinker model %s yet: %r", model_id, e)
             return
         self.held[model_id] = (run_id, ops)
         log.info("holding tinker model %s", model_id, extra={"run_id": run_id})
-        async for deliveries in ops.take_over_pending():  # what a holder that died left unanswered
-            await self.serve(ops, deliveries)
+        try:
+            async for deliveries in ops.take_over_pending():  # what a holder that died left unanswered
+                await self.serve(ops, deliveries)
+        except REDIS_DOWN as e:  # not all taken over: held again by the next scan, which takes over the rest
+            log.warning("taking over tinker model %s's pending operations stopped: %r", model_id, e)
+            del self.held[model_id]
 
     async def take_over_orphans(self) -> None:
         """Hold the models whose lease lapsed (their holder died) while operations wait on their stream: their
@@ -199,22 +203,28 @@ class TinkerModels:
         self.foreign = {m: t for m, t in self.foreign.items() if t > time.monotonic()}
         unheld = await asyncio.to_thread(db.unheld_tinker_models, self.trainer.db, self.trainer.worker_id)
         unheld = {m: r for m, r in unheld.items() if m not in self.held}
-        for model_id, run_id in unheld.items():
-            try:
-                waiting = await self.waiting(tinker_model_ops(model_id))
-            except REDIS_DOWN:
-                return
-            if waiting:
+        try:
+            waiting = await self.waiting([tinker_model_ops(m) for m in unheld])
+        except REDIS_DOWN:
+            return
+        for (model_id, run_id), wait in zip(unheld.items(), waiting, strict=True):
+            if wait:
                 await self.hold(model_id, run_id)
 
-    async def waiting(self, stream: str) -> bool:
-        """Whether the stream holds operations not yet answered: pending, or never read."""
-        if not await self.trainer.redis.exists(stream):
-            return False
-        groups = {g["name"].decode() if isinstance(g["name"], bytes) else g["name"]: g
-                  for g in await self.trainer.redis.xinfo_groups(stream)}
-        group = groups.get(GROUP_TRAIN)
-        return group is None or group["pending"] > 0 or group.get("lag") != 0  # lag None: unknown, so look
+    async def waiting(self, streams: list[str]) -> list[bool]:
+        """Per stream, whether it holds operations not yet answered (pending, or never read), in one round trip."""
+        async with self.trainer.redis.pipeline(transaction=False) as pipe:
+            for stream in streams:
+                pipe.xinfo_groups(stream)
+            infos = await pipe.execute(raise_on_error=False)
+        out = []
+        for info in infos:
+            if isinstance(info, Exception):  # no such stream: no operation was ever sent (or it expired)
+                out.append(False)
+                continue
+            group = next((g for g in info if g["name"] in (GROUP_TRAIN, GROUP_TRAIN.encode())), None)
+            out.append(group is None or group["pending"] > 0 or group.get("lag") != 0)  # lag None: unknown
+        return out
 
     async def serve(self, ops: StreamConsumer, deliveries: list) -> None:
         # in seq_id order (the SDK sends them so; a read may still hold several)

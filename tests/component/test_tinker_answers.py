@@ -1,6 +1,7 @@
-"""A Tinker operation the trainer applied is answered even across a Redis outage (TinkerModels.answer and the
-writes before it wait for Redis instead of failing the trainer's loop), over a real redis-server that is stopped
-and started again."""
+"""The Tinker trainer against real Redis: an operation it applied is answered even across a Redis outage
+(TinkerModels.answer and the writes before it wait for Redis instead of failing the trainer's loop; a
+redis-server stopped and started again), and its scan for models whose holder died sees which model streams
+have operations waiting."""
 
 from __future__ import annotations
 
@@ -33,3 +34,27 @@ async def test_an_answer_written_while_redis_is_down_lands_once_it_is_back(tmp_p
     finally:
         await redis.aclose()
         server.stop()
+
+
+async def test_the_scan_for_unheld_models_sees_which_streams_have_operations_waiting(redis_url):
+    """`waiting`: a model's stream with an entry never read, or read and not acknowledged (a dead holder's), has
+    work; one fully acknowledged, or absent, has none."""
+    redis = Redis.from_url(redis_url)
+    models = object.__new__(TinkerModels)
+    models.trainer = SimpleNamespace(redis=redis)
+    names = {k: f"tinker.ops.test-waiting-{k}" for k in ("absent", "unread", "pending", "answered", "no_group")}
+    try:
+        await redis.delete(*names.values())
+        for k in ("unread", "pending", "answered"):
+            await redis.xgroup_create(names[k], "train", id="0", mkstream=True)
+            await redis.xadd(names[k], {"x": "1"})
+        await redis.xadd(names["no_group"], {"x": "1"})
+        for k in ("pending", "answered"):
+            read = await redis.xreadgroup("train", "dead-trainer", {names[k]: ">"})
+            if k == "answered":
+                await redis.xack(names[k], "train", read[0][1][0][0])
+        got = dict(zip(names, await models.waiting(list(names.values())), strict=True))
+        assert got == {"absent": False, "unread": True, "pending": True, "answered": False, "no_group": True}
+    finally:
+        await redis.delete(*names.values())
+        await redis.aclose()
