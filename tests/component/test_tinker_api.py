@@ -184,6 +184,36 @@ def test_keys_are_tml_plus_a_flywheel_token(api):
     assert r.status_code == 403 and "'write'" in r.json()["message"]
 
 
+def test_a_key_is_verified_and_revoked_by_itself_as_tinker_auth_does(api):
+    import uuid
+
+    from tinker.cli.auth_api import AuthApiError, TinkerAuthApi
+
+    with api.client() as admin:
+        made = admin.post("/v1/tokens", json={"name": "laptop", "scopes": ["read"]}).json()
+    auth = TinkerAuthApi(httpx.Client(timeout=10), base_url=api.url)
+    me = auth.get_self_api_key("tml-" + made["token"])
+    assert (me.key_id, me.name, me.details.user_details.email) == (uuid.UUID(made["id"]).int, "laptop", "laptop")
+    assert "scopes read" in me.note and me.details.org_details.name.startswith("flywheel at ")
+    bootstrap = auth.get_self_api_key("tml-" + api.token)
+    assert (bootstrap.key_id, bootstrap.name) == (0, "API_TOKEN")
+    with pytest.raises(AuthApiError, match="HTTP 401"):
+        auth.get_self_api_key("tml-fw_not-a-token")
+
+    auth.delete_self_api_key("tml-" + made["token"])  # a read-only key may revoke itself
+    with pytest.raises(AuthApiError, match="HTTP 401"):
+        auth.get_self_api_key("tml-" + made["token"])
+    with pytest.raises(tinker.AuthenticationError):
+        capabilities(api, made["token"])
+    with api.client() as admin:
+        row = next(t for t in admin.get("/v1/tokens").json()["data"] if t["id"] == made["id"])
+        assert row["revoked_at"] is not None
+
+    r = httpx.delete(api.url + "/api/v1/auth/apikey/me", headers={"X-API-Key": "tml-" + api.token})
+    assert r.status_code == 400 and "API_TOKEN" in r.json()["message"] and "cannot be revoked" in r.json()["message"]
+    assert auth.get_self_api_key("tml-" + api.token).name == "API_TOKEN"  # still valid
+
+
 def test_operations_not_served_yet_say_so(api):
     for path, operation in (("/api/v1/copy_weights", "copy_weights"), ("/api/v1/create_custom_loss", "create_custom_loss")):
         r = post(api, path, {})

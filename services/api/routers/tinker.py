@@ -36,7 +36,7 @@ from services.api.tinker_proto import (
 )
 from services.api.tinker_store import TinkerStore
 from shared.clients.run_commands import run_command
-from shared.contracts.db.models import Run
+from shared.contracts.db.models import ApiToken, Run
 from shared.contracts.messages import TinkerOp, TinkerSample, TinkerWake
 from shared.contracts.messages.tinker import MAX_TOPK_LOGPROBS, AdamStep
 from shared.contracts.streams import TINKER_REQUESTS, TINKER_SAMPLES, tinker_model_ops
@@ -145,6 +145,45 @@ def client_config(_: Key) -> dict:
     # Everything that needs a server feature this slice lacks is off; the SDK's defaults cover the rest.
     return {"pjwt_auth_enabled": False, "sample_use_retrieve_futures": False, "custom_loss_server_side": False,
             "sample_join_sampling_session": False, "proto_compress_fwdbwd": False}
+
+
+# -- the key itself (`tinker auth login` / `logout`) -------------------------------------------------------------
+def key_view(request: Request, caller: Caller, row: ApiToken | None) -> dict:
+    """The SDK's SelfApiKeyResponse of the presented key. Flywheel tokens have no numeric id, user or
+    organisation: `key_id` is the token row's UUID as an integer (0: API_TOKEN, which has no row), the user is
+    the token's name and the organisation is this server; flywheel's own fields follow."""
+    scopes = sorted(caller.principal.scopes)
+    created = row.created_at.isoformat() if row else None
+    return {"key_id": row.id.int if row else 0, "name": caller.principal.name,
+            "note": f"flywheel token, scopes {', '.join(scopes)}" + (f", created {created}" if created else
+                                                                     " (the server's API_TOKEN)"),
+            "details": {"org_details": {"name": f"flywheel at {request.base_url.netloc}"},
+                        "user_details": {"email": caller.principal.name}},
+            "token_id": str(row.id) if row else None, "scopes": scopes, "created_at": created,
+            "revoked_at": row.revoked_at.isoformat() if row and row.revoked_at else None}
+
+
+def token_row(db, caller: Caller) -> ApiToken | None:
+    """The api_tokens row of the caller's key; None for API_TOKEN (auth has already checked the key)."""
+    return db.execute(select(ApiToken).where(ApiToken.token_sha256 == caller.owner)).scalar_one_or_none()
+
+
+@router.get("/auth/apikey/me")
+def get_own_key(caller: Key, request: Request, db: DB) -> dict:
+    return key_view(request, caller, token_row(db, caller))
+
+
+@router.delete("/auth/apikey/me")
+@needs("read")  # a key may always revoke itself, whatever its scopes: it gives up access, gains none
+def revoke_own_key(caller: Key, request: Request, db: DB) -> dict:
+    row = token_row(db, caller)
+    if row is None:
+        raise ApiError(400, "this key is the server's bootstrap API_TOKEN, which cannot be revoked",
+                       hint="change API_TOKEN in the server's settings and restart the API; tokens made with "
+                            "`flywheel tokens create` can be revoked")
+    row.revoked_at = datetime.now(UTC)
+    db.commit()
+    return key_view(request, caller, row)
 
 
 @router.get("/healthz")
@@ -761,7 +800,7 @@ NOT_SERVED = {
     "/copy_weights": "copy_weights", "/join_sampling_session": "join_sampling_session",
     "/retrieve_futures": "retrieve_futures", "/cancel_future": "cancel_future",
     "/create_custom_loss": "create_custom_loss", "/auth/token": "auth_token (JWT exchange)",
-    "/auth/apikey/me": "API key introspection", "/client/dynamic_config": "client dynamic config",
+    "/client/dynamic_config": "client dynamic config",
     "/training_runs/{rest:path}": "checkpoint publishing and external weights URLs",
     "/sessions/search": "search_sessions", "/sessions/{session_id}/{rest:path}": "session projects and traces",
     "/audit": "audit log", "/billing/{rest:path}": "billing",
