@@ -184,6 +184,14 @@ def test_keys_are_tml_plus_a_flywheel_token(api):
     assert r.status_code == 403 and "'write'" in r.json()["message"]
 
 
+def test_the_sdk_reads_the_dynamic_config_of_this_server(api):
+    holder = sdk(api, new_token(api, ["read", "write"])).holder
+    dynamic = holder.get_client_dynamic_config()  # fetched at the client's start; the SDK's defaults on a 404
+    assert (dynamic.refresh_interval_sec, dynamic.sample_cancel_enabled) == (3600, False)  # cancel_future: not served
+    r = post(api, "/api/v1/client/dynamic_config", {"sdk_version": "0.38.0"}, new_token(api, ["read"]))
+    assert r.status_code == 200 and r.json()["refresh_interval_sec"] == 3600, r.text
+
+
 def test_a_key_is_verified_and_revoked_by_itself_as_tinker_auth_does(api):
     import uuid
 

@@ -147,6 +147,27 @@ def client_config(_: Key) -> dict:
             "sample_join_sampling_session": False, "proto_compress_fwdbwd": False}
 
 
+# The dynamic flags follow from what this server serves, which changes only with a new server version: a live
+# client re-reads them hourly (the SDK's default is every five minutes).
+DYNAMIC_CONFIG_REFRESH_S = 3600
+CANCEL_BATCH = 64  # cancels a client sends at once, when cancelling is on
+
+
+class ClientConfigRequest(Wire):
+    sdk_version: str | None = None
+
+
+@router.post("/client/dynamic_config")
+@needs("read")
+def client_dynamic_config(_: ClientConfigRequest, __: Key) -> dict:
+    """The SDK's ClientDynamicConfigResponse. Sample cancelling (an abandoned sample's `cancel_future`) is on
+    only where `cancel_future` is served; off, the SDK leaves an abandoned sample to finish (its result expires
+    with its future)."""
+    cancel = "/cancel_future" not in NOT_SERVED
+    return {"refresh_interval_sec": DYNAMIC_CONFIG_REFRESH_S, "sample_cancel_enabled": cancel,
+            "sample_cancel_max_batch_size": CANCEL_BATCH}
+
+
 # -- the key itself (`tinker auth login` / `logout`) -------------------------------------------------------------
 def key_view(request: Request, caller: Caller, row: ApiToken | None) -> dict:
     """The SDK's SelfApiKeyResponse of the presented key. Flywheel tokens have no numeric id, user or
@@ -800,7 +821,6 @@ NOT_SERVED = {
     "/copy_weights": "copy_weights", "/join_sampling_session": "join_sampling_session",
     "/retrieve_futures": "retrieve_futures", "/cancel_future": "cancel_future",
     "/create_custom_loss": "create_custom_loss", "/auth/token": "auth_token (JWT exchange)",
-    "/client/dynamic_config": "client dynamic config",
     "/training_runs/{rest:path}": "checkpoint publishing and external weights URLs",
     "/sessions/search": "search_sessions", "/sessions/{session_id}/{rest:path}": "session projects and traces",
     "/audit": "audit log", "/billing/{rest:path}": "billing",
