@@ -30,15 +30,16 @@ class TinkerStore:
         record = json.loads(raw) if raw else None
         return record if record is not None and record.get("owner") == owner else None
 
-    def create_session(self, owner: str, tags: list[str], metadata: dict[str, Any]) -> str:
+    def create_session(self, owner: str, tags: list[str], metadata: dict[str, Any], **labels: str | None) -> str:
+        """`labels`: what the session is shown and searched by (owner_name, display_name, project_id)."""
         session_id, now = str(uuid.uuid4()), time.time()
         self._put("session", session_id, {"owner": owner, "tags": tags, "user_metadata": metadata,
-                                          "created_at": now, "finished": None}, MODEL_TTL_S)
+                                          "created_at": now, "finished": None, **labels}, MODEL_TTL_S)
         index = tinker_key("owner_sessions", owner)  # the owner's sessions by creation time, for list_sessions
         self.redis.pipeline().zadd(index, {session_id: now}).expire(index, MODEL_TTL_S).execute()
         return session_id
 
-    def sessions(self, owner: str, offset: int, limit: int) -> list[str]:
+    def sessions(self, owner: str, offset: int, limit: int | None) -> list[str]:
         """The owner's sessions that still exist, newest first; expired ones leave the index as they are met."""
         index = tinker_key("owner_sessions", owner)
         ids = [i.decode() if isinstance(i, bytes) else i for i in self.redis.zrevrange(index, 0, -1)]
@@ -48,7 +49,13 @@ class TinkerStore:
         live = [i for i, exists in zip(ids, pipe.execute(), strict=True) if exists]
         if len(live) < len(ids):
             self.redis.zrem(index, *(set(ids) - set(live)))
-        return live[offset:offset + limit]
+        return live[offset:None if limit is None else offset + limit]
+
+    def session_records(self, owner: str) -> list[tuple[str, dict[str, Any]]]:
+        """The owner's live sessions with their records, newest first."""
+        ids = self.sessions(owner, 0, None)
+        raws = self.redis.mget([tinker_key("session", i) for i in ids]) if ids else []
+        return [(i, json.loads(raw)) for i, raw in zip(ids, raws, strict=True) if raw]
 
     def session(self, owner: str, session_id: str) -> dict[str, Any] | None:
         return self._get("session", session_id, owner)

@@ -170,6 +170,58 @@ def test_session_listings_show_a_keys_own_sessions_with_their_models_and_sampler
     assert r.status_code == 404, r.text
 
 
+def test_session_search_filters_a_keys_own_sessions_newest_first_in_pages(api):
+    mine, theirs = new_token(api, ["read", "write"]), new_token(api, ["read", "write"])
+
+    def session(token, metadata, project, name):
+        client = tinker.ServiceClient(metadata, project, display_name=name, base_url=api.url, api_key="tml-" + token)
+        OPEN.append(client)
+        return client, client.holder._session_id
+
+    _, a = session(mine, {"team": "red"}, "proj-a", "Alpha Sweep")
+    _, b = session(mine, {"team": "blue"}, None, "beta run")
+    finished, c = session(mine, {"team": "red"}, None, "gamma")
+    OPEN.remove(finished)
+    finished.close("errored", detail="diverged").result(timeout=30)
+    session(theirs, {"team": "red"}, "proj-a", "Alpha Sweep")
+
+    rest = tinker.RestClient(base_url=api.url, api_key="tml-" + mine)
+
+    def search(**query):
+        with pytest.warns(Warning):  # experimental in the SDK
+            return rest.search_sessions(tinker.types.SessionSearchRequest(**query)).result(timeout=30)
+
+    def ids(**query):
+        return [s.session_id for s in search(**query).sessions]
+
+    assert ids() == [c, b, a]  # newest first, the other key's session not among them
+    assert ids(display_name="sweep ALPHA") == [a]  # every word, any case
+    assert ids(user_metadata={"team": "red"}) == [c, a]
+    assert ids(project_ids=["proj-a"]) == [a] and search(session_id=a).sessions[0].project_id == "proj-a"
+    assert ids(session_id=b, display_name="gamma") == [c, b]  # either one
+    assert ids(statuses=[{"type": "active"}]) == [b, a]
+    assert ids(statuses=[{"type": "client_finished", "reasons": ["errored"]}]) == [c]
+    assert ids(statuses=[{"type": "client_finished", "reasons": ["success"]}]) == []
+    gamma = search(session_id=c).sessions[0]
+    assert (gamma.status.type, gamma.status.reason.type, gamma.status.detail) == ("client_finished", "errored",
+                                                                                  "diverged")
+    assert (gamma.display_name, gamma.user_metadata, gamma.owner) == ("gamma", {"team": "red"}, "tinker-read-write")
+    first = search(limit=2)
+    assert [s.session_id for s in first.sessions] == [c, b] and first.next_cursor is not None
+    second = search(limit=2, cursor=first.next_cursor)
+    assert [s.session_id for s in second.sessions] == [a] and second.next_cursor is None
+    assert ids(owner={"type": "accessible"}) == [c, b, a]  # a key reaches only its own
+
+    other = tinker.RestClient(base_url=api.url, api_key="tml-" + theirs)
+    with pytest.warns(Warning):
+        found = other.search_sessions(tinker.types.SessionSearchRequest()).result(timeout=30).sessions
+    assert len(found) == 1 and found[0].session_id not in (a, b, c)
+    refused = post(api, "/api/v1/sessions/search", {"owner": {"type": "user", "owner_urns": ["u"]}}, mine)
+    assert refused.status_code == 400 and refused.json()["detail"][0]["field"] == "owner", refused.text
+    too_many = post(api, "/api/v1/sessions/search", {"limit": 500}, mine)
+    assert too_many.status_code == 422 and too_many.json()["detail"][0]["field"] == "limit", too_many.text
+
+
 def test_keys_are_tml_plus_a_flywheel_token(api):
     for headers in ({}, {"X-API-Key": api.token}, {"X-API-Key": "tml-wrong-token"},
                     {"Authorization": f"Bearer {api.token}"}):

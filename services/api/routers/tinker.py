@@ -8,12 +8,13 @@ More: docs/tinker.md"""
 from __future__ import annotations
 
 import asyncio
+import collections
 import re
 import time
 import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.concurrency import run_in_threadpool
@@ -96,6 +97,8 @@ class CreateSession(Wire):
     tags: list[str] = []
     user_metadata: dict[str, Any] | None = None
     sdk_version: str | None = None
+    project_id: str | None = None
+    display_name: str | None = None
 
 
 class Heartbeat(Wire):
@@ -221,7 +224,9 @@ def get_server_capabilities(_: Key, config: Config) -> dict:
 
 @router.post("/create_session")
 def create_session(body: CreateSession, caller: Key, request: Request) -> dict:
-    session_id = store(request).create_session(caller.owner, body.tags, body.user_metadata or {})
+    session_id = store(request).create_session(caller.owner, body.tags, body.user_metadata or {},
+                                               owner_name=caller.principal.name, display_name=body.display_name,
+                                               project_id=body.project_id)
     return {"type": "create_session", "session_id": session_id}
 
 
@@ -241,6 +246,92 @@ def list_sessions(caller: Key, request: Request, limit: Annotated[int, Field(ge=
     return {"sessions": store(request).sessions(caller.owner, offset, limit)}
 
 
+FINISH_REASONS = ("success", "errored", "interrupted")
+
+
+class StatusQuery(Wire):
+    type: Literal["active", "cancelled", "failed", "client_finished"]
+    reasons: Annotated[list[Literal[FINISH_REASONS]], Field(min_length=1)] | None = None
+
+
+class SearchOwner(Wire):
+    type: Literal["own", "accessible", "user"] = "own"
+    owner_urns: list[str] | None = None
+
+
+class SearchCursor(Wire):
+    last_created_at: datetime
+    last_session_id: str
+
+
+class SessionSearch(Wire):
+    session_id: str | None = None
+    project_ids: list[str] | None = None
+    user_metadata: dict[str, str] = {}
+    display_name: Annotated[str, Field(min_length=1)] | None = None
+    owner: SearchOwner = SearchOwner()
+    statuses: Annotated[list[StatusQuery], Field(min_length=1)] | None = None
+    limit: Annotated[int, Field(ge=1, le=200)] = 50
+    cursor: SearchCursor | None = None
+
+
+def session_status(record: dict) -> dict | None:
+    """A session's SessionStatus: active until its client finishes it (sessions here are never cancelled or
+    failed by the server); None for a finish reason the SDK does not know."""
+    done = record["finished"]
+    if done is None:
+        return {"type": "active"}
+    if done["reason"] not in FINISH_REASONS:
+        return None
+    return {"type": "client_finished", "reason": {"type": done["reason"]}, "detail": done["detail"]}
+
+
+def search_matches(body: SessionSearch, session_id: str, record: dict) -> bool:
+    name = (record.get("display_name") or "").lower()
+    named = body.display_name is not None and all(w in name for w in body.display_name.lower().split())
+    if (body.session_id is not None or body.display_name is not None) and not (session_id == body.session_id
+                                                                                or named):
+        return False  # session_id and display_name: either one matching is enough
+    if body.project_ids is not None and record.get("project_id") not in body.project_ids:
+        return False
+    metadata = {k: str(v) for k, v in record["user_metadata"].items()}
+    if any(metadata.get(k) != v for k, v in body.user_metadata.items()):
+        return False
+    status = session_status(record)
+    return body.statuses is None or status is not None and any(
+        q.type == status["type"] and (q.reasons is None or status["reason"]["type"] in q.reasons)
+        for q in body.statuses)
+
+
+@router.post("/sessions/search")
+@needs("read")
+def search_sessions(body: SessionSearch, caller: Key, request: Request) -> dict:
+    """The key's sessions matching every filter, newest first, a page of `limit` after `cursor`. A key reaches
+    only its own sessions, so owner `accessible` searches those too; owner `user` is refused."""
+    if body.owner.type == "user":
+        raise ApiError(400, "searching other users' sessions is not supported: a key reaches only its own",
+                       field="owner", hint="search with owner {'type': 'own'} (the default)")
+    tinker = store(request)
+    found = [(datetime.fromtimestamp(record["created_at"], UTC), session_id, record)
+             for session_id, record in tinker.session_records(caller.owner) if search_matches(body, session_id, record)]
+    found.sort(key=lambda f: (f[0], f[1]), reverse=True)
+    if body.cursor is not None:
+        after = (body.cursor.last_created_at, body.cursor.last_session_id)
+        found = [f for f in found if (f[0], f[1]) < after]
+    page = found[:body.limit]
+    saved = collections.Counter(c["model_id"] for c in tinker.checkpoints(caller.owner)) if page else {}
+    sessions = [{"session_id": session_id, "created_at": created.isoformat(),
+                 "owner": record.get("owner_name") or caller.principal.name,
+                 "project_id": record.get("project_id") or "", "status": session_status(record),
+                 "checkpoints_count": sum(saved.get(m, 0) for m in tinker.session_members(session_id, "models")),
+                 "display_name": record.get("display_name"),
+                 "user_metadata": {k: str(v) for k, v in record["user_metadata"].items()} or None}
+                for created, session_id, record in page]
+    more = len(found) > len(page)
+    cursor = {"last_created_at": page[-1][0].isoformat(), "last_session_id": page[-1][1]} if more else None
+    return {"sessions": sessions, "next_cursor": cursor}
+
+
 @router.get("/sessions/{session_id}")
 @needs("read")
 def get_session(session_id: str, caller: Key, request: Request) -> dict:
@@ -248,7 +339,8 @@ def get_session(session_id: str, caller: Key, request: Request) -> dict:
     tinker = store(request)
     return {"training_run_ids": tinker.session_members(session_id, "models"),
             "sampler_ids": tinker.session_members(session_id, "samplers"),
-            "user_metadata": {k: str(v) for k, v in record["user_metadata"].items()} or None, "display_name": None}
+            "user_metadata": {k: str(v) for k, v in record["user_metadata"].items()} or None,
+            "display_name": record.get("display_name")}
 
 
 @router.post("/session_heartbeat")
@@ -822,7 +914,7 @@ NOT_SERVED = {
     "/retrieve_futures": "retrieve_futures", "/cancel_future": "cancel_future",
     "/create_custom_loss": "create_custom_loss", "/auth/token": "auth_token (JWT exchange)",
     "/training_runs/{rest:path}": "checkpoint publishing and external weights URLs",
-    "/sessions/search": "search_sessions", "/sessions/{session_id}/{rest:path}": "session projects and traces",
+    "/sessions/{session_id}/{rest:path}": "session projects and traces",
     "/audit": "audit log", "/billing/{rest:path}": "billing",
 }
 
