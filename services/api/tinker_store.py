@@ -117,6 +117,26 @@ class TinkerStore:
         record = self._get("checkpoint", path, owner)
         return record if record is not None and _live(record, time.time()) else None
 
+    def readable_checkpoint(self, owner: str, path: str) -> dict[str, Any] | None:
+        """A live checkpoint this owner made, or one its maker published (any key may load or sample it)."""
+        raw = self.redis.get(tinker_key("checkpoint", path))
+        record = json.loads(raw) if raw else None
+        if record is None or not _live(record, time.time()):
+            return None
+        return record if record.get("owner") == owner or path in self.published([path]) else None
+
+    def publish(self, path: str, public: bool) -> None:
+        """Mark the checkpoint public (`tinker:published:<path>`, read by the trainer's load) or private again;
+        the caller checks it is the owner's."""
+        key = tinker_key("published", path)
+        self.redis.set(key, "1") if public else self.redis.delete(key)
+
+    def published(self, paths: list[str]) -> set[str]:
+        pipe = self.redis.pipeline()
+        for path in paths:
+            pipe.exists(tinker_key("published", path))
+        return {path for path, public in zip(paths, pipe.execute(), strict=True) if public}
+
     def expire_checkpoint(self, owner: str, path: str, expires_at: float | None) -> None:
         """Set when the checkpoint expires (now: deleted; None: never). Read and rewritten in one transaction: a
         record the trainer removes meanwhile is not written back."""

@@ -320,7 +320,9 @@ class TinkerModels:
 
     async def checkpoint(self, op: TinkerOp) -> TinkerCheckpoint:
         record = await self.saved(op.path)
-        if record is None or record.owner != op.owner:
+        # another key's checkpoint loads once its owner published it (tinker:published:<path>, set by the API)
+        if record is None or (record.owner != op.owner
+                              and not await self.trainer.redis.exists(tinker_key("published", op.path))):
             raise OpFailed(f"checkpoint {op.path} does not exist")
         if record.kind != "weights":
             raise OpFailed(f"{op.path} holds sampler weights; load_state takes a save_state checkpoint "

@@ -279,12 +279,59 @@ def test_operations_not_served_yet_say_so(api):
         r = post(api, path, {})
         assert r.status_code == 404, r.text
         assert operation in r.json()["message"] and "not supported by this flywheel server yet" in r.json()["message"]
-    r = httpx.delete(api.url + "/api/v1/training_runs/x/checkpoints/weights/y/publish",  # unpublish
-                     headers={"X-API-Key": "tml-" + api.token})
-    assert r.status_code == 404 and "not supported" in r.json()["message"]
-    rest = tinker.RestClient(base_url=api.url, api_key="tml-" + api.token)
-    with pytest.raises(Exception, match="checkpoint publishing"):
-        rest.publish_checkpoint_from_tinker_path("tinker://s:train:0/weights/w").result(timeout=60)
+    r = httpx.get(api.url + "/api/v1/training_runs/x/checkpoints/weights/y/external_weights_urls",
+                  headers={"X-API-Key": "tml-" + api.token})
+    assert r.status_code == 404 and "external weights URLs" in r.json()["message"], r.text
+
+
+def saved_checkpoint(api, redis_url, token: str, name: str) -> tuple[str, str]:
+    """A model of this key and a checkpoint record of it as the trainer writes one: (model id, tinker path)."""
+    import hashlib
+    import time
+
+    import redis
+
+    from shared.contracts.messages import TinkerCheckpoint
+    from shared.contracts.streams import tinker_key
+
+    session_id = post(api, "/api/v1/create_session", {"tags": []}, token).json()["session_id"]
+    model_id = post(api, "/api/v1/create_model", {"session_id": session_id, "model_seq_id": 0, "base_model": "tiny-qwen",
+                                                  "lora_config": {"rank": 4}}, token).json()["model_id"]
+    path = f"tinker://{model_id}/weights/{name}"
+    record = TinkerCheckpoint(owner=hashlib.sha256(token.encode()).hexdigest(), model_id=model_id, run_id="r",
+                              kind="weights", name=name, base_model="tiny-qwen", lora={"rank": 4}, seq_id=1,
+                              folder="/nowhere", created_at=time.time())
+    redis.Redis.from_url(redis_url).set(tinker_key("checkpoint", path), record.model_dump_json())
+    return model_id, path
+
+
+def test_only_the_owner_publishes_a_checkpoint_and_the_listings_show_it(api, redis_url):
+    owner_key, eve_key = new_token(api, ["read", "write"]), new_token(api, ["read", "write"])
+    model_id, path = saved_checkpoint(api, redis_url, owner_key, "pub")
+    owner = tinker.RestClient(base_url=api.url, api_key="tml-" + owner_key)
+    eve = tinker.RestClient(base_url=api.url, api_key="tml-" + eve_key)
+
+    def public() -> bool:
+        return {c.tinker_path: c.public for c in owner.list_user_checkpoints().result(timeout=30).checkpoints}[path]
+
+    with pytest.raises(tinker.NotFoundError):
+        eve.get_weights_info_by_tinker_path(path).result(timeout=30)
+    with pytest.raises(tinker.NotFoundError):
+        eve.publish_checkpoint_from_tinker_path(path).result(timeout=30)
+    assert public() is False
+    owner.publish_checkpoint_from_tinker_path(path).result(timeout=30)
+    assert public() is True and owner.get_training_run(model_id).result(timeout=30).last_checkpoint.public
+    assert eve.get_weights_info_by_tinker_path(path).result(timeout=30).lora_rank == 4
+    assert eve.list_user_checkpoints().result(timeout=30).checkpoints == []  # listed only for its owner
+    with pytest.raises(tinker.NotFoundError):  # publishing lets her read it, not unpublish it
+        eve.unpublish_checkpoint_from_tinker_path(path).result(timeout=30)
+    owner.unpublish_checkpoint_from_tinker_path(path).result(timeout=30)
+    assert public() is False
+    with pytest.raises(tinker.NotFoundError):
+        eve.get_weights_info_by_tinker_path(path).result(timeout=30)
+    r = httpx.post(f"{api.url}/api/v1/training_runs/{model_id}/checkpoints/weights/missing/publish",
+                   headers={"X-API-Key": "tml-" + owner_key})
+    assert r.status_code == 404 and r.json()["detail"][0]["field"] == "path.checkpoint_id", r.text
 
 
 def test_sdk_telemetry_is_counted_and_a_client_exception_logged(api):

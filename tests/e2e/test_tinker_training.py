@@ -269,6 +269,51 @@ def test_save_state_load_state_and_sampler_weights(api, redis_url):
     assert r.status_code == 404, r.text  # neither her model nor her checkpoint
 
 
+def test_a_published_checkpoint_is_loaded_and_sampled_by_another_key_until_unpublished(api):
+    tc = training_client(api)
+    datums = [sft_datum(s) for s in SEQS]
+    train(tc, datums, 2)
+    state = tc.save_state("shared").result(timeout=300).path
+    sampler = tc.save_weights_for_sampler("shared-sampler").result(timeout=300).path
+    at_save = forward(tc, datums)
+    owner = tinker.RestClient(base_url=api.url, api_key="tml-" + api.token)
+    eve_key = new_token(api, "tinker-eve-public")
+    eve = tinker.ServiceClient(base_url=api.url, api_key="tml-" + eve_key)
+    OPEN.append(eve)
+    eve_rest = tinker.RestClient(base_url=api.url, api_key="tml-" + eve_key)
+    prompt = types.ModelInput.from_ints(SEQS[0][:4])
+
+    with pytest.raises(tinker.NotFoundError):  # private: not hers to load
+        eve.create_training_client_from_state(state).result(timeout=300)
+    with pytest.raises(tinker.NotFoundError):
+        eve.create_sampling_client(model_path=sampler).result(timeout=120)
+    with pytest.raises(tinker.NotFoundError):  # nor to publish
+        eve_rest.publish_checkpoint_from_tinker_path(state).result(timeout=60)
+
+    owner.publish_checkpoint_from_tinker_path(state).result(timeout=60)
+    owner.publish_checkpoint_from_tinker_path(sampler).result(timeout=60)
+    assert {c.tinker_path: c.public for c in owner.list_checkpoints(tc.model_id).result(timeout=60).checkpoints} == \
+        {state: True, sampler: True}
+    twin = eve.create_training_client_from_state(state).result(timeout=300)  # the trainer loads another key's
+    assert close(forward(twin, datums), at_save)
+    mine = training_client(api, eve_key)
+    mine.load_state(state).result(timeout=300)
+    assert close(forward(mine, datums), at_save)
+    sampled = eve.create_sampling_client(model_path=sampler).result(timeout=120)
+    out = sampled.sample(prompt, 1, types.SamplingParams(max_tokens=4)).result(timeout=300)
+    assert 1 <= len(out.sequences[0].tokens) <= 4
+
+    owner.unpublish_checkpoint_from_tinker_path(state).result(timeout=60)
+    owner.unpublish_checkpoint_from_tinker_path(sampler).result(timeout=60)
+    assert not any(c.public for c in owner.list_checkpoints(tc.model_id).result(timeout=60).checkpoints)
+    with pytest.raises(tinker.NotFoundError):
+        eve.create_training_client_from_state(state).result(timeout=300)
+    with pytest.raises(tinker.NotFoundError):  # onto her own model neither
+        mine.load_state(state).result(timeout=300)
+    with pytest.raises(tinker.NotFoundError):
+        eve.create_sampling_client(model_path=sampler).result(timeout=120)
+
+
 def test_deleted_and_expired_checkpoints_are_gone_and_their_files_removed(api, redis_url):
     """A deleted checkpoint is gone at once (not listed, not loadable); one past its ttl too; the trainer then
     removes their folders and records, and leaves the others alone. Another key can delete nothing."""

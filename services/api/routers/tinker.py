@@ -582,6 +582,7 @@ def _save(body: SaveWeights, caller: Caller, request: Request, op: str) -> dict:
         # 400, not 409: the SDK retries a 409 as a lock timeout, and this will not change
         raise ApiError(400, f"checkpoint {checkpoint_path(body.model_id, kind, name)} exists already", field="path",
                        hint="save under another name, or pass overwrite=True to replace it")
+    store(request).publish(checkpoint_path(body.model_id, kind, name), False)  # a checkpoint saved starts private
     sampler_id = None
     if op == "save_weights_for_sampler" and body.sampling_session_seq_id is not None:
         # the trainer publishes these weights as version seq_id of the model's run: the sampler serves that
@@ -612,9 +613,10 @@ def load_weights(body: LoadWeights, caller: Key, request: Request, config: Confi
     if parsed is None or parsed[1] != "weights":
         raise ApiError(400, f"{body.path!r} is not a save_state checkpoint path", field="path",
                        hint="tinker://<model id>/weights/<name>, as save_state returned it")
-    saved = store(request).checkpoint(caller.owner, body.path)
+    saved = store(request).readable_checkpoint(caller.owner, body.path)
     if saved is None:
-        raise ApiError(404, f"checkpoint {body.path} does not exist", field="path")
+        raise ApiError(404, f"checkpoint {body.path} does not exist", field="path",
+                       hint="a key loads its own checkpoints and those their owners published")
     model_id, seq_id = body.model_id, body.seq_id or 0
     if model_id is None:
         if body.session_id is None or body.model_seq_id is None:
@@ -647,7 +649,7 @@ def create_sampling_session(body: CreateSamplingSession, caller: Key, request: R
     sampler_id = f"{body.session_id}:sample:{body.sampling_session_seq_id}"
     if body.model_path is not None:
         parsed = parse_checkpoint_path(body.model_path)
-        saved = store(request).checkpoint(caller.owner, body.model_path) if parsed else None
+        saved = store(request).readable_checkpoint(caller.owner, body.model_path) if parsed else None
         if parsed is None or parsed[1] != "sampler_weights":
             raise ApiError(400, f"{body.model_path!r} is not a sampler weights path", field="model_path",
                            hint="tinker://<model id>/sampler_weights/<name>, as save_weights_for_sampler returned it")
@@ -756,20 +758,24 @@ def asample(body: SampleRequest, caller: Key, request: Request) -> dict:
 
 
 # -- the RestClient's listings ---------------------------------------------------------------------------------
-def checkpoint_view(record: dict) -> dict:
-    """A TinkerCheckpoint as the SDK's Checkpoint."""
-    path = checkpoint_path(record["model_id"], record["kind"], record["name"])
+def path_of(record: dict) -> str:
+    return checkpoint_path(record["model_id"], record["kind"], record["name"])
+
+
+def checkpoint_view(record: dict, public: set[str]) -> dict:
+    """A TinkerCheckpoint as the SDK's Checkpoint; `public`: the published paths among those shown."""
+    path = path_of(record)
     expires = record.get("expires_at")
     return {"checkpoint_id": f"{record['kind']}/{record['name']}",
             "checkpoint_type": "training" if record["kind"] == "weights" else "sampler",
             "time": datetime.fromtimestamp(record["created_at"], UTC).isoformat(), "tinker_path": path,
-            "public": False, "expires_at": datetime.fromtimestamp(expires, UTC).isoformat() if expires else None,
+            "public": path in public, "expires_at": datetime.fromtimestamp(expires, UTC).isoformat() if expires else None,
             "user_metadata": record.get("user_metadata") or None}
 
 
-def training_run_view(run: Run, checkpoints: list[dict]) -> dict:
+def training_run_view(run: Run, checkpoints: list[dict], public: set[str]) -> dict:
     cfg = TinkerRunConfig.model_validate(run.config)
-    last = {kind: next((checkpoint_view(c) for c in reversed(checkpoints) if c["kind"] == kind), None)
+    last = {kind: next((checkpoint_view(c, public) for c in reversed(checkpoints) if c["kind"] == kind), None)
             for kind in ("weights", "sampler_weights")}
     return {"training_run_id": cfg.model_id, "base_model": cfg.base_model, "model_owner": cfg.owner_name,
             "is_lora": True, "corrupted": run.status == "failed", "lora_rank": cfg.lora["rank"],
@@ -793,8 +799,9 @@ def list_training_runs(caller: Key, request: Request, db: DB, limit: Annotated[i
     total = db.execute(select(func.count()).select_from(query.subquery())).scalar_one()
     runs = db.execute(query.limit(limit).offset(offset)).scalars().all()
     tinker = store(request)
-    return {"training_runs": [training_run_view(r, tinker.checkpoints(caller.owner, r.config["model_id"]))
-                              for r in runs],
+    saved = {r.config["model_id"]: tinker.checkpoints(caller.owner, r.config["model_id"]) for r in runs}
+    public = tinker.published([path_of(c) for records in saved.values() for c in records])
+    return {"training_runs": [training_run_view(r, saved[r.config["model_id"]], public) for r in runs],
             "cursor": {"offset": offset, "limit": limit, "total_count": total}}
 
 
@@ -807,14 +814,17 @@ def owned_training_run(request: Request, caller: Caller, db, model_id: str) -> R
 @needs("read")
 def get_training_run(model_id: str, caller: Key, request: Request, db: DB) -> dict:
     run = owned_training_run(request, caller, db, model_id)
-    return training_run_view(run, store(request).checkpoints(caller.owner, model_id))
+    records = store(request).checkpoints(caller.owner, model_id)
+    return training_run_view(run, records, store(request).published([path_of(c) for c in records]))
 
 
 @router.get("/training_runs/{model_id}/checkpoints")
 @needs("read")
 def list_checkpoints(model_id: str, caller: Key, request: Request) -> dict:
     owned_model(request, caller, model_id, field="path.training_run_id")
-    return {"checkpoints": [checkpoint_view(c) for c in store(request).checkpoints(caller.owner, model_id)]}
+    records = store(request).checkpoints(caller.owner, model_id)
+    public = store(request).published([path_of(c) for c in records])
+    return {"checkpoints": [checkpoint_view(c, public) for c in records]}
 
 
 @router.get("/checkpoints")
@@ -822,7 +832,9 @@ def list_checkpoints(model_id: str, caller: Key, request: Request) -> dict:
 def list_user_checkpoints(caller: Key, request: Request, limit: Annotated[int, Field(ge=1, le=1000)] = 100,
                           offset: Annotated[int, Field(ge=0)] = 0) -> dict:
     records = list(reversed(store(request).checkpoints(caller.owner)))  # newest first
-    return {"checkpoints": [checkpoint_view(c) for c in records[offset:offset + limit]],
+    page = records[offset:offset + limit]
+    public = store(request).published([path_of(c) for c in page])
+    return {"checkpoints": [checkpoint_view(c, public) for c in page],
             "cursor": {"offset": offset, "limit": limit, "total_count": len(records)}}
 
 
@@ -846,6 +858,7 @@ def delete_checkpoint(model_id: str, kind: str, name: str, caller: Key, request:
     """Gone at once (never listed or loaded again); the trainer then removes its files and record."""
     path = owned_checkpoint(request, caller, model_id, kind, name)
     store(request).expire_checkpoint(caller.owner, path, time.time())
+    store(request).publish(path, False)
 
 
 class CheckpointTtl(Wire):
@@ -859,6 +872,19 @@ def set_checkpoint_ttl(model_id: str, kind: str, name: str, body: CheckpointTtl,
     store(request).expire_checkpoint(caller.owner, path, time.time() + body.ttl_seconds if body.ttl_seconds else None)
 
 
+@router.post(CHECKPOINT + "/publish", status_code=204)
+def publish_checkpoint(model_id: str, kind: str, name: str, caller: Key, request: Request) -> None:
+    """Any key may then load it (load_state, create_training_client_from_state) or sample it (a sampler of its
+    sampler weights); only its owner can publish it (another key's checkpoint is 404, as everywhere)."""
+    store(request).publish(owned_checkpoint(request, caller, model_id, kind, name), True)
+
+
+@router.delete(CHECKPOINT + "/publish", status_code=204)
+def unpublish_checkpoint(model_id: str, kind: str, name: str, caller: Key, request: Request) -> None:
+    """Private again: other keys' loads and new samplers of it are refused (404) from now on."""
+    store(request).publish(owned_checkpoint(request, caller, model_id, kind, name), False)
+
+
 class WeightsInfo(Wire):
     tinker_path: str
 
@@ -866,7 +892,7 @@ class WeightsInfo(Wire):
 @router.post("/weights_info")
 @needs("read")
 def weights_info(body: WeightsInfo, caller: Key, request: Request) -> dict:
-    saved = store(request).checkpoint(caller.owner, body.tinker_path)
+    saved = store(request).readable_checkpoint(caller.owner, body.tinker_path)
     if saved is None:
         raise ApiError(404, f"checkpoint {body.tinker_path} does not exist", field="tinker_path")
     lora = saved["lora"]
@@ -913,7 +939,7 @@ NOT_SERVED = {
     "/copy_weights": "copy_weights", "/join_sampling_session": "join_sampling_session",
     "/retrieve_futures": "retrieve_futures", "/cancel_future": "cancel_future",
     "/create_custom_loss": "create_custom_loss", "/auth/token": "auth_token (JWT exchange)",
-    "/training_runs/{rest:path}": "checkpoint publishing and external weights URLs",
+    "/training_runs/{rest:path}": "external weights URLs",
     "/sessions/{session_id}/{rest:path}": "session projects and traces",
     "/audit": "audit log", "/billing/{rest:path}": "billing",
 }
