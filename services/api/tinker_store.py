@@ -14,7 +14,7 @@ from typing import Any
 
 from shared.contracts.messages import TinkerCheckpoint, TinkerFuture
 from shared.contracts.streams import tinker_key
-from shared.contracts.tinker_run import FUTURE_TTL_S, MODEL_TTL_S
+from shared.contracts.tinker_run import FUTURE_TTL_S, MODEL_TTL_S, checkpoint_path
 from shared.platform.bus import SyncRedis
 
 
@@ -130,6 +130,22 @@ class TinkerStore:
         the caller checks it is the owner's."""
         key = tinker_key("published", path)
         self.redis.set(key, "1") if public else self.redis.delete(key)
+
+    def put_copy(self, owner: str, source: dict[str, Any], model_id: str, expires_at: float | None) -> str:
+        """A copy of checkpoint record `source` as `owner`'s, under model `model_id`: the same weights (version
+        on the weight server), created now; its path."""
+        copy = TinkerCheckpoint.model_validate(source | {"owner": owner, "model_id": model_id,
+                                                         "created_at": time.time(), "expires_at": expires_at})
+        path = checkpoint_path(model_id, copy.kind, copy.name)
+        self.redis.set(tinker_key("checkpoint", path), copy.model_dump_json())
+        return path
+
+    def remember_copy(self, owner: str, idempotency_key: str, path: str, ttl_s: int) -> None:
+        self.redis.set(tinker_key("copy", f"{owner}:{idempotency_key}"), path, ex=ttl_s)
+
+    def copy_made(self, owner: str, idempotency_key: str) -> str | None:
+        raw = self.redis.get(tinker_key("copy", f"{owner}:{idempotency_key}"))
+        return raw.decode() if isinstance(raw, bytes) else raw
 
     def published(self, paths: list[str]) -> set[str]:
         pipe = self.redis.pipeline()

@@ -275,7 +275,8 @@ def test_a_key_is_verified_and_revoked_by_itself_as_tinker_auth_does(api):
 
 
 def test_operations_not_served_yet_say_so(api):
-    for path, operation in (("/api/v1/copy_weights", "copy_weights"), ("/api/v1/create_custom_loss", "create_custom_loss")):
+    for path, operation in (("/api/v1/save_weights_external", "save_weights_external"),
+                            ("/api/v1/create_custom_loss", "create_custom_loss")):
         r = post(api, path, {})
         assert r.status_code == 404, r.text
         assert operation in r.json()["message"] and "not supported by this flywheel server yet" in r.json()["message"]
@@ -284,7 +285,7 @@ def test_operations_not_served_yet_say_so(api):
     assert r.status_code == 404 and "external weights URLs" in r.json()["message"], r.text
 
 
-def saved_checkpoint(api, redis_url, token: str, name: str) -> tuple[str, str]:
+def saved_checkpoint(api, redis_url, token: str, name: str, kind: str = "weights") -> tuple[str, str]:
     """A model of this key and a checkpoint record of it as the trainer writes one: (model id, tinker path)."""
     import hashlib
     import time
@@ -297,10 +298,11 @@ def saved_checkpoint(api, redis_url, token: str, name: str) -> tuple[str, str]:
     session_id = post(api, "/api/v1/create_session", {"tags": []}, token).json()["session_id"]
     model_id = post(api, "/api/v1/create_model", {"session_id": session_id, "model_seq_id": 0, "base_model": "tiny-qwen",
                                                   "lora_config": {"rank": 4}}, token).json()["model_id"]
-    path = f"tinker://{model_id}/weights/{name}"
+    path = f"tinker://{model_id}/{kind}/{name}"
     record = TinkerCheckpoint(owner=hashlib.sha256(token.encode()).hexdigest(), model_id=model_id, run_id="r",
-                              kind="weights", name=name, base_model="tiny-qwen", lora={"rank": 4}, seq_id=1,
-                              folder="/nowhere", created_at=time.time())
+                              kind=kind, name=name, base_model="tiny-qwen", lora={"rank": 4}, seq_id=1,
+                              folder="/nowhere" if kind == "weights" else None,
+                              version=None if kind == "weights" else 1, created_at=time.time())
     redis.Redis.from_url(redis_url).set(tinker_key("checkpoint", path), record.model_dump_json())
     return model_id, path
 
@@ -332,6 +334,53 @@ def test_only_the_owner_publishes_a_checkpoint_and_the_listings_show_it(api, red
     r = httpx.post(f"{api.url}/api/v1/training_runs/{model_id}/checkpoints/weights/missing/publish",
                    headers={"X-API-Key": "tml-" + owner_key})
     assert r.status_code == 404 and r.json()["detail"][0]["field"] == "path.checkpoint_id", r.text
+
+
+def test_copy_weights_copies_sampler_weights_into_a_slot_that_cannot_be_trained(api, redis_url):
+    owner_key, eve_key = new_token(api, ["read", "write"]), new_token(api, ["read", "write"])
+    _, source = saved_checkpoint(api, redis_url, owner_key, "s1", "sampler_weights")
+    _, state = saved_checkpoint(api, redis_url, owner_key, "w1")
+    owner = tinker.RestClient(base_url=api.url, api_key="tml-" + owner_key)
+
+    copied = owner.copy_weights(source, "proj-archive", ttl_seconds=7200).result(timeout=30)
+    model_id = copied.removeprefix("tinker://").split("/")[0]
+    assert copied == f"tinker://{model_id}/sampler_weights/s1" and model_id.endswith(":train:0")
+    listed = {c.tinker_path: c for c in owner.list_user_checkpoints().result(timeout=30).checkpoints}
+    assert source in listed and listed[copied].expires_at is not None and listed[source].expires_at is None
+    assert [c.tinker_path for c in owner.list_checkpoints(model_id).result(timeout=30).checkpoints] == [copied]
+    with pytest.warns(Warning):  # a new session, in the project
+        found = owner.search_sessions(tinker.types.SessionSearchRequest(project_ids=["proj-archive"])).result(30)
+    assert [s.session_id for s in found.sessions] == [model_id.split(":")[0]]
+    assert owner.get_weights_info_by_tinker_path(copied).result(timeout=30).lora_rank == 4
+    session_id = post(api, "/api/v1/create_session", {"tags": []}, owner_key).json()["session_id"]
+    made = post(api, "/api/v1/create_sampling_session", {"session_id": session_id, "sampling_session_seq_id": 0,
+                                                          "model_path": copied}, owner_key)
+    assert made.status_code == 200, made.text  # sampled like its source
+    trained = post(api, "/api/v1/optim_step", {"model_id": model_id, "adam_params": {"learning_rate": 1e-3}},
+                   owner_key)
+    assert trained.status_code == 400 and "cannot be trained on" in trained.json()["message"], trained.text
+
+    into = {"source_path": source, "session_id": session_id, "model_seq_id": 3}
+    replay = {"X-Idempotency-Key": "copy-once"}
+    first = httpx.post(api.url + "/api/v1/copy_weights", json=into, headers={"X-API-Key": "tml-" + owner_key} | replay)
+    assert first.json() == {"tinker_path": f"tinker://{session_id}:train:3/sampler_weights/s1"}, first.text
+    again = httpx.post(api.url + "/api/v1/copy_weights", json=into, headers={"X-API-Key": "tml-" + owner_key} | replay)
+    assert again.json() == first.json()  # a retry gets the copy the first made
+    taken = post(api, "/api/v1/copy_weights", into, owner_key)
+    assert taken.status_code == 400 and taken.json()["detail"][0]["field"] == "model_seq_id", taken.text
+    weights = post(api, "/api/v1/copy_weights", {"source_path": state, "destination_project_id": "p"}, owner_key)
+    assert weights.status_code == 400 and weights.json()["detail"][0]["field"] == "source_path", weights.text
+    nowhere = post(api, "/api/v1/copy_weights", {"source_path": source}, owner_key)
+    assert nowhere.status_code == 400 and nowhere.json()["detail"][0]["field"] == "destination_project_id"
+
+    owner.delete_checkpoint_from_tinker_path(copied).result(timeout=30)  # the source stays
+    assert source in {c.tinker_path for c in owner.list_user_checkpoints().result(timeout=30).checkpoints}
+    eve = tinker.RestClient(base_url=api.url, api_key="tml-" + eve_key)
+    with pytest.raises(tinker.NotFoundError):  # not hers until published
+        eve.copy_weights(source, "eve-proj").result(timeout=30)
+    owner.publish_checkpoint_from_tinker_path(source).result(timeout=30)
+    hers = eve.copy_weights(source, "eve-proj").result(timeout=30)
+    assert [c.tinker_path for c in eve.list_user_checkpoints().result(timeout=30).checkpoints] == [hers]
 
 
 def test_sdk_telemetry_is_counted_and_a_client_exception_logged(api):

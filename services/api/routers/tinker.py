@@ -467,11 +467,16 @@ async def retrieve_future(body: RetrieveFuture, caller: Key, request: Request) -
     return result
 
 
-def owned_model(request: Request, caller: Caller, model_id: str, field: str = "model_id") -> dict:
+def owned_model(request: Request, caller: Caller, model_id: str, field: str = "model_id", *,
+                training: bool = True) -> dict:
+    """The key's model; with `training`, one that can be trained on (not the holder of a copy_weights copy)."""
     model = store(request).model(caller.owner, model_id)
-    if model is None or model.get("run_id") is None:
+    if model is None or (model.get("run_id") is None and model.get("copy_of") is None):
         raise ApiError(404, f"model {model_id} does not exist", field=field,
                        hint="create one with create_lora_training_client (POST /api/v1/create_model)")
+    if training and model.get("copy_of"):
+        raise ApiError(400, f"model {model_id} holds a copy of {model['copy_of']} and cannot be trained on",
+                       field=field, hint="train a model made from the copy: create_training_client_from_state")
     return model
 
 
@@ -806,7 +811,10 @@ def list_training_runs(caller: Key, request: Request, db: DB, limit: Annotated[i
 
 
 def owned_training_run(request: Request, caller: Caller, db, model_id: str) -> Run:
-    model = owned_model(request, caller, model_id, field="path.training_run_id")
+    model = owned_model(request, caller, model_id, field="path.training_run_id", training=False)
+    if model.get("copy_of"):
+        raise ApiError(404, f"model {model_id} holds a copy of {model['copy_of']}, not a training run",
+                       field="path.training_run_id", hint=f"list_checkpoints({model_id!r}) lists the copy")
     return db.get(Run, uuid.UUID(model["run_id"]))
 
 
@@ -821,7 +829,7 @@ def get_training_run(model_id: str, caller: Key, request: Request, db: DB) -> di
 @router.get("/training_runs/{model_id}/checkpoints")
 @needs("read")
 def list_checkpoints(model_id: str, caller: Key, request: Request) -> dict:
-    owned_model(request, caller, model_id, field="path.training_run_id")
+    owned_model(request, caller, model_id, field="path.training_run_id", training=False)
     records = store(request).checkpoints(caller.owner, model_id)
     public = store(request).published([path_of(c) for c in records])
     return {"checkpoints": [checkpoint_view(c, public) for c in records]}
@@ -841,7 +849,7 @@ def list_user_checkpoints(caller: Key, request: Request, limit: Annotated[int, F
 def owned_checkpoint(request: Request, caller: Caller, model_id: str, kind: str, name: str) -> str:
     """The tinker:// path of the key's live checkpoint `<kind>/<name>` (the SDK's checkpoint id) of model
     `model_id`; 404 otherwise."""
-    owned_model(request, caller, model_id, field="path.training_run_id")
+    owned_model(request, caller, model_id, field="path.training_run_id", training=False)
     path = checkpoint_path(model_id, kind, name)
     if parse_checkpoint_path(path) is None or store(request).checkpoint(caller.owner, path) is None:
         raise ApiError(404, f"checkpoint {kind}/{name} of {model_id} does not exist", field="path.checkpoint_id",
@@ -883,6 +891,71 @@ def publish_checkpoint(model_id: str, kind: str, name: str, caller: Key, request
 def unpublish_checkpoint(model_id: str, kind: str, name: str, caller: Key, request: Request) -> None:
     """Private again: other keys' loads and new samplers of it are refused (404) from now on."""
     store(request).publish(owned_checkpoint(request, caller, model_id, kind, name), False)
+
+
+class CopyWeights(Wire):
+    source_path: str
+    session_id: str | None = None
+    model_seq_id: Annotated[int, Field(ge=0)] | None = None
+    destination_project_id: Annotated[str, Field(min_length=1)] | None = None
+    ttl_seconds: Annotated[int, Field(ge=1, le=MAX_TTL_S)] | None = None
+    weights_access_token: str | None = None
+
+
+COPY_REPLAY_S = 86400  # how long a copy's idempotency key answers a retry with the same copy
+
+
+@router.post("/copy_weights")
+def copy_weights(body: CopyWeights, caller: Key, request: Request, config: Config) -> dict:
+    """Sampler weights (the key's own or published ones) copied into a new model slot that cannot be trained
+    on: `session_id` + `model_seq_id`, or a new session in `destination_project_id`. The copy shares the
+    source's storage (its version on the weight server) and has its own expiry. A retry with the same
+    X-Idempotency-Key is answered with the copy the first made."""
+    tinker = store(request)
+    replay = request.headers.get("x-idempotency-key")
+    if replay and (done := tinker.copy_made(caller.owner, replay)):
+        return {"tinker_path": done}
+    if body.weights_access_token or request.headers.get("x-tinker-weights-access-token"):
+        raise ApiError(400, "weights access tokens are not served", field="weights_access_token",
+                       hint="the checkpoint's owner publishes it (publish_checkpoint_from_tinker_path); any key "
+                            "may then copy it")
+    parsed = parse_checkpoint_path(body.source_path)
+    source = tinker.readable_checkpoint(caller.owner, body.source_path) if parsed else None
+    if source is None:
+        raise ApiError(404, f"checkpoint {body.source_path} does not exist", field="source_path",
+                       hint="a key copies its own checkpoints and those their owners published")
+    if source["kind"] != "sampler_weights":
+        # the trainer removes a save_state's folder with its record: a copy sharing it would break with either
+        raise ApiError(400, "copying save_state (weights) checkpoints is not served yet; sampler weights are",
+                       field="source_path", hint="create_training_client_from_state(path) and save_state anew")
+    session_id, seq = copy_slot(request, caller, body)
+    model_id = f"{session_id}:train:{seq}"
+    base = offered_model(config, source["base_model"])
+    model = {"session_id": session_id, "run_id": None, "copy_of": body.source_path, "base_model": base.name,
+             "source": base.source, "arch": base.arch, "lora": source["lora"], "optimizer_config": None,
+             "user_metadata": {}}
+    if not tinker.put_model(caller.owner, model_id, model, only_new=True):
+        raise ApiError(400, f"model {model_id} exists already (model_seq_id {seq} is taken)", field="model_seq_id")
+    tinker.file_under_session(session_id, "models", model_id)
+    expires = time.time() + body.ttl_seconds if body.ttl_seconds else None
+    path = tinker.put_copy(caller.owner, source, model_id, expires)
+    if replay:
+        tinker.remember_copy(caller.owner, replay, path, COPY_REPLAY_S)
+    return {"tinker_path": path}
+
+
+def copy_slot(request: Request, caller: Caller, body: CopyWeights) -> tuple[str, int]:
+    """Where a copy goes: the given session's slot, or slot 0 of a new session in the given project."""
+    if body.session_id is not None:
+        if body.model_seq_id is None:
+            raise ApiError(400, "give model_seq_id with session_id", field="model_seq_id")
+        if owned_session(request, caller, body.session_id, "session_id")["finished"] is not None:
+            raise ApiError(400, f"session {body.session_id} has finished", field="session_id")
+        return body.session_id, body.model_seq_id
+    if body.destination_project_id is None:
+        raise ApiError(400, "give destination_project_id, or session_id and model_seq_id", field="destination_project_id")
+    return store(request).create_session(caller.owner, [], {}, owner_name=caller.principal.name,
+                                         project_id=body.destination_project_id), 0
 
 
 class WeightsInfo(Wire):
@@ -936,7 +1009,7 @@ def telemetry(body: TelemetryBatch, caller: Key) -> dict:
 # Every other route the SDK (0.38.0) calls: what it is, so the caller learns the operation is not served yet.
 NOT_SERVED = {
     "/save_weights_external": "save_weights_external",
-    "/copy_weights": "copy_weights", "/join_sampling_session": "join_sampling_session",
+    "/join_sampling_session": "join_sampling_session",
     "/retrieve_futures": "retrieve_futures", "/cancel_future": "cancel_future",
     "/create_custom_loss": "create_custom_loss", "/auth/token": "auth_token (JWT exchange)",
     "/training_runs/{rest:path}": "external weights URLs",
