@@ -69,6 +69,19 @@ class TinkerStore:
             record["finished"] = {"reason": reason, "detail": detail, "at": time.time()}
             self._put("session", session_id, record, MODEL_TTL_S)
 
+    def set_session_project(self, owner: str, session_id: str, project_id: str) -> None:
+        """Read and rewritten in one transaction, so a finish meanwhile is not undone."""
+        key = tinker_key("session", session_id)
+
+        def update(pipe) -> None:
+            raw = pipe.get(key)
+            record = json.loads(raw) if raw else None
+            pipe.multi()
+            if record is not None and record.get("owner") == owner:
+                pipe.set(key, json.dumps(record | {"project_id": project_id}), keepttl=True)
+
+        self.redis.transaction(update, key)
+
     def file_under_session(self, session_id: str, kind: str, member: str) -> None:
         """`member` (a run, model or sampler id) in the session's set of `kind` ("runs", "models", "samplers"):
         a set beside the session record, so that concurrent creates never drop each other's."""

@@ -222,6 +222,31 @@ def test_session_search_filters_a_keys_own_sessions_newest_first_in_pages(api):
     assert too_many.status_code == 422 and too_many.json()["detail"][0]["field"] == "limit", too_many.text
 
 
+def test_a_session_moved_into_a_project_is_searched_and_its_runs_listed_by_it(api):
+    mine, theirs = new_token(api, ["read", "write"]), new_token(api, ["read", "write"])
+    sessions = [post(api, "/api/v1/create_session", {"tags": []}, mine).json()["session_id"] for _ in range(2)]
+    models = [post(api, "/api/v1/create_model", {"session_id": s, "model_seq_id": 0, "base_model": "tiny-qwen",
+                                                 "lora_config": {"rank": 2}}, mine).json()["model_id"] for s in sessions]
+    rest = tinker.RestClient(base_url=api.url, api_key="tml-" + mine)
+    rest.assign_session_project(sessions[0], "proj-b").result(timeout=30)
+    with pytest.warns(Warning):
+        found = rest.search_sessions(tinker.types.SessionSearchRequest(project_ids=["proj-b"])).result(timeout=30)
+    assert [(s.session_id, s.project_id) for s in found.sessions] == [(sessions[0], "proj-b")]
+    runs = rest.list_training_runs(project_id="proj-b").result(timeout=30)
+    assert [r.training_run_id for r in runs.training_runs] == [models[0]] and runs.cursor.total_count == 1
+    assert rest.list_training_runs(project_id="proj-none").result(timeout=30).training_runs == []
+    assert {models[0], models[1]} <= {r.training_run_id for r in rest.list_training_runs(limit=100).result(30).training_runs}
+
+    stranger = tinker.RestClient(base_url=api.url, api_key="tml-" + theirs)
+    with pytest.raises(tinker.NotFoundError):
+        stranger.assign_session_project(sessions[1], "proj-b").result(timeout=30)
+    r = httpx.put(f"{api.url}/api/v1/sessions/{sessions[1]}/project", json={"project_id": ""},
+                  headers={"X-API-Key": "tml-" + mine})
+    assert r.status_code == 422 and r.json()["detail"][0]["field"] == "project_id", r.text
+    r = httpx.get(f"{api.url}/api/v1/sessions/{sessions[0]}/trace_export", headers={"X-API-Key": "tml-" + mine})
+    assert r.status_code == 404 and "session trace export" in r.json()["message"], r.text
+
+
 def test_keys_are_tml_plus_a_flywheel_token(api):
     for headers in ({}, {"X-API-Key": api.token}, {"X-API-Key": "tml-wrong-token"},
                     {"Authorization": f"Bearer {api.token}"}):

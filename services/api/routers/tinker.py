@@ -101,6 +101,10 @@ class CreateSession(Wire):
     display_name: str | None = None
 
 
+class SessionProject(Wire):
+    project_id: Annotated[str, Field(min_length=1, max_length=200)]
+
+
 class Heartbeat(Wire):
     session_id: str
 
@@ -341,6 +345,14 @@ def get_session(session_id: str, caller: Key, request: Request) -> dict:
             "sampler_ids": tinker.session_members(session_id, "samplers"),
             "user_metadata": {k: str(v) for k, v in record["user_metadata"].items()} or None,
             "display_name": record.get("display_name")}
+
+
+@router.put("/sessions/{session_id}/project", status_code=204)
+def assign_session_project(session_id: str, body: SessionProject, caller: Key, request: Request) -> None:
+    """Move the session, with its models and samplers, into a project: the label `search_sessions` and
+    `list_training_runs(project_id=...)` filter by. Projects are per key: any name, nothing to create first."""
+    owned_session(request, caller, session_id, "path.session_id")
+    store(request).set_session_project(caller.owner, session_id, body.project_id)
 
 
 @router.post("/session_heartbeat")
@@ -799,8 +811,11 @@ def owned_runs(caller: Caller):
 @router.get("/training_runs")
 @needs("read")
 def list_training_runs(caller: Key, request: Request, db: DB, limit: Annotated[int, Field(ge=1, le=1000)] = 20,
-                       offset: Annotated[int, Field(ge=0)] = 0) -> dict:
+                       offset: Annotated[int, Field(ge=0)] = 0, project_id: str | None = None) -> dict:
     query = owned_runs(caller)
+    if project_id is not None:  # the runs of the key's sessions in that project
+        sessions = [i for i, r in store(request).session_records(caller.owner) if r.get("project_id") == project_id]
+        query = query.where(Run.config["session_id"].astext.in_(sessions))
     total = db.execute(select(func.count()).select_from(query.subquery())).scalar_one()
     runs = db.execute(query.limit(limit).offset(offset)).scalars().all()
     tinker = store(request)
@@ -1013,7 +1028,7 @@ NOT_SERVED = {
     "/retrieve_futures": "retrieve_futures", "/cancel_future": "cancel_future",
     "/create_custom_loss": "create_custom_loss", "/auth/token": "auth_token (JWT exchange)",
     "/training_runs/{rest:path}": "external weights URLs",
-    "/sessions/{session_id}/{rest:path}": "session projects and traces",
+    "/sessions/{session_id}/{rest:path}": "session trace export",
     "/audit": "audit log", "/billing/{rest:path}": "billing",
 }
 
