@@ -308,6 +308,15 @@ def test_operations_not_served_yet_say_so(api):
     r = httpx.get(api.url + "/api/v1/training_runs/x/checkpoints/weights/y/external_weights_urls",
                   headers={"X-API-Key": "tml-" + api.token})
     assert r.status_code == 404 and "external weights URLs" in r.json()["message"], r.text
+    admin = tinker.AdminClient(base_url=api.url, api_key="tml-" + api.token)
+    for call, named in ((lambda: admin.get_audit_log(), "records no audit events"),
+                        (lambda: admin.get_billing_usage("2026-01-01T00:00:00Z", "2026-01-02T00:00:00Z"),
+                         "keeps no usage"),
+                        (lambda: admin.get_current_checkpoint_storage_usage(), "keeps no usage")):
+        with pytest.raises(tinker.NotFoundError, match=named):
+            call().result(timeout=30)
+    r = post(api, "/api/v1/auth/token", {})
+    assert r.status_code == 404 and "JWT exchange" in r.json()["message"], r.text
 
 
 def saved_checkpoint(api, redis_url, token: str, name: str, kind: str = "weights") -> tuple[str, str]:
