@@ -1,6 +1,7 @@
 """The Tinker protocol's state, in Redis, every record tagged with the key (owner) that made it: sessions (with
 the runs, models and samplers made in each), training models and futures. An owner is the sha256 of the flywheel token behind the `tml-` key, so a record
-is found only by the key that made it; another key's record reads as absent (404), never as forbidden.
+is found only by the key that made it; another key's record reads as absent (404), never as forbidden. The one
+exception: a checkpoint its owner published (`tinker:published:<path>`) reads for every key.
 A future of work done here (create_model) is resolved at once; one of the trainer's (`tinker.requests`) holds
 `try_again` until the trainer writes its result. Futures are kept a day.
 More: docs/tinker.md"""
@@ -70,7 +71,7 @@ class TinkerStore:
             self._put("session", session_id, record, MODEL_TTL_S)
 
     def set_session_project(self, owner: str, session_id: str, project_id: str) -> None:
-        """Read and rewritten in one transaction, so a finish meanwhile is not undone."""
+        """The session's project, set in one transaction (a finish meanwhile is not undone)."""
         key = tinker_key("session", session_id)
 
         def update(pipe) -> None:
@@ -142,7 +143,10 @@ class TinkerStore:
         """Mark the checkpoint public (`tinker:published:<path>`, read by the trainer's load) or private again;
         the caller checks it is the owner's."""
         key = tinker_key("published", path)
-        self.redis.set(key, "1") if public else self.redis.delete(key)
+        if public:
+            self.redis.set(key, "1")
+        else:
+            self.redis.delete(key)
 
     def put_copy(self, owner: str, source: dict[str, Any], model_id: str, expires_at: float | None) -> str:
         """A copy of checkpoint record `source` as `owner`'s, under model `model_id`: the same weights (version
