@@ -1,5 +1,5 @@
 """The Tinker protocol (the `tinker` SDK's routes under /api/v1): client config, sessions, server capabilities,
-LoRA training models, their training operations (sent to the trainer on `tinker.requests`) and the futures
+LoRA training models, their training operations (sent to the trainer on `tinker.ops.<model id>`) and the futures
 their operations return. Auth is the SDK's `X-API-Key: tml-<token>`,
 a flywheel token (API_TOKEN or an api_tokens row) behind `tml-`. Operations this server does not serve yet
 answer 404 naming the operation (404 is what the SDK neither retries nor treats as a broken client).
