@@ -1,0 +1,16 @@
+"""The Tinker protocol (the `tinker` SDK's routes under /api/v1): client config, sessions, server capabilities,
+LoRA training models, their training operations (sent to the trainer on `tinker.ops.<model id>`) and the futures
+their operations return. Auth is the SDK's `X-API-Key: tml-<token>`,
+a flywheel token (API_TOKEN or an api_tokens row) behind `tml-`. Operations this server does not serve yet
+answer 404 naming the operation (404 is what the SDK neither retries nor treats as a broken client).
+More: docs/tinker.md"""
+
+from fastapi import APIRouter
+
+from services.api.routers.tinker import checkpoints, not_served, sampling, sessions, training
+
+router = APIRouter(prefix="/api/v1", tags=["tinker"], include_in_schema=False)
+# In this order: FastAPI matches routes in order, and not_served's catch-alls (/sessions/{session_id}/{rest:path},
+# /training_runs/{rest:path}) must come after the routes they would otherwise take.
+for part in (sessions, training, sampling, checkpoints, not_served):
+    router.include_router(part.router)

@@ -1,0 +1,38 @@
+"""The operations this server does not serve yet: each answers 404 naming the operation (404 is what the SDK
+neither retries nor treats as a broken client)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+
+from services.api.auth import needs
+from services.api.errors import ApiError
+from services.api.routers.tinker.callers import Key
+
+router = APIRouter()
+
+
+# Every other route the SDK (0.38.0) calls: what it is, so the caller learns the operation is not served yet.
+NOT_SERVED = {
+    "/save_weights_external": "save_weights_external",
+    "/join_sampling_session": "join_sampling_session",
+    "/retrieve_futures": "retrieve_futures", "/cancel_future": "cancel_future",
+    "/create_custom_loss": "create_custom_loss",
+    "/auth/token": "auth_token (JWT exchange: keys here are tml-<flywheel token>, used as they are)",
+    "/training_runs/{rest:path}": "external weights URLs",
+    "/sessions/{session_id}/{rest:path}": "session trace export",
+    "/audit": "audit log (this server records no audit events)",
+    "/billing/{rest:path}": "billing usage (this server keeps no usage, cost or storage-size records)",
+}
+
+
+def _not_served(operation: str):
+    def not_served(request: Request, _: Key) -> None:
+        raise ApiError(404, f"Tinker operation {operation!r} ({request.method} {request.url.path}) is not supported "
+                       "by this flywheel server yet", hint="docs/tinker.md lists the operations served")
+    not_served.__name__ = "tinker_not_served"
+    return needs("read")(not_served)  # any key learns what is missing (a 403 would break the SDK's start)
+
+
+for _path, _operation in NOT_SERVED.items():
+    router.add_api_route(_path, _not_served(_operation), methods=["GET", "POST", "PUT", "DELETE", "PATCH"])

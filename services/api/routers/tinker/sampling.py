@@ -1,0 +1,149 @@
+"""Sampling: sampling sessions (of saved sampler weights or of a base model), samplers, and asample, which puts
+a sample request on the rollout workers' stream."""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Request
+from pydantic import Field
+
+from services.api.auth import needs
+from services.api.deps import DB, Config
+from services.api.errors import ApiError
+from services.api.routers.tinker.callers import Key, Wire, owned_session, store
+from services.api.routers.tinker.sessions import offered_model
+from services.api.routers.tinker.training import store_run
+from shared.contracts.messages import TinkerSample
+from shared.contracts.messages.tinker import MAX_TOPK_LOGPROBS
+from shared.contracts.streams import TINKER_SAMPLES
+from shared.contracts.tinker_run import TinkerRunConfig, parse_checkpoint_path
+from shared.platform.bus import RedisError, announce
+
+router = APIRouter()
+
+
+class CreateSamplingSession(Wire):
+    session_id: str
+    sampling_session_seq_id: Annotated[int, Field(ge=0)]
+    base_model: str | None = None
+    model_path: str | None = None
+
+
+@router.post("/create_sampling_session")
+def create_sampling_session(body: CreateSamplingSession, caller: Key, request: Request, config: Config,
+                            db: DB) -> dict:
+    """A sampler of saved sampler weights (`model_path`) or of a base model (a run of its own, its samples
+    stored as that run's episodes)."""
+    session = owned_session(request, caller, body.session_id, "session_id")
+    if session["finished"] is not None:
+        raise ApiError(400, f"session {body.session_id} has finished", field="session_id")
+    sampler_id = f"{body.session_id}:sample:{body.sampling_session_seq_id}"
+    if body.model_path is not None:
+        parsed = parse_checkpoint_path(body.model_path)
+        saved = store(request).readable_checkpoint(caller.owner, body.model_path) if parsed else None
+        if parsed is None or parsed[1] != "sampler_weights":
+            raise ApiError(400, f"{body.model_path!r} is not a sampler weights path", field="model_path",
+                           hint="tinker://<model id>/sampler_weights/<name>, as save_weights_for_sampler returned it")
+        if saved is None:
+            raise ApiError(404, f"sampler weights {body.model_path} do not exist", field="model_path")
+        record = {"run_id": saved["run_id"], "version": saved["version"], "base_model": saved["base_model"],
+                  "model_path": body.model_path}
+    elif body.base_model is not None:
+        base = offered_model(config, body.base_model)
+        run = TinkerRunConfig(name=f"tinker sampler {sampler_id}", model_id=sampler_id, session_id=body.session_id,
+                              owner=caller.owner, owner_name=caller.principal.name, base_model=base.name,
+                              model=base.source, lora=None, engine=config.tinker_engine)
+        record = {"run_id": store_run(request, caller, config, db, run), "version": 0, "base_model": base.name,
+                  "model_path": None}
+    else:
+        raise ApiError(400, "give base_model or model_path", field="base_model")
+    store(request).put_sampler(caller.owner, sampler_id, body.session_id, record)
+    return {"type": "create_sampling_session", "sampling_session_id": sampler_id}
+
+
+@router.get("/samplers/{sampler_id}")
+@needs("read")
+def get_sampler(sampler_id: str, caller: Key, request: Request) -> dict:
+    sampler = store(request).sampler(caller.owner, sampler_id)
+    if sampler is None:
+        raise ApiError(404, f"sampler {sampler_id} does not exist", field="path.sampler_id")
+    return {"sampler_id": sampler_id, "base_model": sampler["base_model"], "model_path": sampler["model_path"]}
+
+
+class SampleParams(Wire):
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    seed: int | None = None
+    stop: str | list[str] | list[int] | None = None
+    temperature: Annotated[float, Field(ge=0)] = 1.0
+    top_k: int = -1
+    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
+
+
+class SampleRequest(Wire):
+    sampling_session_id: str | None = None
+    seq_id: int | None = None
+    num_samples: Annotated[int, Field(ge=1, le=1024)] = 1
+    prompt: dict[str, Any]
+    sampling_params: SampleParams
+    base_model: str | None = None
+    model_path: str | None = None
+    prompt_logprobs: bool | None = None
+    prompt_logprobs_last_n: Annotated[int, Field(ge=1)] | None = None
+    topk_prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_TOPK_LOGPROBS)] = 0
+    topk_sample_logprobs: Annotated[int, Field(ge=0, le=MAX_TOPK_LOGPROBS)] = 0
+    target_prompt_logprobs: dict[str, Any] | None = None
+    prompt_alt_tokens_k: int = 0
+
+
+DEFAULT_MAX_TOKENS = 256  # a sample request without max_tokens
+
+
+def prompt_tokens(prompt: dict[str, Any]) -> list[int]:
+    tokens = []
+    for j, chunk in enumerate(prompt.get("chunks", [])):
+        if chunk.get("type") != "encoded_text":
+            raise ApiError(400, f"only text chunks (encoded_text) are served, not {chunk.get('type')!r}",
+                           field=f"prompt.chunks[{j}]")
+        tokens.extend(int(t) for t in chunk.get("tokens", []))
+    if not tokens:
+        raise ApiError(400, "the prompt is empty", field="prompt")
+    return tokens
+
+
+@router.post("/asample")
+def asample(body: SampleRequest, caller: Key, request: Request) -> dict:
+    if body.sampling_session_id is None:
+        raise ApiError(400, "sample through a sampling session (the SDK's SamplingClient)", field="sampling_session_id")
+    sampler = store(request).sampler(caller.owner, body.sampling_session_id)
+    if sampler is None:
+        raise ApiError(404, f"sampling session {body.sampling_session_id} does not exist", field="sampling_session_id")
+    unserved = [f for f in ("target_prompt_logprobs", "prompt_alt_tokens_k") if getattr(body, f)]
+    if unserved:
+        raise ApiError(400, f"{unserved[0]} is not served by this server yet", field=unserved[0],
+                       hint="sample without it (prompt_logprobs and the top-k logprobs are served)")
+    prompt = prompt_tokens(body.prompt)
+    last_n = body.prompt_logprobs_last_n
+    if last_n is not None and (not (body.prompt_logprobs or body.topk_prompt_logprobs) or last_n >= len(prompt)):
+        raise ApiError(400, f"prompt_logprobs_last_n {last_n} needs prompt logprobs asked for and a prompt longer "
+                       f"than it (this prompt has {len(prompt)} tokens)", field="prompt_logprobs_last_n",
+                       hint="between 1 and len(prompt) - 1, with prompt_logprobs or topk_prompt_logprobs")
+    p = body.sampling_params
+    stop = [p.stop] if isinstance(p.stop, str) else list(p.stop or [])
+    try:
+        request_id = store(request).pending(caller.owner, None)
+        sequence_ids = [f"{request_id}:{i}" for i in range(body.num_samples)]
+        announce(request.app.state.redis, TINKER_SAMPLES, TinkerSample(
+            request_id=request_id, owner=caller.owner, run_id=sampler["run_id"], version=sampler["version"],
+            sequence_ids=sequence_ids, prompt=prompt, num_samples=body.num_samples,
+            max_tokens=p.max_tokens or DEFAULT_MAX_TOKENS, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
+            stop_strings=[x for x in stop if isinstance(x, str)], stop_tokens=[x for x in stop if isinstance(x, int)],
+            prompt_logprobs=bool(body.prompt_logprobs), prompt_logprobs_last_n=last_n,
+            topk_prompt_logprobs=body.topk_prompt_logprobs, topk_sample_logprobs=body.topk_sample_logprobs,
+            seed=p.seed,
+            sent_at=time.time()))
+    except RedisError as e:
+        raise ApiError(503, f"Redis is unreachable, so the sample could not be sent to a rollout worker ({e})",
+                       hint="retry once Redis is back") from e
+    return {"request_id": request_id, "sample_sequence_ids": sequence_ids}
