@@ -21,7 +21,7 @@ on a base whose weights dominate a process's memory (bench/train.py's 114M-param
    N adapters + optimizers) and for N full-weight runs, each run taking two real PPO updates: private resident
    MB (`trainer_private_mb_*`: resident less file-backed pages), engines held, and the median update time.
 5. lag (`--part lag --variant NAME JSON --stacks S`): S stacks of part 3 one after another under the demo's LoRA
-   config with JSON's run-config overrides, stack j's runs seeded j (one seed a stack: its runs share the
+   config (its 100 versions unless --steps) with JSON's run-config overrides, stack j's runs seeded j (one seed a stack: its runs share the
    trainer's engine) and answering offsets 4j, 4j+1, ... mod 10: per run the final reward, each question's
    accuracy over its last versions and whether every question reached the demo's bar for a question
    (`question_accuracy_min`), a lagging question's accuracy at every version; -> `lag[NAME]`. `--part base`: the
@@ -427,7 +427,7 @@ def main() -> None:
     parser.add_argument("--first-stack", type=int, default=0,
                         help="--part lag: go on from the variant's saved stacks with stack (seed) FIRST_STACK")
     parser.add_argument("--runs", type=int, default=N_RUNS)
-    parser.add_argument("--steps", type=int, default=80)
+    parser.add_argument("--steps", type=int, help="versions per run (default: 80; --part lag: the demo's STEPS, 100)")
     args = parser.parse_args()
     if args.engines:
         mode, runs, model, *adapters = args.engines
@@ -443,6 +443,10 @@ def main() -> None:
         save({"lag": old | {"base": odds}})
         print(json.dumps(odds, indent=1))
         return
+    if args.steps is None:
+        from tests.support.demo import STEPS
+
+        args.steps = STEPS if args.part == "lag" else 80
     if args.part == "lag":
         result = lag(args.variant[0], json.loads(args.variant[1]), args.stacks, args.runs, args.steps,
                      args.first_stack)
