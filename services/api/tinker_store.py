@@ -72,14 +72,18 @@ class TinkerStore:
 
     def set_session_project(self, owner: str, session_id: str, project_id: str) -> None:
         """The session's project, set in one transaction (a finish meanwhile is not undone)."""
-        key = tinker_key("session", session_id)
+        self._update_owned(tinker_key("session", session_id), owner, {"project_id": project_id})
+
+    def _update_owned(self, key: str, owner: str, fields: dict[str, Any]) -> None:
+        """Set `fields` of the owner's record at `key`, read and rewritten in one transaction (its TTL kept): a
+        record changed meanwhile is read again, one removed meanwhile is not written back."""
 
         def update(pipe) -> None:
             raw = pipe.get(key)
             record = json.loads(raw) if raw else None
             pipe.multi()
             if record is not None and record.get("owner") == owner:
-                pipe.set(key, json.dumps(record | {"project_id": project_id}), keepttl=True)
+                pipe.set(key, json.dumps(record | fields), keepttl=True)
 
         self.redis.transaction(update, key)
 
@@ -173,16 +177,7 @@ class TinkerStore:
     def expire_checkpoint(self, owner: str, path: str, expires_at: float | None) -> None:
         """Set when the checkpoint expires (now: deleted; None: never). Read and rewritten in one transaction: a
         record the trainer removes meanwhile is not written back."""
-        key = tinker_key("checkpoint", path)
-
-        def update(pipe) -> None:
-            raw = pipe.get(key)
-            record = json.loads(raw) if raw else None
-            pipe.multi()
-            if record is not None and record.get("owner") == owner:
-                pipe.set(key, json.dumps(record | {"expires_at": expires_at}))
-
-        self.redis.transaction(update, key)
+        self._update_owned(tinker_key("checkpoint", path), owner, {"expires_at": expires_at})
 
     def checkpoints(self, owner: str, model_id: str | None = None) -> list[dict[str, Any]]:
         """The owner's checkpoints (of one model, or all), oldest first."""
