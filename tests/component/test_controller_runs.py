@@ -381,6 +381,7 @@ class SlotWorker:
         self.redis, self.bus, self.slots, self.latency = redis, StreamBus(redis), slots, latency
         self.running: set[asyncio.Task] = set()
         self.done = {r: 0 for r in latency}
+        self.timeline: list[tuple[str, int]] = []  # (run id, +1 at a task's start, -1 when its work is done)
         self.task: asyncio.Task | None = None
 
     async def __aenter__(self):
@@ -405,22 +406,40 @@ class SlotWorker:
                     job.add_done_callback(self.running.discard)
 
     async def _run(self, eid: bytes, t: RolloutTask) -> None:
+        self.timeline.append((t.run_id, 1))
         await asyncio.sleep(self.latency[t.run_id])
+        self.timeline.append((t.run_id, -1))  # before publishing: the controller cannot react to it earlier
         await self.bus.publish(TRAJECTORIES, episode_result(t))
         await self.redis.xack(ROLLOUT_TASKS, GROUP_ROLLOUT, eid)
         self.done[t.run_id] += 1
 
+    def peak_while_running(self, run: str, other: str, other_tasks: int) -> int:
+        """Most tasks of `run` at once before `other`'s last task was done: while both ran, whatever the time
+        that took on a loaded machine."""
+        now = peak = finished = 0
+        for run_id, step in self.timeline:
+            if run_id == other and step < 0:
+                finished += 1
+                if finished == other_tasks:
+                    break
+            if run_id == run:
+                now += step
+                peak = max(peak, now)
+        return peak
+
 
 async def test_a_slow_run_does_not_starve_another(engine, redis_client, start_controller):
     """Two runs share 4 rollout slots through one FIFO stream; one run's tasks take 5 s, the other's 0.05 s.
-    Under ROLLOUT_CAPACITY each has at most its share in flight, so the fast run finishes while the slow one
-    is still going (without it, the slow run's 30 tasks sit ahead of every fast task for 40 s), and both make
-    progress."""
+    Under ROLLOUT_CAPACITY each has at most its share (2) in flight while both run, so the fast run finishes
+    while the slow one is still going (without it, the slow run's 30 tasks take every slot and sit ahead of
+    every fast task for 40 s), and both make progress."""
     slow = add_run(engine, add_dataset(engine, 30), kind="eval", samples_per_task=1, max_in_flight=32)
     fast = add_run(engine, add_dataset(engine, 30), kind="eval", samples_per_task=1, max_in_flight=32)
     start_controller(ROLLOUT_CAPACITY="4")
     async with SlotWorker(redis_client, 4, {slow: 5.0, fast: 0.05}) as worker:
-        await wait_until_async(lambda: run_row(engine, fast).status == "completed", 30, "fast run done")
+        # the deadline is slack for a loaded machine; the share itself is checked on the worker's timeline
+        await wait_until_async(lambda: run_row(engine, fast).status == "completed", 90, "fast run done")
+        assert 1 <= worker.peak_while_running(slow, fast, 30) <= 2
         assert worker.done[slow] < 30
         await wait_until_async(lambda: worker.done[slow] >= 2, 15, "the slow run progressing")
         assert run_row(engine, slow).status == "running"
@@ -434,7 +453,8 @@ async def test_runs_share_the_slots_live_workers_advertise_by_default(engine, re
     await redis_client.set(heartbeat_key("rollout-worker", "slots"), json.dumps({"max_concurrency": 4}), ex=120)
     start_controller()
     async with SlotWorker(redis_client, 4, {slow: 5.0, fast: 0.05}) as worker:
-        await wait_until_async(lambda: run_row(engine, fast).status == "completed", 30, "fast run done")
+        await wait_until_async(lambda: run_row(engine, fast).status == "completed", 90, "fast run done")
+        assert 1 <= worker.peak_while_running(slow, fast, 30) <= 2
         assert worker.done[slow] < 30
         await wait_until_async(lambda: worker.done[slow] >= 2, 15, "the slow run progressing")
     await redis_client.delete(heartbeat_key("rollout-worker", "slots"))
