@@ -193,6 +193,25 @@ class TinkerStore:
     def future(self, owner: str, request_id: str) -> dict[str, Any] | None:
         return self._get("future", request_id, owner)
 
+    def cancel_sample(self, owner: str, request_id: str, answer: dict[str, Any]) -> dict[str, Any] | None:
+        """The owner's future as it was read (None: absent or another's). Were it a sample not answered yet, it
+        now answers `answer` and is marked `tinker:cancelled:<id>` for the rollout worker, in one transaction:
+        a worker's answer written meanwhile is kept."""
+        key = tinker_key("future", request_id)
+
+        def cancel(pipe) -> dict[str, Any] | None:
+            raw = pipe.get(key)
+            record = json.loads(raw) if raw else None
+            pipe.multi()
+            if record is None or record.get("owner") != owner:
+                return None
+            if record["model_id"] is None and record["result"].get("type") == "try_again":
+                pipe.set(key, json.dumps(record | {"result": answer}), ex=FUTURE_TTL_S)
+                pipe.set(tinker_key("cancelled", request_id), "1", ex=FUTURE_TTL_S)
+            return record
+
+        return self.redis.transaction(cancel, key, value_from_callable=True)
+
 
 def _live(checkpoint: dict[str, Any], now: float) -> bool:
     return TinkerCheckpoint.model_validate(checkpoint).live(now)

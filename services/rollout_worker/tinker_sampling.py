@@ -1,14 +1,20 @@
 """Tinker samples on the rollout workers: `tinker.samples` (group `rollout`). Each request is served by the
 engine of its run (a training model's adapter at the version its sampler checkpoint named, or a base model's),
 its samples go to `trajectories` (stored as the run's episodes: SQL works over Tinker work), then the answer
-goes into the request's future. More: docs/tinker.md#sampling
+goes into the request's future. A request its client cancelled (`cancel_future`) is dropped, before or while it
+is generated. More: docs/tinker.md#sampling
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from prometheus_client import Counter
 
 from services.rollout_worker.engines import Generation, SamplingParams, UnservedRequest
 from services.rollout_worker.run_engines import RunContext
@@ -16,16 +22,56 @@ from shared.contracts.messages import EpisodeResult, TinkerFuture, TinkerSample,
 from shared.contracts.messages.trajectory import TrajectoryStep
 from shared.contracts.streams import GROUP_ROLLOUT, TINKER_SAMPLES, TRAJECTORIES, tinker_key
 from shared.contracts.tinker_run import FUTURE_TTL_S
-from shared.platform.bus import StreamConsumer
+from shared.platform.bus import RedisError, StreamConsumer
 from shared.platform.logs import get_logger
 from shared.sdk.types import TerminationReason
 
 log = get_logger(__name__)
 VERSION_WAIT_S = 60.0  # how long a request waits for its sampler weights to reach this worker
+CANCEL_POLL_S = 0.5  # how often a request being served looks for its client's cancel
+CANCELLED = Counter("rollout_tinker_samples_cancelled_total", "Tinker sample requests dropped: their client "
+                    "cancelled them (cancel_future)", ["when"])
+T = TypeVar("T")
 
 
 class SampleRefused(Exception):
     """A request this worker cannot serve as asked (the client's to change): answered, not retried."""
+
+
+class SampleCancelled(Exception):
+    """The request's client cancelled it: the API has answered its future; nothing more is done for it."""
+
+    def __init__(self, request_id: str, started: bool):
+        super().__init__(request_id)
+        self.started = started
+
+
+async def unless_cancelled(redis, request_id: str, work: Callable[[], Awaitable[T]],
+                           poll_s: float = CANCEL_POLL_S) -> T:
+    """`work()`'s result, unless the request's client cancels it first: then SampleCancelled, and the work is
+    cancelled (vLLM aborts the request; the hf engine drops it unless its batch has started). A cancel already
+    made when this is called means the work never starts. While Redis cannot be read the work goes on."""
+    key = tinker_key("cancelled", request_id)
+
+    async def cancelled() -> bool:
+        try:
+            return bool(await redis.exists(key))
+        except RedisError:
+            return False
+
+    if await cancelled():
+        raise SampleCancelled(request_id, started=False)
+    task = asyncio.ensure_future(work())
+    try:
+        while not (await asyncio.wait({task}, timeout=poll_s))[0]:
+            if await cancelled():
+                raise SampleCancelled(request_id, started=True)
+        return task.result()
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
 
 
 def cut_at_stop_tokens(ids: list[int], logprobs: list[float], stop: list[int]) -> tuple[list[int], list[float], bool]:
@@ -87,11 +133,7 @@ class TinkerSampling:
         msg: TinkerSample = delivery.message
         started = time.time()
         try:
-            ctx = await self.worker.runs.get(msg.run_id)
-            with ctx.in_use():
-                await self.at_version(ctx, msg.version)
-                gens = await asyncio.gather(*(ctx.engine.generate(msg.prompt, sample_params(msg, i), msg.max_tokens)
-                                              for i in range(msg.num_samples)))
+            gens = await unless_cancelled(self.worker.bus.redis, msg.request_id, lambda: self.generate(msg))
             sequences, results = [], []
             for i, g in enumerate(gens):
                 ids, logprobs, stopped = cut_at_stop_tokens(g.ids, g.logprobs, msg.stop_tokens)
@@ -103,6 +145,11 @@ class TinkerSampling:
             # stored first: an answered sample is on `trajectories` (the store keeps it once)
             await self.worker.bus.publish_many(TRAJECTORIES, results)
             answer = {"type": "sample", "sequences": sequences, **prompt_scores(msg, gens[0])}
+        except SampleCancelled as e:
+            CANCELLED.labels("during" if e.started else "before").inc()
+            log.info("tinker sample %s cancelled by its client", msg.request_id, extra={"run_id": msg.run_id})
+            await self.consumer.ack([delivery])
+            return
         except (SampleRefused, UnservedRequest) as e:
             answer = {"error": str(e), "category": "user"}
         except Exception as e:  # an engine or a run that cannot serve: the client learns why, the worker goes on
@@ -113,6 +160,13 @@ class TinkerSampling:
         await self.worker.bus.redis.set(tinker_key("future", msg.request_id), record.model_dump_json(),
                                         ex=FUTURE_TTL_S)
         await self.consumer.ack([delivery])
+
+    async def generate(self, msg: TinkerSample) -> list[Generation]:
+        ctx = await self.worker.runs.get(msg.run_id)
+        with ctx.in_use():
+            await self.at_version(ctx, msg.version)
+            return await asyncio.gather(*(ctx.engine.generate(msg.prompt, sample_params(msg, i), msg.max_tokens)
+                                          for i in range(msg.num_samples)))
 
     async def at_version(self, ctx: RunContext, version: int) -> None:
         """Serve `version` of the run's weights: wait for it to arrive (announced on `weights`), refuse when the

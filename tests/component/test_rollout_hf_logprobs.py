@@ -78,3 +78,24 @@ async def test_hf_seeded_requests_draw_the_same_samples_whatever_runs_beside_the
         await engine.close()
     assert together[0].ids == alone.ids and together[0].logprobs == pytest.approx(alone.logprobs, abs=1e-6)
     assert len({tuple(g.ids) for g in together[:3]}) > 1  # other seeds, other draws
+
+
+async def test_a_request_cancelled_before_its_batch_starts_is_not_generated(tmp_path):
+    """A cancelled sample's generate (its caller stopped waiting) is dropped from the queue: the batch that runs
+    holds only the requests still awaited."""
+    from transformers import AutoTokenizer
+
+    model = build_tiny_model(tmp_path / "m")
+    engine = build_engine("hf", str(model), EngineConfig(), AutoTokenizer.from_pretrained(model), batch_wait_ms=200)
+    batches: list[int] = []
+    generate_batch = engine._generate_batch
+    engine._generate_batch = lambda batch, *a: batches.append(len(batch)) or generate_batch(batch, *a)
+    try:
+        kept = asyncio.ensure_future(engine.generate([5, 6, 7], SamplingParams(), 4))
+        dropped = asyncio.ensure_future(engine.generate([5, 6, 8], SamplingParams(), 4))
+        await asyncio.sleep(0.05)  # both queued, the batch not yet taken (it waits 200 ms for requests to join)
+        dropped.cancel()
+        assert len((await kept).ids) >= 1
+    finally:
+        await engine.close()
+    assert batches == [1]

@@ -264,7 +264,7 @@ def test_keys_are_tml_plus_a_flywheel_token(api):
 def test_the_sdk_reads_the_dynamic_config_of_this_server(api):
     holder = sdk(api, new_token(api, ["read", "write"])).holder
     dynamic = holder.get_client_dynamic_config()  # fetched at the client's start; the SDK's defaults on a 404
-    assert (dynamic.refresh_interval_sec, dynamic.sample_cancel_enabled) == (3600, False)  # cancel_future: not served
+    assert (dynamic.refresh_interval_sec, dynamic.sample_cancel_enabled) == (3600, True)  # cancel_future: served
     r = post(api, "/api/v1/client/dynamic_config", {"sdk_version": "0.38.0"}, new_token(api, ["read"]))
     assert r.status_code == 200 and r.json()["refresh_interval_sec"] == 3600, r.text
 
@@ -473,3 +473,49 @@ def test_a_future_not_done_is_long_polled_until_its_result_arrives(api, redis_ur
     r = post(api, "/api/v1/retrieve_future", {"request_id": "long-polled"})
     assert r.status_code == 200 and r.json()["type"] == "optim_step", r.text  # one poll, answered with the result
     assert time.monotonic() - started >= 0.9
+
+
+def test_an_abandoned_sample_is_cancelled_on_the_server(api, redis_url):
+    """The SDK cancels a sample its caller abandoned (`cancel_future`): the future answers that it was cancelled
+    and the rollout workers' marker is set. Only the owner cancels; an answered future keeps its answer; a
+    training operation is not withdrawn."""
+    import hashlib
+
+    import redis
+
+    from shared.contracts.messages import TinkerFuture
+    from shared.contracts.streams import tinker_key
+
+    token = new_token(api, ["read", "write"])
+    sampler = sdk(api, token).create_sampling_client(base_model="tiny-qwen2").result(timeout=30)
+    sample = sampler.sample(tinker.types.ModelInput.from_ints([5, 6, 7]), 1, tinker.types.SamplingParams(max_tokens=4))
+    with pytest.raises(TimeoutError):  # no rollout worker in this module: the sample waits
+        sample.result(timeout=2)
+    sample.future().cancel()  # the caller gives up on it, as asyncio.wait_for's timeout does
+    client = redis.Redis.from_url(redis_url)
+
+    def marked() -> list[str]:  # the request ids the rollout workers are told to drop
+        return [k.decode().removeprefix(tinker_key("cancelled", "")) for k in client.scan_iter("tinker:cancelled:*")]
+
+    (request_id,) = wait_until(marked, 30, "the SDK's cancel_future")
+    r = post(api, "/api/v1/retrieve_future", {"request_id": request_id}, token)
+    assert r.status_code == 200 and "cancelled" in r.json()["error"] and r.json()["category"] == "user", r.text
+
+    other = post(api, "/api/v1/cancel_future", {"request_id": request_id}, new_token(api, ["read", "write"]))
+    assert other.status_code == 404, other.text  # another key's future reads as absent
+    again = post(api, "/api/v1/cancel_future", {"request_id": request_id}, token)
+    assert again.status_code == 200, again.text  # cancelling twice is harmless (the SDK retries)
+
+    owner = hashlib.sha256(token.encode()).hexdigest()
+    answered = {"type": "sample", "sequences": []}
+    client.set(tinker_key("future", "answered"), TinkerFuture(owner=owner, result=answered).model_dump_json(), ex=60)
+    assert post(api, "/api/v1/cancel_future", {"request_id": "answered"}, token).status_code == 200
+    assert json.loads(client.get(tinker_key("future", "answered")))["result"] == answered
+    assert not client.exists(tinker_key("cancelled", "answered"))
+
+    session_id = post(api, "/api/v1/create_session", {"tags": []}, token).json()["session_id"]
+    model_id = post(api, "/api/v1/create_model", {"session_id": session_id, "model_seq_id": 0, "base_model": "tiny-qwen",
+                                                  "lora_config": {"rank": 2}}, token).json()["model_id"]
+    step = post(api, "/api/v1/optim_step", {"model_id": model_id, "adam_params": {"learning_rate": 1e-3}}, token)
+    r = post(api, "/api/v1/cancel_future", {"request_id": step.json()["request_id"]}, token)
+    assert r.status_code == 400 and "training operation" in r.json()["message"], r.text

@@ -448,6 +448,44 @@ def test_samples_of_a_base_model_and_of_trained_weights_are_served_and_stored(ap
     engine.dispose()
 
 
+def test_a_sample_cancelled_before_the_rollout_worker_reads_it_is_dropped(api, database_url, redis_url):
+    """A sample the client abandons while the rollout worker is paused (SIGSTOP) is cancelled (`cancel_future`);
+    resumed, the worker acknowledges it without generating or storing anything, and its future keeps the
+    cancel's answer; the next sample is served as usual."""
+    import signal
+
+    service = tinker.ServiceClient(base_url=api.url, api_key="tml-" + api.token)
+    OPEN.append(service)
+    base = service.create_sampling_client(base_model=BASE).result(timeout=120)
+    prompt = types.ModelInput.from_ints(SEQS[0][:4])
+    api.rollout.send_signal(signal.SIGSTOP)
+    try:
+        abandoned = base.sample(prompt, 2, types.SamplingParams(max_tokens=6))
+        with pytest.raises(TimeoutError):
+            abandoned.result(timeout=3)
+        abandoned.future().cancel()
+        client = redis.Redis.from_url(redis_url)
+
+        def marked() -> list[str]:  # the request ids the rollout workers are told to drop
+            return [k.decode().split(":", 2)[2] for k in client.scan_iter("tinker:cancelled:*")]
+
+        (request_id,) = wait_until(marked, 30, "the SDK's cancel_future")
+    finally:
+        api.rollout.send_signal(signal.SIGCONT)
+    served = base.sample(prompt, 1, types.SamplingParams(max_tokens=4)).result(timeout=300)
+    assert served.sequences[0].tokens
+    wait_until(lambda: client.xpending("tinker.samples", "rollout")["pending"] == 0, 30, "both requests acknowledged")
+    r = httpx.post(api.url + "/api/v1/retrieve_future", json={"request_id": request_id},
+                   headers={"X-API-Key": "tml-" + api.token}, timeout=30)
+    assert "cancelled" in r.json().get("error", ""), r.text  # not overwritten by a worker's answer
+    engine = create_engine(database_url)
+    with engine.connect() as c:
+        stored = c.execute(text("SELECT count(*) FROM episodes WHERE task_id = :t"),
+                           {"t": request_id}).scalar()
+    engine.dispose()
+    assert stored == 0
+
+
 def test_compute_logprobs_and_top_k_logprobs_are_the_models(api):
     """compute_logprobs on trained sampler weights gives the trainer's logprobs of the same tokens; the last n
     alone when asked; top-k logprobs of sampled and prompt positions hold each token's own logprob; a seed fixes

@@ -105,6 +105,8 @@ class HFEngine(InferenceEngine):
                 await self._run_batch(batch)
 
     def _take_batch(self) -> list[_Request]:
+        # a request whose caller stopped waiting (a cancelled sample) is dropped before it costs a batch row
+        self._pending = [r for r in self._pending if not r.future.done()]
         if not self._pending:
             return []
         key = self._pending[0].sampling

@@ -16,7 +16,7 @@ router = APIRouter()
 NOT_SERVED = {
     "/save_weights_external": "save_weights_external",
     "/join_sampling_session": "join_sampling_session",
-    "/retrieve_futures": "retrieve_futures", "/cancel_future": "cancel_future",
+    "/retrieve_futures": "retrieve_futures",
     "/create_custom_loss": "create_custom_loss",
     "/auth/token": "auth_token (JWT exchange: keys here are tml-<flywheel token>, used as they are)",
     "/training_runs/{rest:path}": "external weights URLs",

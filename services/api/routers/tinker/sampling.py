@@ -1,5 +1,5 @@
-"""Sampling: sampling sessions (of saved sampler weights or of a base model), samplers, and asample, which puts
-a sample request on the rollout workers' stream."""
+"""Sampling: sampling sessions (of saved sampler weights or of a base model), samplers, asample, which puts
+a sample request on the rollout workers' stream, and cancel_future, which withdraws one."""
 
 from __future__ import annotations
 
@@ -147,3 +147,28 @@ def asample(body: SampleRequest, caller: Key, request: Request) -> dict:
         raise ApiError(503, f"Redis is unreachable, so the sample could not be sent to a rollout worker ({e})",
                        hint="retry once Redis is back") from e
     return {"request_id": request_id, "sample_sequence_ids": sequence_ids}
+
+
+class CancelFuture(Wire):
+    request_id: str
+
+
+CANCELLED = {"error": "the client cancelled this sample (cancel_future)", "category": "user"}
+
+
+@router.post("/cancel_future")
+def cancel_future(body: CancelFuture, caller: Key, request: Request) -> None:
+    """Withdraw a sample request the client abandoned (the SDK sends this when a sample's future is cancelled or
+    times out): its future answers that it was cancelled, and the rollout worker serving it drops it, before or
+    while generating. A future already answered keeps its answer; a training operation is not withdrawn (the
+    trainer applies a model's operations in order)."""
+    try:
+        future = store(request).cancel_sample(caller.owner, body.request_id, CANCELLED)
+    except RedisError as e:
+        raise ApiError(503, f"Redis is unreachable, so the sample could not be cancelled ({e})",
+                       hint="retry once Redis is back") from e
+    if future is None:
+        raise ApiError(404, f"future {body.request_id} does not exist (or has expired)", field="request_id")
+    if future["model_id"] is not None:
+        raise ApiError(400, f"future {body.request_id} is a training operation; only samples are cancelled",
+                       field="request_id")
