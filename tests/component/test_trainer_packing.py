@@ -142,12 +142,19 @@ def test_an_untied_model_trains_packed(tmp_path, batch):
 
 
 @pytest.mark.parametrize("options", [FUSED, PACKED], ids=["padded", "packed"])
-def test_compiled_layers_give_the_eager_step(model_dir, batch, options):
+def test_compiled_layers_give_the_eager_step(model_dir, batch, options, monkeypatch):
     """`compile_layers` (each decoder layer's forward through torch.compile, FSDP2's hooks outside it) changes
-    how the step runs, not what it computes: the same log-probs, loss, gradient norm and weights after it."""
+    how the step runs, not what it computes: the same log-probs, loss, gradient norm and weights after it.
+    Here dynamo's graphs run through AOTAutograd without inductor's code generation (`aot_eager`): what this
+    checks is the capture of the layers under FSDP2 and their autograd; inductor's CPU C++ kernels, which no
+    trainer runs, cost 3-4 minutes of compiling on 2 cores (`make gpu-smoke` compiles inductor's GPU kernels)."""
+    import functools
+
     import torch._dynamo.utils
 
     from services.trainer.engine import PolicyEngine
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
 
     algo = AlgorithmConfig(lr=1e-2, adv_estimator="grpo")
     results = []
