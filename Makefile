@@ -85,15 +85,19 @@ demo-agent: install
 # Tiers are folders of tests/ (README "Tests"). `make test` is the whole suite, tier by tier, every tier run
 # even after one fails. Component and e2e tests mostly wait on the processes they start, so they run on
 # XDIST's workers (one module per worker: module fixtures keep their processes; each worker's session has its
-# own Redis database and Postgres database: at most 4 workers, for Redis has 15 to lease); learning and chaos
-# saturate the cores on their own and run alone.
+# own Redis database and Postgres database: at most 4 workers, for Redis has 15 to lease); learning saturates
+# the cores on its own and runs alone. The chaos scenarios mostly wait out their faults, each on a Redis and a
+# Postgres of its own: the two chaos files (the network ones share namespaces, so they stay in one) and the
+# browser test run side by side.
 XDIST ?= -n auto --maxprocesses 4 --dist loadfile
+CHAOS_XDIST ?= -n 2 --dist loadfile
 TEST_DESELECT := -m "not gpu and not container"
 test: install vllm-venv browser-deps chaos-deps
 	@rc=0; \
 	$(PY) -m pytest -q $(TEST_DESELECT) $(PYTEST_ARGS) tests/unit tests/contract || rc=1; \
 	$(PY) -m pytest -q $(TEST_DESELECT) $(XDIST) --durations=15 $(PYTEST_ARGS) tests/component tests/e2e || rc=1; \
-	$(PY) -m pytest -q $(TEST_DESELECT) --durations=10 $(PYTEST_ARGS) tests/learning tests/chaos tests/browser || rc=1; \
+	$(PY) -m pytest -q $(TEST_DESELECT) --durations=10 $(PYTEST_ARGS) tests/learning || rc=1; \
+	$(PY) -m pytest -q $(TEST_DESELECT) $(CHAOS_XDIST) --durations=10 $(PYTEST_ARGS) tests/chaos tests/browser || rc=1; \
 	exit $$rc
 
 # unit + contract: no vLLM venv, no browser, no service started; under 2 minutes on 2 cores.
@@ -116,7 +120,7 @@ test-learning: install
 	$(PY) -m pytest -q $(PYTEST_ARGS) tests/learning
 
 test-chaos: install chaos-deps
-	$(PY) -m pytest -q $(PYTEST_ARGS) tests/chaos
+	$(PY) -m pytest -q $(CHAOS_XDIST) $(PYTEST_ARGS) tests/chaos
 
 # The network chaos tests shape links with tc and drop packets at random with nftables (the kernel here has no
 # netem); socat forwards Redis and Postgres into the namespaces. Installed when we may, else those tests skip.
