@@ -41,6 +41,7 @@ WHERE = {"controller": "controller", "rollout-worker": "rollout", "env-worker": 
          "trainer": "trainer", "weight-server": "weights"}
 PORTS = {"redis": 6379, "postgres": 5432}
 FAULT_S = 30.0
+CUT_SETTLE_S = 1.0  # after a partition is in place, before the progress at its start is read
 
 
 class NetChaos(Chaos):
@@ -126,11 +127,14 @@ class NetChaos(Chaos):
     # -- faults ------------------------------------------------------------------------------------------------
     @contextlib.contextmanager
     def partitioned(self, host: str, service: str):
-        """No packet between `host` and `data` on the service's port, either way, inside the block."""
+        """No packet between `host` and `data` on the service's port, either way, inside the block. The run's
+        progress at the fault's start is read once the cut is in place and CUT_SETTLE_S later: a commit Postgres
+        received before the cut still lands, and on a loaded machine the filters take a while to apply."""
         port, data = PORTS[service], self.net.address("data")
-        self.progress_during.append(self.progress())
         self._drop(self.net.ns(host), f"match ip dst {data}/32 match ip dport {port} 0xffff")
         self._drop(self.net.ns("data"), f"match ip dst {self.net.address(host)}/32 match ip sport {port} 0xffff")
+        time.sleep(CUT_SETTLE_S)
+        self.progress_during.append(self.progress())
         try:
             yield
         finally:
