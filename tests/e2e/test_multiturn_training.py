@@ -195,17 +195,22 @@ def test_trainer_corrects_each_token_for_the_version_that_generated_it(episode, 
     mask, versions = torch.tensor(traj.loss_mask).bool(), torch.tensor(traj.versions)
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(models["v1"]).eval()
-    with torch.no_grad():  # the trainer's logprob: the plain distribution, nothing barred
-        logits = hf(torch.tensor([traj.prompt_ids + traj.response_ids])).logits[0, len(traj.prompt_ids) - 1:-1]
-    trainer = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(traj.response_ids)[:, None])[:, 0]
+    def plain_logprobs(model: Path) -> torch.Tensor:  # the trainer's logprob: the plain distribution, nothing barred
+        hf = AutoModelForCausalLM.from_pretrained(model).eval()
+        with torch.no_grad():
+            logits = hf(torch.tensor([traj.prompt_ids + traj.response_ids])).logits[0, len(traj.prompt_ids) - 1:-1]
+        return torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(traj.response_ids)[:, None])[:, 0]
+
+    trainer = plain_logprobs(models["v1"])
     torch.testing.assert_close(old[0, :n][mask], trainer[mask], atol=1e-5, rtol=0)
     weights, _, metrics = rollout_correction(old, t["behaviour_log_probs"], t["response_mask"], algo)
     expected = torch.exp(trainer - torch.tensor(traj.logprobs)).clamp(max=algo.is_cap)
     torch.testing.assert_close(weights[0, :n][mask], expected[mask], atol=1e-4, rtol=1e-4)
     assert (weights[0, :n][~mask] == 0).all()
     v0, v1 = mask & (versions == 0), mask & (versions == 1)
-    assert (weights[0, :n][v0] - 1).abs().max() > 0.05  # another policy's tokens are re-weighted ...
+    # another policy's tokens are re-weighted by pi_v1 / pi_v0, their behaviour logprobs version 0's own ...
+    torch.testing.assert_close(torch.tensor(traj.logprobs)[v0], plain_logprobs(models["v0"])[v0], atol=1e-3, rtol=0)
+    assert (weights[0, :n][v0] - 1).abs().max() > 1e-3
     # ... the same policy's only by float noise: the engine samples from the distribution the trainer computes
     assert (weights[0, :n][v1] - 1).abs().max() < 1e-3
     same = mismatch_metrics(same_version_diffs(t, old, version=1))
