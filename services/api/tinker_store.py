@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from shared.contracts.messages import TinkerCheckpoint, TinkerFuture
@@ -75,17 +76,26 @@ class TinkerStore:
         self._update_owned(tinker_key("session", session_id), owner, {"project_id": project_id})
 
     def _update_owned(self, key: str, owner: str, fields: dict[str, Any]) -> None:
-        """Set `fields` of the owner's record at `key`, read and rewritten in one transaction (its TTL kept): a
-        record changed meanwhile is read again, one removed meanwhile is not written back."""
+        """Set `fields` of the owner's record at `key` (its TTL kept), in one transaction."""
+        self._owned_transaction(key, owner, lambda pipe, record: pipe.set(key, json.dumps(record | fields),
+                                                                          keepttl=True))
 
-        def update(pipe) -> None:
+    def _owned_transaction(self, key: str, owner: str, write: Callable[[Any, dict[str, Any]], Any]
+                           ) -> dict[str, Any] | None:
+        """The owner's record at `key` as read (None: absent or another's), and `write(pipe, record)` queued on
+        it, in one transaction: a record changed meanwhile is read again, one removed meanwhile is not written
+        back."""
+
+        def transact(pipe) -> dict[str, Any] | None:
             raw = pipe.get(key)
             record = json.loads(raw) if raw else None
             pipe.multi()
-            if record is not None and record.get("owner") == owner:
-                pipe.set(key, json.dumps(record | fields), keepttl=True)
+            if record is None or record.get("owner") != owner:
+                return None
+            write(pipe, record)
+            return record
 
-        self.redis.transaction(update, key)
+        return self.redis.transaction(transact, key, value_from_callable=True)
 
     def file_under_session(self, session_id: str, kind: str, member: str) -> None:
         """`member` (a run, model or sampler id) in the session's set of `kind` ("runs", "models", "samplers"):
@@ -199,18 +209,12 @@ class TinkerStore:
         a worker's answer written meanwhile is kept."""
         key = tinker_key("future", request_id)
 
-        def cancel(pipe) -> dict[str, Any] | None:
-            raw = pipe.get(key)
-            record = json.loads(raw) if raw else None
-            pipe.multi()
-            if record is None or record.get("owner") != owner:
-                return None
+        def cancel(pipe, record: dict[str, Any]) -> None:
             if record["model_id"] is None and record["result"].get("type") == "try_again":
                 pipe.set(key, json.dumps(record | {"result": answer}), ex=FUTURE_TTL_S)
                 pipe.set(tinker_key("cancelled", request_id), "1", ex=FUTURE_TTL_S)
-            return record
 
-        return self.redis.transaction(cancel, key, value_from_callable=True)
+        return self._owned_transaction(key, owner, cancel)
 
 
 def _live(checkpoint: dict[str, Any], now: float) -> bool:
