@@ -18,6 +18,7 @@ def main() -> int:
 
 async def build(settings: WeightServerSettings, runtime: ServiceRuntime) -> Loops:
     from services.weight_server.app import build_router
+    from services.weight_server.exports import ExportStore, build_exports_router
     from services.weight_server.store import CheckpointStore
     from shared.platform.bus import connect_sync
     from shared.platform.db.session import make_engine
@@ -30,6 +31,7 @@ async def build(settings: WeightServerSettings, runtime: ServiceRuntime) -> Loop
     store.reconcile()
     runtime.on_stop(store.close)
     runtime.app.include_router(build_router(store))  # uploads and downloads beside /healthz, on one port
+    runtime.app.include_router(build_exports_router(ExportStore(settings.weights_dir)))
     runtime.status["weights_dir"] = str(settings.weights_dir)
     return []  # HTTP is all it serves
 

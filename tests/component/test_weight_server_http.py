@@ -233,3 +233,36 @@ def test_publish_does_not_wait_for_retention(database_url, redis_url, run_id, tm
     finally:
         store.close()
     assert passes == [[1], []] and not (tmp_path / "weights" / run_id / "v1").exists()
+
+
+def test_an_export_is_whole_or_absent_apart_from_the_runs_versions(server, run_id, redis_url, tmp_path):
+    """Exports (a Tinker model's save_weights_external): uploaded file by file against their sha256, readable only
+    once committed, replaced whole by a later commit, deleted with their files; never a version of the run."""
+    base = f"{server.url}/v1/exports/{run_id}/final"
+
+    def put(name: str, data: bytes, sha: str | None = None) -> int:
+        return httpx.put(f"{base}/files/{name}", params={"sha256": sha or hashlib.sha256(data).hexdigest()},
+                         content=data, timeout=30).status_code
+
+    first = {"adapter_config.json": b'{"r": 8}', "adapter_model.safetensors": os.urandom(200_000)}
+    assert [put(n, d) for n, d in first.items()] == [200, 200]
+    assert httpx.get(f"{base}/files/adapter_config.json").status_code == 404  # not committed: not there
+    refused = httpx.post(f"{base}/commit", json={"files": [*first, "missing.bin"]})
+    assert refused.status_code == 422 and "upload each file first" in refused.text
+    done = httpx.post(f"{base}/commit", json={"files": list(first)})
+    assert done.status_code == 200 and done.json()["files"] == {n: len(d) for n, d in first.items()}
+    assert {n: httpx.get(f"{base}/files/{n}").content for n in first} == first
+
+    assert put("adapter_model.safetensors", b"x", sha="0" * 64) == 422  # a corrupt upload is refused
+    assert put("adapter_model.safetensors.age", b"sealed") == 200
+    assert httpx.post(f"{base}/commit", json={"files": ["adapter_model.safetensors.age"]}).status_code == 200
+    assert httpx.get(f"{base}/files/adapter_model.safetensors.age").content == b"sealed"
+    assert httpx.get(f"{base}/files/adapter_model.safetensors").status_code == 404  # replaced whole
+    assert httpx.get(f"{server.url}/v1/runs/{run_id}/versions").json() == [] and _announced(redis_url) == []
+
+    for bad in (f"{server.url}/v1/exports/not-a-run/final/files/x", f"{server.url}/v1/exports/{run_id}/.hidden/files/x",
+                f"{base}/files/..%2Fescape"):
+        assert httpx.put(bad, content=b"x").status_code in (404, 422), bad
+    assert httpx.delete(base).status_code == 204
+    assert httpx.get(f"{base}/files/adapter_model.safetensors.age").status_code == 404
+    assert not (tmp_path / "weights" / "exports" / run_id / "final").exists()
