@@ -125,7 +125,8 @@ class WeightPublisher:
             body |= {"staging_path": str(folder),
                      "files": {n: digests.get(n) or sha256_file(folder / n) for n in files}}
         else:
-            body["files"] = {n: self._upload(run_id, version, folder / n) for n in files}
+            body["files"] = {n: self._upload(f"{self.url}/v1/runs/{run_id}/versions/{version}/files/{n}", folder / n)
+                             for n in files}
         clock.lap("write_s")
         msg = WeightsPublished.model_validate(
             self._retry(lambda c: c.post(f"{self.url}/v1/runs/{run_id}/versions/{version}/publish", json=body)))
@@ -149,7 +150,21 @@ class WeightPublisher:
         (folder / DELTA_FILE).write_bytes(data)  # fsynced by the caller
         return last.entries | changed, folder, {DELTA_FILE: hashlib.sha256(data).hexdigest()}
 
-    def _upload(self, run_id: str, version: int, path: Path) -> str:
+    def export(self, run_id: str, name: str, folder: Path) -> dict[str, int]:
+        """Upload `folder`'s files (consumed) as the run's export `name`, replacing one of that name: the
+        weight server keeps it apart from the run's versions. File name -> bytes."""
+        base = f"{self.url}/v1/exports/{run_id}/{name}"
+        files = sorted(p.name for p in folder.iterdir() if p.is_file())
+        for file in files:
+            self._upload(f"{base}/files/{file}", folder / file)
+        sizes = self._retry(lambda c: c.post(f"{base}/commit", json={"files": files}))["files"]
+        shutil.rmtree(folder, ignore_errors=True)
+        return sizes
+
+    def delete_export(self, run_id: str, name: str) -> None:
+        self._retry(lambda c: c.delete(f"{self.url}/v1/exports/{run_id}/{name}"), json=False)
+
+    def _upload(self, url: str, path: Path) -> str:
         digest = sha256_file(path)
 
         def chunks():
@@ -157,21 +172,21 @@ class WeightPublisher:
                 while chunk := f.read(CHUNK):
                     yield chunk
 
-        url = f"{self.url}/v1/runs/{run_id}/versions/{version}/files/{path.name}"
         self._retry(lambda c: c.put(url, params={"sha256": digest}, content=chunks()))
         return digest
 
-    def _retry(self, request) -> dict:
-        """One request, retried on transient errors within `timeout_s` in all (each attempt bounded by it too)."""
+    def _retry(self, request, json: bool = True) -> dict | None:
+        """One request, retried on transient errors within `timeout_s` in all (each attempt bounded by it too);
+        its JSON answer (`json`), else None."""
         policy = RetryPolicy(TRANSIENT, budget_s=self.timeout_s, attempt_timeout_s=self.timeout_s,
                              first_wait_s=0.5, max_wait_s=10.0, what="publish")
 
-        def attempt() -> dict:
+        def attempt() -> dict | None:
             resp = request(self.http)
             if resp.status_code >= 500:
                 raise WeightServerError(f"{resp.status_code} {resp.text[:300]}")
             resp.raise_for_status()
-            return resp.json()
+            return resp.json() if json else None
 
         try:
             return policy.call(attempt)

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import torch
 
 from services.trainer import run_store as db
@@ -34,6 +35,7 @@ from shared.contracts.tinker_run import (
 )
 from shared.platform.bus import REDIS_DOWN, RedisError, StreamConsumer
 from shared.platform.logs import get_logger
+from shared.weights.age import encrypt_files
 from shared.weights.manifest import fsync_path, fsync_tree
 
 log = get_logger(__name__)
@@ -245,7 +247,8 @@ class TinkerModels:
             if isinstance(result, TinkerCheckpoint):  # durable: recorded, then answered
                 await self.record_checkpoint(result)
                 result = {"type": op.op, "path": checkpoint_path(op.model_id, result.kind, result.name),
-                          **({"sampling_session_id": op.sampling_session_id} if op.sampling_session_id else {})}
+                          **({"sampling_session_id": op.sampling_session_id} if op.sampling_session_id else {}),
+                          **({"size_bytes": sum(result.files.values())} if result.files else {})}
             await self.until_written(f"seq {op.seq_id} of {op.model_id}", lambda: self.trainer.redis.set(
                 tinker_key("model_seq", op.model_id), op.seq_id, ex=MODEL_TTL_S))
             log.info("tinker %s of %s (seq %d) in %.2fs", op.op, op.model_id, op.seq_id, time.monotonic() - started,
@@ -262,6 +265,8 @@ class TinkerModels:
             return self.save_state(model, op)
         if op.op == "save_weights_for_sampler":
             return self.save_for_sampler(model, op)
+        if op.op == "save_weights_external":
+            return self.save_external(model, op)
         if op.op == "load_weights":
             self.load_state(model, source, op.optimizer)
             return {"type": "load_weights", "path": op.path, "model_id": op.model_id}
@@ -305,6 +310,17 @@ class TinkerModels:
         load it like any LoRA run's version)."""
         self.trainer.publisher.publish_adapter(model.run_id, op.seq_id, model.engine, model.config.model, {})
         return self.checkpoint_record(model, op, "sampler_weights", version=op.seq_id)
+
+    def save_external(self, model: TinkerModel, op: TinkerOp) -> TinkerCheckpoint:
+        """The adapter in PEFT's layout (adapter_config.json, adapter_model.safetensors), each file encrypted to
+        the op's age recipients when it names any (stored as `<file>.age`), uploaded to the weight server as an
+        export of the model's run, which its owner downloads through signed URLs."""
+        folder = self.trainer.publisher.staging_folder(model.run_id, op.seq_id)
+        model.engine.export_adapter(folder, "auto")
+        if op.age_recipients:
+            encrypt_files(folder, op.age_recipients)
+        files = self.trainer.publisher.export(model.run_id, op.name, folder)
+        return self.checkpoint_record(model, op, "external_weights", files=files)
 
     @staticmethod
     def load_state(model: TinkerModel, source: TinkerCheckpoint, optimizer: bool) -> None:
@@ -354,6 +370,12 @@ class TinkerModels:
                 if root not in folder.parents:
                     continue
                 await asyncio.to_thread(shutil.rmtree, folder, True)
+            if record.kind == "external_weights":
+                try:
+                    await asyncio.to_thread(self.trainer.publisher.delete_export, record.run_id, record.name)
+                except (TimeoutError, httpx.HTTPError) as e:  # the weight server is away: the next sweep tries again
+                    log.warning("tinker export %s not removed yet: %r", key, e)
+                    continue
             await self.trainer.redis.delete(key)
             log.info("removed tinker checkpoint %s (deleted or past its ttl)",
                      checkpoint_path(record.model_id, record.kind, record.name), extra={"run_id": record.run_id})

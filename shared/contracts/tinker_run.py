@@ -27,7 +27,8 @@ LOSS_CONFIG: dict[str, dict[str, float | None]] = {
     "cispo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
     "dro": {"beta": None},
 }
-CHECKPOINT_KINDS = ("weights", "sampler_weights")  # tinker://<model id>/<kind>/<name>
+CHECKPOINT_KINDS = ("weights", "sampler_weights", "external_weights")  # tinker://<model id>/<kind>/<name>
+MAX_AGE_RECIPIENTS = 10  # save_weights_external: the most age recipients an export is encrypted to (the SDK's)
 LORA_ALPHA = 32  # Tinker's LoRA scaling numerator (its clients choose the rank only)
 
 

@@ -19,7 +19,7 @@ from shared.contracts.messages.codec import Logprobs, Message, TokenIds
 
 MAX_TOPK_LOGPROBS = 20  # vLLM's default max_logprobs: the most a rollout worker's engine returns
 TinkerOpKind = Literal["forward_backward", "forward", "optim_step", "save_weights", "save_weights_for_sampler",
-                       "load_weights"]
+                       "save_weights_external", "load_weights"]
 
 
 class TinkerDatum(BaseModel):
@@ -45,7 +45,8 @@ class AdamStep(BaseModel):
 
 class TinkerOp(Message):
     TYPE = "tinker_op"
-    SCHEMA_VERSION = 1
+    SCHEMA_VERSION = 2  # 2: save_weights_external (a reader of version 1 refuses the op it does not know)
+    MIN_SCHEMA_VERSION = 1
 
     request_id: str  # the future the result goes to
     owner: str  # sha256 of the key's token: the future's owner
@@ -64,6 +65,7 @@ class TinkerOp(Message):
     ttl_s: float | None = Field(None, gt=0, description="save_weights*: the checkpoint expires this long after it "
                                 "is saved (the SDK's ttl_seconds); None: kept until deleted")
     user_metadata: dict[str, str] = Field(default_factory=dict)  # save_weights*: kept with the checkpoint
+    age_recipients: list[str] = Field(default_factory=list)  # save_weights_external: encrypt each file to these
     sent_at: float = 0.0
 
 
@@ -104,19 +106,21 @@ class TinkerSample(Message):
 
 class TinkerCheckpoint(BaseModel):
     """The record `tinker:checkpoint:<tinker path>`, written by the trainer once the checkpoint is durable:
-    `weights` (adapter and Adam state, in the trainer's STATE_DIR) or `sampler_weights` (the adapter, a version
-    of the model's run on the weight server)."""
+    `weights` (adapter and Adam state, in the trainer's STATE_DIR), `sampler_weights` (the adapter, a version
+    of the model's run on the weight server) or `external_weights` (the adapter in PEFT's layout, an export on
+    the weight server that its owner downloads through signed URLs)."""
 
     owner: str
     model_id: str
     run_id: str
-    kind: Literal["weights", "sampler_weights"]
+    kind: Literal["weights", "sampler_weights", "external_weights"]
     name: str
     base_model: str  # the name get_server_capabilities offers
     lora: dict[str, Any]
     seq_id: int  # the model's operations it holds
     folder: str | None = None  # weights: where the trainer saved it
     version: int | None = None  # sampler_weights: the run's version on the weight server
+    files: dict[str, int] = Field(default_factory=dict)  # external_weights: file name -> bytes (".age": encrypted)
     created_at: float
     user_metadata: dict[str, str] = Field(default_factory=dict)
     # deleted (then) or given a ttl: from then on it reads as absent, and the trainer removes its files and record
