@@ -88,6 +88,7 @@ def tinker_stack(database_url: str, redis_url: str, data_dir: Path, **api_env: s
     build_tiny_model(data_dir / "models" / BASE)
     redis.Redis.from_url(redis_url).delete("tinker.requests", "tinker.samples")
     ws = WeightServer(redis_url, database_url, data_dir / "weights", keep_last=10).start()
+    api_env = {"WEIGHT_SERVER_URL": ws.url, **api_env}  # where the API streams exports from
     stack = None
     try:
         with running_api(database_url, redis_url, data_dir, **api_env) as api:

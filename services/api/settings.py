@@ -45,6 +45,11 @@ class ApiSettings(ServiceSettings):
     tinker_base_models: str | None = Field(
         None, description="TINKER_BASE_MODELS: the base models the Tinker API offers, comma-separated local paths or "
         "hub ids; unset: every model folder under DATA_DIR/models, by folder name (docs/tinker.md)")
+    weight_server_url: str = Field(
+        "http://127.0.0.1:8001", description="WEIGHT_SERVER_URL: where Tinker exports (save_weights_external) are "
+        "kept; the API streams them to the holders of signed URLs")
+    signed_url_ttl_s: int = Field(3600, ge=60, le=7 * 86400, description="SIGNED_URL_TTL_S: how long a signed "
+                                  "download URL (get_external_weights_urls) is valid")
     tinker_engine: EngineConfig = Field(
         default_factory=EngineConfig, description="TINKER_ENGINE: the rollout workers' engine for Tinker samples, "
         'as a run\'s `engine` in JSON (e.g. {"type": "vllm", "device": "cuda"}); default: hf on cpu')

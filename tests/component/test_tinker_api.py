@@ -299,15 +299,36 @@ def test_a_key_is_verified_and_revoked_by_itself_as_tinker_auth_does(api):
     assert auth.get_self_api_key("tml-" + api.token).name == "API_TOKEN"  # still valid
 
 
+def test_a_signed_download_url_serves_only_what_it_was_signed_for_until_it_expires(api, redis_url):
+    """The API checks a download URL's HMAC under the deployment's key (kept in Redis), then its expiry, then
+    that the export exists; a URL it did not sign is refused before anything is looked up."""
+    import time
+
+    import redis
+
+    from services.api.signed_urls import signature
+
+    where = "s%3Atrain%3A0/final/adapter_model.safetensors"
+    url = api.url + "/api/v1/external_weights/" + where
+    r = httpx.get(url, params={"expires": int(time.time()) + 60, "signature": "0" * 64})
+    assert r.status_code == 403 and "signature does not match" in r.json()["message"], r.text
+    key = bytes.fromhex(redis.Redis.from_url(redis_url).get("signing:url_key").decode())  # made on first use
+    past, future = int(time.time()) - 1, int(time.time()) + 60
+    r = httpx.get(url, params={"expires": past, "signature": signature(key, where, past)})
+    assert r.status_code == 403 and "expired" in r.json()["message"], r.text
+    r = httpx.get(url, params={"expires": future, "signature": signature(key, where, future)})
+    assert r.status_code == 404 and "deleted, or past its ttl" in r.json()["message"], r.text
+    r = httpx.get(api.url + "/api/v1/training_runs/x/checkpoints/weights/y/external_weights_urls",
+                  headers={"X-API-Key": "tml-" + api.token})
+    assert r.status_code == 404 and "model x does not exist" in r.json()["message"], r.text
+
+
 def test_operations_not_served_yet_say_so(api):
-    for path, operation in (("/api/v1/save_weights_external", "save_weights_external"),
-                            ("/api/v1/create_custom_loss", "create_custom_loss")):
+    for path, operation in (("/api/v1/create_custom_loss", "create_custom_loss"),
+                            ("/api/v1/join_sampling_session", "join_sampling_session")):
         r = post(api, path, {})
         assert r.status_code == 404, r.text
         assert operation in r.json()["message"] and "not supported by this flywheel server yet" in r.json()["message"]
-    r = httpx.get(api.url + "/api/v1/training_runs/x/checkpoints/weights/y/external_weights_urls",
-                  headers={"X-API-Key": "tml-" + api.token})
-    assert r.status_code == 404 and "external weights URLs" in r.json()["message"], r.text
     admin = tinker.AdminClient(base_url=api.url, api_key="tml-" + api.token)
     for call, named in ((lambda: admin.get_audit_log(), "records no audit events"),
                         (lambda: admin.get_billing_usage("2026-01-01T00:00:00Z", "2026-01-02T00:00:00Z"),

@@ -12,9 +12,14 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
+import subprocess
+import sys
+import urllib.request
 from pathlib import Path
 
 import httpx
+import pyrage
 import pytest
 import redis
 from sqlalchemy import create_engine, text
@@ -565,3 +570,87 @@ def test_the_rest_clients_listings_show_a_keys_training_runs_and_checkpoints(api
     assert tc.model_id not in {r.training_run_id for r in theirs.list_training_runs(limit=200).result(timeout=60).training_runs}
     with pytest.raises(Exception, match="does not exist"):
         theirs.get_training_run(tc.model_id).result(timeout=60)
+
+
+def peft_logprobs(base_dir: Path, adapter_dir: Path, datums: list[types.Datum]) -> list[list[float]]:
+    """Each datum's target-token logprobs under the base model with the adapter loaded by PEFT (as a user of the
+    export would load it)."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(base_dir, torch_dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, adapter_dir).eval()
+    out = []
+    for d in datums:
+        with torch.no_grad():
+            logits = model(torch.tensor([d.model_input.to_ints()])).logits[0].float()
+        targets = torch.tensor(d.loss_fn_inputs["target_tokens"].tolist())
+        out.append(torch.log_softmax(logits, -1).gather(-1, targets[:, None])[:, 0].tolist())
+    return out
+
+
+def test_external_weights_are_the_adapter_in_peft_layout_behind_signed_urls(api, tmp_path):
+    """save_weights_external: the adapter PEFT loads onto the base (it scores as the trainer's model does), listed
+    as an external checkpoint, downloaded with no key through signed URLs that serve no other file and no other
+    key; encrypted to age recipients when asked; gone, files and all, once deleted."""
+    tc = training_client(api)
+    datums = [sft_datum(s) for s in SEQS]
+    train(tc, datums, 2)
+    trained = forward(tc, datums)
+    path = tc.save_weights_external("final").result(timeout=300).path
+    assert path == f"tinker://{tc.model_id}/external_weights/final"
+    identity = pyrage.x25519.Identity.generate()
+    sealed = tc.save_weights_external("sealed", age_encryption_recipients=[str(identity.to_public())]
+                                      ).result(timeout=300).path
+    with pytest.raises(tinker.BadRequestError, match="not an age recipient"):
+        tc.save_weights_external("bad", age_encryption_recipients=["age1nope"]).result(timeout=60)
+
+    rest = tinker.RestClient(base_url=api.url, api_key="tml-" + api.token)
+    signed = rest.get_external_weights_urls(path).result(timeout=60)
+    assert sorted(signed.urls) == ["adapter_config.json", "adapter_model.safetensors"]
+    export = tmp_path / "export"
+    export.mkdir()
+    for name, url in signed.urls.items():
+        with urllib.request.urlopen(url, timeout=60) as r:  # no key: the URL is the credential
+            (export / name).write_bytes(r.read())
+    listed = {c.tinker_path: c for c in rest.list_checkpoints(tc.model_id).result(timeout=60).checkpoints}
+    assert listed[path].checkpoint_type == "external"
+    assert listed[path].size_bytes == sum(f.stat().st_size for f in export.iterdir())
+    assert close(peft_logprobs(api.model_dir, export, datums), trained, tol=1e-3)
+
+    sealed_urls = rest.get_external_weights_urls(sealed).result(timeout=60).urls
+    assert sorted(sealed_urls) == ["adapter_config.json.age", "adapter_model.safetensors.age"]
+    ciphertext = httpx.get(sealed_urls["adapter_model.safetensors.age"], timeout=60).content
+    assert pyrage.decrypt(ciphertext, [identity]) == (export / "adapter_model.safetensors").read_bytes()
+
+    url = signed.urls["adapter_model.safetensors"]
+    forged = httpx.get(url.replace("adapter_model.safetensors", "adapter_config.json"), timeout=30)
+    assert forged.status_code == 403 and "signature does not match" in forged.text
+    eve = tinker.RestClient(base_url=api.url, api_key="tml-" + new_token(api, "tinker-eve-export"))
+    with pytest.raises(tinker.NotFoundError):
+        eve.get_external_weights_urls(path).result(timeout=60)
+
+    exported = next((api.data_dir / "weights" / "exports").glob("*/final"))
+    rest.delete_checkpoint_from_tinker_path(path).result(timeout=60)
+    assert httpx.get(url, timeout=30).status_code == 404
+    wait_until(lambda: not exported.exists(), timeout_s=60, what="the trainer to remove the deleted export's files")
+    assert (exported.parent / "sealed").is_dir()
+
+
+def test_the_tinker_clis_checkpoint_download_exports_a_saved_state(api, tmp_path):
+    """`tinker checkpoint download tinker://.../weights/<name>`, unmodified: the CLI loads the state into a new
+    model, exports it (save_weights_external), downloads the files through signed URLs, and deletes the export."""
+    tc = training_client(api)
+    train(tc, [sft_datum(SEQS[0])], 1)
+    state = tc.save_state("to-download").result(timeout=300).path
+    env = {**os.environ, "TINKER_BASE_URL": api.url, "TINKER_API_KEY": "tml-" + api.token}
+    done = subprocess.run([sys.executable, "-m", "tinker.cli", "checkpoint", "download", state, "--output",
+                           str(tmp_path)], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    folder = tmp_path / state.removeprefix("tinker://").replace("/", "_")
+    assert sorted(p.name for p in folder.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert json.loads((folder / "adapter_config.json").read_text())["r"] == 8
+    rest = tinker.RestClient(base_url=api.url, api_key="tml-" + api.token)
+    left = rest.list_user_checkpoints(limit=1000).result(timeout=60).checkpoints
+    assert not [c for c in left if c.checkpoint_type == "external" and c.checkpoint_id == "external_weights/download"]

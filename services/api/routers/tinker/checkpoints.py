@@ -7,17 +7,25 @@ import time
 import uuid
 from datetime import UTC, datetime
 from typing import Annotated
+from urllib.parse import quote, urlencode
 
+import httpx
 from fastapi import APIRouter, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import StreamingResponse
 from pydantic import Field
 from sqlalchemy import func, select
+from starlette.background import BackgroundTask
 
+from services.api import signed_urls
 from services.api.auth import needs
 from services.api.deps import DB, Config
 from services.api.errors import ApiError
 from services.api.routers.tinker.callers import Caller, Key, Wire, owned_model, owned_session, store
 from services.api.routers.tinker.sessions import offered_model
 from shared.contracts.db.models import Run
+from shared.contracts.messages import TinkerCheckpoint
+from shared.contracts.streams import tinker_key
 from shared.contracts.tinker_run import TinkerRunConfig, checkpoint_path, parse_checkpoint_path
 
 router = APIRouter()
@@ -29,12 +37,16 @@ def path_of(record: dict) -> str:
     return checkpoint_path(record["model_id"], record["kind"], record["name"])
 
 
+CHECKPOINT_TYPES = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}  # the SDK's
+
+
 def checkpoint_view(record: dict, public: set[str]) -> dict:
     """A TinkerCheckpoint as the SDK's Checkpoint; `public`: the published paths among those shown."""
     path = path_of(record)
     expires = record.get("expires_at")
-    return {"checkpoint_id": f"{record['kind']}/{record['name']}",
-            "checkpoint_type": "training" if record["kind"] == "weights" else "sampler",
+    files = record.get("files") or {}
+    return {"checkpoint_id": f"{record['kind']}/{record['name']}", "checkpoint_type": CHECKPOINT_TYPES[record["kind"]],
+            "size_bytes": sum(files.values()) if files else None,
             "time": datetime.fromtimestamp(record["created_at"], UTC).isoformat(), "tinker_path": path,
             "public": path in public, "expires_at": datetime.fromtimestamp(expires, UTC).isoformat() if expires else None,
             "user_metadata": record.get("user_metadata") or None}
@@ -118,7 +130,8 @@ def owned_checkpoint(request: Request, caller: Caller, model_id: str, kind: str,
     path = checkpoint_path(model_id, kind, name)
     if parse_checkpoint_path(path) is None or store(request).checkpoint(caller.owner, path) is None:
         raise ApiError(404, f"checkpoint {kind}/{name} of {model_id} does not exist", field="path.checkpoint_id",
-                       hint="weights/<name> or sampler_weights/<name>, as list_checkpoints shows them")
+                       hint="weights/<name>, sampler_weights/<name> or external_weights/<name>, as "
+                            "list_checkpoints shows them")
     return path
 
 
@@ -158,6 +171,58 @@ def unpublish_checkpoint(model_id: str, kind: str, name: str, caller: Key, reque
     store(request).publish(owned_checkpoint(request, caller, model_id, kind, name), False)
 
 
+@router.get(CHECKPOINT + "/external_weights_urls")
+@needs("read")
+def external_weights_urls(model_id: str, kind: str, name: str, caller: Key, request: Request, config: Config) -> dict:
+    """A signed URL per file of the key's export (save_weights_external), valid SIGNED_URL_TTL_S: whoever holds
+    one downloads that file, with no key, until then."""
+    path = owned_checkpoint(request, caller, model_id, kind, name)
+    if kind != "external_weights":
+        raise ApiError(400, f"{path} is not an export; signed URLs are made for external_weights checkpoints",
+                       field="path.checkpoint_id", hint="save_weights_external(name) makes one")
+    key = signed_urls.signing_key(request.app.state.redis)
+    expires = int(time.time()) + config.signed_url_ttl_s
+    base = str(request.base_url).rstrip("/") + "/api/v1/external_weights"
+    urls = {}
+    for file in store(request).checkpoint(caller.owner, path)["files"]:
+        where = f"{quote(model_id, safe='')}/{name}/{file}"
+        urls[file] = f"{base}/{where}?" + urlencode({"expires": expires, "signature": signed_urls.signature(key, where, expires)})
+    return {"urls": urls, "expires": datetime.fromtimestamp(expires, UTC).isoformat()}
+
+
+@router.get("/external_weights/{model_id}/{name}/{file}", include_in_schema=False)
+async def download_external_weights(model_id: str, name: str, file: str, expires: int, signature: str,
+                                    request: Request, config: Config) -> StreamingResponse:
+    """One file of an export, for the holder of its signed URL (no key: the URL is the credential); the file
+    streams from the weight server. Refused (403) when the signature is not this URL's or it expired; 404 once
+    the export is deleted or past its ttl."""
+    where = f"{quote(model_id, safe='')}/{name}/{file}"
+    redis = request.app.state.redis
+    why = await run_in_threadpool(lambda: signed_urls.check(signed_urls.signing_key(redis), where, expires, signature))
+    if why:
+        raise ApiError(403, f"download refused: {why}", hint="ask get_external_weights_urls for fresh URLs")
+    raw = await run_in_threadpool(redis.get, tinker_key("checkpoint", checkpoint_path(model_id, "external_weights", name)))
+    record = TinkerCheckpoint.model_validate_json(raw) if raw else None
+    if record is None or not record.live(time.time()) or file not in record.files:
+        raise ApiError(404, f"export {name} of {model_id} has no file {file} (deleted, or past its ttl)")
+    http = httpx.AsyncClient(timeout=httpx.Timeout(60.0, read=None))
+    upstream = await http.send(http.build_request(
+        "GET", f"{config.weight_server_url.rstrip('/')}/v1/exports/{record.run_id}/{name}/files/{file}"), stream=True)
+    if upstream.status_code != 200:
+        await upstream.aclose()
+        await http.aclose()
+        raise ApiError(502 if upstream.status_code >= 500 else 404,
+                       f"the weight server answered {upstream.status_code} for {file} of export {name}")
+
+    async def close() -> None:
+        await upstream.aclose()
+        await http.aclose()
+
+    return StreamingResponse(upstream.aiter_raw(), media_type="application/octet-stream",
+                             headers={"content-length": upstream.headers["content-length"]},
+                             background=BackgroundTask(close))
+
+
 class CopyWeights(Wire):
     source_path: str
     session_id: str | None = None
@@ -190,8 +255,9 @@ def copy_weights(body: CopyWeights, caller: Key, request: Request, config: Confi
         raise ApiError(404, f"checkpoint {body.source_path} does not exist", field="source_path",
                        hint="a key copies its own checkpoints and those their owners published")
     if source["kind"] != "sampler_weights":
-        # the trainer removes a save_state's folder with its record: a copy sharing it would break with either
-        raise ApiError(400, "copying save_state (weights) checkpoints is not served yet; sampler weights are",
+        # the trainer removes a save_state's folder (an export's files) with its record: a copy sharing them would
+        # break with either
+        raise ApiError(400, f"copying {source['kind']} checkpoints is not served yet; sampler weights are",
                        field="source_path", hint="create_training_client_from_state(path) and save_state anew")
     session_id, seq = copy_slot(request, caller, body)
     model_id = f"{session_id}:train:{seq}"

@@ -14,12 +14,10 @@ router = APIRouter()
 
 # Every other route the SDK (0.38.0) calls: what it is, so the caller learns the operation is not served yet.
 NOT_SERVED = {
-    "/save_weights_external": "save_weights_external",
     "/join_sampling_session": "join_sampling_session",
     "/retrieve_futures": "retrieve_futures",
     "/create_custom_loss": "create_custom_loss",
     "/auth/token": "auth_token (JWT exchange: keys here are tml-<flywheel token>, used as they are)",
-    "/training_runs/{rest:path}": "external weights URLs",
     "/sessions/{session_id}/{rest:path}": "session trace export",
     "/audit": "audit log (this server records no audit events)",
     "/billing/{rest:path}": "billing usage (this server keeps no usage, cost or storage-size records)",

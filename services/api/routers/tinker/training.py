@@ -36,12 +36,14 @@ from shared.contracts.streams import TINKER_REQUESTS, tinker_model_ops
 from shared.contracts.tinker_run import (
     LOSS_CONFIG,
     LOSS_INPUTS,
+    MAX_AGE_RECIPIENTS,
     MODEL_TTL_S,
     TinkerRunConfig,
     checkpoint_path,
     parse_checkpoint_path,
 )
 from shared.platform.bus import RedisError, announce
+from shared.weights.age import age_recipient
 
 router = APIRouter()
 
@@ -267,20 +269,29 @@ class LoadWeights(Wire):
     optimizer_config: dict[str, Any] | None = None
 
 
+class SaveWeightsExternal(SaveWeights):
+    path: str  # the export's name
+    age_encryption_recipients: Annotated[list[str], Field(max_length=MAX_AGE_RECIPIENTS)] | None = None
+
+
 NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
+KIND_OF_SAVE = {"save_weights": "weights", "save_weights_for_sampler": "sampler_weights",
+                "save_weights_external": "external_weights"}
 
 
-def _save(body: SaveWeights, caller: Caller, request: Request, op: str) -> dict:
+def _save(body: SaveWeights, caller: Caller, request: Request, op: str, **extra) -> dict:
     model = owned_model(request, caller, body.model_id)
     seq_id = body.seq_id or 0
     name = body.path or (f"sampler-{seq_id:06d}" if op == "save_weights_for_sampler" else f"{seq_id:06d}")
-    if not NAME.fullmatch(name):
-        raise ApiError(400, f"checkpoint name {name!r} is not 1-128 letters, digits, '.', '_' or '-'", field="path")
-    kind = "sampler_weights" if op == "save_weights_for_sampler" else "weights"
+    if not NAME.fullmatch(name) or name.startswith("."):
+        raise ApiError(400, f"checkpoint name {name!r} is not 1-128 letters, digits, '.', '_' or '-' (not starting "
+                       "with '.')", field="path")
+    kind = KIND_OF_SAVE[op]
     if not body.overwrite and store(request).checkpoint(caller.owner, checkpoint_path(body.model_id, kind, name)):
         # 400, not 409: the SDK retries a 409 as a lock timeout, and this will not change
         raise ApiError(400, f"checkpoint {checkpoint_path(body.model_id, kind, name)} exists already", field="path",
-                       hint="save under another name, or pass overwrite=True to replace it")
+                       hint="save under another name, or " + ("delete it first" if op == "save_weights_external"
+                                                              else "pass overwrite=True to replace it"))
     store(request).publish(checkpoint_path(body.model_id, kind, name), False)  # a checkpoint saved starts private
     sampler_id = None
     if op == "save_weights_for_sampler" and body.sampling_session_seq_id is not None:
@@ -290,7 +301,8 @@ def _save(body: SaveWeights, caller: Caller, request: Request, op: str) -> dict:
             "run_id": model["run_id"], "version": seq_id, "base_model": model["base_model"],
             "model_path": checkpoint_path(body.model_id, "sampler_weights", name)})
     return send_op(request, caller, model, model_id=body.model_id, seq_id=seq_id, op=op, name=name,
-                   sampling_session_id=sampler_id, ttl_s=body.ttl_seconds, user_metadata=body.user_metadata or {})
+                   sampling_session_id=sampler_id, ttl_s=body.ttl_seconds,
+                   user_metadata=body.user_metadata or {}, **extra)
 
 
 @router.post("/save_weights")
@@ -303,6 +315,20 @@ def save_weights(body: SaveWeights, caller: Key, request: Request) -> dict:
 def save_weights_for_sampler(body: SaveWeights, caller: Key, request: Request) -> dict:
     """The adapter for sampling, tinker://<model>/sampler_weights/<name> (a version on the weight server)."""
     return _save(body, caller, request, "save_weights_for_sampler")
+
+
+@router.post("/save_weights_external")
+def save_weights_external(body: SaveWeightsExternal, caller: Key, request: Request) -> dict:
+    """The adapter in PEFT's layout, tinker://<model>/external_weights/<name> (an export on the weight server,
+    downloaded through get_external_weights_urls), each file encrypted to the age recipients given."""
+    recipients = body.age_encryption_recipients or []
+    for i, text in enumerate(recipients):
+        try:
+            age_recipient(text)
+        except ValueError as e:
+            raise ApiError(400, str(e), field=f"age_encryption_recipients.{i}",
+                           hint="an age public key (age-keygen -y) or an SSH public key line") from None
+    return _save(body, caller, request, "save_weights_external", age_recipients=recipients)
 
 
 @router.post("/load_weights")
