@@ -83,6 +83,19 @@ def test_the_sdk_loads_the_tokenizer_of_a_local_base_model(api):
     assert tokenizer.decode(tokenizer.encode("hello world")).strip() == "hello world"
 
 
+def test_checkpoint_names_that_could_leave_their_folder_and_bad_age_recipients_are_refused(api):
+    """Refused before any operation is sent: a name such as '..' would be a path outside the model's checkpoints."""
+    model_id = sdk(api).create_lora_training_client(base_model="tiny-qwen2", rank=4).result(timeout=30).model_id
+    for route, name in (("/api/v1/save_weights", ".."), ("/api/v1/save_weights_for_sampler", ".hidden"),
+                        ("/api/v1/save_weights_external", "a/b")):
+        r = post(api, route, {"model_id": model_id, "path": name, "seq_id": 1})
+        assert r.status_code == 400 and r.json()["detail"][0]["field"] == "path", r.text
+    r = post(api, "/api/v1/save_weights_external", {"model_id": model_id, "path": "ok", "seq_id": 1,
+                                                     "age_encryption_recipients": ["age1nope"]})
+    assert r.status_code == 400 and r.json()["detail"][0]["field"] == "age_encryption_recipients.0", r.text
+    assert "not an age recipient" in r.json()["message"]
+
+
 def test_lora_training_client_with_the_bootstrap_token(api):
     service = sdk(api)
     training = service.create_lora_training_client(base_model="tiny-qwen", rank=8).result(timeout=30)
