@@ -71,13 +71,18 @@ def _bearer(credentials: HTTPAuthorizationCredentials | None) -> str:
 
 
 def principal_for(request: Request, token: str) -> Principal | None:
+    return principal_of_hash(request, hash_token(token))
+
+
+def principal_of_hash(request: Request, token_sha256: str) -> Principal | None:
+    """Whose token has this sha256 (None: no live token has): API_TOKEN, or a row not revoked."""
     admin_token = request.app.state.config.api_token
-    if admin_token and hmac.compare_digest(token.encode(), admin_token.encode()):
+    if admin_token and hmac.compare_digest(token_sha256.encode(), hash_token(admin_token).encode()):
         return Principal("API_TOKEN", frozenset({"admin"}))
     with request.app.state.sessions() as s:
         row = s.execute(
             select(ApiToken.name, ApiToken.scopes)
-            .where(ApiToken.token_sha256 == hash_token(token), ApiToken.revoked_at.is_(None))
+            .where(ApiToken.token_sha256 == token_sha256, ApiToken.revoked_at.is_(None))
         ).first()
     return Principal(row.name, frozenset(row.scopes)) if row else None
 

@@ -50,6 +50,9 @@ class ApiSettings(ServiceSettings):
         "kept; the API streams them to the holders of signed URLs")
     signed_url_ttl_s: int = Field(3600, ge=60, le=7 * 86400, description="SIGNED_URL_TTL_S: how long a signed "
                                   "download URL (get_external_weights_urls) is valid")
+    tinker_jwt_ttl_s: int = Field(3600, ge=0, le=86400, description="TINKER_JWT_TTL_S: how long a JWT the Tinker "
+                                  "SDK exchanges its key for is valid (it refreshes at half that); 0: no exchange, "
+                                  "the SDK sends its tml- key with every request")
     tinker_engine: EngineConfig = Field(
         default_factory=EngineConfig, description="TINKER_ENGINE: the rollout workers' engine for Tinker samples, "
         'as a run\'s `engine` in JSON (e.g. {"type": "vllm", "device": "cuda"}); default: hf on cpu')

@@ -1,4 +1,4 @@
-"""Who calls: the SDK's `X-API-Key: tml-<flywheel token>` checked into a Caller (the `Key` dependency), the
+"""Who calls: the SDK's `X-API-Key: tml-<flywheel token>` (or the JWT it exchanged that key for) checked into a Caller (the `Key` dependency), the
 caller's Tinker store, the `Wire` base of every request body, and the look-ups of the caller's sessions and models
 that every part of the protocol makes."""
 
@@ -10,7 +10,8 @@ from typing import Annotated
 from fastapi import Depends, Request
 from pydantic import BaseModel, ConfigDict
 
-from services.api.auth import Principal, hash_token, principal_for, required_scope
+from services.api import signing
+from services.api.auth import Principal, hash_token, principal_of_hash, required_scope
 from services.api.errors import ApiError
 from services.api.tinker_store import TinkerStore
 
@@ -24,22 +25,41 @@ class Caller:
     owner: str  # sha256 of the flywheel token: what the caller's sessions, models and futures are filed under
 
 
+JWT_PREFIX = "eyJ"  # a JWT's header, base64url of '{"': what the SDK takes for one
+# RFC 6750: a JWT refused for itself (expired, not ours, its token revoked); the SDK exchanges its key for a new
+# JWT and replays the request once
+INVALID_JWT = {"WWW-Authenticate": 'Bearer error="invalid_token"'}
+
+
 def tinker_caller(request: Request) -> Caller:
     key = (request.headers.get("x-api-key") or "").strip()
     if not key:
         raise ApiError(401, "missing X-API-Key", hint=KEY_HINT)
-    if not key.startswith(KEY_PREFIX):
-        raise ApiError(401, "this server takes Tinker keys of the form tml-<flywheel token> (no JWTs yet)",
-                       hint=KEY_HINT)
-    token = key.removeprefix(KEY_PREFIX)
-    principal = principal_for(request, token)
-    if principal is None:
-        raise ApiError(401, "invalid or revoked key", hint=KEY_HINT)
+    if key.startswith(JWT_PREFIX):
+        try:
+            owner = signing.read_jwt(jwt_key(request), key)["owner"]
+        except ValueError as e:
+            raise ApiError(401, str(e), hint=KEY_HINT, headers=INVALID_JWT) from None
+        principal = principal_of_hash(request, owner)
+        if principal is None:
+            raise ApiError(401, "the token this JWT stands for is revoked", hint=KEY_HINT, headers=INVALID_JWT)
+    elif key.startswith(KEY_PREFIX):
+        owner = hash_token(key.removeprefix(KEY_PREFIX))
+        principal = principal_of_hash(request, owner)
+        if principal is None:
+            raise ApiError(401, "invalid or revoked key", hint=KEY_HINT)
+    else:
+        raise ApiError(401, "this server takes Tinker keys of the form tml-<flywheel token>, or the JWTs it "
+                       "exchanges them for", hint=KEY_HINT)
     scope = required_scope(request)
     if not principal.can(scope):
         raise ApiError(403, f"token {principal.name!r} lacks the {scope!r} scope this operation needs",
                        hint="create a token with that scope: `flywheel tokens create NAME --scope SCOPE`")
-    return Caller(principal, hash_token(token))
+    return Caller(principal, owner)
+
+
+def jwt_key(request: Request) -> bytes:
+    return signing.deployment_key(request.app.state.redis, "jwt_key")
 
 
 Key = Annotated[Caller, Depends(tinker_caller)]

@@ -17,7 +17,7 @@ from pydantic import Field
 from sqlalchemy import func, select
 from starlette.background import BackgroundTask
 
-from services.api import signed_urls
+from services.api import signing
 from services.api.auth import needs
 from services.api.deps import DB, Config
 from services.api.errors import ApiError
@@ -180,13 +180,13 @@ def external_weights_urls(model_id: str, kind: str, name: str, caller: Key, requ
     if kind != "external_weights":
         raise ApiError(400, f"{path} is not an export; signed URLs are made for external_weights checkpoints",
                        field="path.checkpoint_id", hint="save_weights_external(name) makes one")
-    key = signed_urls.signing_key(request.app.state.redis)
+    key = signing.deployment_key(request.app.state.redis, "url_key")
     expires = int(time.time()) + config.signed_url_ttl_s
     base = str(request.base_url).rstrip("/") + "/api/v1/external_weights"
     urls = {}
     for file in store(request).checkpoint(caller.owner, path)["files"]:
         where = f"{quote(model_id, safe='')}/{name}/{file}"
-        urls[file] = f"{base}/{where}?" + urlencode({"expires": expires, "signature": signed_urls.signature(key, where, expires)})
+        urls[file] = f"{base}/{where}?" + urlencode({"expires": expires, "signature": signing.signature(key, where, expires)})
     return {"urls": urls, "expires": datetime.fromtimestamp(expires, UTC).isoformat()}
 
 
@@ -198,7 +198,7 @@ async def download_external_weights(model_id: str, name: str, file: str, expires
     the export is deleted or past its ttl."""
     where = f"{quote(model_id, safe='')}/{name}/{file}"
     redis = request.app.state.redis
-    why = await run_in_threadpool(lambda: signed_urls.check(signed_urls.signing_key(redis), where, expires, signature))
+    why = await run_in_threadpool(lambda: signing.check(signing.deployment_key(redis, "url_key"), where, expires, signature))
     if why:
         raise ApiError(403, f"download refused: {why}", hint="ask get_external_weights_urls for fresh URLs")
     raw = await run_in_threadpool(redis.get, tinker_key("checkpoint", checkpoint_path(model_id, "external_weights", name)))

@@ -17,7 +17,6 @@ NOT_SERVED = {
     "/join_sampling_session": "join_sampling_session",
     "/retrieve_futures": "retrieve_futures",
     "/create_custom_loss": "create_custom_loss",
-    "/auth/token": "auth_token (JWT exchange: keys here are tml-<flywheel token>, used as they are)",
     "/sessions/{session_id}/{rest:path}": "session trace export",
     "/audit": "audit log (this server records no audit events)",
     "/billing/{rest:path}": "billing usage (this server keeps no usage, cost or storage-size records)",

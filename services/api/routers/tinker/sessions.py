@@ -1,4 +1,4 @@
-"""Sessions: client config, the key itself (`tinker auth login` / `logout`), health, server capabilities (the
+"""Sessions: client config, the key itself (`tinker auth login` / `logout`, the JWT exchange), health, server capabilities (the
 base models offered), sessions (create, list, search, project, heartbeat, finish) and the SDK's telemetry."""
 
 from __future__ import annotations
@@ -12,11 +12,12 @@ from prometheus_client import Counter
 from pydantic import Field
 from sqlalchemy import select
 
+from services.api import signing
 from services.api.auth import needs
 from services.api.deps import DB, Config
 from services.api.errors import ApiError
 from services.api.routers.runs import commanding
-from services.api.routers.tinker.callers import Caller, Key, Wire, owned_session, store
+from services.api.routers.tinker.callers import KEY_HINT, Caller, Key, Wire, jwt_key, owned_session, store
 from services.api.routers.tinker.not_served import NOT_SERVED
 from services.api.tinker_base_models import base_models
 from shared.clients.run_commands import run_command
@@ -49,10 +50,22 @@ class FinishSession(Wire):
 
 @router.post("/client/config")
 @needs("read")
-def client_config(_: Key) -> dict:
+def client_config(_: Key, config: Config) -> dict:
     # Everything that needs a server feature this slice lacks is off; the SDK's defaults cover the rest.
-    return {"pjwt_auth_enabled": False, "sample_use_retrieve_futures": False, "custom_loss_server_side": False,
-            "sample_join_sampling_session": False, "proto_compress_fwdbwd": False}
+    return {"pjwt_auth_enabled": config.tinker_jwt_ttl_s > 0, "sample_use_retrieve_futures": False,
+            "custom_loss_server_side": False, "sample_join_sampling_session": False, "proto_compress_fwdbwd": False}
+
+
+@router.post("/auth/token")
+@needs("read")  # any live key may exchange itself: the JWT carries no more than the key does
+def auth_token(caller: Key, request: Request, config: Config) -> dict:
+    """The SDK's JWT exchange: a JWT standing for the caller's token, valid TINKER_JWT_TTL_S (the SDK refreshes
+    it at half that). Every use checks the token again: revoking it ends its JWTs at once."""
+    if config.tinker_jwt_ttl_s == 0:
+        raise ApiError(404, "JWT exchange is off on this server (TINKER_JWT_TTL_S=0): send the tml- key itself",
+                       hint=KEY_HINT)
+    return {"jwt": signing.mint_jwt(jwt_key(request), caller.owner, caller.principal.name,
+                                    f"flywheel@{request.base_url.netloc}", config.tinker_jwt_ttl_s)}
 
 
 # The dynamic flags follow from what this server serves, which changes only with a new server version: a live
