@@ -85,11 +85,12 @@ demo-agent: install
 # Tiers are folders of tests/ (README "Tests"). `make test` is the whole suite, tier by tier, every tier run
 # even after one fails. Component and e2e tests mostly wait on the processes they start, so they run on
 # XDIST's workers (one module per worker: module fixtures keep their processes; each worker's session has its
-# own Redis database and Postgres database: at most 4 workers, for Redis has 15 to lease); learning saturates
-# the cores on its own and runs alone. The chaos scenarios mostly wait out their faults, each on a Redis and a
+# own Redis database and Postgres database: at most 4 workers, for Redis has 15 to lease). Four workers even on
+# two cores: with two, the cores idle while tests wait (component + e2e took 14.7 min on two workers, 12.2 on
+# four, load ~5, every test passing); learning saturates the cores on its own and runs alone. The chaos scenarios mostly wait out their faults, each on a Redis and a
 # Postgres of its own: the two chaos files (the network ones share namespaces, so they stay in one) and the
 # browser test run side by side.
-XDIST ?= -n auto --maxprocesses 4 --dist loadfile
+XDIST ?= -n 4 --dist loadfile
 CHAOS_XDIST ?= -n 2 --dist loadfile
 TEST_DESELECT := -m "not gpu and not container"
 test: install vllm-venv browser-deps chaos-deps
