@@ -140,6 +140,13 @@ class TinkerStore:
     def sampler(self, owner: str, sampler_id: str) -> dict[str, Any] | None:
         return self._get("sampler", sampler_id, owner)
 
+    def join_sampler(self, sampler_id: str) -> int:
+        """A new client of the sampling session (a SamplingClient unpickled elsewhere): its number, 1, 2, ...
+        (the session's first client is 0), unique among the session's clients."""
+        key = tinker_key("sampler_clients", sampler_id)
+        counter, _ = self.redis.pipeline().incr(key).expire(key, MODEL_TTL_S).execute()
+        return int(counter)
+
     def checkpoint(self, owner: str, path: str) -> dict[str, Any] | None:
         """A checkpoint the trainer recorded (TinkerCheckpoint), if this owner made it and it has not expired."""
         record = self._get("checkpoint", path, owner)

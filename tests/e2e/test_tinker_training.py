@@ -654,3 +654,22 @@ def test_the_tinker_clis_checkpoint_download_exports_a_saved_state(api, tmp_path
     rest = tinker.RestClient(base_url=api.url, api_key="tml-" + api.token)
     left = rest.list_user_checkpoints(limit=1000).result(timeout=60).checkpoints
     assert not [c for c in left if c.checkpoint_type == "external" and c.checkpoint_id == "external_weights/download"]
+
+
+def test_a_pickled_sampling_client_joins_its_session_and_samples(api):
+    """A SamplingClient pickled (to go to another worker of the user's) joins its sampling session before its
+    first sample (the client config turns join_sampling_session on): each copy gets its own number, and samples
+    as the original does. Another key cannot join the session."""
+    import pickle
+
+    service = tinker.ServiceClient(base_url=api.url, api_key="tml-" + api.token)
+    OPEN.append(service)
+    base = service.create_sampling_client(base_model=BASE).result(timeout=120)
+    prompt, greedy = types.ModelInput.from_ints(SEQS[1][:4]), types.SamplingParams(max_tokens=4, temperature=0.0)
+    copies = [pickle.loads(pickle.dumps(base)) for _ in range(2)]
+    tokens = [c.sample(prompt, 1, greedy).result(timeout=300).sequences[0].tokens for c in [base, *copies]]
+    assert tokens[0] == tokens[1] == tokens[2] and tokens[0]
+    assert sorted(c._cloned_sampler_id for c in copies) == [1, 2]  # numbered by the server, apart from the original
+    r = httpx.post(api.url + "/api/v1/join_sampling_session", json={"sampling_session_id": base._sampling_session_id},
+                   headers={"X-API-Key": "tml-" + new_token(api, "tinker-eve-join")}, timeout=30)
+    assert r.status_code == 404, r.text

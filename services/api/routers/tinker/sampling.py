@@ -149,6 +149,21 @@ def asample(body: SampleRequest, caller: Key, request: Request) -> dict:
     return {"request_id": request_id, "sample_sequence_ids": sequence_ids}
 
 
+class JoinSamplingSession(Wire):
+    sampling_session_id: str
+
+
+@router.post("/join_sampling_session")
+def join_sampling_session(body: JoinSamplingSession, caller: Key, request: Request) -> dict:
+    """A copy of a SamplingClient (one unpickled in another process) joins its sampling session before its first
+    sample: the number it gets, unique among the session's clients, keeps its requests' seq_ids apart from
+    theirs."""
+    if store(request).sampler(caller.owner, body.sampling_session_id) is None:
+        raise ApiError(404, f"sampling session {body.sampling_session_id} does not exist",
+                       field="sampling_session_id")
+    return {"type": "join_sampling_session", "client_counter": store(request).join_sampler(body.sampling_session_id)}
+
+
 class CancelFuture(Wire):
     request_id: str
 
