@@ -21,7 +21,7 @@ from services.rollout_worker.run_engines import RunContext
 from shared.contracts.messages import EpisodeResult, TinkerFuture, TinkerSample, TrajectoryRecord
 from shared.contracts.messages.trajectory import TrajectoryStep
 from shared.contracts.streams import GROUP_ROLLOUT, TINKER_SAMPLES, TRAJECTORIES, tinker_key
-from shared.contracts.tinker_run import FUTURE_TTL_S
+from shared.contracts.tinker_run import COMPLETIONS_MAXLEN, FUTURE_TTL_S
 from shared.platform.bus import RedisError, StreamConsumer
 from shared.platform.logs import get_logger
 from shared.sdk.types import TerminationReason
@@ -157,8 +157,14 @@ class TinkerSampling:
             answer = {"error": f"sampling failed on rollout worker {self.worker.worker_id}: {e!r}",
                       "category": "server"}
         record = TinkerFuture(owner=msg.owner, model_id=None, result=answer)
-        await self.worker.bus.redis.set(tinker_key("future", msg.request_id), record.model_dump_json(),
-                                        ex=FUTURE_TTL_S)
+        pipe = self.worker.bus.redis.pipeline(transaction=True)  # the answer and its announcement, together
+        pipe.set(tinker_key("future", msg.request_id), record.model_dump_json(), ex=FUTURE_TTL_S)
+        if msg.completions:
+            state = "failed" if "error" in answer else "finished"
+            pipe.xadd(msg.completions, {"request_id": msg.request_id, "state": state}, maxlen=COMPLETIONS_MAXLEN,
+                      approximate=True)
+            pipe.expire(msg.completions, FUTURE_TTL_S)
+        await pipe.execute()
         await self.consumer.ack([delivery])
 
     async def generate(self, msg: TinkerSample) -> list[Generation]:

@@ -28,6 +28,8 @@ LOSS_CONFIG: dict[str, dict[str, float | None]] = {
     "dro": {"beta": None},
 }
 CHECKPOINT_KINDS = ("weights", "sampler_weights", "external_weights")  # tinker://<model id>/<kind>/<name>
+COMPLETIONS_MAXLEN = 100_000  # a completion queue's bound (its poller trims what it has seen; this, what it never polls)
+CLIENT_SEQ_BLOCK = 1_000_000_000  # a sampling client's seq_ids are client number * this + n (the SDK's numbering)
 MAX_AGE_RECIPIENTS = 10  # save_weights_external: the most age recipients an export is encrypted to (the SDK's)
 LORA_ALPHA = 32  # Tinker's LoRA scaling numerator (its clients choose the rank only)
 
@@ -58,6 +60,11 @@ class TinkerRunConfig(BaseModel):
                    or "all-linear")
         return AlgorithmConfig(lora=LoRAConfig(rank=lora["rank"], alpha=LORA_ALPHA, target_modules=targets),
                                lr=1e-4, grad_clip=1e9)
+
+
+def completion_queue(sampling_session_id: str, seq_id: int) -> str:
+    """The Redis stream where the answers of one sampling client's requests are announced (retrieve_futures)."""
+    return f"tinker:completions:{sampling_session_id}:{seq_id // CLIENT_SEQ_BLOCK}"
 
 
 def checkpoint_path(model_id: str, kind: str, name: str) -> str:

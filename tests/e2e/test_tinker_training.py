@@ -673,3 +673,43 @@ def test_a_pickled_sampling_client_joins_its_session_and_samples(api):
     r = httpx.post(api.url + "/api/v1/join_sampling_session", json={"sampling_session_id": base._sampling_session_id},
                    headers={"X-API-Key": "tml-" + new_token(api, "tinker-eve-join")}, timeout=30)
     assert r.status_code == 404, r.text
+
+
+def test_each_answer_is_announced_on_its_clients_completion_queue(api, redis_url):
+    """retrieve_futures (turned on in the client config, so the SDK's samples above waited on it): a sample's
+    answer appears on the queue of the client that sent it (seq_id // 1e9), once; a poll from its cursor trims
+    what came before and waits no longer than asked; another key's session is a 404."""
+    service = tinker.ServiceClient(base_url=api.url, api_key="tml-" + api.token)
+    OPEN.append(service)
+    base = service.create_sampling_client(base_model=BASE).result(timeout=120)
+    assert service.holder.get_client_config().sample_use_retrieve_futures
+    session, key = base._sampling_session_id, {"X-API-Key": "tml-" + api.token}
+
+    def sample(seq_id: int) -> str:
+        r = httpx.post(api.url + "/api/v1/asample", headers=key, timeout=30, json={
+            "sampling_session_id": session, "seq_id": seq_id, "num_samples": 1, "sampling_params": {"max_tokens": 2},
+            "prompt": {"chunks": [{"type": "encoded_text", "tokens": SEQS[0][:4]}]}})
+        assert r.status_code == 200, r.text
+        return r.json()["request_id"]
+
+    def poll(clone: int, cursor: int, timeout: float = 60) -> dict:
+        r = httpx.post(api.url + "/api/v1/retrieve_futures", headers=key, timeout=90, json={
+            "target": {"sampling_session_id": session, "cloned_sampler_id": clone}, "prev_cursor": cursor,
+            "timeout": timeout})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    mine, theirs = sample(7), sample(3 * 1_000_000_000 + 7)
+    seen, cursor = [], 0
+    while len(seen) < 1:
+        got = poll(0, cursor)
+        seen += got["completions"]
+        cursor = got["cursor"]
+    assert seen == [{"state": "finished", "request_id": mine}]
+    assert poll(3, 0)["completions"] == [{"state": "finished", "request_id": theirs}]
+    assert poll(0, cursor, timeout=0) == {"completions": [], "cursor": cursor}  # nothing new: answered at once
+    assert redis.Redis.from_url(redis_url).xlen(f"tinker:completions:{session}:0") == 0  # seen, so trimmed
+    r = httpx.post(api.url + "/api/v1/retrieve_futures", timeout=30,
+                   headers={"X-API-Key": "tml-" + new_token(api, "tinker-eve-poll")},
+                   json={"target": {"sampling_session_id": session}, "prev_cursor": 0, "timeout": 0})
+    assert r.status_code == 404, r.text

@@ -5,7 +5,7 @@ operation's future as `try_again`, then sends:
   holds the model applies them in `seq_id` order. `tinker.requests` (API -> trainers): `TinkerWake`, that model
   has work; a trainer that can take the model's lease starts reading its stream.
 - `tinker.samples` (API -> rollout workers): `TinkerSample`, one sample request of a sampling session; its
-  samples are stored as trajectories of the session's run.
+  samples are stored as trajectories of the session's run, its answer announced on the client's completions.
 
 Whoever does the work writes the result into the future (`TinkerFuture`), where `retrieve_future` reads it."""
 
@@ -101,6 +101,9 @@ class TinkerSample(Message):
     topk_prompt_logprobs: int = Field(0, ge=0, le=MAX_TOPK_LOGPROBS)  # each prompt position's k likeliest tokens
     topk_sample_logprobs: int = Field(0, ge=0, le=MAX_TOPK_LOGPROBS)  # each sampled position's k likeliest tokens
     seed: int | None = None  # sample i draws with seed + i: the same request with the same seed, the same samples
+    # the completion queue (Redis stream `tinker:completions:<sampling session>:<client>`) where the answer is also
+    # announced, for the client's retrieve_futures poller; None: only the future is written
+    completions: str | None = None
     sent_at: float = 0.0
 
 

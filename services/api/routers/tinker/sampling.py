@@ -3,10 +3,12 @@ a sample request on the rollout workers' stream, and cancel_future, which withdr
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Request
+from fastapi.concurrency import run_in_threadpool
 from pydantic import Field
 
 from services.api.auth import needs
@@ -18,7 +20,12 @@ from services.api.routers.tinker.training import store_run
 from shared.contracts.messages import TinkerSample
 from shared.contracts.messages.tinker import MAX_TOPK_LOGPROBS
 from shared.contracts.streams import TINKER_SAMPLES
-from shared.contracts.tinker_run import TinkerRunConfig, parse_checkpoint_path
+from shared.contracts.tinker_run import (
+    CLIENT_SEQ_BLOCK,
+    TinkerRunConfig,
+    completion_queue,
+    parse_checkpoint_path,
+)
 from shared.platform.bus import RedisError, announce
 
 router = APIRouter()
@@ -141,12 +148,69 @@ def asample(body: SampleRequest, caller: Key, request: Request) -> dict:
             stop_strings=[x for x in stop if isinstance(x, str)], stop_tokens=[x for x in stop if isinstance(x, int)],
             prompt_logprobs=bool(body.prompt_logprobs), prompt_logprobs_last_n=last_n,
             topk_prompt_logprobs=body.topk_prompt_logprobs, topk_sample_logprobs=body.topk_sample_logprobs,
-            seed=p.seed,
+            seed=p.seed, completions=completion_queue(body.sampling_session_id, body.seq_id or 0),
             sent_at=time.time()))
     except RedisError as e:
         raise ApiError(503, f"Redis is unreachable, so the sample could not be sent to a rollout worker ({e})",
                        hint="retry once Redis is back") from e
     return {"request_id": request_id, "sample_sequence_ids": sequence_ids}
+
+
+class FuturesTarget(Wire):
+    sampling_session_id: str
+    cloned_sampler_id: Annotated[int, Field(ge=0)] = 0
+
+
+class RetrieveFutures(Wire):
+    target: FuturesTarget
+    prev_cursor: Annotated[int, Field(ge=0)] = 0
+    timeout: Annotated[float, Field(ge=0)] | None = None
+    retrieved_request_ids: list[str] = []
+
+
+LONG_POLL_S = 30.0  # a retrieve_futures poll without a timeout waits this long at most (the SDK's HTTP timeout: 45)
+POLL_EVERY_S = 0.1  # how often a waiting poll looks at its queue
+
+
+def stream_id(cursor: int) -> str:
+    """The Redis stream id behind a cursor: the SDK's cursor is an int, a stream id is `<ms>-<seq>`."""
+    return f"{cursor // 1_000_000}-{cursor % 1_000_000}"
+
+
+def text(fields: dict, name: str) -> str:
+    value = fields.get(name.encode(), fields.get(name))
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def cursor_of(entry_id: bytes | str) -> int:
+    ms, seq = (entry_id.decode() if isinstance(entry_id, bytes) else entry_id).split("-")
+    return int(ms) * 1_000_000 + int(seq)
+
+
+@router.post("/retrieve_futures")
+@needs("read")  # as retrieve_future: reading answers
+async def retrieve_futures(body: RetrieveFutures, caller: Key, request: Request) -> dict:
+    """The completion queue of one sampling client: the requests answered since `prev_cursor` (what came
+    before it is trimmed, being seen), waiting up to `timeout` (LONG_POLL_S when none) for the first. The SDK
+    then fetches each answer with retrieve_future."""
+    redis = request.app.state.redis
+    target = body.target
+    if await run_in_threadpool(store(request).sampler, caller.owner, target.sampling_session_id) is None:
+        raise ApiError(404, f"sampling session {target.sampling_session_id} does not exist",
+                       field="target.sampling_session_id")
+    queue = completion_queue(target.sampling_session_id, target.cloned_sampler_id * CLIENT_SEQ_BLOCK)
+    after = stream_id(body.prev_cursor)
+    if body.prev_cursor:
+        await run_in_threadpool(redis.xtrim, queue, minid=stream_id(body.prev_cursor + 1))
+    deadline = time.monotonic() + (LONG_POLL_S if body.timeout is None else min(body.timeout, LONG_POLL_S))
+    while True:
+        read = await run_in_threadpool(redis.xread, {queue: after}, 1000)
+        entries = read[0][1] if read else []
+        if entries or time.monotonic() >= deadline or await request.is_disconnected():
+            break
+        await asyncio.sleep(POLL_EVERY_S)
+    completions = [{"state": text(fields, "state"), "request_id": text(fields, "request_id")} for _, fields in entries]
+    return {"completions": completions, "cursor": cursor_of(entries[-1][0]) if entries else body.prev_cursor}
 
 
 class JoinSamplingSession(Wire):

@@ -52,7 +52,7 @@ class FinishSession(Wire):
 @needs("read")
 def client_config(_: Key, config: Config) -> dict:
     # Everything that needs a server feature this slice lacks is off; the SDK's defaults cover the rest.
-    return {"pjwt_auth_enabled": config.tinker_jwt_ttl_s > 0, "sample_use_retrieve_futures": False,
+    return {"pjwt_auth_enabled": config.tinker_jwt_ttl_s > 0, "sample_use_retrieve_futures": True,
             "custom_loss_server_side": False, "sample_join_sampling_session": True, "proto_compress_fwdbwd": False}
 
 
