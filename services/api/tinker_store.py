@@ -19,6 +19,8 @@ from shared.contracts.streams import tinker_key
 from shared.contracts.tinker_run import FUTURE_TTL_S, MODEL_TTL_S, checkpoint_path
 from shared.platform.bus import SyncRedis
 
+TRACE_MAXLEN = 100_000  # the requests a session's trace keeps (the newest)
+
 
 class TinkerStore:
     def __init__(self, redis: SyncRedis):
@@ -122,9 +124,26 @@ class TinkerStore:
                  request_id: str | None = None) -> str:
         """A future resolved to `result` (or, `try_again`, waiting for a trainer); its request id."""
         request_id = request_id or str(uuid.uuid4())
-        record = TinkerFuture(owner=owner, model_id=model_id, result=result)
+        answered = None if result.get("type") == "try_again" else time.time()
+        record = TinkerFuture(owner=owner, model_id=model_id, result=result, answered_at=answered)
         self._put("future", request_id, record.model_dump(), FUTURE_TTL_S)
         return request_id
+
+    def trace(self, session_id: str, request_id: str, name: str, target: str) -> None:
+        """The request's start, on its session's trace (`tinker:trace:<session>`, a stream bounded to
+        TRACE_MAXLEN): what export_session_trace draws, with each request's end read from its future."""
+        key, pipe = tinker_key("trace", session_id), self.redis.pipeline()
+        pipe.xadd(key, {"request_id": request_id, "name": name, "target": target, "t": repr(time.time())},
+                  maxlen=TRACE_MAXLEN, approximate=True)
+        pipe.expire(key, MODEL_TTL_S)
+        pipe.execute()
+
+    def traced(self, session_id: str) -> list[tuple[dict[str, str], dict[str, Any] | None]]:
+        """The session's traced requests, oldest first, each with its future's record (None once expired)."""
+        starts = [{k.decode() if isinstance(k, bytes) else k: v.decode() if isinstance(v, bytes) else v
+                   for k, v in fields.items()} for _, fields in self.redis.xrange(tinker_key("trace", session_id))]
+        raws = self.redis.mget([tinker_key("future", s["request_id"]) for s in starts]) if starts else []
+        return [(s, json.loads(raw) if raw else None) for s, raw in zip(starts, raws, strict=True)]
 
     def pending(self, owner: str, model_id: str | None) -> str:
         """A future of work sent to a trainer: `try_again` until the trainer writes its result."""

@@ -156,7 +156,7 @@ class TinkerSampling:
             log.exception("tinker sample of run %s failed", msg.run_id, extra={"run_id": msg.run_id})
             answer = {"error": f"sampling failed on rollout worker {self.worker.worker_id}: {e!r}",
                       "category": "server"}
-        record = TinkerFuture(owner=msg.owner, model_id=None, result=answer)
+        record = TinkerFuture(owner=msg.owner, model_id=None, result=answer, answered_at=time.time())
         pipe = self.worker.bus.redis.pipeline(transaction=True)  # the answer and its announcement, together
         pipe.set(tinker_key("future", msg.request_id), record.model_dump_json(), ex=FUTURE_TTL_S)
         if msg.completions:

@@ -445,7 +445,7 @@ class TinkerModels:
         return TinkerModel(run_id, config, engine, pad_id)
 
     async def answer(self, op: TinkerOp, result: dict) -> None:
-        record = TinkerFuture(owner=op.owner, model_id=op.model_id, result=result)
+        record = TinkerFuture(owner=op.owner, model_id=op.model_id, result=result, answered_at=time.time())
         await self.until_written(f"the answer of {op.request_id}", lambda: self.trainer.redis.set(
             tinker_key("future", op.request_id), record.model_dump_json(), ex=FUTURE_TTL_S))
 

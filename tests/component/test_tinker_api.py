@@ -256,8 +256,8 @@ def test_a_session_moved_into_a_project_is_searched_and_its_runs_listed_by_it(ap
     r = httpx.put(f"{api.url}/api/v1/sessions/{sessions[1]}/project", json={"project_id": ""},
                   headers={"X-API-Key": "tml-" + mine})
     assert r.status_code == 422 and r.json()["detail"][0]["field"] == "project_id", r.text
-    r = httpx.get(f"{api.url}/api/v1/sessions/{sessions[0]}/trace_export", headers={"X-API-Key": "tml-" + mine})
-    assert r.status_code == 404 and "session trace export" in r.json()["message"], r.text
+    r = httpx.get(f"{api.url}/api/v1/sessions/{sessions[1]}/trace_export", headers={"X-API-Key": "tml-" + theirs})
+    assert r.status_code == 404 and f"session {sessions[1]} does not exist" in r.json()["message"], r.text
 
 
 def test_keys_are_tml_plus_a_flywheel_token(api):
@@ -285,6 +285,8 @@ def test_the_sdk_exchanges_its_key_for_a_jwt_that_ends_with_its_token(api):
     me = rest.whoami().result(timeout=30)  # from the claims of the JWT the SDK holds
     assert me.user_urn == "tml:user:jwt-user" and me.org_urn.startswith("tml:organization:flywheel@")
     assert client.create_lora_training_client(base_model="tiny-qwen2", rank=4).result(timeout=30).model_id
+    OPEN.remove(client)
+    client.close("success").result(timeout=10)  # while its token lives: revoked, its session could not end
 
     jwt = post(api, "/api/v1/auth/token", {}, made["token"]).json()["jwt"]
     assert jwt.startswith("eyJ")

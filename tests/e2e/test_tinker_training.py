@@ -713,3 +713,32 @@ def test_each_answer_is_announced_on_its_clients_completion_queue(api, redis_url
                    headers={"X-API-Key": "tml-" + new_token(api, "tinker-eve-poll")},
                    json={"target": {"sampling_session_id": session}, "prev_cursor": 0, "timeout": 0})
     assert r.status_code == 404, r.text
+
+
+def test_a_sessions_trace_shows_each_request_on_its_models_lane(api):
+    """export_session_trace: a signed URL (no key needed to fetch it) to the session's trace, which holds each
+    training and sampling request from when the API took it to when its result was written; another key gets
+    no URL, and an altered URL is refused."""
+    import urllib.request
+
+    service = tinker.ServiceClient(base_url=api.url, api_key="tml-" + api.token)
+    OPEN.append(service)
+    tc = service.create_lora_training_client(base_model=BASE, rank=4).result(timeout=60)
+    train(tc, [sft_datum(SEQS[0])], 1)
+    sampler = tc.save_weights_and_get_sampling_client().result(timeout=300)
+    sampler.sample(types.ModelInput.from_ints(SEQS[0][:4]), 1, types.SamplingParams(max_tokens=3)).result(timeout=300)
+    session = tc.model_id.split(":")[0]
+    rest = tinker.RestClient(base_url=api.url, api_key="tml-" + api.token)
+    url = rest.export_session_trace(session).result(timeout=60)
+    with urllib.request.urlopen(url, timeout=60) as r:
+        trace = json.loads(r.read())
+    events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert [e["name"] for e in events] == ["forward_backward", "optim_step", "save_weights_for_sampler", "sample"]
+    assert all(e["args"]["state"] == "finished" and e["dur"] > 0 for e in events), events
+    assert all(a["ts"] + a["dur"] <= b["ts"] for a, b in zip(events[:3], events[1:], strict=True))  # in seq order
+    lanes = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+    assert lanes[events[0]["tid"]] == tc.model_id and lanes[events[-1]["tid"]].startswith(f"{session}:sample:")
+    assert httpx.get(url.replace("expires=", "expires=1"), timeout=30).status_code == 403
+    eve = tinker.RestClient(base_url=api.url, api_key="tml-" + new_token(api, "tinker-eve-trace"))
+    with pytest.raises(tinker.NotFoundError):
+        eve.export_session_trace(session).result(timeout=60)

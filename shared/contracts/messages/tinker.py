@@ -140,3 +140,4 @@ class TinkerFuture(BaseModel):
     owner: str
     model_id: str | None = None
     result: dict[str, Any]
+    answered_at: float | None = None  # when the result was written (None: try_again): a session trace's ends

@@ -183,6 +183,7 @@ def send_op(request: Request, caller: Caller, model: dict, **op) -> dict:
     tinker, redis, model_id = store(request), request.app.state.redis, op["model_id"]
     try:
         request_id = tinker.pending(caller.owner, model_id)
+        tinker.trace(model["session_id"], request_id, op["op"], model_id)
         ops = tinker_model_ops(model_id)
         announce(redis, ops, TinkerOp(request_id=request_id, owner=caller.owner, run_id=model["run_id"],
                                       sent_at=time.time(), **op))
