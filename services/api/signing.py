@@ -14,6 +14,7 @@ import hmac
 import secrets
 import time
 import uuid
+from urllib.parse import urlencode
 
 import jwt
 
@@ -25,8 +26,10 @@ JWT_ISSUER = "flywheel"
 def deployment_key(redis: SyncRedis, purpose: str) -> bytes:
     """The deployment's key for `purpose`: the first replica to ask makes it (SET NX), every later ask reads it."""
     name = f"signing:{purpose}"
-    redis.set(name, secrets.token_hex(32), nx=True)
-    raw = redis.get(name)
+    raw = redis.get(name)  # made already: one round trip (JWTs are checked on every request)
+    if raw is None:
+        redis.set(name, secrets.token_hex(32), nx=True)
+        raw = redis.get(name)
     return bytes.fromhex(raw.decode() if isinstance(raw, bytes) else raw)
 
 
@@ -39,6 +42,12 @@ def sign(key: bytes, path: str, ttl_s: int, now: float | None = None) -> tuple[i
     """(expires, signature) of `path`, valid `ttl_s` seconds from now."""
     expires = int(now if now is not None else time.time()) + ttl_s
     return expires, signature(key, path, expires)
+
+
+def signed_url(key: bytes, base_url: str, path: str, ttl_s: int) -> tuple[str, int]:
+    """`base_url`/`path` signed for `ttl_s` seconds, and when it expires."""
+    expires, sig = sign(key, path, ttl_s)
+    return f"{base_url.rstrip('/')}/{path}?" + urlencode({"expires": expires, "signature": sig}), expires
 
 
 def check(key: bytes, path: str, expires: int, given: str, now: float | None = None) -> str | None:

@@ -350,8 +350,8 @@ def test_a_signed_download_url_serves_only_what_it_was_signed_for_until_it_expir
 
     from services.api.signing import signature
 
-    where = "s%3Atrain%3A0/final/adapter_model.safetensors"
-    url = api.url + "/api/v1/external_weights/" + where
+    where = "external_weights/s%3Atrain%3A0/final/adapter_model.safetensors"  # the path under /api/v1, as signed
+    url = api.url + "/api/v1/" + where
     r = httpx.get(url, params={"expires": int(time.time()) + 60, "signature": "0" * 64})
     assert r.status_code == 403 and "signature does not match" in r.json()["message"], r.text
     key = bytes.fromhex(redis.Redis.from_url(redis_url).get("signing:url_key").decode())  # made on first use

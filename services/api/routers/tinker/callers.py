@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import Depends, Request
+from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel, ConfigDict
 
 from services.api import signing
@@ -60,6 +61,17 @@ def tinker_caller(request: Request) -> Caller:
 
 def jwt_key(request: Request) -> bytes:
     return signing.deployment_key(request.app.state.redis, "jwt_key")
+
+
+def url_key(request: Request) -> bytes:
+    return signing.deployment_key(request.app.state.redis, "url_key")
+
+
+async def check_signed_url(request: Request, path: str, expires: int, signature: str, hint: str) -> None:
+    """A download by signed URL (no key: the URL is the credential): 403 when it is not this path's or expired."""
+    why = await run_in_threadpool(lambda: signing.check(url_key(request), path, expires, signature))
+    if why:
+        raise ApiError(403, f"download refused: {why}", hint=hint)
 
 
 Key = Annotated[Caller, Depends(tinker_caller)]

@@ -7,7 +7,7 @@ import time
 import uuid
 from datetime import UTC, datetime
 from typing import Annotated
-from urllib.parse import quote, urlencode
+from urllib.parse import quote
 
 import httpx
 from fastapi import APIRouter, Request
@@ -21,7 +21,16 @@ from services.api import signing
 from services.api.auth import needs
 from services.api.deps import DB, Config
 from services.api.errors import ApiError
-from services.api.routers.tinker.callers import Caller, Key, Wire, owned_model, owned_session, store
+from services.api.routers.tinker.callers import (
+    Caller,
+    Key,
+    Wire,
+    check_signed_url,
+    owned_model,
+    owned_session,
+    store,
+    url_key,
+)
 from services.api.routers.tinker.sessions import offered_model
 from shared.contracts.db.models import Run
 from shared.contracts.messages import TinkerCheckpoint
@@ -180,14 +189,15 @@ def external_weights_urls(model_id: str, kind: str, name: str, caller: Key, requ
     if kind != "external_weights":
         raise ApiError(400, f"{path} is not an export; signed URLs are made for external_weights checkpoints",
                        field="path.checkpoint_id", hint="save_weights_external(name) makes one")
-    key = signing.deployment_key(request.app.state.redis, "url_key")
-    expires = int(time.time()) + config.signed_url_ttl_s
-    base = str(request.base_url).rstrip("/") + "/api/v1/external_weights"
-    urls = {}
+    key, base, urls, expires = url_key(request), f"{request.base_url}api/v1", {}, 0
     for file in store(request).checkpoint(caller.owner, path)["files"]:
-        where = f"{quote(model_id, safe='')}/{name}/{file}"
-        urls[file] = f"{base}/{where}?" + urlencode({"expires": expires, "signature": signing.signature(key, where, expires)})
+        urls[file], expires = signing.signed_url(key, base, export_file(model_id, name, file), config.signed_url_ttl_s)
     return {"urls": urls, "expires": datetime.fromtimestamp(expires, UTC).isoformat()}
+
+
+def export_file(model_id: str, name: str, file: str) -> str:
+    """The path (under /api/v1) of an export's file, as signed."""
+    return f"external_weights/{quote(model_id, safe='')}/{name}/{file}"
 
 
 @router.get("/external_weights/{model_id}/{name}/{file}", include_in_schema=False)
@@ -196,12 +206,9 @@ async def download_external_weights(model_id: str, name: str, file: str, expires
     """One file of an export, for the holder of its signed URL (no key: the URL is the credential); the file
     streams from the weight server. Refused (403) when the signature is not this URL's or it expired; 404 once
     the export is deleted or past its ttl."""
-    where = f"{quote(model_id, safe='')}/{name}/{file}"
-    redis = request.app.state.redis
-    why = await run_in_threadpool(lambda: signing.check(signing.deployment_key(redis, "url_key"), where, expires, signature))
-    if why:
-        raise ApiError(403, f"download refused: {why}", hint="ask get_external_weights_urls for fresh URLs")
-    raw = await run_in_threadpool(redis.get, tinker_key("checkpoint", checkpoint_path(model_id, "external_weights", name)))
+    await check_signed_url(request, export_file(model_id, name, file), expires, signature,
+                           hint="ask get_external_weights_urls for fresh URLs")
+    raw = await run_in_threadpool(request.app.state.redis.get, tinker_key("checkpoint", checkpoint_path(model_id, "external_weights", name)))
     record = TinkerCheckpoint.model_validate_json(raw) if raw else None
     if record is None or not record.live(time.time()) or file not in record.files:
         raise ApiError(404, f"export {name} of {model_id} has no file {file} (deleted, or past its ttl)")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import time
-from urllib.parse import quote, urlencode
+from urllib.parse import quote
 
 from fastapi import APIRouter, Request, Response
 from fastapi.concurrency import run_in_threadpool
@@ -14,8 +14,7 @@ from fastapi.concurrency import run_in_threadpool
 from services.api import signing
 from services.api.auth import needs
 from services.api.deps import Config
-from services.api.errors import ApiError
-from services.api.routers.tinker.callers import Key, owned_session, store
+from services.api.routers.tinker.callers import Key, check_signed_url, owned_session, store, url_key
 
 router = APIRouter()
 
@@ -50,23 +49,21 @@ def chrome_trace(session_id: str, traced: list[tuple[dict, dict | None]], now: f
 def trace_export(session_id: str, caller: Key, request: Request, config: Config) -> dict:
     """Ready at once: a signed URL (SIGNED_URL_TTL_S) that builds the session's trace as it is then."""
     owned_session(request, caller, session_id, "path.session_id")
-    key = signing.deployment_key(request.app.state.redis, "url_key")
-    where = f"session_traces/{quote(session_id, safe='')}"
-    expires, signature = signing.sign(key, where, config.signed_url_ttl_s)
-    url = f"{str(request.base_url).rstrip('/')}/api/v1/{where}?" + urlencode({"expires": expires,
-                                                                            "signature": signature})
+    url, _ = signing.signed_url(url_key(request), f"{request.base_url}api/v1", trace_path(session_id),
+                                config.signed_url_ttl_s)
     return {"status": "ready", "url": url}
+
+
+def trace_path(session_id: str) -> str:
+    """The path (under /api/v1) of a session's trace, as signed."""
+    return f"session_traces/{quote(session_id, safe='')}"
 
 
 @router.get("/session_traces/{session_id}", include_in_schema=False)
 async def download_trace(session_id: str, expires: int, signature: str, request: Request) -> Response:
     """The trace, for the holder of its signed URL (no key); 403 when the URL is altered or expired."""
-    redis = request.app.state.redis
-    where = f"session_traces/{quote(session_id, safe='')}"
-    why = await run_in_threadpool(lambda: signing.check(signing.deployment_key(redis, "url_key"), where, expires,
-                                                        signature))
-    if why:
-        raise ApiError(403, f"download refused: {why}", hint="ask export_session_trace for a fresh URL")
+    await check_signed_url(request, trace_path(session_id), expires, signature,
+                           hint="ask export_session_trace for a fresh URL")
     traced = await run_in_threadpool(store(request).traced, session_id)
     body = json.dumps(chrome_trace(session_id, traced, time.time()))
     return Response(body, media_type="application/json",
