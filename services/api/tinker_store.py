@@ -120,23 +120,12 @@ class TinkerStore:
     def model(self, owner: str, model_id: str) -> dict[str, Any] | None:
         return self._get("model", model_id, owner)
 
-    def complete(self, owner: str, result: dict[str, Any], model_id: str | None = None,
-                 request_id: str | None = None) -> str:
-        """A future resolved to `result` (or, `try_again`, waiting for a trainer); its request id."""
-        request_id = request_id or str(uuid.uuid4())
-        answered = None if result.get("type") == "try_again" else time.time()
-        record = TinkerFuture(owner=owner, model_id=model_id, result=result, answered_at=answered)
+    def complete(self, owner: str, result: dict[str, Any], model_id: str | None = None) -> str:
+        """A future resolved to `result` (work done here, such as create_model); its request id."""
+        request_id = str(uuid.uuid4())
+        record = TinkerFuture(owner=owner, model_id=model_id, result=result, answered_at=time.time())
         self._put("future", request_id, record.model_dump(), FUTURE_TTL_S)
         return request_id
-
-    def trace(self, session_id: str, request_id: str, name: str, target: str) -> None:
-        """The request's start, on its session's trace (`tinker:trace:<session>`, a stream bounded to
-        TRACE_MAXLEN): what export_session_trace draws, with each request's end read from its future."""
-        key, pipe = tinker_key("trace", session_id), self.redis.pipeline()
-        pipe.xadd(key, {"request_id": request_id, "name": name, "target": target, "t": repr(time.time())},
-                  maxlen=TRACE_MAXLEN, approximate=True)
-        pipe.expire(key, MODEL_TTL_S)
-        pipe.execute()
 
     def traced(self, session_id: str) -> list[tuple[dict[str, str], dict[str, Any] | None]]:
         """The session's traced requests, oldest first, each with its future's record (None once expired)."""
@@ -145,11 +134,20 @@ class TinkerStore:
         raws = self.redis.mget([tinker_key("future", s["request_id"]) for s in starts]) if starts else []
         return [(s, json.loads(raw) if raw else None) for s, raw in zip(starts, raws, strict=True)]
 
-    def pending(self, owner: str, model_id: str | None) -> str:
-        """A future of work sent to a trainer: `try_again` until the trainer writes its result."""
-        request_id = str(uuid.uuid4())
-        return self.complete(owner, {"type": "try_again", "request_id": request_id, "queue_state": "active"},
-                             model_id, request_id)
+    def pending(self, owner: str, model_id: str | None, session_id: str, name: str, target: str) -> str:
+        """A future of work sent to a trainer or a rollout worker: `try_again` until the result is written. With
+        it, in one round trip, the request's start on its session's trace (`tinker:trace:<session>`, a stream
+        bounded to TRACE_MAXLEN): what export_session_trace draws, each request's end read from its future."""
+        request_id, now = str(uuid.uuid4()), time.time()
+        record = TinkerFuture(owner=owner, model_id=model_id,
+                              result={"type": "try_again", "request_id": request_id, "queue_state": "active"})
+        trace, pipe = tinker_key("trace", session_id), self.redis.pipeline()
+        pipe.set(tinker_key("future", request_id), record.model_dump_json(), ex=FUTURE_TTL_S)
+        pipe.xadd(trace, {"request_id": request_id, "name": name, "target": target, "t": repr(now)},
+                  maxlen=TRACE_MAXLEN, approximate=True)
+        pipe.expire(trace, MODEL_TTL_S)
+        pipe.execute()
+        return request_id
 
     def put_sampler(self, owner: str, sampler_id: str, session_id: str, record: dict[str, Any]) -> None:
         """A sampling session: the run whose engine serves it, the weight version, the base model's name."""

@@ -139,8 +139,8 @@ def asample(body: SampleRequest, caller: Key, request: Request) -> dict:
     p = body.sampling_params
     stop = [p.stop] if isinstance(p.stop, str) else list(p.stop or [])
     try:
-        request_id = store(request).pending(caller.owner, None)
-        store(request).trace(sampler["session_id"], request_id, "sample", body.sampling_session_id)
+        request_id = store(request).pending(caller.owner, None, sampler["session_id"], "sample",
+                                            body.sampling_session_id)
         sequence_ids = [f"{request_id}:{i}" for i in range(body.num_samples)]
         announce(request.app.state.redis, TINKER_SAMPLES, TinkerSample(
             request_id=request_id, owner=caller.owner, run_id=sampler["run_id"], version=sampler["version"],

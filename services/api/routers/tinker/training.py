@@ -5,7 +5,6 @@ operations return (retrieve_future)."""
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 import uuid
 from typing import Annotated, Any
@@ -39,6 +38,7 @@ from shared.contracts.tinker_run import (
     MAX_AGE_RECIPIENTS,
     MODEL_TTL_S,
     TinkerRunConfig,
+    checkpoint_name_ok,
     checkpoint_path,
     parse_checkpoint_path,
 )
@@ -182,8 +182,7 @@ def send_op(request: Request, caller: Caller, model: dict, **op) -> dict:
     SDK's future answer."""
     tinker, redis, model_id = store(request), request.app.state.redis, op["model_id"]
     try:
-        request_id = tinker.pending(caller.owner, model_id)
-        tinker.trace(model["session_id"], request_id, op["op"], model_id)
+        request_id = tinker.pending(caller.owner, model_id, model["session_id"], op["op"], model_id)
         ops = tinker_model_ops(model_id)
         announce(redis, ops, TinkerOp(request_id=request_id, owner=caller.owner, run_id=model["run_id"],
                                       sent_at=time.time(), **op))
@@ -275,7 +274,6 @@ class SaveWeightsExternal(SaveWeights):
     age_encryption_recipients: Annotated[list[str], Field(max_length=MAX_AGE_RECIPIENTS)] | None = None
 
 
-NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
 KIND_OF_SAVE = {"save_weights": "weights", "save_weights_for_sampler": "sampler_weights",
                 "save_weights_external": "external_weights"}
 
@@ -284,7 +282,7 @@ def _save(body: SaveWeights, caller: Caller, request: Request, op: str, **extra)
     model = owned_model(request, caller, body.model_id)
     seq_id = body.seq_id or 0
     name = body.path or (f"sampler-{seq_id:06d}" if op == "save_weights_for_sampler" else f"{seq_id:06d}")
-    if not NAME.fullmatch(name) or name.startswith("."):
+    if not checkpoint_name_ok(name):
         raise ApiError(400, f"checkpoint name {name!r} is not 1-128 letters, digits, '.', '_' or '-' (not starting "
                        "with '.')", field="path")
     kind = KIND_OF_SAVE[op]
