@@ -8,7 +8,6 @@ export or the new one, never half of one.
 
 from __future__ import annotations
 
-import re
 import shutil
 import uuid
 from pathlib import Path
@@ -19,9 +18,8 @@ from fastapi.responses import FileResponse
 from pydantic import BaseModel, Field
 
 from services.weight_server.store import PublishError, Upload, check_name
+from shared.contracts.tinker_run import checkpoint_name_ok
 from shared.weights.manifest import fsync_path, fsync_tree
-
-NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")  # the checkpoint names the API accepts
 
 
 class ExportStore:
@@ -33,7 +31,7 @@ class ExportStore:
             run = str(uuid.UUID(run_id))
         except ValueError:
             raise PublishError(f"run id {run_id!r} is not a UUID") from None
-        if not NAME.fullmatch(name) or name.startswith("."):
+        if not checkpoint_name_ok(name):
             raise PublishError(f"bad export name {name!r}: 1-128 letters, digits, '.', '_' or '-', not starting "
                                "with '.'")
         return self.root / run / (f".upload-{name}" if upload else name)

@@ -5,6 +5,7 @@ a base model is a run of this kind too (`lora` None): its samples are stored as 
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -27,6 +28,7 @@ LOSS_CONFIG: dict[str, dict[str, float | None]] = {
     "cispo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
     "dro": {"beta": None},
 }
+CHECKPOINT_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
 CHECKPOINT_KINDS = ("weights", "sampler_weights", "external_weights")  # tinker://<model id>/<kind>/<name>
 COMPLETIONS_MAXLEN = 100_000  # a completion queue's bound (its poller trims what it has seen; this, what it never polls)
 CLIENT_SEQ_BLOCK = 1_000_000_000  # a sampling client's seq_ids are client number * this + n (the SDK's numbering)
@@ -60,6 +62,12 @@ class TinkerRunConfig(BaseModel):
                    or "all-linear")
         return AlgorithmConfig(lora=LoRAConfig(rank=lora["rank"], alpha=LORA_ALPHA, target_modules=targets),
                                lr=1e-4, grad_clip=1e9)
+
+
+def checkpoint_name_ok(name: str) -> bool:
+    """A checkpoint's name: 1-128 letters, digits, '.', '_' or '-', not starting with '.' (it names a folder of
+    the trainer's and of the weight server's: '..' would be another one)."""
+    return CHECKPOINT_NAME.fullmatch(name) is not None and not name.startswith(".")
 
 
 def completion_queue(sampling_session_id: str, seq_id: int) -> str:
