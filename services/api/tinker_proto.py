@@ -9,6 +9,7 @@ import numpy as np
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
 from shared.contracts.messages import TinkerDatum
+from shared.contracts.tinker_run import LOSS_OPTIONAL_INPUTS
 
 F = descriptor_pb2.FieldDescriptorProto
 DTYPE_FLOAT32, DTYPE_INT64, DTYPE_INT32 = 1, 2, 3
@@ -124,7 +125,7 @@ def decode_datums(request, loss_inputs: dict[str, tuple[str, ...]]) -> list[Tink
     """The request's datums, checked: text chunks only; `target_tokens` and the loss's inputs present, each one
     value per input token; `target_tokens` the input shifted by one (the next token at each position)."""
     needs = loss_inputs[request.loss_fn]
-    known = {"target_tokens", "weights", *needs}
+    known = {"target_tokens", "weights", *needs, *LOSS_OPTIONAL_INPUTS.get(request.loss_fn, ())}
     out = []
     for i, datum in enumerate(request.data):
         where = f"forward_backward_input.data[{i}]"

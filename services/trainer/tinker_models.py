@@ -50,20 +50,31 @@ def importance_sampling(logp: torch.Tensor, d: dict[str, torch.Tensor], config: 
     return -torch.exp(logp - d["logprobs"]) * d["advantages"]
 
 
-def clipped_ratio(logp: torch.Tensor, d: dict[str, torch.Tensor], config: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ratio to the sampler's probability, and that ratio clipped to the config's thresholds."""
-    ratio = torch.exp(logp - d["logprobs"])
-    return ratio, ratio.clamp(config["clip_low_threshold"], config["clip_high_threshold"])
+def clipped(ratio: torch.Tensor, config: dict) -> torch.Tensor:
+    return ratio.clamp(config["clip_low_threshold"], config["clip_high_threshold"])
+
+
+def clipped_objective(ratio: torch.Tensor, d: dict[str, torch.Tensor], config: dict) -> torch.Tensor:
+    """PPO's pessimistic objective: the lesser of the ratio's and the clipped ratio's advantage."""
+    return -torch.minimum(ratio * d["advantages"], clipped(ratio, config) * d["advantages"])
 
 
 def ppo(logp: torch.Tensor, d: dict[str, torch.Tensor], config: dict) -> torch.Tensor:
-    ratio, clipped = clipped_ratio(logp, d, config)
-    return -torch.minimum(ratio * d["advantages"], clipped * d["advantages"])
+    return clipped_objective(torch.exp(logp - d["logprobs"]), d, config)
+
+
+def gspo(logp: torch.Tensor, d: dict[str, torch.Tensor], config: dict) -> torch.Tensor:
+    # GSPO-token: every token's ratio has its sequence's value (the geometric mean of the token ratios over
+    # `sequence_ratio_mask`) and its own logprob's gradient. verl's gspo averages over the whole response and
+    # aggregates the batch; Tinker's ratio covers the masked tokens only and its losses are sums.
+    mask = d["sequence_ratio_mask"] != 0
+    log_ratio = ((logp.detach() - d["logprobs"]) * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    return clipped_objective(torch.exp(log_ratio.unsqueeze(-1) + logp - logp.detach()), d, config)
 
 
 def cispo(logp: torch.Tensor, d: dict[str, torch.Tensor], config: dict) -> torch.Tensor:
     # the clipped ratio weighs the policy gradient and takes none itself (stop-gradient)
-    return -clipped_ratio(logp, d, config)[1].detach() * logp * d["advantages"]
+    return -clipped(torch.exp(logp - d["logprobs"]), config).detach() * logp * d["advantages"]
 
 
 def dro(logp: torch.Tensor, d: dict[str, torch.Tensor], config: dict) -> torch.Tensor:
@@ -72,8 +83,8 @@ def dro(logp: torch.Tensor, d: dict[str, torch.Tensor], config: dict) -> torch.T
 
 
 LOSSES: dict[str, Callable] = {"cross_entropy": cross_entropy, "importance_sampling": importance_sampling, "ppo": ppo,
-                               "cispo": cispo, "dro": dro}
-INPUTS = ("weights", "advantages", "logprobs")  # a datum's per-token loss inputs, padded like the responses
+                               "gspo": gspo, "cispo": cispo, "dro": dro}
+INPUTS = ("weights", "advantages", "logprobs", "sequence_ratio_mask")  # a datum's per-token loss inputs, padded like the responses
 
 
 def loss_config(name: str, config: dict) -> dict:
@@ -109,9 +120,11 @@ def tensors(op: TinkerOp, pad_id: int) -> tuple[dict, dict]:
         t["attention_mask"][i, :n + 1] = 1
         t["response_mask"][i, :n] = 1
         extra["tinker_weights"][i, :n] = torch.tensor(d.weights) if d.weights is not None else 1.0
-        for k in ("advantages", "logprobs"):
+        for k in ("advantages", "logprobs", "sequence_ratio_mask"):
             if getattr(d, k) is not None:
                 extra[f"tinker_{k}"][i, :n] = torch.tensor(getattr(d, k))
+        if d.sequence_ratio_mask is None:  # gspo's default: the tokens with a nonzero advantage
+            extra["tinker_sequence_ratio_mask"][i] = (extra["tinker_advantages"][i] != 0).float()
     t["input_ids"] = torch.cat([t["prompts"], t["responses"]], dim=1)
     t["position_ids"] = (t["attention_mask"].cumsum(1) - 1).clamp(min=0)
     return t, extra

@@ -19,12 +19,17 @@ LOSS_INPUTS: dict[str, tuple[str, ...]] = {
     "cross_entropy": (),  # `weights` optional: every token weighs 1 without
     "importance_sampling": ("logprobs", "advantages"),
     "ppo": ("logprobs", "advantages"),
+    "gspo": ("logprobs", "advantages"),
     "cispo": ("logprobs", "advantages"),
     "dro": ("logprobs", "advantages"),
 }
+# The inputs a loss takes when given: gspo's sequence ratio covers the tokens `sequence_ratio_mask` marks, by default
+# those with a nonzero advantage (the tinker-cookbook's RL datums send no mask and give prompt tokens advantage 0)
+LOSS_OPTIONAL_INPUTS: dict[str, tuple[str, ...]] = {"gspo": ("sequence_ratio_mask",)}
 # Each loss's loss_fn_config: its keys and their defaults (None: the client must give it)
 LOSS_CONFIG: dict[str, dict[str, float | None]] = {
     "ppo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
+    "gspo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},  # ppo's; the GSPO paper's are 1 - 3e-4, 1 + 4e-4
     "cispo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
     "dro": {"beta": None},
 }

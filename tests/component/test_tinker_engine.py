@@ -66,7 +66,7 @@ def test_each_models_gradients_stay_its_own_across_swaps(model_dir):
             close_engine(name)
 
 
-def test_importance_sampling_and_ppo_outputs(model_dir):
+def test_rl_loss_outputs(model_dir):
     config = TinkerRunConfig(name="t", model_id="m", session_id="s", owner="o", owner_name="n", base_model="tiny",
                              model=str(model_dir), lora={"rank": 4, "train_mlp": False})
     engine = open_engine("is", str(model_dir), config.algorithm(), seed=0, device="cpu")
@@ -92,5 +92,16 @@ def test_importance_sampling_and_ppo_outputs(model_dir):
         expected = (-(now * torch.tensor(adv) - 0.25)).tolist()
         assert out[0]["elementwise_loss"] == pytest.approx(expected[0], abs=1e-4)
         assert out[1]["elementwise_loss"] == pytest.approx(expected[1], abs=1e-4)
+        # gspo: the sampler is stale (ratio e) on the first three tokens only, and the mask covers the last three:
+        # every token's ratio is the sequence's, 1, where ppo clipped the first three at 1.2
+        half = [[lp - 1.0 if j < 3 else lp for j, lp in enumerate(row)] for row in now.tolist()]
+        mask = [[0.0] * 3 + [1.0] * 3] * 2
+        out = step(engine, op("gspo", SEQS, logprobs=half, advantages=adv, sequence_ratio_mask=mask))
+        assert out[0]["elementwise_loss"] == pytest.approx([-1.0] * 6, abs=1e-4)
+        assert out[1]["elementwise_loss"] == pytest.approx([1.0] * 6, abs=1e-4)
+        # without a mask the ratio covers the tokens with a nonzero advantage: here the first three, ratio e
+        out = step(engine, op("gspo", SEQS, logprobs=half, advantages=[[a] * 3 + [0.0] * 3 for a in (1.0, -1.0)]))
+        assert out[0]["elementwise_loss"] == pytest.approx([-1.2] * 3 + [0.0] * 3, abs=1e-4)  # clipped at 1.2
+        assert out[1]["elementwise_loss"] == pytest.approx([torch.e] * 3 + [0.0] * 3, abs=1e-4)
     finally:
         close_engine("is")

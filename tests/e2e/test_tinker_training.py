@@ -222,6 +222,12 @@ def test_bad_datums_and_losses_are_refused_with_the_field_named(api):
     r = _post_fb(api, tc.model_id, [rl], loss="cispo", config={"clip_ratio": 0.2})
     assert r.status_code == 400 and "clip_high_threshold" in r.json()["detail"][0]["hint"], r.text
     assert _post_fb(api, tc.model_id, [rl], loss="dro", config={"beta": 0.1}).status_code == 200
+    gspo = types.Datum(model_input=rl.model_input, loss_fn_inputs={**rl.loss_fn_inputs,
+                                                                   "sequence_ratio_mask": [0.0] + [1.0] * (n - 1)})
+    assert _post_fb(api, tc.model_id, [gspo], loss="gspo").status_code == 200
+    assert _post_fb(api, tc.model_id, [rl], loss="gspo").status_code == 200  # the mask is optional
+    r = _post_fb(api, tc.model_id, [gspo], loss="ppo")  # only gspo takes it
+    assert r.status_code == 400 and r.json()["detail"][0]["field"].endswith("loss_fn_inputs.sequence_ratio_mask")
 
     # the SDK raises the 400 to its caller
     with pytest.raises(tinker.BadRequestError, match="weights"):

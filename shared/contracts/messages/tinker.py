@@ -30,6 +30,7 @@ class TinkerDatum(BaseModel):
     weights: Logprobs | None = None  # cross_entropy (None: every token weighs 1)
     advantages: Logprobs | None = None  # importance_sampling, ppo
     logprobs: Logprobs | None = None  # the sampler's logprobs of target_tokens: importance_sampling, ppo
+    sequence_ratio_mask: Logprobs | None = None  # gspo: nonzero at the tokens its ratio covers (None: advantage != 0)
 
 
 class AdamStep(BaseModel):
@@ -45,7 +46,7 @@ class AdamStep(BaseModel):
 
 class TinkerOp(Message):
     TYPE = "tinker_op"
-    SCHEMA_VERSION = 2  # 2: save_weights_external (a reader of version 1 refuses the op it does not know)
+    SCHEMA_VERSION = 3  # 2: save_weights_external, 3: gspo (a reader of an older version refuses what it does not know)
     MIN_SCHEMA_VERSION = 1
 
     request_id: str  # the future the result goes to

@@ -1,6 +1,6 @@
 """Tinker's losses as the trainer computes them, per token: their gradients with respect to the policy's
-logprobs, which the values alone do not show (CISPO's clipped ratio takes no gradient; DRO's penalty pulls the
-logprob back toward the sampler's)."""
+logprobs, which the values alone do not show (CISPO's clipped ratio takes no gradient; GSPO's ratio is its
+sequence's; DRO's penalty pulls the logprob back toward the sampler's)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,10 @@ SAMPLER = [-2.0, -2.0, -0.2]  # ratios e, 1, e^-0.3
 ADVANTAGES = [1.0, -1.0, 2.0]
 
 
-def grad(name: str, config: dict) -> list[float]:
+def grad(name: str, config: dict, **inputs: list[float]) -> list[float]:
     logp = torch.tensor(LOGP, requires_grad=True)
-    inputs = {"logprobs": torch.tensor(SAMPLER), "advantages": torch.tensor(ADVANTAGES)}
+    inputs = {"logprobs": torch.tensor(SAMPLER), "advantages": torch.tensor(ADVANTAGES)} | {
+        k: torch.tensor(v) for k, v in inputs.items()}
     LOSSES[name](logp, inputs, loss_config(name, config)).sum().backward()
     return logp.grad.tolist()
 
@@ -33,3 +34,19 @@ def test_dro_pulls_the_logprob_back_toward_the_samplers_in_proportion_to_beta():
     beta = 0.5
     expected = [-a + beta * (lp - q) for lp, q, a in zip(LOGP, SAMPLER, ADVANTAGES, strict=True)]
     assert grad("dro", {"beta": beta}) == pytest.approx(expected, abs=1e-6)
+
+
+def test_gspo_gives_every_token_its_sequence_ratio_over_the_masked_tokens_and_clips_it_whole():
+    # the mask leaves out the first token, whose own ratio (e) PPO would clip: the sequence ratio is the
+    # geometric mean of the other two, e^-0.15, and each token's gradient is that ratio times its advantage
+    seq = torch.exp(torch.tensor(-0.15)).item()
+    assert grad("gspo", {}, sequence_ratio_mask=[0, 1, 1]) == pytest.approx(
+        [-seq * a for a in ADVANTAGES], abs=1e-6)
+    # clipped to [0.9, 1.1], e^-0.15 (0.86) is below the floor: the negative advantage's token takes the clipped,
+    # constant ratio (no gradient); the positive ones keep the sequence ratio's
+    assert grad("gspo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}, sequence_ratio_mask=[0, 1, 1]) == (
+        pytest.approx([-seq * 1.0, 0.0, -seq * 2.0], abs=1e-6))
+    # over every token the ratio is e^((1 + 0 - 0.3) / 3) = 1.26, above the ceiling 1.2: clipped for the whole
+    # sequence, so only the negative advantage's token keeps a gradient
+    whole = torch.exp(torch.tensor(0.7 / 3)).item()
+    assert grad("gspo", {}, sequence_ratio_mask=[1, 1, 1]) == pytest.approx([0.0, whole, 0.0], abs=1e-6)
