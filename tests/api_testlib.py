@@ -78,13 +78,17 @@ def start_api(database_url: str, redis_url: str, data_dir: Path, *, controller: 
     proc = start_service("services.api.main", log=Path(data_dir) / "api.log",
                          **service_env(database_url, redis_url, data_dir, API_PORT=str(port), API_TOKEN=ADMIN_TOKEN,
                                        API_HOST="127.0.0.1", **extra))
-    url = f"http://127.0.0.1:{port}"
-    wait_http(url + "/healthz", proc)
-    if ctl is not None:
-        wait_heartbeat(redis_url, "controller", f"ctl-api-{port}", ctl)
-    if worker is not None:
-        wait_heartbeat(redis_url, "jobs", f"jobs-api-{port}", worker)
-    return LiveApi(url, ADMIN_TOKEN, proc, ctl, worker)
+    live = LiveApi(f"http://127.0.0.1:{port}", ADMIN_TOKEN, proc, ctl, worker)
+    try:  # a start that fails or times out leaves no process behind (it would outlive the test)
+        wait_http(live.url + "/healthz", proc, timeout_s=90)  # its imports alone take 15 s on a loaded 2-core box
+        if ctl is not None:
+            wait_heartbeat(redis_url, "controller", f"ctl-api-{port}", ctl)
+        if worker is not None:
+            wait_heartbeat(redis_url, "jobs", f"jobs-api-{port}", worker)
+    except BaseException:
+        live.stop()
+        raise
+    return live
 
 
 @contextlib.contextmanager
