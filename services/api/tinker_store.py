@@ -20,6 +20,7 @@ from shared.contracts.tinker_run import FUTURE_TTL_S, MODEL_TTL_S, checkpoint_pa
 from shared.platform.bus import SyncRedis
 
 TRACE_MAXLEN = 100_000  # the requests a session's trace keeps (the newest)
+AUDIT_MAXLEN = 100_000  # the events an owner's audit log keeps (the newest)
 
 
 class TinkerStore:
@@ -76,6 +77,21 @@ class TinkerStore:
     def set_session_project(self, owner: str, session_id: str, project_id: str) -> None:
         """The session's project, set in one transaction (a finish meanwhile is not undone)."""
         self._update_owned(tinker_key("session", session_id), owner, {"project_id": project_id})
+
+    def audit(self, owners: set[str], event: str, details: dict[str, Any]) -> None:
+        """Record `event` in the audit log of each owner (`tinker:audit:<owner>`, a stream: its entry ids are the
+        events' times in ms, so a day is an XRANGE)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for owner in owners:
+            pipe.xadd(tinker_key("audit", owner), {"event": event, "details": json.dumps(details)},
+                      maxlen=AUDIT_MAXLEN, approximate=True)
+        pipe.execute()
+
+    def audit_log(self, owner: str, start_ms: int, end_ms: int) -> list[tuple[int, str, dict[str, Any]]]:
+        """The owner's events from `start_ms` up to (not including) `end_ms`: (time in ms, event, details)."""
+        rows = self.redis.xrange(tinker_key("audit", owner), str(start_ms), str(end_ms - 1))
+        return [(int(entry_id.split(b"-")[0]), fields[b"event"].decode(), json.loads(fields[b"details"]))
+                for entry_id, fields in rows]
 
     def _update_owned(self, key: str, owner: str, fields: dict[str, Any]) -> None:
         """Set `fields` of the owner's record at `key` (its TTL kept), in one transaction."""

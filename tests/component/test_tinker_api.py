@@ -8,6 +8,7 @@ clear refusal of operations not served yet.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import shutil
 
@@ -32,9 +33,9 @@ def api(database_url, redis_url, tmp_path_factory):
         yield live
 
 
-def new_token(api, scopes: list[str]) -> str:
+def new_token(api, scopes: list[str], name: str | None = None) -> str:
     with api.client() as admin:
-        r = admin.post("/v1/tokens", json={"name": "tinker-" + "-".join(scopes), "scopes": scopes})
+        r = admin.post("/v1/tokens", json={"name": name or "tinker-" + "-".join(scopes), "scopes": scopes})
         assert r.status_code == 201, r.text
         return r.json()["token"]
 
@@ -371,8 +372,7 @@ def test_operations_not_served_yet_say_so(api):
         assert r.status_code == 404, r.text
         assert operation in r.json()["message"] and "not supported by this flywheel server yet" in r.json()["message"]
     admin = tinker.AdminClient(base_url=api.url, api_key="tml-" + api.token)
-    for call, named in ((lambda: admin.get_audit_log(), "records no audit events"),
-                        (lambda: admin.get_billing_usage("2026-01-01T00:00:00Z", "2026-01-02T00:00:00Z"),
+    for call, named in ((lambda: admin.get_billing_usage("2026-01-01T00:00:00Z", "2026-01-02T00:00:00Z"),
                          "keeps no usage"),
                         (lambda: admin.get_current_checkpoint_storage_usage(), "keeps no usage")):
         with pytest.raises(tinker.NotFoundError, match=named):
@@ -475,6 +475,36 @@ def test_copy_weights_copies_sampler_weights_into_a_slot_that_cannot_be_trained(
     owner.publish_checkpoint_from_tinker_path(source).result(timeout=30)
     hers = eve.copy_weights(source, "eve-proj").result(timeout=30)
     assert [c.tinker_path for c in eve.list_user_checkpoints().result(timeout=30).checkpoints] == [hers]
+
+
+def test_the_audit_log_shows_what_was_done_to_a_keys_checkpoints_and_by_whom(api, redis_url):
+    owner_key, eve_key = new_token(api, ["read", "write"], "audit-owner"), new_token(api, ["read", "write"], "audit-eve")
+    model_id, source = saved_checkpoint(api, redis_url, owner_key, "a1", "sampler_weights")
+    owner = tinker.RestClient(base_url=api.url, api_key="tml-" + owner_key)
+    eve = tinker.RestClient(base_url=api.url, api_key="tml-" + eve_key)
+    owner.publish_checkpoint_from_tinker_path(source).result(timeout=30)
+    hers = eve.copy_weights(source, "eve-proj").result(timeout=30)
+    owner.assign_session_project(model_id.split(":")[0], "p1").result(timeout=30)
+    owner.set_checkpoint_ttl_from_tinker_path(source, 3600).result(timeout=30)
+    owner.delete_checkpoint_from_tinker_path(source).result(timeout=30)
+
+    def log(key: str, **kw) -> list:
+        return tinker.AdminClient(base_url=api.url, api_key="tml-" + key).get_audit_log(**kw).result(timeout=30).entries
+
+    mine = log(owner_key)
+    assert [e.event for e in mine] == ["checkpoint_publish", "checkpoint_read", "project_session_assigned",
+                                       "checkpoint_ttl_set", "checkpoint_delete"]
+    assert {e.event_details["actor"] for e in mine} == {"audit-owner", "audit-eve"}
+    read = mine[1]  # eve's copy is a read of the owner's checkpoint, in the owner's log and in hers
+    assert read.event_details["actor"] == "audit-eve" and read.purpose == "copy" and read.tinker_path == source
+    assert read.event_details["copy"] == hers and read.model_id == model_id
+    assert mine[2].event_details == {"actor": "audit-owner", "session_id": model_id.split(":")[0], "project_id": "p1",
+                                     "previous_project_id": None}
+    assert mine[3].event_details["ttl_seconds"] == 3600
+    assert [(e.event, e.timestamp) for e in log(eve_key)] == [(read.event, read.timestamp)]  # not the owner's acts
+    assert [e.event for e in log(owner_key, event_type="projects")] == ["project_session_assigned"]
+    assert len(log(owner_key, event_type="checkpoints")) == 4
+    assert log(owner_key, day=datetime.datetime.now(datetime.UTC).date() - datetime.timedelta(days=1)) == []
 
 
 def test_sdk_telemetry_is_counted_and_a_client_exception_logged(api):

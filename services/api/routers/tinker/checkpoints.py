@@ -21,6 +21,7 @@ from services.api import signing
 from services.api.auth import needs
 from services.api.deps import DB, Config
 from services.api.errors import ApiError
+from services.api.routers.tinker import audit
 from services.api.routers.tinker.callers import (
     Caller,
     Key,
@@ -154,6 +155,7 @@ def delete_checkpoint(model_id: str, kind: str, name: str, caller: Key, request:
     path = owned_checkpoint(request, caller, model_id, kind, name)
     store(request).expire_checkpoint(caller.owner, path, time.time())
     store(request).publish(path, False)
+    audit.record(request, caller, "checkpoint_delete", tinker_path=path, model_id=model_id)
 
 
 class CheckpointTtl(Wire):
@@ -165,19 +167,24 @@ def set_checkpoint_ttl(model_id: str, kind: str, name: str, body: CheckpointTtl,
     """Expire the checkpoint `ttl_seconds` from now, or (None) keep it until deleted."""
     path = owned_checkpoint(request, caller, model_id, kind, name)
     store(request).expire_checkpoint(caller.owner, path, time.time() + body.ttl_seconds if body.ttl_seconds else None)
+    audit.record(request, caller, "checkpoint_ttl_set", tinker_path=path, model_id=model_id, ttl_seconds=body.ttl_seconds)
 
 
 @router.post(CHECKPOINT + "/publish", status_code=204)
 def publish_checkpoint(model_id: str, kind: str, name: str, caller: Key, request: Request) -> None:
     """Any key may then load it (load_state, create_training_client_from_state) or sample it (a sampler of its
     sampler weights); only its owner can publish it (another key's checkpoint is 404, as everywhere)."""
-    store(request).publish(owned_checkpoint(request, caller, model_id, kind, name), True)
+    path = owned_checkpoint(request, caller, model_id, kind, name)
+    store(request).publish(path, True)
+    audit.record(request, caller, "checkpoint_publish", tinker_path=path, model_id=model_id)
 
 
 @router.delete(CHECKPOINT + "/publish", status_code=204)
 def unpublish_checkpoint(model_id: str, kind: str, name: str, caller: Key, request: Request) -> None:
     """Private again: other keys' loads and new samplers of it are refused (404) from now on."""
-    store(request).publish(owned_checkpoint(request, caller, model_id, kind, name), False)
+    path = owned_checkpoint(request, caller, model_id, kind, name)
+    store(request).publish(path, False)
+    audit.record(request, caller, "checkpoint_unpublish", tinker_path=path, model_id=model_id)
 
 
 @router.get(CHECKPOINT + "/external_weights_urls")
@@ -192,6 +199,7 @@ def external_weights_urls(model_id: str, kind: str, name: str, caller: Key, requ
     key, base, urls, expires = url_key(request), f"{request.base_url}api/v1", {}, 0
     for file in store(request).checkpoint(caller.owner, path)["files"]:
         urls[file], expires = signing.signed_url(key, base, export_file(model_id, name, file), config.signed_url_ttl_s)
+    audit.record(request, caller, "checkpoint_read", tinker_path=path, model_id=model_id, purpose="download_urls")
     return {"urls": urls, "expires": datetime.fromtimestamp(expires, UTC).isoformat()}
 
 
@@ -208,13 +216,16 @@ async def download_external_weights(model_id: str, name: str, file: str, expires
     the export is deleted or past its ttl."""
     await check_signed_url(request, export_file(model_id, name, file), expires, signature,
                            hint="ask get_external_weights_urls for fresh URLs")
-    raw = await run_in_threadpool(request.app.state.redis.get, tinker_key("checkpoint", checkpoint_path(model_id, "external_weights", name)))
-    record = TinkerCheckpoint.model_validate_json(raw) if raw else None
-    if record is None or not record.live(time.time()) or file not in record.files:
+    path = checkpoint_path(model_id, "external_weights", name)
+    raw = await run_in_threadpool(request.app.state.redis.get, tinker_key("checkpoint", path))
+    export = TinkerCheckpoint.model_validate_json(raw) if raw else None
+    if export is None or not export.live(time.time()) or file not in export.files:
         raise ApiError(404, f"export {name} of {model_id} has no file {file} (deleted, or past its ttl)")
+    await run_in_threadpool(audit.record, request, None, "checkpoint_read", export.owner, tinker_path=path,
+                            model_id=model_id, purpose="download", file=file)
     http = httpx.AsyncClient(timeout=httpx.Timeout(60.0, read=None))
     upstream = await http.send(http.build_request(
-        "GET", f"{config.weight_server_url.rstrip('/')}/v1/exports/{record.run_id}/{name}/files/{file}"), stream=True)
+        "GET", f"{config.weight_server_url.rstrip('/')}/v1/exports/{export.run_id}/{name}/files/{file}"), stream=True)
     if upstream.status_code != 200:
         await upstream.aclose()
         await http.aclose()
@@ -277,6 +288,8 @@ def copy_weights(body: CopyWeights, caller: Key, request: Request, config: Confi
     tinker.file_under_session(session_id, "models", model_id)
     expires = time.time() + body.ttl_seconds if body.ttl_seconds else None
     path = tinker.put_copy(caller.owner, source, model_id, expires)
+    audit.record(request, caller, "checkpoint_read", source["owner"], tinker_path=body.source_path,
+           model_id=parsed[0], purpose="copy", copy=path)
     if replay:
         tinker.remember_copy(caller.owner, replay, path, COPY_REPLAY_S)
     return {"tinker_path": path}

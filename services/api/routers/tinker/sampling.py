@@ -14,6 +14,7 @@ from pydantic import Field
 from services.api.auth import needs
 from services.api.deps import DB, Config
 from services.api.errors import ApiError
+from services.api.routers.tinker import audit
 from services.api.routers.tinker.callers import Key, Wire, owned_session, store
 from services.api.routers.tinker.sessions import offered_model
 from services.api.routers.tinker.training import store_run
@@ -57,6 +58,8 @@ def create_sampling_session(body: CreateSamplingSession, caller: Key, request: R
             raise ApiError(404, f"sampler weights {body.model_path} do not exist", field="model_path")
         record = {"run_id": saved["run_id"], "version": saved["version"], "base_model": saved["base_model"],
                   "model_path": body.model_path}
+        audit.record(request, caller, "checkpoint_read", saved["owner"], tinker_path=body.model_path,
+                     model_id=parsed[0], purpose="sample", sampling_session_id=sampler_id)
     elif body.base_model is not None:
         base = offered_model(config, body.base_model)
         run = TinkerRunConfig(name=f"tinker sampler {sampler_id}", model_id=sampler_id, session_id=body.session_id,

@@ -17,6 +17,7 @@ from services.api.auth import needs
 from services.api.deps import DB, Config
 from services.api.errors import ApiError
 from services.api.routers.runs import commanding
+from services.api.routers.tinker import audit
 from services.api.routers.tinker.callers import KEY_HINT, Caller, Key, Wire, jwt_key, owned_session, store
 from services.api.routers.tinker.not_served import NOT_SERVED
 from services.api.tinker_base_models import base_models
@@ -266,8 +267,10 @@ def get_session(session_id: str, caller: Key, request: Request) -> dict:
 def assign_session_project(session_id: str, body: SessionProject, caller: Key, request: Request) -> None:
     """Move the session, with its models and samplers, into a project: the label `search_sessions` and
     `list_training_runs(project_id=...)` filter by. Projects are per key: any name, nothing to create first."""
-    owned_session(request, caller, session_id, "path.session_id")
+    previous = owned_session(request, caller, session_id, "path.session_id").get("project_id")
     store(request).set_session_project(caller.owner, session_id, body.project_id)
+    audit.record(request, caller, "project_session_assigned", session_id=session_id, project_id=body.project_id,
+                 previous_project_id=previous)
 
 
 @router.post("/session_heartbeat")

@@ -18,6 +18,7 @@ from services.api.auth import needs
 from services.api.deps import DB, Config
 from services.api.errors import ApiError
 from services.api.routers.runs import commanding
+from services.api.routers.tinker import audit
 from services.api.routers.tinker.callers import Caller, Key, Wire, owned_model, owned_session, store
 from services.api.routers.tinker.checkpoints import MAX_TTL_S
 from services.api.routers.tinker.sessions import offered_model
@@ -350,5 +351,8 @@ def load_weights(body: LoadWeights, caller: Key, request: Request, config: Confi
                              body.base_model or saved["base_model"], saved["lora"],
                              body.optimizer_config or {"type": "adamw"}, body.user_metadata)
     model = owned_model(request, caller, model_id)
-    return send_op(request, caller, model, model_id=model_id, seq_id=seq_id, op="load_weights", path=body.path,
-                   optimizer=body.optimizer)
+    future = send_op(request, caller, model, model_id=model_id, seq_id=seq_id, op="load_weights", path=body.path,
+                     optimizer=body.optimizer)
+    audit.record(request, caller, "checkpoint_read", saved["owner"], tinker_path=body.path, model_id=parsed[0],
+                 purpose="load_state_with_optimizer" if body.optimizer else "load_state", into=model_id)
+    return future
