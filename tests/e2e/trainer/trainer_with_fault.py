@@ -1,5 +1,5 @@
 """The trainer service with a crash injected by the test, not by production code:
-`FAULT_POINT=<phase>:<version> python tests/e2e/trainer_with_fault.py` runs `services.trainer.main`
+`FAULT_POINT=<phase>:<version> python tests/e2e/trainer/trainer_with_fault.py` runs `services.trainer.main`
 and SIGKILLs the process at that point of step `version`:
 
 - trained: the step is trained, before its checkpoint is saved;
