@@ -207,7 +207,7 @@ def trajectory_out(t: TrajectoryRow) -> dict:
 
 @router.get("/{run_id}/metrics", response_model=MetricSeries, responses=ON_RUN)
 def run_metrics(run_id: RunId, session: DB,
-                name: Annotated[list[str] | None, Query(max_length=100)] = None,
+                name: Annotated[list[str], Query(max_length=100, default_factory=list)],
                 since_step: Annotated[int, Query(ge=0, le=INT32)] = 0,
                 limit: Annotated[int, Query(ge=1, le=100_000)] = 10_000) -> dict:
     """Time series by metric name: [{step, value, ts}], step = policy version for training metrics."""
