@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import random
-import time
 import uuid
 from pathlib import Path
 
@@ -38,6 +37,7 @@ from shared.weights.manifest import ADAPTER_CONFIG, ADAPTER_WEIGHTS, MANIFEST
 from tests.support.procs import wait_until
 
 
+@pytest.mark.timeout(600)  # three trainer starts, two of them killed: 70-85 s alone, 160 s beside the suite
 @pytest.mark.parametrize("lora", [None, {"rank": 4, "target_modules": ["q_proj", "v_proj"]}], ids=["full", "lora"])
 def test_trainer_killed_mid_step_resumes_with_nothing_lost_or_doubled(stack, redis_url, database_url, model_dir,
                                                                      tmp_path, lora):
@@ -64,16 +64,22 @@ def test_trainer_killed_mid_step_resumes_with_nothing_lost_or_doubled(stack, red
     proc = start_trainer(redis_url, database_url, stack, tmp_path)
     try:
         wait_version(database_url, run_id, 4, proc)
-        time.sleep(1.0)
+        every_group = {(f"b{b}-t{t}", b) for b in range(4) for t in range(TASKS)}
+
+        def reported() -> set:
+            return {(g.task_id, g.batch_idx) for m in reports(redis_url, run_id) for g in m.groups}
+
+        # v4 is committed before it is announced, reported and its entries acknowledged: wait for all three (a
+        # loaded box takes seconds), then check that nothing came twice. Step 3's report was lost in the crash:
+        # every group reported means the restarted trainer re-sent its whole record.
+        wait_until(lambda: published_versions(redis_url, run_id)[-1:] == [4] and pending(redis_url) == 0
+                   and reported() == every_group, 120, "v4 announced, reported and acknowledged", procs=[proc])
         rows = trained(database_url, run_id)
         assert len(rows) == len(keys) == 4 * TASKS * N  # the primary key forbids a sample trained twice
         assert {(r.task_id, r.sample_idx) for r in rows} == keys
         assert sorted({r.version for r in rows}) == [1, 2, 3, 4]
         assert published_versions(redis_url, run_id) == [1, 2, 3, 4]
         assert pending(redis_url) == 0
-        # step 3's report was lost in the crash; the restarted trainer re-sent its whole record
-        reported = {(g.task_id, g.batch_idx) for m in reports(redis_url, run_id) for g in m.groups}
-        assert reported == {(f"b{b}-t{t}", b) for b in range(4) for t in range(TASKS)}
         manifest = json.loads((Path(stack.env["WEIGHTS_DIR"]) / run_id / "v4" / MANIFEST).read_text())
         assert (set(manifest["files"]) == {ADAPTER_CONFIG, ADAPTER_WEIGHTS}) == bool(lora)  # a LoRA run: adapters
         assert_tracked_every_version(database_url, run_id, mlflow_uri, 4, proc)
@@ -126,6 +132,7 @@ def _final_weights(redis_url: str, run_id: str, cache: Path) -> dict[str, torch.
     return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
 
 
+@pytest.mark.timeout(900)  # six trainer starts, two of them killed: 80 s alone, over 300 s beside the suite
 def test_one_full_and_two_lora_runs_on_one_engine_resume_exactly_after_kills_mid_publish_and_mid_step(
         stack, redis_url, database_url, model_dir, tmp_path):
     """Lossless resume: a full-weight run and two LoRA runs sharing one engine, their trainer killed -9 after a
