@@ -46,21 +46,26 @@ def cross_entropy(logp: torch.Tensor, d: dict[str, torch.Tensor], config: dict) 
     return -logp * d["weights"]
 
 
+def ratio(logp: torch.Tensor, d: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Each token's probability over the sampler's."""
+    return torch.exp(logp - d["logprobs"])
+
+
 def importance_sampling(logp: torch.Tensor, d: dict[str, torch.Tensor], config: dict) -> torch.Tensor:
-    return -torch.exp(logp - d["logprobs"]) * d["advantages"]
+    return -ratio(logp, d) * d["advantages"]
 
 
-def clipped(ratio: torch.Tensor, config: dict) -> torch.Tensor:
-    return ratio.clamp(config["clip_low_threshold"], config["clip_high_threshold"])
+def clipped(r: torch.Tensor, config: dict) -> torch.Tensor:
+    return r.clamp(config["clip_low_threshold"], config["clip_high_threshold"])
 
 
-def clipped_objective(ratio: torch.Tensor, d: dict[str, torch.Tensor], config: dict) -> torch.Tensor:
+def clipped_objective(r: torch.Tensor, d: dict[str, torch.Tensor], config: dict) -> torch.Tensor:
     """PPO's pessimistic objective: the lesser of the ratio's and the clipped ratio's advantage."""
-    return -torch.minimum(ratio * d["advantages"], clipped(ratio, config) * d["advantages"])
+    return -torch.minimum(r * d["advantages"], clipped(r, config) * d["advantages"])
 
 
 def ppo(logp: torch.Tensor, d: dict[str, torch.Tensor], config: dict) -> torch.Tensor:
-    return clipped_objective(torch.exp(logp - d["logprobs"]), d, config)
+    return clipped_objective(ratio(logp, d), d, config)
 
 
 def gspo(logp: torch.Tensor, d: dict[str, torch.Tensor], config: dict) -> torch.Tensor:
@@ -74,7 +79,7 @@ def gspo(logp: torch.Tensor, d: dict[str, torch.Tensor], config: dict) -> torch.
 
 def cispo(logp: torch.Tensor, d: dict[str, torch.Tensor], config: dict) -> torch.Tensor:
     # the clipped ratio weighs the policy gradient and takes none itself (stop-gradient)
-    return -clipped(torch.exp(logp - d["logprobs"]), config).detach() * logp * d["advantages"]
+    return -clipped(ratio(logp, d), config).detach() * logp * d["advantages"]
 
 
 def dro(logp: torch.Tensor, d: dict[str, torch.Tensor], config: dict) -> torch.Tensor:

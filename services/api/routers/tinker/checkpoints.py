@@ -289,7 +289,7 @@ def copy_weights(body: CopyWeights, caller: Key, request: Request, config: Confi
     expires = time.time() + body.ttl_seconds if body.ttl_seconds else None
     path = tinker.put_copy(caller.owner, source, model_id, expires)
     audit.record(request, caller, "checkpoint_read", source["owner"], tinker_path=body.source_path,
-           model_id=parsed[0], purpose="copy", copy=path)
+                 model_id=parsed[0], purpose="copy", copy=path)
     if replay:
         tinker.remember_copy(caller.owner, replay, path, COPY_REPLAY_S)
     return {"tinker_path": path}
