@@ -149,7 +149,11 @@ class ServiceRuntime:
         self.status: dict[str, Any] = {}  # extra fields reported by /healthz and the heartbeat
         self.checks: list[Callable[[], Awaitable[bool]]] = []
         self.started_at = time.time()
-        self.port: int | None = None
+        # Listening now, answered once the service is built: a port taken while the service imports (minutes under
+        # load) is an error at start, not a process that runs on and never answers its health checks. (Bound alone,
+        # it could still be bound by another SO_REUSEADDR socket; a listening one cannot.)
+        self._sock = _bind(settings.health_host, settings.health_port)
+        self.port: int = self._sock.getsockname()[1]
         self.redis = connect(settings.redis_url)
         set_max_entry_bytes(settings.max_entry_bytes)  # every reader in this process refuses larger entries
         self.app = self._build_app()  # served on HEALTH_HOST:HEALTH_PORT; a service may replace it with its own
@@ -236,14 +240,10 @@ class ServiceRuntime:
             pass
 
     async def _serve_http(self) -> None:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((self.settings.health_host, self.settings.health_port))
-        self.port = sock.getsockname()[1]
         config = uvicorn.Config(self.app, log_level="warning", lifespan="off", timeout_graceful_shutdown=10)
         server = uvicorn.Server(config)
         server.install_signal_handlers = lambda: None  # the runtime owns signals
-        task = asyncio.create_task(server.serve(sockets=[sock]))
+        task = asyncio.create_task(server.serve(sockets=[self._sock]))
         await self.stop.wait()
         server.should_exit = True
         await task
@@ -267,11 +267,13 @@ class ServiceRuntime:
         tasks = [asyncio.create_task(c) for c in loops]
         http, beat = asyncio.create_task(self._serve_http()), asyncio.create_task(self._heartbeat())
         stop_wait = asyncio.create_task(self.stop.wait())
-        done, _ = await asyncio.wait([*tasks, stop_wait], return_when=asyncio.FIRST_COMPLETED)
+        # The HTTP server is watched as a loop is: a service whose health port stopped serving exits.
+        done, _ = await asyncio.wait([*tasks, http, stop_wait], return_when=asyncio.FIRST_COMPLETED)
         code = 0
         for t in done:
             if t is not stop_wait and t.exception() is not None:
-                log.error("%s loop died", self.service, exc_info=t.exception())
+                log.error("%s %s died", self.service, "HTTP server" if t is http else "loop",
+                          exc_info=t.exception())
                 code = 1
         log.info("%s stopping (worker %s)", self.service, self.worker_id)
         self.stop.set()
@@ -286,6 +288,7 @@ class ServiceRuntime:
         for t in (http, beat):
             t.cancel()
         await asyncio.gather(http, beat, return_exceptions=True)
+        self._sock.close()
         await self.redis.aclose()
         return code
 
@@ -299,6 +302,19 @@ class ServiceRuntime:
                     await done
             except Exception:  # the other parts still get closed
                 log.exception("%s: cleanup %r failed", self.service, cleanup)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        raise OSError(e.errno, f"cannot listen on {host}:{port} ({e.strerror}): another process holds the port; "
+                               "set HEALTH_PORT (or the service's own port setting) to a free one, 0 for any") from e
+    return sock
 
 
 async def _within(probe: Awaitable[bool], timeout_s: float) -> bool:

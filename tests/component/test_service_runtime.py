@@ -1,12 +1,17 @@
 """The service runtime (shared/platform/service.py) on real Redis: a stop lets the HTTP requests in flight
 finish, then runs the `on_stop` cleanups, the last registered first; the heartbeat key is there while it runs
-and gone after. And in a process of its own: a loop that dies beside a foreground framework stops the process."""
+and gone after; its port is held from construction, and a dead HTTP server ends it. And in a process of its own:
+a loop that dies beside a foreground framework stops the process. And `free_port`'s picks for such processes."""
 
 from __future__ import annotations
 
 import asyncio
+import socket
+import subprocess
+import sys
 
 import httpx
+import pytest
 
 from shared.contracts.streams import heartbeat_key
 from shared.platform.service import ServiceRuntime
@@ -56,6 +61,53 @@ async def test_stop_drains_requests_then_runs_cleanups_last_registered_first(red
     assert await served == 0
     assert order == ["request finished", "last registered", "first registered"]
     assert not await redis_client.exists(heartbeat_key("probe", "rt-1"))
+
+
+async def test_the_port_is_held_from_construction_and_a_taken_one_is_a_clear_error(redis_url):
+    runtime = ServiceRuntime(ServiceSettings(redis_url=redis_url, health_host="127.0.0.1"), "probe",
+                             dependencies=("redis",), handle_signals=False)
+    with socket.socket() as other, pytest.raises(OSError) as taken:
+        other.bind(("127.0.0.1", runtime.port))  # taken before the service has built anything or served
+    with pytest.raises(OSError, match=rf"cannot listen on 127.0.0.1:{runtime.port} .*HEALTH_PORT"):
+        ServiceRuntime(ServiceSettings(redis_url=redis_url, health_host="127.0.0.1", health_port=runtime.port),
+                       "probe", dependencies=("redis",), handle_signals=False)
+    assert taken.value.errno is not None
+    runtime.stop.set()
+    assert await runtime.run([]) == 0
+
+
+async def test_a_dead_http_server_ends_the_service_with_an_error(redis_url):
+    runtime = ServiceRuntime(ServiceSettings(redis_url=redis_url, health_host="127.0.0.1"), "probe",
+                             dependencies=("redis",), handle_signals=False)
+    loop_ran = asyncio.Event()
+
+    async def server_that_dies() -> None:
+        await loop_ran.wait()
+        raise RuntimeError("the HTTP server died")
+
+    runtime._serve_http = server_that_dies
+
+    async def forever() -> None:
+        loop_ran.set()
+        await asyncio.Event().wait()
+
+    assert await asyncio.wait_for(runtime.run([forever()]), 30) == 1
+    assert loop_ran.is_set()
+
+
+def test_free_port_picks_in_turn_below_the_ephemeral_range_and_skips_taken_ports():
+    from infra.local import ports
+
+    first_ephemeral = ports._first_ephemeral_port()
+    script = "from infra.local.ports import free_port; print(*(free_port() for _ in range(20)))"
+    picks = [int(p) for _ in range(3)
+             for p in subprocess.run([sys.executable, "-c", script], check=True, capture_output=True,
+                                     text=True).stdout.split()]
+    assert len(set(picks)) == 60, "processes picking in turn got the same port"
+    assert all(first_ephemeral - ports.POOL <= p < first_ephemeral for p in picks)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", picks[-1] + 1))  # the next one in turn, unless it wrapped
+        assert ports.free_port() != picks[-1] + 1
 
 
 async def test_the_heartbeat_says_when_postgres_does_not_answer(redis_url, redis_client, database_url):
