@@ -17,6 +17,7 @@ import time
 from services.controller import run_commands
 from services.controller.settings import ControllerSettings
 from shared.contracts.messages import RunCommand, RunControl
+from shared.contracts.messages.control import TRANSITIONS
 from shared.contracts.streams import GROUP_CONTROLLER, RUN_COMMANDS, RUN_CONTROL, command_reply
 from shared.platform.bus import Delivery, StreamBus, StreamConsumer, redis_time
 from shared.platform.logs import get_logger
@@ -40,7 +41,8 @@ class CommandLoop:
             expired = d.age_s(now) > cmd.expires_at - cmd.sent_at
             reply = await asyncio.to_thread(run_commands.apply_command, self.db, cmd, expired)
             log.info("%s: %s (%s)", cmd.action, reply.outcome, reply.status, extra={"run_id": cmd.run_id})
-            if reply.status_version is not None and cmd.action != "create":  # applied now, not a redelivery
+            # applied now (not a redelivery), and an action its trainer or driver applies
+            if reply.status_version is not None and cmd.action in TRANSITIONS:
                 await self.bus.publish(RUN_CONTROL, RunControl(run_id=cmd.run_id, action=cmd.action,
                                                                sent_at=time.time(),
                                                                status_version=reply.status_version))

@@ -1,4 +1,5 @@
-"""Run commands applied (create, pause, resume, stop; shared/contracts/messages/control.py), each in one
+"""Run commands applied (create, pause, resume, stop; complete and fail for tinker runs;
+shared/contracts/messages/control.py), each in one
 transaction under the run's row lock, idempotent by command id. The command loop (command_loop.py) reads them
 from `run.commands` and answers the sender.
 
@@ -14,7 +15,7 @@ from services.controller.run_rows import add_event, set_status
 from shared.clients.run_commands import command_applied
 from shared.contracts.db.models import Run
 from shared.contracts.messages import RunCommand, RunCommandReply
-from shared.contracts.messages.control import TRANSITIONS
+from shared.contracts.messages.control import TINKER_ENDS, TRANSITIONS
 from shared.contracts.run_config import RunConfig
 from shared.contracts.tinker_run import TinkerRunConfig
 
@@ -34,15 +35,20 @@ def apply_command(db: Engine, cmd: RunCommand, expired: bool) -> RunCommandReply
             return _reply(cmd, "expired", status, "read after its sender stopped waiting; not applied")
         if cmd.action == "create":
             return create_run(conn, cmd)
-        allowed, new = TRANSITIONS[cmd.action]
-        if kind == "tinker":  # not driven: nothing to drain on a stop, and only its client pauses its work
-            if cmd.action != "stop":
+        if kind == "tinker":  # not driven: nothing to drain on its end, and only its client pauses its work
+            if cmd.action not in TINKER_ENDS:
                 return _reply(cmd, "refused", status, f"a tinker run cannot {cmd.action}: its Tinker client drives it")
-            new = "stopped"
+            allowed, new = TRANSITIONS["stop"][0], TINKER_ENDS[cmd.action]
+        elif cmd.action not in TRANSITIONS:
+            return _reply(cmd, "refused", status, f"a {kind} run cannot be told to {cmd.action}: it completes or "
+                                                  "fails by itself; stop it to end it now")
+        else:
+            allowed, new = TRANSITIONS[cmd.action]
         if status not in allowed:
             return _reply(cmd, "refused", status, f"cannot {cmd.action} a run that is {status}; {cmd.action} "
                                                   f"needs status {' or '.join(allowed)}")
-        set_status(conn, cmd.run_id, status, new, because={"command": cmd.command_id, "action": cmd.action})
+        set_status(conn, cmd.run_id, status, new, error=cmd.reason if cmd.action == "fail" else None,
+                   because={"command": cmd.command_id, "action": cmd.action})
         version = conn.execute(select(Run.status_version).where(Run.id == cmd.run_id)).scalar()
         return _reply(cmd, "applied", new).model_copy(update={"status_version": version})
 

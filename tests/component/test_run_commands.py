@@ -5,6 +5,8 @@
 - a command is applied once, however often it is delivered, and answered the same way each time;
 - a pause, resume or stop applied is announced on `run.control`; a refused one is not;
 - a command read after it expired is not applied, so a sender that gave up ("nothing changed") told the truth;
+- a tinker run ends as its client says (complete, fail with the reason as its error, stop), with nothing on
+  `run.control`; other runs refuse complete and fail;
 - with no controller, the API answers 503 and no run appears, even once a controller starts later.
 """
 
@@ -24,6 +26,7 @@ from shared.contracts.db.models import Dataset, DatasetRow, Run, RunEvent
 from shared.contracts.messages import RunCommand, RunCommandReply, RunControl, decode
 from shared.contracts.run_config import RunConfig
 from shared.contracts.streams import RUN_COMMANDS, RUN_CONTROL, command_reply
+from shared.contracts.tinker_run import TinkerRunConfig
 from shared.platform.bus import announce, await_answer
 from shared.platform.db.session import make_engine
 from tests.support.procs import ServiceGroup, wait_heartbeat, wait_until
@@ -133,6 +136,41 @@ def test_a_command_read_after_it_expired_changes_nothing(controller, engine, syn
     assert send(sync_redis, stale_create).outcome == "expired" and status(engine, stale_create.run_id) is None
     bad = send(sync_redis, command(str(uuid.uuid4()), "create", config={"name": "no model"}))
     assert bad.outcome == "refused" and "not a valid run config" in bad.message
+
+
+def test_a_tinker_run_ends_as_its_client_says_and_other_runs_refuse_complete_and_fail(controller, engine,
+                                                                                         sync_redis):
+    def tinker_run() -> str:
+        run_id = str(uuid.uuid4())
+        cfg = TinkerRunConfig(name="t", model_id="s:train:0", session_id="s", owner="o", owner_name="k",
+                              base_model="tiny", model="m", lora={"rank": 2})
+        assert send(sync_redis, command(run_id, "create", config=cfg.model_dump(mode="json"))).status == "running"
+        return run_id
+
+    failed, completed, stopped = tinker_run(), tinker_run(), tinker_run()
+    why = "its Tinker client ended session s as errored: loss was nan"
+    reply = send(sync_redis, command(failed, "fail", reason=why))
+    assert (reply.outcome, reply.status, status(engine, failed)) == ("applied", "failed", "failed")
+    with Session(engine) as s:
+        run = s.get(Run, uuid.UUID(failed))
+        assert run.error == why and run.finished_at is not None
+    assert [e.message for e in events(engine, failed) if e.kind == "status_changed"] == [f"running -> failed: {why}"]
+    again = send(sync_redis, command(failed, "complete"))  # it ended as it ended
+    assert (again.outcome, again.status) == ("refused", "failed") and "needs status" in again.message
+    assert send(sync_redis, command(completed, "complete")).status == "completed"
+    assert send(sync_redis, command(stopped, "stop")).status == "stopped"
+    with Session(engine) as s:
+        assert s.get(Run, uuid.UUID(completed)).error is None
+    assert control_actions(sync_redis, failed) == control_actions(sync_redis, completed) == []
+    assert control_actions(sync_redis, stopped) == ["stop"]
+
+    with Session(engine) as s:
+        train_run, _ = create_run(s, sync_redis, config("driven"), check_paths=False)
+    for action in ("complete", "fail"):
+        refused = send(sync_redis, command(str(train_run), action, reason="no"))
+        assert (refused.outcome, refused.status) == ("refused", "pending")
+        assert "completes or fails by itself" in refused.message
+    assert status(engine, str(train_run)) == "pending"
 
 
 def test_without_a_controller_the_api_answers_503_and_no_run_appears_later(urls, engine, sync_redis, tmp_path):

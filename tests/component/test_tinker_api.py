@@ -119,14 +119,37 @@ def test_lora_training_client_with_the_bootstrap_token(api):
         assert "tinker run created by the tinker key of token 'API_TOKEN'" in [e["message"] for e in events]
         assert admin.post(f"/v1/runs/{run['id']}/pause").status_code == 409  # its client drives it
     service.close("success", detail="done").result(timeout=30)
-    with api.client() as admin:  # the session's runs ended with it
+    with api.client() as admin:  # the session's runs ended with it, as it ended
         assert {admin.get(f"/v1/runs/{r['id']}").json()["status"] for r in runs.values()
-                if r["config"]["session_id"] == session_id} == {"stopped"}
+                if r["config"]["session_id"] == session_id} == {"completed"}
     beat = post(api, "/api/v1/session_heartbeat", {"session_id": session_id})
     assert beat.status_code == 410, beat.text
     refused = post(api, "/api/v1/create_model", {"session_id": session_id, "model_seq_id": 5, "base_model": "tiny-qwen",
                                                  "lora_config": {"rank": 4}})
     assert refused.status_code == 400 and "finished" in refused.json()["message"]
+
+
+def test_a_sessions_runs_end_as_its_client_ended_it(api):
+    """success completes the session's runs, errored fails them with the client's detail as their error,
+    interrupted stops them: `SELECT status, error FROM runs` tells how each Tinker session went."""
+    ended = {}
+    for reason in ("success", "errored", "interrupted"):
+        session_id = post(api, "/api/v1/create_session", {"tags": []}).json()["session_id"]
+        made = post(api, "/api/v1/create_model", {"session_id": session_id, "model_seq_id": 0,
+                                                  "base_model": "tiny-qwen", "lora_config": {"rank": 2}})
+        assert made.status_code == 200, made.text
+        finish = post(api, f"/api/v1/sessions/{session_id}/finish",
+                      {"reason": {"type": reason}, "detail": "loss was nan" if reason == "errored" else None})
+        assert finish.status_code in (200, 204), finish.text
+        ended[reason] = f"{session_id}:train:0"
+    with api.client() as admin:
+        runs = {r["config"]["model_id"]: r for r in admin.get("/v1/runs", params={"kind": "tinker", "limit": 200})
+                .json()["data"]}
+    assert {reason: runs[model]["status"] for reason, model in ended.items()} == {
+        "success": "completed", "errored": "failed", "interrupted": "stopped"}
+    error = runs[ended["errored"]]["error"]
+    assert error.startswith("its Tinker client ended session ") and error.endswith("as errored: loss was nan")
+    assert runs[ended["success"]]["error"] is None
 
 
 def test_a_taken_model_seq_id_is_refused(api):

@@ -23,7 +23,7 @@ class TableOwner:
 OWNERS: dict[str, TableOwner] = {
     "runs": TableOwner(
         "controller", ("api", "jobs", "rollout_worker", "trainer"),
-        "`run.commands` (create, pause, resume, stop: from POST /v1/runs and its control routes, eval jobs, and the "
+        "`run.commands` (create, pause, resume, stop; complete and fail for tinker runs: from POST /v1/runs and its control routes, eval jobs, and the "
         "Tinker API's create_model and session finish); "
         "`trajectories` and `trainer.progress` (status, progress, summary, stall reason)"),
     "controller_leases": TableOwner(

@@ -18,7 +18,7 @@ from pydantic import Field
 from shared.contracts.messages.codec import Message
 
 Action = Literal["pause", "resume", "stop"]
-CommandAction = Literal["create", "pause", "resume", "stop"]
+CommandAction = Literal["create", "pause", "resume", "stop", "complete", "fail"]
 Outcome = Literal["applied", "refused", "not_found", "expired"]
 
 # action -> (statuses it is allowed from, status it sets)
@@ -27,6 +27,11 @@ TRANSITIONS: dict[str, tuple[tuple[str, ...], str]] = {
     "resume": (("paused",), "running"),
     "stop": (("pending", "running", "paused"), "stopping"),
 }
+# A tinker run ends as its Tinker client ends its session (stop: interrupted; complete: success; fail: errored).
+# Nothing of it is driven or drained but by that client, so the status is set at once and `run.control` is not
+# told; other runs complete or fail by themselves and refuse these.
+TINKER_ENDS: dict[str, str] = {"stop": "stopped", "complete": "completed", "fail": "failed"}
+MAX_REASON_CHARS = 2000
 
 
 class RunCommand(Message):
@@ -39,6 +44,7 @@ class RunCommand(Message):
     config: dict[str, Any] | None = None  # create: the checked RunConfig, its dataset version pinned
     rows: int | None = None  # create: the dataset's row count when it was checked
     created_by: str | None = None  # create: who asked ("job <id>"), for the `created` event
+    reason: str | None = Field(None, max_length=MAX_REASON_CHARS)  # fail: why, stored as the run's error
     sent_at: float  # unix seconds, the sender's clock
     expires_at: float  # unix seconds: not applied when read later (the sender gave up at this time)
 

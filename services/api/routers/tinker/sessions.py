@@ -23,6 +23,7 @@ from services.api.routers.tinker.not_served import NOT_SERVED
 from services.api.tinker_base_models import base_models
 from shared.clients.run_commands import run_command
 from shared.contracts.db.models import ApiToken
+from shared.contracts.messages.control import MAX_REASON_CHARS, CommandAction
 from shared.platform.logs import get_logger
 
 router = APIRouter()
@@ -167,6 +168,7 @@ def list_sessions(caller: Key, request: Request, limit: Annotated[int, Field(ge=
 
 
 FINISH_REASONS = ("success", "errored", "interrupted")
+RUN_END_OF_SESSION: dict[str, CommandAction] = {"success": "complete", "errored": "fail", "interrupted": "stop"}
 
 
 class StatusQuery(Wire):
@@ -286,10 +288,18 @@ def finish_session(session_id: str, body: FinishSession, caller: Key, request: R
                    db: DB) -> None:
     owned_session(request, caller, session_id, "path.session_id")
     tinker = store(request)
-    tinker.finish_session(caller.owner, session_id, str(body.reason.get("type", "")), body.detail)
-    with commanding():  # the session's training runs end with it (a stopped run stays stopped: not applied again)
+    reason = str(body.reason.get("type", ""))
+    tinker.finish_session(caller.owner, session_id, reason, body.detail)
+    # The session's runs end with it, as its client says it ended: success completes them, errored fails them
+    # with the client's detail as their error, interrupted (or a reason this server does not know) stops them.
+    # A run that has ended stays as it ended: the command is refused and nothing changes.
+    action, why = RUN_END_OF_SESSION.get(reason, "stop"), None
+    if action == "fail":
+        why = (f"its Tinker client ended session {session_id} as errored"
+               + (f": {body.detail}" if body.detail else ""))[:MAX_REASON_CHARS]
+    with commanding():
         for run_id in tinker.session_members(session_id, "runs"):
-            run_command(db, request.app.state.redis, run_id, "stop", wait_s=config.run_command_wait_s)
+            run_command(db, request.app.state.redis, run_id, action, wait_s=config.run_command_wait_s, reason=why)
 
 
 log = get_logger(__name__)
