@@ -25,6 +25,7 @@ from shared.contracts.tinker_run import COMPLETIONS_MAXLEN, FUTURE_TTL_S
 from shared.platform.bus import RedisError, StreamConsumer
 from shared.platform.logs import get_logger
 from shared.sdk.types import TerminationReason
+from shared.stores.tinker_usage import count_once
 
 log = get_logger(__name__)
 VERSION_WAIT_S = 60.0  # how long a request waits for its sampler weights to reach this worker
@@ -157,8 +158,12 @@ class TinkerSampling:
             answer = {"error": f"sampling failed on rollout worker {self.worker.worker_id}: {e!r}",
                       "category": "server"}
         record = TinkerFuture(owner=msg.owner, model_id=None, result=answer, answered_at=time.time())
-        pipe = self.worker.bus.redis.pipeline(transaction=True)  # the answer and its announcement, together
+        pipe = self.worker.bus.redis.pipeline(transaction=True)  # the answer, its announcement and usage, together
         pipe.set(tinker_key("future", msg.request_id), record.model_dump_json(), ex=FUTURE_TTL_S)
+        if "error" not in answer:  # the prompt prefilled once for all its samples (none cached: not told apart)
+            count_once(pipe, msg.owner, msg.request_id, msg.session_id, msg.base_model,
+                       {"sampling_prefill": len(msg.prompt),
+                        "sampling_sample": sum(len(q["tokens"]) for q in answer["sequences"])}, record.answered_at)
         if msg.completions:
             state = "failed" if "error" in answer else "finished"
             pipe.xadd(msg.completions, {"request_id": msg.request_id, "state": state}, maxlen=COMPLETIONS_MAXLEN,

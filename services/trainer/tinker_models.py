@@ -35,6 +35,7 @@ from shared.contracts.tinker_run import (
 )
 from shared.platform.bus import REDIS_DOWN, RedisError, StreamConsumer
 from shared.platform.logs import get_logger
+from shared.stores.tinker_usage import count_once
 from shared.weights.age import encrypt_files
 from shared.weights.manifest import fsync_path, fsync_tree
 
@@ -109,6 +110,14 @@ def verl_loss(name: str, config: dict) -> Callable:
         return (LOSSES[name](logp, inputs, config) * data["response_mask"]).sum(), {}
 
     return loss
+
+
+def usage_of(op: TinkerOp) -> dict[str, int]:
+    """What an applied op counts as usage: the input tokens of its datums (forward, forward_backward), one
+    checkpoint (the save ops)."""
+    if op.op in ("forward", "forward_backward"):
+        return {"training": sum(len(d.tokens) for d in op.data)}
+    return {"checkpoint": 1} if op.op.startswith("save_weights") else {}
 
 
 def tensors(op: TinkerOp, pad_id: int) -> tuple[dict, dict]:
@@ -321,13 +330,15 @@ class TinkerModels:
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         fsync_path(root)
-        return self.checkpoint_record(model, op, "weights", folder=str(final))
+        size = sum(f.stat().st_size for f in final.rglob("*") if f.is_file())
+        return self.checkpoint_record(model, op, "weights", folder=str(final), size_bytes=size)
 
     def save_for_sampler(self, model: TinkerModel, op: TinkerOp) -> TinkerCheckpoint:
         """The adapter, published on the weight server as version `seq_id` of the model's run (rollout workers
         load it like any LoRA run's version)."""
-        self.trainer.publisher.publish_adapter(model.run_id, op.seq_id, model.engine, model.config.model, {})
-        return self.checkpoint_record(model, op, "sampler_weights", version=op.seq_id)
+        published = self.trainer.publisher.publish_adapter(model.run_id, op.seq_id, model.engine,
+                                                           model.config.model, {})
+        return self.checkpoint_record(model, op, "sampler_weights", version=op.seq_id, size_bytes=published.bytes)
 
     def save_external(self, model: TinkerModel, op: TinkerOp) -> TinkerCheckpoint:
         """The adapter in PEFT's layout (adapter_config.json, adapter_model.safetensors), each file encrypted to
@@ -338,7 +349,7 @@ class TinkerModels:
         if op.age_recipients:
             encrypt_files(folder, op.age_recipients)
         files = self.trainer.publisher.export(model.run_id, op.name, folder)
-        return self.checkpoint_record(model, op, "external_weights", files=files)
+        return self.checkpoint_record(model, op, "external_weights", files=files, size_bytes=sum(files.values()))
 
     @staticmethod
     def load_state(model: TinkerModel, source: TinkerCheckpoint, optimizer: bool) -> None:
@@ -463,9 +474,20 @@ class TinkerModels:
         return TinkerModel(run_id, config, engine, pad_id)
 
     async def answer(self, op: TinkerOp, result: dict) -> None:
+        """The op's future, and with it (one transaction) what the op used: the tokens of a forward or
+        forward_backward, a saved checkpoint; an op that failed used nothing."""
         record = TinkerFuture(owner=op.owner, model_id=op.model_id, result=result, answered_at=time.time())
-        await self.until_written(f"the answer of {op.request_id}", lambda: self.trainer.redis.set(
-            tinker_key("future", op.request_id), record.model_dump_json(), ex=FUTURE_TTL_S))
+        model = self.models.get(op.model_id)
+        counts = {} if "error" in result or model is None else usage_of(op)
+
+        async def write() -> None:
+            pipe = self.trainer.redis.pipeline(transaction=True)
+            pipe.set(tinker_key("future", op.request_id), record.model_dump_json(), ex=FUTURE_TTL_S)
+            count_once(pipe, op.owner, op.request_id, model.config.session_id if model else None,
+                       model.config.base_model if model else None, counts, record.answered_at)
+            await pipe.execute()
+
+        await self.until_written(f"the answer of {op.request_id}", write)
 
     async def renew(self) -> None:
         """Keep the leases of the models held; let go of those whose run ended or whose lease another took; take

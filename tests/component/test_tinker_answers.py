@@ -20,7 +20,7 @@ async def test_an_answer_written_while_redis_is_down_lands_once_it_is_back(tmp_p
     server.start()
     redis = Redis.from_url(server.url, socket_connect_timeout=0.5, socket_timeout=0.5)
     models = object.__new__(TinkerModels)  # answer() writes only to the trainer's Redis
-    models.trainer = SimpleNamespace(redis=redis)
+    models.trainer, models.models = SimpleNamespace(redis=redis), {}
     op = TinkerOp(request_id="req-1", owner="o", model_id="s:train:0", run_id="r", seq_id=1, op="optim_step")
     try:
         server.stop()

@@ -394,15 +394,10 @@ def test_operations_not_served_yet_say_so(api):
         r = post(api, path, {})
         assert r.status_code == 404, r.text
         assert operation in r.json()["message"] and "not supported by this flywheel server yet" in r.json()["message"]
-    admin = tinker.AdminClient(base_url=api.url, api_key="tml-" + api.token)
-    for call, named in ((lambda: admin.get_billing_usage("2026-01-01T00:00:00Z", "2026-01-02T00:00:00Z"),
-                         "keeps no usage"),
-                        (lambda: admin.get_current_checkpoint_storage_usage(), "keeps no usage")):
-        with pytest.raises(tinker.NotFoundError, match=named):
-            call().result(timeout=30)
 
 
-def saved_checkpoint(api, redis_url, token: str, name: str, kind: str = "weights") -> tuple[str, str]:
+def saved_checkpoint(api, redis_url, token: str, name: str, kind: str = "weights",
+                     size_bytes: int | None = None) -> tuple[str, str]:
     """A model of this key and a checkpoint record of it as the trainer writes one: (model id, tinker path)."""
     import hashlib
     import time
@@ -419,7 +414,8 @@ def saved_checkpoint(api, redis_url, token: str, name: str, kind: str = "weights
     record = TinkerCheckpoint(owner=hashlib.sha256(token.encode()).hexdigest(), model_id=model_id, run_id="r",
                               kind=kind, name=name, base_model="tiny-qwen", lora={"rank": 4}, seq_id=1,
                               folder="/nowhere" if kind == "weights" else None,
-                              version=None if kind == "weights" else 1, created_at=time.time())
+                              version=None if kind == "weights" else 1, created_at=time.time(),
+                              size_bytes=size_bytes)
     redis.Redis.from_url(redis_url).set(tinker_key("checkpoint", path), record.model_dump_json())
     return model_id, path
 
@@ -528,6 +524,66 @@ def test_the_audit_log_shows_what_was_done_to_a_keys_checkpoints_and_by_whom(api
     assert [e.event for e in log(owner_key, event_type="projects")] == ["project_session_assigned"]
     assert len(log(owner_key, event_type="checkpoints")) == 4
     assert log(owner_key, day=datetime.datetime.now(datetime.UTC).date() - datetime.timedelta(days=1)) == []
+
+
+def test_usage_is_reported_per_hour_session_and_base_model_each_request_counted_once(api, redis_url):
+    """What the trainer and the rollout workers count (shared/stores/tinker_usage.py count_once), through the
+    SDK's AdminClient: a request answered twice counts once; another key's usage is not shown; bad windows are
+    400s naming the field. And the stored checkpoints, per project."""
+    import hashlib
+    import time
+    from datetime import UTC, timedelta
+
+    import redis
+
+    from shared.stores.tinker_usage import count_once
+
+    token = new_token(api, ["read", "write"], name="billed")
+    owner = hashlib.sha256(token.encode()).hexdigest()
+    session_id = post(api, "/api/v1/create_session", {"tags": [], "user_metadata": {"team": "rl"}},
+                      token).json()["session_id"]
+    client = redis.Redis.from_url(redis_url)
+    hour = (int(time.time()) // 3600 - 2) * 3600  # two hours ago: a window of earlier hours
+    for request_id, counts, at in (("fb-1", {"training": 300}, hour + 10), ("fb-1", {"training": 300}, hour + 20),
+                                   ("fb-2", {"training": 200}, hour + 3599), ("save-1", {"checkpoint": 1}, hour + 5),
+                                   ("s-1", {"sampling_prefill": 40, "sampling_sample": 64}, hour + 3600 + 1)):
+        count_once(client, owner, request_id, session_id, "tiny-qwen", counts, at)
+    count_once(client, hashlib.sha256(api.token.encode()).hexdigest(), "other", "s", "tiny-qwen",
+               {"training": 7}, hour)  # another key's
+    admin = tinker.AdminClient(base_url=api.url, api_key="tml-" + token)
+    start = datetime.datetime.fromtimestamp(hour, UTC)
+    got = admin.get_billing_usage(start, start + timedelta(hours=3)).result(timeout=30)
+    rows = [(e.bucket_start, e.event_info.type, getattr(e.event_info, "token_count", None) or e.event_info.count,
+             e.session_id, e.base_model) for e in got.data]
+    later = start + timedelta(hours=1)
+    assert rows == [(start, "training", 500, session_id, "tiny-qwen"), (start, "checkpoint", 1, session_id, "tiny-qwen"),
+                    (later, "sampling_sample", 64, session_id, "tiny-qwen"),
+                    (later, "sampling_prefill", 40, session_id, "tiny-qwen")]
+    assert all(e.user_name == "billed" and e.estimated_cost_usd is None for e in got.data)
+    assert got.sessions[session_id].user_metadata == {"team": "rl"}
+    assert admin.get_billing_usage(later, later + timedelta(hours=1)).result(timeout=30).data[0].event_info.type \
+        == "sampling_sample"
+    for starting, ending, field in ((start + timedelta(minutes=30), later, "starting_on"),
+                                    (start, start + timedelta(days=15), "ending_before"),
+                                    (start, start, "ending_before"),
+                                    (start + timedelta(days=2), start + timedelta(days=3), "starting_on")):
+        r = httpx.get(api.url + "/api/v1/billing/usage/events", headers={"X-API-Key": "tml-" + token},
+                      params={"starting_on": starting.isoformat(), "ending_before": ending.isoformat()})
+        assert r.status_code == 400 and r.json()["detail"][0]["field"] == field, (starting, ending, r.text)
+
+    assert admin.get_current_checkpoint_storage_usage().result(timeout=30).data == []
+    model_id, _ = saved_checkpoint(api, redis_url, token, "stored", size_bytes=1234)
+    saved_checkpoint(api, redis_url, token, "old record")  # written before sizes were kept: counted, no bytes
+    [row] = admin.get_current_checkpoint_storage_usage().result(timeout=30).data
+    assert (row.checkpoint_count, row.size_bytes, row.project_id) == (2, 1234, None), row
+    r = httpx.put(f"{api.url}/api/v1/sessions/{model_id.split(':')[0]}/project", json={"project_id": "p1"},
+                  headers={"X-API-Key": "tml-" + token})
+    assert r.status_code == 204, r.text
+    rows = admin.get_current_checkpoint_storage_usage().result(timeout=30).data
+    assert [(r.project_id, r.checkpoint_count, r.size_bytes) for r in rows] == [(None, 1, 0), ("p1", 1, 1234)]
+    [p1] = admin.get_current_checkpoint_storage_usage(project_id="p1").result(timeout=30).data
+    assert (p1.size_bytes, p1.size_gigabytes) == (1234, 1234 / 1e9)
+    assert admin.get_current_checkpoint_storage_usage(project_id="elsewhere").result(timeout=30).data == []
 
 
 def test_sdk_telemetry_is_counted_and_a_client_exception_logged(api):

@@ -578,6 +578,39 @@ def test_the_rest_clients_listings_show_a_keys_training_runs_and_checkpoints(api
         theirs.get_training_run(tc.model_id).result(timeout=60)
 
 
+def test_usage_counts_what_the_trainer_and_the_rollout_worker_did_for_a_key(api):
+    """The billing usage of a key of its own: the input tokens of each forward_backward and forward, one
+    checkpoint per save, the prompt and the sampled tokens of each sample; and the bytes its checkpoints store."""
+    from datetime import UTC, datetime, timedelta
+
+    token = new_token(api, "tinker-billed")
+    tc = training_client(api, token)
+    datums = [sft_datum(s) for s in SEQS]
+    train(tc, datums, 2)
+    forward(tc, datums[:1])
+    tc.save_state("billed").result(timeout=300)
+    sampler = tc.save_weights_and_get_sampling_client().result(timeout=300)
+    prompt = types.ModelInput.from_ints(SEQS[0][:4])
+    out = sampler.sample(prompt, 2, types.SamplingParams(max_tokens=5)).result(timeout=300)
+
+    admin = tinker.AdminClient(base_url=api.url, api_key="tml-" + token)
+    hour = datetime.now(UTC).replace(minute=0, second=0, microsecond=0)
+    totals: dict[str, int] = {}
+    for e in admin.get_billing_usage(hour - timedelta(hours=1), hour + timedelta(hours=1)).result(timeout=60).data:
+        assert e.session_id == tc.model_id.split(":")[0] and e.base_model == BASE, e
+        n = e.event_info.count if e.event_info.type == "checkpoint" else e.event_info.token_count
+        totals[e.event_info.type] = totals.get(e.event_info.type, 0) + n
+    inputs = sum(d.model_input.length for d in datums)
+    assert totals == {"training": 2 * inputs + datums[0].model_input.length, "checkpoint": 2,
+                      "sampling_prefill": 4, "sampling_sample": sum(len(q.tokens) for q in out.sequences)}, totals
+
+    rest = tinker.RestClient(base_url=api.url, api_key="tml-" + token)
+    listed = rest.list_user_checkpoints(limit=100).result(timeout=60).checkpoints
+    assert listed and all(c.size_bytes and c.size_bytes > 0 for c in listed), listed
+    [stored] = admin.get_current_checkpoint_storage_usage().result(timeout=60).data
+    assert (stored.checkpoint_count, stored.size_bytes) == (len(listed), sum(c.size_bytes for c in listed))
+
+
 def peft_logprobs(base_dir: Path, adapter_dir: Path, datums: list[types.Datum]) -> list[list[float]]:
     """Each datum's target-token logprobs under the base model with the adapter loaded by PEFT (as a user of the
     export would load it)."""

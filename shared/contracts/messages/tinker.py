@@ -106,6 +106,9 @@ class TinkerSample(Message):
     # announced, for the client's retrieve_futures poller; None: only the future is written
     completions: str | None = None
     sent_at: float = 0.0
+    # what its usage is counted under (shared/stores/tinker_usage.py): the sampling session's, its base model
+    session_id: str | None = None
+    base_model: str | None = None
 
 
 class TinkerCheckpoint(BaseModel):
@@ -125,6 +128,7 @@ class TinkerCheckpoint(BaseModel):
     folder: str | None = None  # weights: where the trainer saved it
     version: int | None = None  # sampler_weights: the run's version on the weight server
     files: dict[str, int] = Field(default_factory=dict)  # external_weights: file name -> bytes (".age": encrypted)
+    size_bytes: int | None = None  # what it stores (None: recorded before sizes were kept)
     created_at: float
     user_metadata: dict[str, str] = Field(default_factory=dict)
     # deleted (then) or given a ttl: from then on it reads as absent, and the trainer removes its files and record

@@ -1,6 +1,6 @@
 """Tinker's losses as the trainer computes them, per token: their gradients with respect to the policy's
 logprobs, which the values alone do not show (CISPO's clipped ratio takes no gradient; GSPO's ratio is its
-sequence's; DRO's penalty pulls the logprob back toward the sampler's)."""
+sequence's; DRO's penalty pulls the logprob back toward the sampler's). And what an op counts as usage."""
 
 from __future__ import annotations
 
@@ -50,3 +50,19 @@ def test_gspo_gives_every_token_its_sequence_ratio_over_the_masked_tokens_and_cl
     # sequence, so only the negative advantage's token keeps a gradient
     whole = torch.exp(torch.tensor(0.7 / 3)).item()
     assert grad("gspo", {}, sequence_ratio_mask=[1, 1, 1]) == pytest.approx([0.0, whole, 0.0], abs=1e-6)
+
+
+def test_usage_counts_input_tokens_of_forward_passes_and_one_checkpoint_per_save():
+    from services.trainer.tinker_models import usage_of
+    from shared.contracts.messages import TinkerOp
+    from shared.contracts.messages.tinker import TinkerDatum
+
+    def op(kind: str, *lengths: int) -> TinkerOp:
+        return TinkerOp(request_id="r", owner="o", model_id="s:train:0", run_id="run", seq_id=1, op=kind,
+                        data=[TinkerDatum(tokens=list(range(n)), target_tokens=list(range(n))) for n in lengths])
+
+    assert usage_of(op("forward_backward", 3, 5)) == {"training": 8}
+    assert usage_of(op("forward", 4)) == {"training": 4}
+    for save in ("save_weights", "save_weights_for_sampler", "save_weights_external"):
+        assert usage_of(op(save)) == {"checkpoint": 1}
+    assert usage_of(op("optim_step")) == usage_of(op("load_weights")) == {}

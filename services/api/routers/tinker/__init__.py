@@ -7,10 +7,18 @@ More: docs/tinker.md"""
 
 from fastapi import APIRouter
 
-from services.api.routers.tinker import audit, checkpoints, not_served, sampling, sessions, traces, training
+from services.api.routers.tinker import (
+    audit,
+    billing,
+    checkpoints,
+    not_served,
+    sampling,
+    sessions,
+    traces,
+    training,
+)
 
 router = APIRouter(prefix="/api/v1", tags=["tinker"], include_in_schema=False)
-# In this order: FastAPI matches routes in order, and not_served's catch-alls (/billing/{rest:path}) must come
-# after the routes they would otherwise take.
-for part in (sessions, training, sampling, checkpoints, traces, audit, not_served):
+# not_served last: FastAPI matches routes in order, and a catch-all path there must not take a served route.
+for part in (sessions, training, sampling, checkpoints, traces, audit, billing, not_served):
     router.include_router(part.router)

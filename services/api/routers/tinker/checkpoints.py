@@ -56,18 +56,20 @@ def checkpoint_view(record: dict, public: set[str]) -> dict:
     expires = record.get("expires_at")
     files = record.get("files") or {}
     return {"checkpoint_id": f"{record['kind']}/{record['name']}", "checkpoint_type": CHECKPOINT_TYPES[record["kind"]],
-            "size_bytes": sum(files.values()) if files else None,
+            "size_bytes": record.get("size_bytes") or (sum(files.values()) if files else None),
             "time": datetime.fromtimestamp(record["created_at"], UTC).isoformat(), "tinker_path": path,
             "public": path in public, "expires_at": datetime.fromtimestamp(expires, UTC).isoformat() if expires else None,
             "user_metadata": record.get("user_metadata") or None}
 
 
 def training_run_view(run: Run, checkpoints: list[dict], public: set[str]) -> dict:
+    # never `corrupted`: an op changes a model whole or not at all, and a model whose weights a trainer restart
+    # lost answers its next op with an error saying so. (A failed run is one its client ended as errored.)
     cfg = TinkerRunConfig.model_validate(run.config)
     last = {kind: next((checkpoint_view(c, public) for c in reversed(checkpoints) if c["kind"] == kind), None)
             for kind in ("weights", "sampler_weights")}
     return {"training_run_id": cfg.model_id, "base_model": cfg.base_model, "model_owner": cfg.owner_name,
-            "is_lora": True, "corrupted": run.status == "failed", "lora_rank": cfg.lora["rank"],
+            "is_lora": True, "corrupted": False, "lora_rank": cfg.lora["rank"],
             "last_request_time": (run.updated_at or run.created_at).isoformat(), "last_checkpoint": last["weights"],
             "last_sampler_checkpoint": last["sampler_weights"],
             "user_metadata": {k: str(v) for k, v in cfg.user_metadata.items()} or None}

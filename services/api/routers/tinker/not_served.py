@@ -15,7 +15,6 @@ router = APIRouter()
 # Every other route the SDK (0.38.0) calls: what it is, so the caller learns the operation is not served yet.
 NOT_SERVED = {
     "/create_custom_loss": "create_custom_loss",
-    "/billing/{rest:path}": "billing usage (this server keeps no usage, cost or storage-size records)",
 }
 
 

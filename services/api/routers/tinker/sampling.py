@@ -153,7 +153,7 @@ def asample(body: SampleRequest, caller: Key, request: Request) -> dict:
             prompt_logprobs=bool(body.prompt_logprobs), prompt_logprobs_last_n=last_n,
             topk_prompt_logprobs=body.topk_prompt_logprobs, topk_sample_logprobs=body.topk_sample_logprobs,
             seed=p.seed, completions=completion_queue(body.sampling_session_id, body.seq_id or 0),
-            sent_at=time.time()))
+            sent_at=time.time(), session_id=sampler["session_id"], base_model=sampler["base_model"]))
     except RedisError as e:
         raise ApiError(503, f"Redis is unreachable, so the sample could not be sent to a rollout worker ({e})",
                        hint="retry once Redis is back") from e

@@ -1,0 +1,87 @@
+"""Usage (the SDK's `AdminClient.get_billing_usage` and `get_current_checkpoint_storage_usage`): what a key
+trained, sampled and saved, per UTC hour, session and base model (shared/stores/tinker_usage.py), and the
+checkpoints it stores now. A self-hosted server has no rate card: every cost and rate is null."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from datetime import UTC, datetime, timedelta
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Request
+
+from services.api.auth import needs
+from services.api.errors import ApiError
+from services.api.routers.tinker.callers import Key, store
+from shared.stores.tinker_usage import usage
+
+router = APIRouter()
+
+MAX_WINDOW = timedelta(days=14)  # the SDK's documented longest window
+GIGABYTE = 10**9
+
+
+def _hour(value: datetime, field: str) -> int:
+    """`value` as hours since the epoch; 400 unless it is a whole UTC hour."""
+    value = value if value.tzinfo else value.replace(tzinfo=UTC)
+    if (value.minute, value.second, value.microsecond) != (0, 0, 0):
+        raise ApiError(400, f"{field} {value.isoformat()} is not on a UTC hour boundary", field=field,
+                       hint=f"give a whole hour, such as {value.replace(minute=0, second=0, microsecond=0).isoformat()}")
+    return int(value.timestamp()) // 3600
+
+
+def _session_of(model_id: str) -> str:
+    return model_id.split(":", 1)[0]  # <session id>:train:<seq>
+
+
+@router.get("/billing/usage/events")
+@needs("read")
+def billing_usage(caller: Key, request: Request, starting_on: Annotated[datetime, Query()],
+                  ending_before: Annotated[datetime, Query()]) -> dict:
+    """Hourly usage buckets from `starting_on` up to `ending_before` (whole UTC hours, at most 14 days, not
+    starting in the future), ordered by bucket then by descending quantity."""
+    first, end = _hour(starting_on, "starting_on"), _hour(ending_before, "ending_before")
+    now_hour = int(datetime.now(UTC).timestamp()) // 3600
+    if first > now_hour:
+        raise ApiError(400, f"starting_on {starting_on.isoformat()} is in the future", field="starting_on",
+                       hint="start at the current hour or earlier")
+    if not first < end <= first + MAX_WINDOW // timedelta(hours=1):
+        raise ApiError(400, f"ending_before must be after starting_on and at most 14 days after it (got "
+                       f"{(end - first)} hours)", field="ending_before", hint="ask for 14 days at a time at most")
+    tinker = store(request)
+    sessions = dict(tinker.session_records(caller.owner))
+    events = []
+    for c in sorted(usage(request.app.state.redis, caller.owner, first, end),
+                    key=lambda c: (c.hour, -c.count, c.kind, c.session_id or "", c.base_model or "")):
+        info = {"type": c.kind, **({"count": c.count} if c.kind == "checkpoint" else {"token_count": c.count})}
+        if c.kind == "sampling_prefill":
+            info["cached"] = False  # prefix-cache hits are not told apart here
+        session = sessions.get(c.session_id or "", {})
+        start = datetime.fromtimestamp(c.hour * 3600, UTC)
+        events.append({"bucket_start": start.isoformat(), "bucket_end": (start + timedelta(hours=1)).isoformat(),
+                       "base_model": c.base_model, "user_id": caller.owner,
+                       "user_name": session.get("owner_name") or caller.principal.name, "session_id": c.session_id,
+                       "project_id": session.get("project_id"), "event_info": info})
+    seen = {e["session_id"] for e in events if e["session_id"] in sessions}
+    return {"data": events, "cost_data_through": None,
+            "sessions": {s: {"user_metadata": {k: str(v) for k, v in sessions[s]["user_metadata"].items()} or None}
+                         for s in sorted(seen)}}
+
+
+@router.get("/billing/usage/checkpoints/current")
+@needs("read")
+def checkpoint_storage(caller: Key, request: Request, project_id: str | None = None) -> dict:
+    """The key's live checkpoints, their count and stored bytes, per project (of their model's session)."""
+    tinker = store(request)
+    projects = {s: record.get("project_id") for s, record in tinker.session_records(caller.owner)}
+    totals: dict[str | None, list[int]] = defaultdict(lambda: [0, 0])
+    for record in tinker.checkpoints(caller.owner):
+        project = projects.get(_session_of(record["model_id"]))
+        if project_id is None or project == project_id:
+            totals[project][0] += 1
+            totals[project][1] += record.get("size_bytes") or sum((record.get("files") or {}).values())
+    return {"effective_rate_usd_per_gigabyte_month": None,
+            "data": [{"project_id": project, "org_user_urn": caller.owner, "user_name": caller.principal.name,
+                      "checkpoint_count": count, "size_bytes": size, "size_gigabytes": size / GIGABYTE,
+                      "estimated_monthly_cost_usd": None}
+                     for project, (count, size) in sorted(totals.items(), key=lambda t: t[0] or "")]}
