@@ -2,7 +2,7 @@
 engine of its run (a training model's adapter at the version its sampler checkpoint named, or a base model's),
 its samples go to `trajectories` (stored as the run's episodes: SQL works over Tinker work), then the answer
 goes into the request's future. A request its client cancelled (`cancel_future`) is dropped, before or while it
-is generated. More: docs/tinker.md#sampling
+is generated; one dead-lettered is answered with the reason. More: docs/tinker.md#sampling
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ class TinkerSampling:
         self.consumer = StreamConsumer(worker.bus, TINKER_SAMPLES, GROUP_ROLLOUT, worker.worker_id,
                                        expect=TinkerSample, max_deliveries=cfg.max_deliveries,
                                        claim_idle_ms=cfg.claim_idle_ms, block_ms=cfg.read_block_ms,
-                                       batch_size=cfg.max_concurrency)
+                                       batch_size=cfg.max_concurrency, on_dead_letter=self.dead_lettered)
         self.running: set[asyncio.Task] = set()
 
     async def start(self) -> None:
@@ -157,8 +157,13 @@ class TinkerSampling:
             log.exception("tinker sample of run %s failed", msg.run_id, extra={"run_id": msg.run_id})
             answer = {"error": f"sampling failed on rollout worker {self.worker.worker_id}: {e!r}",
                       "category": "server"}
+        await self.answer(msg, answer)
+        await self.consumer.ack([delivery])
+
+    async def answer(self, msg: TinkerSample, answer: dict) -> None:
+        """The request's future, its announcement on the client's completion queue and its usage, together."""
         record = TinkerFuture(owner=msg.owner, model_id=None, result=answer, answered_at=time.time())
-        pipe = self.worker.bus.redis.pipeline(transaction=True)  # the answer, its announcement and usage, together
+        pipe = self.worker.bus.redis.pipeline(transaction=True)
         pipe.set(tinker_key("future", msg.request_id), record.model_dump_json(), ex=FUTURE_TTL_S)
         if "error" not in answer:  # the prompt prefilled once for all its samples (none cached: not told apart)
             count_once(pipe, msg.owner, msg.request_id, msg.session_id, msg.base_model,
@@ -170,7 +175,18 @@ class TinkerSampling:
                       approximate=True)
             pipe.expire(msg.completions, FUTURE_TTL_S)
         await pipe.execute()
-        await self.consumer.ack([delivery])
+
+    async def dead_lettered(self, delivery, entry_id: bytes, reason: str) -> None:
+        """A request dead-lettered (workers died serving it, MAX_DELIVERIES times: a request that crashes its
+        worker) is answered with the reason, so its client's future fails instead of waiting for ever."""
+        if delivery is None:  # undecodable: no request to answer (the API sends none such)
+            return
+        msg: TinkerSample = delivery.message
+        log.error("tinker sample %s dead-lettered: %s", msg.request_id, reason, extra={"run_id": msg.run_id})
+        await self.answer(msg, {"error": f"the sample request could not be served and was given up: {reason} "
+                                         "(a request that stops the rollout worker serving it, such as one too "
+                                         "large for its memory, is dead-lettered after MAX_DELIVERIES tries)",
+                                "category": "server"})
 
     async def generate(self, msg: TinkerSample) -> list[Generation]:
         ctx = await self.worker.runs.get(msg.run_id)
