@@ -12,7 +12,12 @@ from shared.weights.manifest import ADAPTER_CONFIG, ADAPTER_WEIGHTS, MANIFEST
 from tests.support.demo import LORA, LORA_LR, judge, run_stack
 
 
+# The bar is met by most runs, not all: 20 of 20 seeded stack runs met it when LORA_TEMPERATURE was chosen
+# (tests/support/demo.py), and a CI run later ended with one question unlearned (final reward 0.77, its answer
+# empty). Each run draws its own samples, so a miss gets one more run: one run in twenty missing passes; a change
+# that makes LoRA runs miss often fails both.
 @pytest.mark.slow
+@pytest.mark.flaky(reruns=1)
 @pytest.mark.timeout(900)
 def test_a_lora_run_learns_the_demo_task(tmp_path, isolated_urls):
     redis_url, database_url = isolated_urls
