@@ -216,8 +216,9 @@ class Target:
         if Path(fields["outside"]).exists():
             found.append("a file was written outside")
             Path(fields["outside"]).unlink()
-        if self.victim.poll() is not None:
+        if self.victim.poll() is not None or _kill_pending(self.victim.pid):
             found.append("a worker process was killed")
+            self.victim.wait(timeout=30)
             self.victim = self._victim()
         elif _traced(self.victim.pid):
             found.append("a worker process is being traced")
@@ -256,6 +257,18 @@ class _OtherSession(threading.Thread):
     def run(self) -> None:
         code = f"open('victim.txt', 'w').write('victim-{self.token}')\nimport time\ntime.sleep(4)"
         run_python(code, limits=SandboxLimits(wall_s=6), mode=self.mode, image=self.image)
+
+
+def _kill_pending(pid: int) -> bool:
+    """A SIGKILL sent to `pid` that it has not acted on yet (/proc/<pid>/status SigPnd or ShdPnd): kill() returns
+    once the signal is queued, and on a loaded machine the victim may not have run since (a CI run read it
+    alive right after an escape killed it)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    pending = [int(line.split()[1], 16) for line in status.splitlines() if line.startswith(("SigPnd:", "ShdPnd:"))]
+    return any(mask & (1 << (signal.SIGKILL - 1)) for mask in pending)
 
 
 def _traced(pid: int) -> bool:
