@@ -275,7 +275,7 @@ class TinkerModels:
                 await self.record_checkpoint(result)
                 result = {"type": op.op, "path": checkpoint_path(op.model_id, result.kind, result.name),
                           **({"sampling_session_id": op.sampling_session_id} if op.sampling_session_id else {}),
-                          **({"size_bytes": sum(result.files.values())} if result.files else {})}
+                          **({"size_bytes": result.size_bytes} if result.size_bytes is not None else {})}
             await self.until_written(f"seq {op.seq_id} of {op.model_id}", lambda: self.trainer.redis.set(
                 tinker_key("model_seq", op.model_id), op.seq_id, ex=MODEL_TTL_S))
             log.info("tinker %s of %s (seq %d) in %.2fs", op.op, op.model_id, op.seq_id, time.monotonic() - started,

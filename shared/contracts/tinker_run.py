@@ -80,6 +80,16 @@ def completion_queue(sampling_session_id: str, seq_id: int) -> str:
     return f"tinker:completions:{sampling_session_id}:{seq_id // CLIENT_SEQ_BLOCK}"
 
 
+def training_model_id(session_id: str, model_seq_id: int) -> str:
+    """The id the SDK itself derives for a session's training model."""
+    return f"{session_id}:train:{model_seq_id}"
+
+
+def session_of_model(model_id: str) -> str:
+    """The session a training model id belongs to (the inverse of training_model_id's first part)."""
+    return model_id.split(":train:", 1)[0]
+
+
 def checkpoint_path(model_id: str, kind: str, name: str) -> str:
     return f"tinker://{model_id}/{kind}/{name}"
 

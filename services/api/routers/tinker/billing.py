@@ -13,6 +13,8 @@ from fastapi import APIRouter, Query, Request
 from services.api.auth import needs
 from services.api.errors import ApiError
 from services.api.routers.tinker.callers import Key, store
+from services.api.routers.tinker.checkpoints import stored_bytes
+from shared.contracts.tinker_run import session_of_model
 from shared.stores.tinker_usage import usage
 
 router = APIRouter()
@@ -28,10 +30,6 @@ def _hour(value: datetime, field: str) -> int:
         raise ApiError(400, f"{field} {value.isoformat()} is not on a UTC hour boundary", field=field,
                        hint=f"give a whole hour, such as {value.replace(minute=0, second=0, microsecond=0).isoformat()}")
     return int(value.timestamp()) // 3600
-
-
-def _session_of(model_id: str) -> str:
-    return model_id.split(":", 1)[0]  # <session id>:train:<seq>
 
 
 @router.get("/billing/usage/events")
@@ -76,10 +74,10 @@ def checkpoint_storage(caller: Key, request: Request, project_id: str | None = N
     projects = {s: record.get("project_id") for s, record in tinker.session_records(caller.owner)}
     totals: dict[str | None, list[int]] = defaultdict(lambda: [0, 0])
     for record in tinker.checkpoints(caller.owner):
-        project = projects.get(_session_of(record["model_id"]))
+        project = projects.get(session_of_model(record["model_id"]))
         if project_id is None or project == project_id:
             totals[project][0] += 1
-            totals[project][1] += record.get("size_bytes") or sum((record.get("files") or {}).values())
+            totals[project][1] += stored_bytes(record) or 0
     return {"effective_rate_usd_per_gigabyte_month": None,
             "data": [{"project_id": project, "org_user_urn": caller.owner, "user_name": caller.principal.name,
                       "checkpoint_count": count, "size_bytes": size, "size_gigabytes": size / GIGABYTE,

@@ -36,7 +36,12 @@ from services.api.routers.tinker.sessions import offered_model
 from shared.contracts.db.models import Run
 from shared.contracts.messages import TinkerCheckpoint
 from shared.contracts.streams import tinker_key
-from shared.contracts.tinker_run import TinkerRunConfig, checkpoint_path, parse_checkpoint_path
+from shared.contracts.tinker_run import (
+    TinkerRunConfig,
+    checkpoint_path,
+    parse_checkpoint_path,
+    training_model_id,
+)
 
 router = APIRouter()
 
@@ -50,13 +55,18 @@ def path_of(record: dict) -> str:
 CHECKPOINT_TYPES = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}  # the SDK's
 
 
+def stored_bytes(record: dict) -> int | None:
+    """What a checkpoint record stores; None for a record written before sizes were kept and without files."""
+    files = record.get("files") or {}
+    return record.get("size_bytes") or (sum(files.values()) if files else None)
+
+
 def checkpoint_view(record: dict, public: set[str]) -> dict:
     """A TinkerCheckpoint as the SDK's Checkpoint; `public`: the published paths among those shown."""
     path = path_of(record)
     expires = record.get("expires_at")
-    files = record.get("files") or {}
     return {"checkpoint_id": f"{record['kind']}/{record['name']}", "checkpoint_type": CHECKPOINT_TYPES[record["kind"]],
-            "size_bytes": record.get("size_bytes") or (sum(files.values()) if files else None),
+            "size_bytes": stored_bytes(record),
             "time": datetime.fromtimestamp(record["created_at"], UTC).isoformat(), "tinker_path": path,
             "public": path in public, "expires_at": datetime.fromtimestamp(expires, UTC).isoformat() if expires else None,
             "user_metadata": record.get("user_metadata") or None}
@@ -280,7 +290,7 @@ def copy_weights(body: CopyWeights, caller: Key, request: Request, config: Confi
         raise ApiError(400, f"copying {source['kind']} checkpoints is not served yet; sampler weights are",
                        field="source_path", hint="create_training_client_from_state(path) and save_state anew")
     session_id, seq = copy_slot(request, caller, body)
-    model_id = f"{session_id}:train:{seq}"
+    model_id = training_model_id(session_id, seq)
     base = offered_model(config, source["base_model"])
     model = {"session_id": session_id, "run_id": None, "copy_of": body.source_path, "base_model": base.name,
              "source": base.source, "arch": base.arch, "lora": source["lora"], "optimizer_config": None,

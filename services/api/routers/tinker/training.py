@@ -42,6 +42,7 @@ from shared.contracts.tinker_run import (
     checkpoint_name_ok,
     checkpoint_path,
     parse_checkpoint_path,
+    training_model_id,
 )
 from shared.platform.bus import RedisError, announce
 from shared.weights.age import age_recipient
@@ -101,7 +102,7 @@ def new_model(request: Request, caller: Caller, config, db, session_id: str, mod
     if optimizer_config.get("type", "adamw") != "adamw":
         raise ApiError(400, f"optimizer {optimizer_config.get('type')!r} is not supported; only adamw",
                        field="optimizer_config.type")
-    model_id = f"{session_id}:train:{model_seq_id}"  # the id the SDK itself derives for a session's model
+    model_id = training_model_id(session_id, model_seq_id)
     tinker = store(request)
     model = {"session_id": session_id, "run_id": None, "base_model": base.name, "source": base.source,
              "arch": base.arch, "lora": lora, "optimizer_config": optimizer_config,
