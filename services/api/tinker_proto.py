@@ -79,10 +79,14 @@ def _schema() -> dict[str, type]:
         _message("SampledSequence", ("stop_reason", 1, E, ".tinker_public.StopReason", False, None),
                  ("tokens", 2, B, None, False, None), ("logprobs", 3, B, None, False, None),
                  ("topk_sampled_logprobs", 4, M, ".tinker_public.TopkLogprobs", False, None)),
+        _message("PromptAltTokens", ("tokens", 1, M, ".tinker_public.Tensor", False, None),
+                 ("logprobs", 2, M, ".tinker_public.Tensor", False, None)),
         _message("SampleResponse", ("sequences", 1, M, ".tinker_public.SampledSequence", True, None),
                  ("prompt_logprobs", 2, B, None, False, None),
                  ("topk_prompt_logprobs", 3, M, ".tinker_public.TopkLogprobs", False, None),
-                 ("prompt_cache_hit_tokens", 4, I32, None, False, None)),
+                 ("prompt_cache_hit_tokens", 4, I32, None, False, None),
+                 ("target_prompt_logprobs", 5, M, ".tinker_public.Tensor", False, None),
+                 ("prompt_alt_tokens", 6, M, ".tinker_public.PromptAltTokens", False, None)),
         _message("ForwardBackwardOutput", ("loss_fn_output_type", 1, S, None, False, None),
                  ("loss_fn_outputs", 2, M, ".tinker_public.ArrayRecord", True, None),
                  maps=(("metrics", 3, "MetricsEntry", D, None),)),
@@ -98,6 +102,8 @@ ForwardBackwardRequest = _CLASSES["ForwardBackwardRequest"]
 ForwardBackwardOutput = _CLASSES["ForwardBackwardOutput"]
 SampleResponse = _CLASSES["SampleResponse"]
 TopkLogprobs = _CLASSES["TopkLogprobs"]
+Tensor = _CLASSES["Tensor"]
+SparseCsr = _CLASSES["SparseCsr"]
 STOP_REASONS = {"stop": 0, "length": 1}
 
 
@@ -178,8 +184,9 @@ def encode_output(result: dict) -> bytes:
 
 
 def encode_samples(result: dict) -> bytes:
-    """A sample result (`sequences`: tokens, logprobs, stop_reason, `topk` when asked; `prompt_logprobs` and
-    `topk_prompt_logprobs` when asked) as the SDK's protobuf SampleResponse; an unscored prompt position is NaN."""
+    """A sample result (`sequences`: tokens, logprobs, stop_reason, `topk` when asked; `prompt_logprobs`,
+    `topk_prompt_logprobs`, `target_prompt_logprobs` and `prompt_alt_tokens` when asked) as the SDK's protobuf
+    SampleResponse; an unscored prompt position is NaN."""
     out = SampleResponse()
     for seq in result["sequences"]:
         added = out.sequences.add(stop_reason=STOP_REASONS[seq["stop_reason"]],
@@ -192,7 +199,35 @@ def encode_samples(result: dict) -> bytes:
         out.prompt_logprobs = np.asarray(values, dtype="<f4").tobytes()
     if "topk_prompt_logprobs" in result:
         out.topk_prompt_logprobs.CopyFrom(encode_topk(result["topk_prompt_logprobs"]))
+    if "target_prompt_logprobs" in result:
+        out.target_prompt_logprobs.CopyFrom(encode_targets(result["target_prompt_logprobs"],
+                                                           result.get("target_sparse", False)))
+    if "prompt_alt_tokens" in result:
+        rows = result["prompt_alt_tokens"]
+        k = len(rows[0]) if rows else 0
+        out.prompt_alt_tokens.tokens.CopyFrom(dense_tensor([[t for t, _ in r] for r in rows], DTYPE_INT64, k))
+        out.prompt_alt_tokens.logprobs.CopyFrom(dense_tensor([[v for _, v in r] for r in rows], DTYPE_FLOAT32, k))
     return out.SerializeToString()
+
+
+def dense_tensor(rows: list[list], dtype: int, width: int):
+    """Rows of `width` numbers as a dense Tensor of shape [len(rows), width]."""
+    values = np.asarray(rows, dtype=_NUMPY[dtype]).reshape(len(rows), width)
+    return Tensor(dense=values.tobytes(), dtype=dtype, shape=list(values.shape))
+
+
+def encode_targets(rows: list[list[float | None]], sparse: bool):
+    """Target prompt logprobs (rows of K; a cell not asked for is 0.0, or None when the request's tensor was
+    sparse) as a float32 Tensor in the request's layout: dense, or sparse CSR listing the cells asked for."""
+    width = len(rows[0]) if rows else 0
+    if not sparse:
+        return dense_tensor(rows, DTYPE_FLOAT32, width)
+    listed = [[(j, v) for j, v in enumerate(r) if v is not None] for r in rows]
+    crow = np.cumsum([0] + [len(r) for r in listed], dtype="<i8")
+    csr = SparseCsr(values=np.asarray([v for r in listed for _, v in r], dtype="<f4").tobytes(),
+                    crow_indices=crow.tobytes(),
+                    col_indices=np.asarray([j for r in listed for j, _ in r], dtype="<i8").tobytes())
+    return Tensor(sparse_csr=csr, dtype=DTYPE_FLOAT32, shape=[len(rows), width])
 
 
 TOPK_EMPTY = (0, -99999.0)  # the SDK's filler of a position with fewer than k (or no) tokens

@@ -85,23 +85,37 @@ def cut_at_stop_tokens(ids: list[int], logprobs: list[float], stop: list[int]) -
 
 def sample_params(msg: TinkerSample, i: int) -> SamplingParams:
     """Sample i's engine request: seeded with seed + i when the request has a seed; the first sample's also
-    scores the prompt, when that was asked."""
+    scores the prompt (logprobs, target logprobs, alt tokens), when that was asked."""
+    first = i == 0
     return SamplingParams(temperature=msg.temperature, top_p=msg.top_p, top_k=msg.top_k, stop=tuple(msg.stop_strings),
                           logprobs=msg.topk_sample_logprobs, seed=None if msg.seed is None else msg.seed + i,
-                          prompt_logprobs=msg.topk_prompt_logprobs if i == 0 and (
-                              msg.prompt_logprobs or msg.topk_prompt_logprobs) else None)
+                          prompt_logprobs=msg.topk_prompt_logprobs if first and (
+                              msg.prompt_logprobs or msg.topk_prompt_logprobs) else None,
+                          prompt_targets=tuple(map(tuple, msg.target_prompt_ids))
+                          if first and msg.target_prompt_ids else None,
+                          prompt_alt_k=msg.prompt_alt_tokens_k if first else 0)
 
 
 def prompt_scores(msg: TinkerSample, gen: Generation) -> dict:
-    """The prompt logprobs the request asked for, from the generation that scored its prompt: each position's
-    logprob and/or its k likeliest tokens, None where not scored (the first token, and those before the last
-    `prompt_logprobs_last_n`)."""
+    """What the request asked of its prompt, from the generation that scored it: each position's logprob and/or
+    its k likeliest tokens, None where not scored (the first token, and those before the last
+    `prompt_logprobs_last_n`); the target ids' logprobs (rows of the request's shape; a cell it did not ask for
+    is 0.0, or None when its tensor was sparse, so that it is left out again); the alt tokens drawn."""
     skip = len(msg.prompt) - msg.prompt_logprobs_last_n if msg.prompt_logprobs_last_n else 0
     scores = {}
     if msg.prompt_logprobs:
         scores["prompt_logprobs"] = [None if i < skip else v for i, v in enumerate(gen.prompt_logprobs)]
     if msg.topk_prompt_logprobs:
         scores["topk_prompt_logprobs"] = [None if i < skip else v for i, v in enumerate(gen.prompt_top_logprobs)]
+    if msg.target_prompt_ids:
+        unasked = None if msg.target_sparse else 0.0
+        scores["target_prompt_logprobs"] = [
+            [unasked if t < 0 else v for t, v in zip(ids, values, strict=True)]
+            for ids, values in zip(msg.target_prompt_ids, gen.prompt_target_logprobs, strict=True)]
+        if msg.target_sparse:
+            scores["target_sparse"] = True
+    if msg.prompt_alt_tokens_k:
+        scores["prompt_alt_tokens"] = gen.prompt_alt_tokens
     return scores
 
 

@@ -77,7 +77,9 @@ SAMPLES["tinker_op"] = TinkerOp(request_id="f1", owner="ab" * 32, model_id="s:tr
 SAMPLES["tinker_wake"] = TinkerWake(model_id="s:train:0", run_id="r")
 SAMPLES["tinker_sample"] = TinkerSample(request_id="f2", owner="ab" * 32, run_id="r", version=3,
                                         sequence_ids=["f2:0", "f2:1"], prompt=[1, 2, 3], num_samples=2, max_tokens=8,
-                                        temperature=0.7, stop_strings=["\n"], stop_tokens=[2], sent_at=NOW)
+                                        temperature=0.7, stop_strings=["\n"], stop_tokens=[2], sent_at=NOW,
+                                        target_prompt_ids=[[5, -1], [-1, 7]], target_sparse=True,
+                                        prompt_alt_tokens_k=2)
 
 
 def test_every_message_type_has_a_sample():

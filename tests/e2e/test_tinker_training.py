@@ -538,6 +538,51 @@ def test_compute_logprobs_and_top_k_logprobs_are_the_models(api):
     assert r.status_code == 400 and "prompt_logprobs_last_n" in r.text, r.text
 
 
+def test_target_prompt_logprobs_and_prompt_alt_tokens_are_the_models(api):
+    """target_prompt_logprobs score the ids asked for at each prompt position (the prompt's own tokens give its
+    prompt logprobs; a sparse request is answered sparse); prompt_alt_tokens_k draws k ids per position whose
+    logprobs are the model's (scored again as targets), the same ones again under the same seed."""
+    torch = pytest.importorskip("torch")
+    service = tinker.ServiceClient(base_url=api.url, api_key="tml-" + api.token)
+    OPEN.append(service)
+    base = service.create_sampling_client(base_model=BASE).result(timeout=120)
+    seq = SEQS[1]
+    prompt, rows = types.ModelInput.from_ints(seq), len(seq) - 1
+    one_token = types.SamplingParams(max_tokens=1, temperature=1.0)
+    ids = torch.full((rows, 2), -1, dtype=torch.int64)
+    ids[:, 0] = torch.tensor(seq[1:])
+    ids[2, 1], ids[5, 1] = 3, 99
+    out = base.sample(prompt, 1, one_token, include_prompt_logprobs=True, topk_prompt_logprobs=1,
+                      target_prompt_logprobs=types.TensorData.from_torch(ids)).result(timeout=300)
+    got = out.target_prompt_logprobs.to_torch()
+    assert list(got.shape) == [rows, 2]
+    assert close([got[:, 0].tolist()], [out.prompt_logprobs[1:]], tol=1e-5)
+    assert got[0, 1].item() == 0.0  # a cell not asked for
+    assert got[2, 1].item() <= out.topk_prompt_logprobs[3][0][1] + 1e-5  # row 2 is position 3: not above its top
+
+    few = torch.full((rows, 4), -1, dtype=torch.int64)  # sparse enough that the SDK sends it as CSR
+    few[0, 0], few[2, 3], few[5, 1] = seq[1], 3, 99
+    sparse = base.sample(prompt, 1, one_token, target_prompt_logprobs=types.TensorData.from_torch_sparse(
+        few, pad_value=-1)).result(timeout=300).target_prompt_logprobs
+    assert sparse.sparse_crow_indices is not None and sparse.sparse_col_indices == [0, 3, 1]
+    assert close([list(sparse.data)], [[got[0, 0].item(), got[2, 1].item(), got[5, 1].item()]], tol=1e-5)
+
+    drawn = [base.sample(prompt, 1, types.SamplingParams(max_tokens=1, temperature=1.0, seed=7),
+                         prompt_alt_tokens_k=3).result(timeout=300).prompt_alt_tokens for _ in range(2)]
+    tokens = drawn[0].tokens.to_torch()
+    assert list(tokens.shape) == [rows, 3] and torch.equal(tokens, drawn[1].tokens.to_torch())
+    rescored = base.sample(prompt, 1, one_token, target_prompt_logprobs=types.TensorData.from_torch(tokens)
+                           ).result(timeout=300).target_prompt_logprobs.to_torch()
+    assert close([rescored.flatten().tolist()], [drawn[0].logprobs.to_torch().flatten().tolist()], tol=1e-5)
+
+    # asked of the server without the SDK's own checks: a clear 400 naming the field
+    r = httpx.post(api.url + "/api/v1/asample", headers={"X-API-Key": "tml-" + api.token}, json={
+        "sampling_session_id": base._sampling_session_id, "num_samples": 1, "sampling_params": {"max_tokens": 1},
+        "prompt": {"chunks": [{"type": "encoded_text", "tokens": seq}]},
+        "target_prompt_logprobs": {"data": [1, 2], "dtype": "int64", "shape": [2, 1]}})
+    assert r.status_code == 400 and "target_prompt_logprobs.shape" in r.text, r.text
+
+
 def test_futures_outlive_an_api_restart_mid_session(api):
     """Futures and operations live in Redis, not in the API process: an operation in flight when the API is
     killed completes, and the session goes on against the restarted API."""

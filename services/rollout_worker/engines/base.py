@@ -33,10 +33,19 @@ class SamplingParams:
     # None: no prompt logprobs; 0: each prompt token's logprob under the model (temperature 1: what a trainer
     # computes); k > 0: with each position's k likeliest tokens too (Generation.prompt_logprobs / prompt_top_logprobs)
     prompt_logprobs: int | None = None
+    # per prompt position after the first, token ids whose logprobs to return (-1: none); Generation.prompt_targets
+    prompt_targets: tuple[tuple[int, ...], ...] | None = None
+    # k > 0: k draws at `temperature` from each prompt position's next-token distribution (Generation.prompt_alt_tokens)
+    prompt_alt_k: int = 0
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether the request needs a pass over its prompt's distributions."""
+        return self.prompt_logprobs is not None or bool(self.prompt_targets) or self.prompt_alt_k > 0
 
 
 @dataclass
@@ -57,6 +66,12 @@ class Generation:
     # first), and with k > 0 that position's k likeliest tokens
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    # SamplingParams.prompt_targets: row i the logprobs of its ids at prompt position i + 1 (no temperature; 0.0
+    # where the id was -1)
+    prompt_target_logprobs: list[list[float]] | None = None
+    # SamplingParams.prompt_alt_k: row i the k draws (id, logprob under the distribution drawn from) at prompt
+    # position i + 1
+    prompt_alt_tokens: list[list[tuple[int, float]]] | None = None
 
 
 class UnservedRequest(ValueError):

@@ -25,6 +25,7 @@ from services.rollout_worker.engines.base import (
     Generation,
     InferenceEngine,
     SamplingParams,
+    UnservedRequest,
     check_adapter_base,
 )
 from shared.platform.logs import get_logger
@@ -208,9 +209,8 @@ class HFEngine(InferenceEngine):
             details = {}
             if sampling.logprobs:
                 details["top_logprobs"] = top_logprobs(distributions[i, :len(ids)], sampling.logprobs)
-            if sampling.prompt_logprobs is not None:
-                name = adapter_names[i] if per_row else None
-                details |= self._prompt_logprobs(r.prompt_ids, name, sampling.prompt_logprobs)
+            if sampling.scores_prompt:
+                details |= self._prompt_scores(r.prompt_ids, adapter_names[i] if per_row else None, sampling)
             results.append((ids, lps, finish, details))
         BATCH_SIZE.observe(len(batch))
         BATCH_SECONDS.observe(time.perf_counter() - start)
@@ -226,18 +226,27 @@ class HFEngine(InferenceEngine):
             self.torch.manual_seed(seed)
             yield
 
-    def _prompt_logprobs(self, prompt_ids: list[int], adapter_name: str | None, k: int) -> dict:
-        """The prompt's logprobs under the model served to the request (no temperature: a trainer's), one forward
-        pass of the prompt alone: HF's generate keeps no prompt logits."""
+    def _prompt_scores(self, prompt_ids: list[int], adapter_name: str | None, sampling: SamplingParams) -> dict:
+        """What the request asked of its prompt, from one forward pass of the prompt alone (HF's generate keeps
+        no prompt logits) under the model served to it: logprobs (no temperature: a trainer's) of its own tokens,
+        of their k likeliest and of the target ids; and k draws at the request's temperature per position."""
         torch = self.torch
         per_row = {"adapter_names": [adapter_name]} if adapter_name else {}
         with torch.no_grad():
             logits = self.model(input_ids=torch.tensor([prompt_ids], device=self.device), **per_row).logits
-        distributions = torch.log_softmax(logits[0, :-1].float().cpu(), dim=-1)
-        own = distributions.gather(-1, torch.tensor(prompt_ids[1:]).unsqueeze(-1)).squeeze(-1).tolist()
-        details = {"prompt_logprobs": [None, *own]}
-        if k:
-            details["prompt_top_logprobs"] = [None, *top_logprobs(distributions, k)]
+        logits = logits[0, :-1].float().cpu()  # row i: the distribution over prompt token i + 1
+        distributions = torch.log_softmax(logits, dim=-1)
+        details = {}
+        if sampling.prompt_logprobs is not None:
+            own = distributions.gather(-1, torch.tensor(prompt_ids[1:]).unsqueeze(-1)).squeeze(-1).tolist()
+            details["prompt_logprobs"] = [None, *own]
+            if sampling.prompt_logprobs:
+                details["prompt_top_logprobs"] = [None, *top_logprobs(distributions, sampling.prompt_logprobs)]
+        if sampling.prompt_targets:
+            details["prompt_target_logprobs"] = target_logprobs(distributions, sampling.prompt_targets)
+        if sampling.prompt_alt_k:
+            with self._rng(sampling.seed):
+                details["prompt_alt_tokens"] = alt_draws(logits, sampling.prompt_alt_k, sampling.temperature)
         return details
 
     def _sampling_kwargs(self, s: SamplingParams) -> dict:
@@ -379,6 +388,38 @@ def top_logprobs(distributions, k: int) -> list[list[tuple[int, float]]]:
     values, ids = distributions.topk(min(k, distributions.shape[-1]), dim=-1)
     return [[(t, v) for t, v in zip(row_ids, row_values, strict=True) if v != float("-inf")]
             for row_ids, row_values in zip(ids.tolist(), values.tolist(), strict=True)]
+
+
+def target_logprobs(distributions, targets: tuple[tuple[int, ...], ...]) -> list[list[float]]:
+    """Per row of log-probabilities, those of the row's target ids; 0.0 where the id is -1 (none asked)."""
+    import torch
+
+    rows, vocab = distributions.shape
+    if len(targets) != rows:
+        raise UnservedRequest(f"target prompt logprobs have {len(targets)} rows for a prompt of {rows + 1} tokens; "
+                              "give one row per prompt position after the first")
+    ids = torch.tensor(targets, dtype=torch.long)
+    if ids.numel() and int(ids.max()) >= vocab:
+        raise UnservedRequest(f"target prompt logprobs name token id {int(ids.max())}, outside the model's vocabulary "
+                              f"of {vocab}")
+    values = distributions.gather(-1, ids.clamp(min=0))
+    return values.masked_fill(ids < 0, 0.0).tolist()
+
+
+def alt_draws(logits, k: int, temperature: float) -> list[list[tuple[int, float]]]:
+    """Per row of logits, k draws with replacement at `temperature` and their logprobs under the distribution drawn
+    from; temperature 0 draws the likeliest token k times, with its logprob under the model."""
+    import torch
+
+    if temperature == 0:
+        distributions = torch.log_softmax(logits, dim=-1)
+        ids = distributions.argmax(dim=-1, keepdim=True).expand(-1, k)
+    else:
+        distributions = torch.log_softmax(logits / temperature, dim=-1)
+        ids = torch.multinomial(distributions.exp(), k, replacement=True)
+    values = distributions.gather(-1, ids)
+    return [list(zip(row_ids, row_values, strict=True)) for row_ids, row_values in zip(ids.tolist(), values.tolist(),
+                                                                                       strict=True)]
 
 
 def _eos_ids(tokenizer: Any, model: Any) -> list[int]:

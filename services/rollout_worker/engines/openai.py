@@ -96,10 +96,11 @@ class OpenAIEngine(InferenceEngine):
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams, max_tokens: int,
                        adapter: str | None = None) -> Generation:
-        if sampling.logprobs or sampling.prompt_logprobs is not None:
+        if sampling.logprobs or sampling.scores_prompt:
             # the completions API names top tokens by their text, which does not map back to ids losslessly
             raise UnservedRequest("engine type openai returns each generated token's own logprob only; top-k and "
-                                  "prompt logprobs are served by engine types hf and vllm")
+                                  "prompt logprobs are served by engine types hf and vllm, target prompt logprobs "
+                                  "and prompt alt tokens by engine type hf")
         name = None
         if adapter is not None:  # a LoRA run: the name pins the adapter version, whatever loads meanwhile
             name, version = self._adapters.get(adapter, (self._zero, 0))

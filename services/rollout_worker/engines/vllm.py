@@ -22,6 +22,7 @@ from services.rollout_worker.engines.base import (
     InferenceError,
     ReloadGate,
     SamplingParams,
+    UnservedRequest,
     behaviour_logprobs,
     check_adapter_base,
     zero_adapter,
@@ -74,6 +75,10 @@ class VLLMEngine(InferenceEngine):
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams, max_tokens: int,
                        adapter: str | None = None) -> Generation:
+        if sampling.prompt_targets or sampling.prompt_alt_k:
+            # vLLM hands back each prompt position's top-k only, never the logprob of an id it did not rank
+            raise UnservedRequest("engine type vllm returns prompt logprobs and their top-k only; target prompt "
+                                  "logprobs and prompt alt tokens are served by engine type hf")
         from vllm import SamplingParams as VllmSampling
 
         params = VllmSampling(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,

@@ -80,8 +80,9 @@ class TinkerWake(Message):
 
 class TinkerSample(Message):
     TYPE = "tinker_sample"
-    # 2: logprob requests (prompt, top-k) and seed; a reader of version 1 would answer them without either
-    SCHEMA_VERSION = 2
+    # 2: logprob requests (prompt, top-k) and seed; 3: target prompt logprobs and prompt alt tokens (a reader of an
+    # older version would answer without what it does not know)
+    SCHEMA_VERSION = 3
     MIN_SCHEMA_VERSION = 1
 
     request_id: str  # the future the result goes to
@@ -101,6 +102,12 @@ class TinkerSample(Message):
     prompt_logprobs_last_n: int | None = Field(None, ge=1, description="only the last n prompt positions scored")
     topk_prompt_logprobs: int = Field(0, ge=0, le=MAX_TOPK_LOGPROBS)  # each prompt position's k likeliest tokens
     topk_sample_logprobs: int = Field(0, ge=0, le=MAX_TOPK_LOGPROBS)  # each sampled position's k likeliest tokens
+    # per prompt position after the first, the token ids whose logprobs to return (-1: none); the rows of the SDK's
+    # target_prompt_logprobs, sparse ones made dense: `target_sparse` says to answer in the request's CSR layout
+    target_prompt_ids: list[list[int]] | None = None
+    target_sparse: bool = False
+    # k draws at the request's temperature from each prompt position's next-token distribution (after the first)
+    prompt_alt_tokens_k: int = Field(0, ge=0, le=MAX_TOPK_LOGPROBS)
     seed: int | None = None  # sample i draws with seed + i: the same request with the same seed, the same samples
     # the completion queue (Redis stream `tinker:completions:<sampling session>:<client>`) where the answer is also
     # announced, for the client's retrieve_futures poller; None: only the future is written

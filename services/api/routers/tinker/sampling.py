@@ -91,6 +91,15 @@ class SampleParams(Wire):
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
 
 
+class TensorWire(Wire):
+    """The SDK's TensorData in JSON: flat `data`, its `shape`, CSR indices when sparse."""
+    data: list[int | float]
+    dtype: str
+    shape: list[int] | None = None
+    sparse_crow_indices: list[int] | None = None
+    sparse_col_indices: list[int] | None = None
+
+
 class SampleRequest(Wire):
     sampling_session_id: str | None = None
     seq_id: int | None = None
@@ -103,8 +112,8 @@ class SampleRequest(Wire):
     prompt_logprobs_last_n: Annotated[int, Field(ge=1)] | None = None
     topk_prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_TOPK_LOGPROBS)] = 0
     topk_sample_logprobs: Annotated[int, Field(ge=0, le=MAX_TOPK_LOGPROBS)] = 0
-    target_prompt_logprobs: dict[str, Any] | None = None
-    prompt_alt_tokens_k: int = 0
+    target_prompt_logprobs: TensorWire | None = None
+    prompt_alt_tokens_k: Annotated[int, Field(ge=0, le=MAX_TOPK_LOGPROBS)] = 0
 
 
 DEFAULT_MAX_TOKENS = 256  # a sample request without max_tokens
@@ -122,6 +131,46 @@ def prompt_tokens(prompt: dict[str, Any]) -> list[int]:
     return tokens
 
 
+def target_rows(tensor: TensorWire, prompt_length: int) -> list[list[int]]:
+    """target_prompt_logprobs as dense rows of token ids (-1: none asked), checked: int64, [len(prompt) - 1, K]
+    with K at most MAX_TOPK_LOGPROBS (the bound of a top-k width), at least one id, a consistent CSR layout."""
+    field = "target_prompt_logprobs"
+    rows = prompt_length - 1
+    if tensor.dtype != "int64":
+        raise ApiError(400, f"{field} must be an int64 tensor of token ids, not {tensor.dtype}", field=f"{field}.dtype")
+    if not tensor.shape or len(tensor.shape) != 2 or tensor.shape[0] != rows or not 1 <= tensor.shape[1] <= \
+            MAX_TOPK_LOGPROBS:
+        raise ApiError(400, f"{field} has shape {tensor.shape}; this prompt of {prompt_length} tokens needs "
+                       f"[{rows}, K] with 1 <= K <= {MAX_TOPK_LOGPROBS}", field=f"{field}.shape",
+                       hint="row i scores prompt position i + 1; K ids per row at most, -1 where none is asked")
+    width = tensor.shape[1]
+    values = [int(v) for v in tensor.data]
+    if (tensor.sparse_crow_indices is None) != (tensor.sparse_col_indices is None):
+        raise ApiError(400, f"{field} gives one of sparse_crow_indices and sparse_col_indices without the other",
+                       field=f"{field}.sparse_col_indices")
+    if tensor.sparse_crow_indices is None:
+        if len(values) != rows * width:
+            raise ApiError(400, f"{field} has {len(values)} values for its shape {tensor.shape} ({rows * width})",
+                           field=f"{field}.data")
+        dense = [values[r * width:(r + 1) * width] for r in range(rows)]
+    else:
+        crow, cols = tensor.sparse_crow_indices, tensor.sparse_col_indices
+        if (len(crow) != rows + 1 or crow[0] != 0 or crow[-1] != len(values) or len(cols) != len(values)
+                or any(a > b for a, b in zip(crow, crow[1:], strict=False))
+                or any(not 0 <= c < width for c in cols)):
+            raise ApiError(400, f"{field}'s CSR layout does not fit its shape {tensor.shape} and {len(values)} "
+                           "values", field=f"{field}.sparse_crow_indices",
+                           hint="build it with TensorData.from_torch_sparse(ids, pad_value=-1)")
+        dense = [[-1] * width for _ in range(rows)]
+        for r in range(rows):
+            for j in range(crow[r], crow[r + 1]):
+                dense[r][cols[j]] = values[j]
+    if any(v < -1 for v in values) or all(v == -1 for v in values):
+        raise ApiError(400, f"{field} must name at least one token id, and ids are >= 0 (-1 where none is asked)",
+                       field=f"{field}.data")
+    return dense
+
+
 @router.post("/asample")
 def asample(body: SampleRequest, caller: Key, request: Request) -> dict:
     if body.sampling_session_id is None:
@@ -129,11 +178,11 @@ def asample(body: SampleRequest, caller: Key, request: Request) -> dict:
     sampler = store(request).sampler(caller.owner, body.sampling_session_id)
     if sampler is None:
         raise ApiError(404, f"sampling session {body.sampling_session_id} does not exist", field="sampling_session_id")
-    unserved = [f for f in ("target_prompt_logprobs", "prompt_alt_tokens_k") if getattr(body, f)]
-    if unserved:
-        raise ApiError(400, f"{unserved[0]} is not served by this server yet", field=unserved[0],
-                       hint="sample without it (prompt_logprobs and the top-k logprobs are served)")
     prompt = prompt_tokens(body.prompt)
+    targets = None if body.target_prompt_logprobs is None else target_rows(body.target_prompt_logprobs, len(prompt))
+    if body.prompt_alt_tokens_k and len(prompt) < 2:
+        raise ApiError(400, "prompt_alt_tokens_k draws at the prompt positions after the first; this prompt has one "
+                       "token", field="prompt_alt_tokens_k")
     last_n = body.prompt_logprobs_last_n
     if last_n is not None and (not (body.prompt_logprobs or body.topk_prompt_logprobs) or last_n >= len(prompt)):
         raise ApiError(400, f"prompt_logprobs_last_n {last_n} needs prompt logprobs asked for and a prompt longer "
@@ -152,7 +201,9 @@ def asample(body: SampleRequest, caller: Key, request: Request) -> dict:
             stop_strings=[x for x in stop if isinstance(x, str)], stop_tokens=[x for x in stop if isinstance(x, int)],
             prompt_logprobs=bool(body.prompt_logprobs), prompt_logprobs_last_n=last_n,
             topk_prompt_logprobs=body.topk_prompt_logprobs, topk_sample_logprobs=body.topk_sample_logprobs,
-            seed=p.seed, completions=completion_queue(body.sampling_session_id, body.seq_id or 0),
+            target_prompt_ids=targets, target_sparse=bool(body.target_prompt_logprobs
+                                                          and body.target_prompt_logprobs.sparse_crow_indices),
+            prompt_alt_tokens_k=body.prompt_alt_tokens_k, seed=p.seed, completions=completion_queue(body.sampling_session_id, body.seq_id or 0),
             sent_at=time.time(), session_id=sampler["session_id"], base_model=sampler["base_model"]))
     except RedisError as e:
         raise ApiError(503, f"Redis is unreachable, so the sample could not be sent to a rollout worker ({e})",
