@@ -44,6 +44,8 @@ from shared.platform.bus import StreamBus
 from shared.platform.db.session import make_engine
 from tests.support.procs import REPO, ServiceGroup, stop, wait_until_async
 
+pytestmark = pytest.mark.slow  # minutes: started first under xdist (tests/conftest.py)
+
 
 @pytest.fixture(scope="module")
 def engine(database_url):
