@@ -161,6 +161,16 @@ class TinkerModel:
     last_seq: int = 0  # the last seq_id applied
 
 
+def stored_in(record: TinkerCheckpoint) -> tuple | None:
+    """What of the trainer's a checkpoint's storage is, shared by its copies: a save_state's folder, an export;
+    None for sampler weights (versions on the weight server, removed by its retention)."""
+    if record.folder:
+        return ("folder", str(Path(record.folder).resolve()))
+    if record.kind == "external_weights":
+        return ("export", record.run_id, record.name)
+    return None
+
+
 class OpFailed(Exception):
     """An operation that cannot be applied; `category` is the SDK's (user: the caller's to fix)."""
 
@@ -379,8 +389,9 @@ class TinkerModels:
         return record
 
     async def sweep_checkpoints(self) -> None:
-        """Remove what expired checkpoints hold: a save_state's folder under this trainer's STATE_DIR, then the
-        record (sampler weights are versions on the weight server, which its retention removes). A folder under
+        """Remove what expired checkpoints hold: a save_state's folder under this trainer's STATE_DIR, an export on
+        the weight server, then the record (sampler weights are versions on the weight server, which its retention
+        removes). Storage a live record shares (a copy_weights copy, or its source) is kept. A folder under
         another STATE_DIR is left, record and all, to the trainer that wrote it. Redis out of reach: the next
         sweep tries again (training goes on)."""
         try:
@@ -389,22 +400,30 @@ class TinkerModels:
             log.warning("tinker checkpoint sweep skipped: Redis is out of reach (%s)", e)
 
     async def _sweep(self, now: float, root: Path) -> None:
+        # `now` is the sweep's start: a record copied or deleted meanwhile is live at it, so what a copy made during
+        # the sweep shares is never removed
+        records = {}
         async for key in self.trainer.redis.scan_iter(match=tinker_key("checkpoint", "tinker://*"), count=500):
             raw = await self.trainer.redis.get(key)
-            record = TinkerCheckpoint.model_validate_json(raw) if raw else None
-            if record is None or record.live(now):
+            if raw:
+                records[key] = TinkerCheckpoint.model_validate_json(raw)
+        shared = {stored_in(r) for r in records.values() if r.live(now)}
+        for key, record in records.items():
+            if record.live(now):
                 continue
-            if record.folder:
-                folder = Path(record.folder).resolve()
-                if root not in folder.parents:
-                    continue
-                await asyncio.to_thread(shutil.rmtree, folder, True)
-            if record.kind == "external_weights":
-                try:
-                    await asyncio.to_thread(self.trainer.publisher.delete_export, record.run_id, record.name)
-                except (TimeoutError, httpx.HTTPError) as e:  # the weight server is away: the next sweep tries again
-                    log.warning("tinker export %s not removed yet: %r", key, e)
-                    continue
+            storage = stored_in(record)
+            if storage is not None and storage not in shared:
+                if record.folder:
+                    folder = Path(record.folder).resolve()
+                    if root not in folder.parents:
+                        continue
+                    await asyncio.to_thread(shutil.rmtree, folder, True)
+                if record.kind == "external_weights":
+                    try:
+                        await asyncio.to_thread(self.trainer.publisher.delete_export, record.run_id, record.name)
+                    except (TimeoutError, httpx.HTTPError) as e:  # the weight server is away: the next sweep tries
+                        log.warning("tinker export %s not removed yet: %r", key, e)
+                        continue
             await self.trainer.redis.delete(key)
             log.info("removed tinker checkpoint %s (deleted or past its ttl)",
                      checkpoint_path(record.model_id, record.kind, record.name), extra={"run_id": record.run_id})

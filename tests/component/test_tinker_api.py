@@ -449,7 +449,7 @@ def test_only_the_owner_publishes_a_checkpoint_and_the_listings_show_it(api, red
     assert r.status_code == 404 and r.json()["detail"][0]["field"] == "path.checkpoint_id", r.text
 
 
-def test_copy_weights_copies_sampler_weights_into_a_slot_that_cannot_be_trained(api, redis_url):
+def test_copy_weights_copies_checkpoints_into_a_slot_that_cannot_be_trained(api, redis_url):
     owner_key, eve_key = new_token(api, ["read", "write"]), new_token(api, ["read", "write"])
     _, source = saved_checkpoint(api, redis_url, owner_key, "s1", "sampler_weights")
     _, state = saved_checkpoint(api, redis_url, owner_key, "w1")
@@ -482,7 +482,9 @@ def test_copy_weights_copies_sampler_weights_into_a_slot_that_cannot_be_trained(
     taken = post(api, "/api/v1/copy_weights", into, owner_key)
     assert taken.status_code == 400 and taken.json()["detail"][0]["field"] == "model_seq_id", taken.text
     weights = post(api, "/api/v1/copy_weights", {"source_path": state, "destination_project_id": "p"}, owner_key)
-    assert weights.status_code == 400 and weights.json()["detail"][0]["field"] == "source_path", weights.text
+    assert weights.status_code == 200 and weights.json()["tinker_path"].endswith("/weights/w1"), weights.text
+    state_copy = owner.get_weights_info_by_tinker_path(weights.json()["tinker_path"]).result(timeout=30)
+    assert state_copy.lora_rank == owner.get_weights_info_by_tinker_path(state).result(timeout=30).lora_rank
     nowhere = post(api, "/api/v1/copy_weights", {"source_path": source}, owner_key)
     assert nowhere.status_code == 400 and nowhere.json()["detail"][0]["field"] == "destination_project_id"
 

@@ -1,6 +1,7 @@
 """The trainer's sweep of expired Tinker checkpoints against real Redis: an expired checkpoint's folder under the
 trainer's STATE_DIR goes, then its record; a live one stays; a folder under another STATE_DIR is left, record and
-all, to the trainer that wrote it; Redis out of reach skips the sweep instead of failing the trainer's loop."""
+all, to the trainer that wrote it; storage a live copy shares is kept until the last record sharing it expires; Redis
+out of reach skips the sweep instead of failing the trainer's loop."""
 
 from __future__ import annotations
 
@@ -46,6 +47,44 @@ async def test_expired_checkpoints_are_removed_and_the_rest_left(redis_url, tmp_
         assert gone == unrecorded == {"expired"}
     finally:
         await redis.delete(*(key for key, _, _ in cases.values()))
+        await redis.aclose()
+
+
+async def test_storage_a_live_copy_shares_is_kept_until_the_last_record_goes(redis_url, tmp_path):
+    redis = Redis.from_url(redis_url)
+    state, now = tmp_path / "state", time.time()
+    folder = state / "tinker" / "run" / "w"
+    folder.mkdir(parents=True)
+    exports = []
+    models = sweeper(redis, state)
+    models.trainer.publisher = SimpleNamespace(delete_export=lambda run_id, name: exports.append((run_id, name)))
+
+    def record(model: str, kind: str, expires_at, **where) -> tuple[str, TinkerCheckpoint]:
+        r = TinkerCheckpoint(owner="o", model_id=model, run_id="run", kind=kind, name="w", base_model="b",
+                             lora={"rank": 2}, seq_id=1, created_at=now, expires_at=expires_at, **where)
+        return tinker_key("checkpoint", checkpoint_path(model, kind, "w")), r
+
+    tag = uuid.uuid4().hex[:8]
+    source, copy = record(f"s{tag}:train:0", "weights", now - 1, folder=str(folder)), \
+        record(f"c{tag}:train:0", "weights", now + 3600, folder=str(folder))
+    export, export_copy = record(f"s{tag}:train:0", "external_weights", now - 1, files={"a": 1}), \
+        record(f"c{tag}:train:0", "external_weights", None, files={"a": 1})
+    keys = [k for k, _ in (source, copy, export, export_copy)]
+    try:
+        for key, r in (source, copy, export, export_copy):
+            await redis.set(key, r.model_dump_json())
+        await models.sweep_checkpoints()
+        # the expired sources' records go; what their live copies share stays
+        assert [bool(await redis.exists(k)) for k in keys] == [False, True, False, True]
+        assert folder.exists() and exports == []
+
+        for key, r in (copy, export_copy):  # the copies expire (deleted) too: now the storage goes
+            await redis.set(key, r.model_copy(update={"expires_at": now - 1}).model_dump_json())
+        await models.sweep_checkpoints()
+        assert not any([await redis.exists(k) for k in keys])
+        assert not folder.exists() and exports == [("run", "w")]
+    finally:
+        await redis.delete(*keys)
         await redis.aclose()
 
 

@@ -267,6 +267,11 @@ def test_save_state_load_state_and_sampler_weights(api, redis_url):
     twin = service.create_training_client_from_state_with_optimizer(saved).result(timeout=300)
     assert twin.model_id != tc.model_id and twin.get_info().lora_rank == 8
     assert close(forward(twin, datums), at_save)
+    rest = tinker.RestClient(base_url=api.url, api_key="tml-" + api.token)
+    copied = rest.copy_weights(saved, "archive").result(timeout=60)  # shares the saved folder
+    rest.delete_checkpoint_from_tinker_path(saved).result(timeout=60)
+    from_copy = service.create_training_client_from_state(copied).result(timeout=300)
+    assert close(forward(from_copy, datums), at_save)
 
     sampler = tc.save_weights_for_sampler("for-sampling").result(timeout=300).path
     assert sampler == f"tinker://{tc.model_id}/sampler_weights/for-sampling"

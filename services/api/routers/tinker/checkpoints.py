@@ -267,10 +267,11 @@ COPY_REPLAY_S = 86400  # how long a copy's idempotency key answers a retry with 
 
 @router.post("/copy_weights")
 def copy_weights(body: CopyWeights, caller: Key, request: Request, config: Config) -> dict:
-    """Sampler weights (the key's own or published ones) copied into a new model slot that cannot be trained
-    on: `session_id` + `model_seq_id`, or a new session in `destination_project_id`. The copy shares the
-    source's storage (its version on the weight server) and has its own expiry. A retry with the same
-    X-Idempotency-Key is answered with the copy the first made."""
+    """A checkpoint (the key's own or a published one, of any kind) copied into a new model slot that cannot be
+    trained on: `session_id` + `model_seq_id`, or a new session in `destination_project_id`. The copy shares the
+    source's storage (a save_state's folder, an export, a version on the weight server), which the trainer's sweep
+    keeps while either is live, and has its own expiry. A retry with the same X-Idempotency-Key is answered with
+    the copy the first made."""
     tinker = store(request)
     replay = request.headers.get("x-idempotency-key")
     if replay and (done := tinker.copy_made(caller.owner, replay)):
@@ -284,11 +285,6 @@ def copy_weights(body: CopyWeights, caller: Key, request: Request, config: Confi
     if source is None:
         raise ApiError(404, f"checkpoint {body.source_path} does not exist", field="source_path",
                        hint="a key copies its own checkpoints and those their owners published")
-    if source["kind"] != "sampler_weights":
-        # the trainer removes a save_state's folder (an export's files) with its record: a copy sharing them would
-        # break with either
-        raise ApiError(400, f"copying {source['kind']} checkpoints is not served yet; sampler weights are",
-                       field="source_path", hint="create_training_client_from_state(path) and save_state anew")
     session_id, seq = copy_slot(request, caller, body)
     model_id = training_model_id(session_id, seq)
     base = offered_model(config, source["base_model"])
