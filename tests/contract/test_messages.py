@@ -179,3 +179,30 @@ def test_an_episode_result_of_version_1_is_still_read_and_a_newer_one_refused():
     assert old == msg and old.trajectories[0].steps[0].chat_from is None
     with pytest.raises(MessageDecodeError, match="schema version 3 unsupported"):
         decode({**fields, b"v": b"3"})
+
+
+def test_a_message_is_stamped_with_the_oldest_version_that_reads_all_it_carries(monkeypatch):
+    """A rolling upgrade: a newer writer's message that uses nothing new is read by a reader not yet upgraded;
+    one that uses a newer field is refused by it (dead-lettered), never read without that field."""
+    plain = SAMPLES["tinker_sample"].model_copy(update={"target_prompt_ids": None, "target_sparse": False,
+                                                        "prompt_alt_tokens_k": 0})
+    assert encode(plain)[b"v"] == b"1"
+    assert encode(plain.model_copy(update={"seed": 3}))[b"v"] == b"2"
+    assert encode(plain.model_copy(update={"topk_prompt_logprobs": 2}))[b"v"] == b"2"
+    assert encode(SAMPLES["tinker_sample"])[b"v"] == b"3"  # target prompt logprobs
+    assert encode(plain.model_copy(update={"prompt_alt_tokens_k": 1}))[b"v"] == b"3"
+
+    op = SAMPLES["tinker_op"]
+    assert encode(op.model_copy(update={"loss_fn": "cross_entropy"}))[b"v"] == b"1"
+    assert encode(op.model_copy(update={"op": "save_weights_external", "data": []}))[b"v"] == b"2"
+    assert encode(op.model_copy(update={"loss_fn": "gspo"}))[b"v"] == b"3"
+
+    whole = SAMPLES["episode_result"].expanded()
+    two_steps = whole.trajectories[0].model_copy(update={"steps": whole.trajectories[0].steps * 2})
+    compact = whole.model_copy(update={"trajectories": [two_steps.compact()]})
+    assert encode(whole)[b"v"] == b"1" and encode(compact)[b"v"] == b"2"
+
+    monkeypatch.setattr(TinkerSample, "SCHEMA_VERSION", 2)  # a rollout worker not yet upgraded
+    assert decode(encode(plain)) == plain
+    with pytest.raises(MessageDecodeError, match="schema version 3 unsupported"):
+        decode(encode(SAMPLES["tinker_sample"]))

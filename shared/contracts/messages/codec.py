@@ -1,7 +1,8 @@
 """Wire format: each stream entry has three fields, `t` (message type), `v` (schema version) and `d`
 (msgpack of the model). Token ids and logprobs are packed binary arrays (`TokenIds`, `Logprobs`), never
 per-token JSON. A new field must be optional so older readers and writers keep working; a breaking change
-bumps `SCHEMA_VERSION` of that type, and readers reject versions they do not know (dead-lettered).
+bumps `SCHEMA_VERSION` of that type, and readers reject versions they do not know (dead-lettered); a message
+that uses nothing of a newer version is stamped with the older one (`Message.wire_version`).
 
 Readers also refuse entries larger than a process-wide limit (`set_max_entry_bytes`, 16 MiB by default;
 services take it from MAX_ENTRY_BYTES) before unpacking them, so one huge entry cannot multiply into
@@ -59,6 +60,12 @@ class Message(BaseModel):
         if cls.TYPE:
             MESSAGE_TYPES[cls.TYPE] = cls
 
+    def wire_version(self) -> int:
+        """The version this message is stamped with: the oldest whose readers read everything it carries
+        (SCHEMA_VERSION, unless the type says which versions its newer fields came with). So a reader not yet
+        upgraded still reads what needs nothing new, and refuses what does: a rolling upgrade loses nothing."""
+        return self.SCHEMA_VERSION
+
 
 MESSAGE_TYPES: dict[str, type[Message]] = {}
 
@@ -80,7 +87,7 @@ def entry_bytes(fields: dict) -> int:
 
 def encode(msg: Message) -> dict[bytes, bytes]:
     body = msgpack.packb(msg.model_dump(mode="python"), use_bin_type=True)
-    return {b"t": msg.TYPE.encode(), b"v": str(msg.SCHEMA_VERSION).encode(), b"d": body}
+    return {b"t": msg.TYPE.encode(), b"v": str(msg.wire_version()).encode(), b"d": body}
 
 
 def decode(fields: dict[bytes, bytes], expect: type[Message] | None = None) -> Message:

@@ -69,6 +69,11 @@ class TinkerOp(Message):
     age_recipients: list[str] = Field(default_factory=list)  # save_weights_external: encrypt each file to these
     sent_at: float = 0.0
 
+    def wire_version(self) -> int:
+        if self.loss_fn == "gspo" or any(d.sequence_ratio_mask is not None for d in self.data):
+            return 3
+        return 2 if self.op == "save_weights_external" else 1
+
 
 class TinkerWake(Message):
     TYPE = "tinker_wake"
@@ -116,6 +121,13 @@ class TinkerSample(Message):
     # what its usage is counted under (shared/stores/tinker_usage.py): the sampling session's, its base model
     session_id: str | None = None
     base_model: str | None = None
+
+    def wire_version(self) -> int:
+        if self.target_prompt_ids or self.prompt_alt_tokens_k:
+            return 3
+        asked = (self.prompt_logprobs, self.prompt_logprobs_last_n, self.topk_prompt_logprobs,
+                 self.topk_sample_logprobs, self.seed is not None)
+        return 2 if any(asked) else 1
 
 
 class TinkerCheckpoint(BaseModel):

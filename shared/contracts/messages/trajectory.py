@@ -196,6 +196,11 @@ class EpisodeResult(Message):
     def key(self) -> tuple[str, str, int, int]:
         return (self.run_id, self.task_id, self.sample_idx, self.attempt)
 
+    def wire_version(self) -> int:
+        compact = any(s.chat_from is not None or s.stream_slice is not None
+                      for t in self.trajectories for s in t.steps)
+        return 2 if compact else 1
+
     def expanded(self) -> EpisodeResult:
         """The result with every step whole (rollout workers send trajectories compact)."""
         return self.model_copy(update={"trajectories": [t.expanded() for t in self.trajectories]})
