@@ -199,6 +199,7 @@ def encode_samples(result: dict) -> bytes:
         out.prompt_logprobs = np.asarray(values, dtype="<f4").tobytes()
     if "topk_prompt_logprobs" in result:
         out.topk_prompt_logprobs.CopyFrom(encode_topk(result["topk_prompt_logprobs"]))
+    out.prompt_cache_hit_tokens = result.get("prompt_cache_hit_tokens", 0)
     if "target_prompt_logprobs" in result:
         out.target_prompt_logprobs.CopyFrom(encode_targets(result["target_prompt_logprobs"],
                                                            result.get("target_sparse", False)))

@@ -159,7 +159,11 @@ class TinkerSampling:
                 results.append(self.episode(msg, i, ids, logprobs, reason, g.weight_version, started))
             # stored first: an answered sample is on `trajectories` (the store keeps it once)
             await self.worker.bus.publish_many(TRAJECTORIES, results)
-            answer = {"type": "sample", "sequences": sequences, **prompt_scores(msg, gens[0])}
+            # the prompt tokens cached before this request: the samples' prefills run together, and each found
+            # at least those (one that ran after another found the whole prompt)
+            cached = min(g.cached_prompt_tokens for g in gens)
+            answer = {"type": "sample", "sequences": sequences, "prompt_cache_hit_tokens": cached,
+                      **prompt_scores(msg, gens[0])}
         except SampleCancelled as e:
             CANCELLED.labels("during" if e.started else "before").inc()
             log.info("tinker sample %s cancelled by its client", msg.request_id, extra={"run_id": msg.run_id})
@@ -179,9 +183,10 @@ class TinkerSampling:
         record = TinkerFuture(owner=msg.owner, model_id=None, result=answer, answered_at=time.time())
         pipe = self.worker.bus.redis.pipeline(transaction=True)
         pipe.set(tinker_key("future", msg.request_id), record.model_dump_json(), ex=FUTURE_TTL_S)
-        if "error" not in answer:  # the prompt prefilled once for all its samples (none cached: not told apart)
+        if "error" not in answer:  # the prompt prefilled once for all its samples, its cached part told apart
+            cached = answer.get("prompt_cache_hit_tokens", 0)
             count_once(pipe, msg.owner, msg.request_id, msg.session_id, msg.base_model,
-                       {"sampling_prefill": len(msg.prompt),
+                       {"sampling_prefill": len(msg.prompt) - cached, "sampling_prefill_cached": cached,
                         "sampling_sample": sum(len(q["tokens"]) for q in answer["sequences"])}, record.answered_at)
         if msg.completions:
             state = "failed" if "error" in answer else "finished"

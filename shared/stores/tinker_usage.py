@@ -14,7 +14,8 @@ from shared.contracts.streams import tinker_key
 from shared.contracts.tinker_run import FUTURE_TTL_S
 
 USAGE_TTL_S = 90 * 24 * 3600  # an hour's counts are kept 90 days (the SDK asks for at most 14 at a time)
-KINDS = ("training", "sampling_prefill", "sampling_sample", "checkpoint")
+# sampling_prefill_cached: prompt tokens the engine served from its prefix cache (reported as cached prefill)
+KINDS = ("training", "sampling_prefill", "sampling_prefill_cached", "sampling_sample", "checkpoint")
 
 # The request's mark, then its counts: a request counted before (its mark is there) adds nothing. The mark
 # outlives any redelivery of the request: its future expires with it.

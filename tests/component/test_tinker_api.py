@@ -548,7 +548,8 @@ def test_usage_is_reported_per_hour_session_and_base_model_each_request_counted_
     hour = (int(time.time()) // 3600 - 2) * 3600  # two hours ago: a window of earlier hours
     for request_id, counts, at in (("fb-1", {"training": 300}, hour + 10), ("fb-1", {"training": 300}, hour + 20),
                                    ("fb-2", {"training": 200}, hour + 3599), ("save-1", {"checkpoint": 1}, hour + 5),
-                                   ("s-1", {"sampling_prefill": 40, "sampling_sample": 64}, hour + 3600 + 1)):
+                                   ("s-1", {"sampling_prefill": 40, "sampling_prefill_cached": 24,
+                                            "sampling_sample": 64}, hour + 3600 + 1)):
         count_once(client, owner, request_id, session_id, "tiny-qwen", counts, at)
     count_once(client, hashlib.sha256(api.token.encode()).hexdigest(), "other", "s", "tiny-qwen",
                {"training": 7}, hour)  # another key's
@@ -560,7 +561,9 @@ def test_usage_is_reported_per_hour_session_and_base_model_each_request_counted_
     later = start + timedelta(hours=1)
     assert rows == [(start, "training", 500, session_id, "tiny-qwen"), (start, "checkpoint", 1, session_id, "tiny-qwen"),
                     (later, "sampling_sample", 64, session_id, "tiny-qwen"),
-                    (later, "sampling_prefill", 40, session_id, "tiny-qwen")]
+                    (later, "sampling_prefill", 40, session_id, "tiny-qwen"),
+                    (later, "sampling_prefill", 24, session_id, "tiny-qwen")]
+    assert [e.event_info.cached for e in got.data if e.event_info.type == "sampling_prefill"] == [False, True]
     assert all(e.user_name == "billed" and e.estimated_cost_usd is None for e in got.data)
     assert got.sessions[session_id].user_metadata == {"team": "rl"}
     assert admin.get_billing_usage(later, later + timedelta(hours=1)).result(timeout=30).data[0].event_info.type \

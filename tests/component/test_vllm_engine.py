@@ -72,6 +72,16 @@ def test_top_k_and_prompt_logprobs_as_the_hf_engine_gives_them_and_seeds(driver,
     assert first["ids"] == again["ids"] != other["ids"]  # a seed fixes a request's draws
 
 
+def test_a_prompt_served_again_reports_its_prefix_cache_hits(driver):
+    """What Tinker's usage tells apart as cached prefill: vLLM's prefix cache serves whole blocks of a prompt it
+    has seen, and says how many tokens (RequestOutput.num_cached_tokens)."""
+    prompt = [300 + (i * 7) % 200 for i in range(400)]  # several blocks, seen by no other test
+    first, again = (ok(driver.call({"op": "generate", "requests": [greedy(prompt, 2)]}))["results"][0]
+                    for _ in range(2))
+    assert first["cached_prompt_tokens"] == 0
+    assert 0 < again["cached_prompt_tokens"] < len(prompt) and again["ids"] == first["ids"]
+
+
 def test_hot_reload_serves_the_new_checkpoint_and_in_flight_requests_keep_their_version(driver, vllm_models):
     assert hf_generate(vllm_models[0], PROMPTS[0], 16)[0] != hf_generate(vllm_models[1], PROMPTS[0], 16)[0]
     reply = ok(driver.call({"op": "generate_and_reload", "requests": [greedy(p, 64) for p in PROMPTS],

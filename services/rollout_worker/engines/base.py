@@ -72,6 +72,7 @@ class Generation:
     # SamplingParams.prompt_alt_k: row i the k draws (id, logprob under the distribution drawn from) at prompt
     # position i + 1
     prompt_alt_tokens: list[list[tuple[int, float]]] | None = None
+    cached_prompt_tokens: int = 0  # prompt tokens the engine served from its prefix cache (vllm's prefix caching)
 
 
 class UnservedRequest(ValueError):

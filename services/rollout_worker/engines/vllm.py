@@ -122,7 +122,8 @@ class VLLMEngine(InferenceEngine):
                                             for tok, entry in zip(ids, completion.logprobs or [], strict=False)],
                                       "vLLM")
         finish = "length" if completion.finish_reason == "length" else "stop"
-        gen = Generation(ids, logprobs, completion.text, finish, version)
+        gen = Generation(ids, logprobs, completion.text, finish, version,
+                         cached_prompt_tokens=getattr(final, "num_cached_tokens", None) or 0)
         if sampling.logprobs:
             gen.top_logprobs = [_likeliest(entry, sampling.logprobs) for entry in completion.logprobs[:len(ids)]]
         if sampling.prompt_logprobs is not None:

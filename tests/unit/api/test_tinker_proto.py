@@ -18,8 +18,10 @@ def test_sample_response_as_the_sdk_reads_it():
                              "topk": [[[7, -0.5], [2, -1.5]], [[1, -0.25], [3, -1.25]]]},
                             {"tokens": [4], "logprobs": [-2.0], "stop_reason": "length", "topk": [[[9, -0.75]]]}],
               "prompt_logprobs": [None, -3.5, -0.125],
-              "topk_prompt_logprobs": [None, [[5, -0.5], [6, -1.0], [8, -2.0]], [[2, -0.125]]]}
+              "topk_prompt_logprobs": [None, [[5, -0.5], [6, -1.0], [8, -2.0]], [[2, -0.125]]],
+              "prompt_cache_hit_tokens": 2}
     out = response_conv.deserialize_sample_response(encode_samples(result))
+    assert out.prompt_cache_hit_tokens == 2
     first, second = out.sequences
     assert first.tokens == [7, 3] and first.logprobs == [-0.5, -1.25] and first.stop_reason == "stop"
     assert second.stop_reason == "length"

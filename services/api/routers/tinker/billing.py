@@ -51,9 +51,10 @@ def billing_usage(caller: Key, request: Request, starting_on: Annotated[datetime
     events = []
     for c in sorted(usage(request.app.state.redis, caller.owner, first, end),
                     key=lambda c: (c.hour, -c.count, c.kind, c.session_id or "", c.base_model or "")):
-        info = {"type": c.kind, **({"count": c.count} if c.kind == "checkpoint" else {"token_count": c.count})}
-        if c.kind == "sampling_prefill":
-            info["cached"] = False  # prefix-cache hits are not told apart here
+        kind = "sampling_prefill" if c.kind == "sampling_prefill_cached" else c.kind
+        info = {"type": kind, **({"count": c.count} if kind == "checkpoint" else {"token_count": c.count})}
+        if kind == "sampling_prefill":
+            info["cached"] = c.kind == "sampling_prefill_cached"
         session = sessions.get(c.session_id or "", {})
         start = datetime.fromtimestamp(c.hour * 3600, UTC)
         events.append({"bucket_start": start.isoformat(), "bucket_end": (start + timedelta(hours=1)).isoformat(),
