@@ -229,14 +229,15 @@ class TinkerStore:
         record the trainer removes meanwhile is not written back."""
         self._update_owned(tinker_key("checkpoint", path), owner, {"expires_at": expires_at})
 
-    def checkpoints(self, owner: str, model_id: str | None = None) -> list[dict[str, Any]]:
-        """The owner's checkpoints (of one model, or all), oldest first."""
+    def checkpoints(self, owner: str, model_id: str | None = None, *, expired: bool = False) -> list[dict[str, Any]]:
+        """The owner's checkpoints (of one model, or all), oldest first; with `expired`, those deleted or past
+        their ttl that the trainer has not removed yet too."""
         prefix = f"tinker://{model_id}/" if model_id else "tinker://"
         records, now = [], time.time()
         for key in self.redis.scan_iter(match=tinker_key("checkpoint", prefix) + "*", count=500):
             raw = self.redis.get(key)
             record = json.loads(raw) if raw else None
-            if record is not None and record.get("owner") == owner and _live(record, now):
+            if record is not None and record.get("owner") == owner and (expired or _live(record, now)):
                 records.append(record)
         return sorted(records, key=lambda r: r["created_at"])
 

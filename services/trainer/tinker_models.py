@@ -35,7 +35,7 @@ from shared.contracts.tinker_run import (
 )
 from shared.platform.bus import REDIS_DOWN, RedisError, StreamConsumer
 from shared.platform.logs import get_logger
-from shared.stores.tinker_usage import count_once
+from shared.stores.tinker_usage import count_once, count_storage_once
 from shared.weights.age import encrypt_files
 from shared.weights.manifest import fsync_path, fsync_tree
 
@@ -424,9 +424,14 @@ class TinkerModels:
                     except (TimeoutError, httpx.HTTPError) as e:  # the weight server is away: the next sweep tries
                         log.warning("tinker export %s not removed yet: %r", key, e)
                         continue
-            await self.trainer.redis.delete(key)
-            log.info("removed tinker checkpoint %s (deleted or past its ttl)",
-                     checkpoint_path(record.model_id, record.kind, record.name), extra={"run_id": record.run_id})
+            path = checkpoint_path(record.model_id, record.kind, record.name)
+            pipe = self.trainer.redis.pipeline(transaction=True)  # its storage counted as it goes: once, whole
+            if record.size_bytes:
+                count_storage_once(pipe, record.owner, f"storage:{path}:{record.created_at}", record.base_model,
+                                   record.size_bytes, record.created_at, record.expires_at)
+            pipe.delete(key)
+            await pipe.execute()
+            log.info("removed tinker checkpoint %s (deleted or past its ttl)", path, extra={"run_id": record.run_id})
 
     async def record_checkpoint(self, record: TinkerCheckpoint) -> None:
         path = checkpoint_path(record.model_id, record.kind, record.name)

@@ -538,7 +538,9 @@ def test_usage_is_reported_per_hour_session_and_base_model_each_request_counted_
 
     import redis
 
-    from shared.stores.tinker_usage import count_once
+    from shared.contracts.messages import TinkerCheckpoint
+    from shared.contracts.streams import tinker_key
+    from shared.stores.tinker_usage import count_once, count_storage_once
 
     token = new_token(api, ["read", "write"], name="billed")
     owner = hashlib.sha256(token.encode()).hexdigest()
@@ -553,11 +555,23 @@ def test_usage_is_reported_per_hour_session_and_base_model_each_request_counted_
         count_once(client, owner, request_id, session_id, "tiny-qwen", counts, at)
     count_once(client, hashlib.sha256(api.token.encode()).hexdigest(), "other", "s", "tiny-qwen",
                {"training": 7}, hour)  # another key's
+    # storage: a checkpoint the trainer removed (counted then), one still held since half past the first hour
+    count_storage_once(client, owner, f"gone-{owner}", "tiny-qwen", 10**9, hour, hour + 3600)
+    held_path = f"tinker://{session_id}:train:9/sampler_weights/held"
+    client.set(tinker_key("checkpoint", held_path), TinkerCheckpoint(
+        owner=owner, model_id=f"{session_id}:train:9", run_id="r", kind="sampler_weights", name="held",
+        base_model="tiny-qwen", lora={"rank": 4}, seq_id=1, version=1, created_at=hour + 1800,
+        size_bytes=3_600_000_000).model_dump_json())
     admin = tinker.AdminClient(base_url=api.url, api_key="tml-" + token)
     start = datetime.datetime.fromtimestamp(hour, UTC)
     got = admin.get_billing_usage(start, start + timedelta(hours=3)).result(timeout=30)
+    client.delete(tinker_key("checkpoint", held_path))
+    storage = [(e.bucket_start, e.event_info.gigabyte_hours, e.session_id) for e in got.data
+               if e.event_info.type == "storage"]
+    assert storage[:2] == [(start, pytest.approx(2.8), None), (start + timedelta(hours=1), pytest.approx(3.6), None)]
+    assert len(storage) == 3 and 0 < storage[2][1] <= 3.6  # the hour going on, so far
     rows = [(e.bucket_start, e.event_info.type, getattr(e.event_info, "token_count", None) or e.event_info.count,
-             e.session_id, e.base_model) for e in got.data]
+             e.session_id, e.base_model) for e in got.data if e.event_info.type != "storage"]
     later = start + timedelta(hours=1)
     assert rows == [(start, "training", 500, session_id, "tiny-qwen"), (start, "checkpoint", 1, session_id, "tiny-qwen"),
                     (later, "sampling_sample", 64, session_id, "tiny-qwen"),

@@ -88,6 +88,28 @@ async def test_storage_a_live_copy_shares_is_kept_until_the_last_record_goes(red
         await redis.aclose()
 
 
+async def test_a_removed_checkpoints_storage_is_counted_once_as_its_owners_usage(redis_url, tmp_path):
+    from shared.stores.tinker_usage import usage_key
+
+    redis = Redis.from_url(redis_url)
+    owner, model = f"o{uuid.uuid4().hex[:8]}", f"s{uuid.uuid4().hex[:8]}:train:0"
+    hour = int(time.time()) // 3600 - 3
+    record = TinkerCheckpoint(owner=owner, model_id=model, run_id="run", kind="sampler_weights", name="v",
+                              base_model="b", lora={"rank": 2}, seq_id=1, version=1, size_bytes=1000,
+                              created_at=hour * 3600 + 1800, expires_at=(hour + 1) * 3600 + 900)
+    key = tinker_key("checkpoint", checkpoint_path(model, "sampler_weights", "v"))
+    try:
+        for _ in range(2):  # removed twice (a record written back meanwhile): counted once
+            await redis.set(key, record.model_dump_json())
+            await sweeper(redis, tmp_path).sweep_checkpoints()
+            assert not await redis.exists(key)
+        field = b'["storage", null, "b"]'
+        assert [await redis.hget(usage_key(owner, h), field) for h in (hour, hour + 1)] == [b"1800000", b"900000"]
+    finally:
+        await redis.delete(key, usage_key(owner, hour), usage_key(owner, hour + 1))
+        await redis.aclose()
+
+
 async def test_a_sweep_with_redis_out_of_reach_is_skipped(tmp_path):
     redis = Redis.from_url("redis://127.0.0.1:1/0", socket_connect_timeout=1)  # nothing listens on port 1
     try:

@@ -648,10 +648,17 @@ def test_usage_counts_what_the_trainer_and_the_rollout_worker_did_for_a_key(api)
     admin = tinker.AdminClient(base_url=api.url, api_key="tml-" + token)
     hour = datetime.now(UTC).replace(minute=0, second=0, microsecond=0)
     totals: dict[str, int] = {}
+    gigabyte_hours = 0.0
     for e in admin.get_billing_usage(hour - timedelta(hours=1), hour + timedelta(hours=1)).result(timeout=60).data:
-        assert e.session_id == tc.model_id.split(":")[0] and e.base_model == BASE, e
+        assert e.base_model == BASE, e
+        if e.event_info.type == "storage":  # what the key's checkpoints held (no session)
+            assert e.session_id is None
+            gigabyte_hours += e.event_info.gigabyte_hours
+            continue
+        assert e.session_id == tc.model_id.split(":")[0], e
         n = e.event_info.count if e.event_info.type == "checkpoint" else e.event_info.token_count
         totals[e.event_info.type] = totals.get(e.event_info.type, 0) + n
+    assert gigabyte_hours > 0
     inputs = sum(d.model_input.length for d in datums)
     assert totals == {"training": 2 * inputs + datums[0].model_input.length, "checkpoint": 2,
                       "sampling_prefill": 4, "sampling_sample": sum(len(q.tokens) for q in out.sequences)}, totals

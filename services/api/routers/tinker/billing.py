@@ -1,9 +1,10 @@
 """Usage (the SDK's `AdminClient.get_billing_usage` and `get_current_checkpoint_storage_usage`): what a key
-trained, sampled and saved, per UTC hour, session and base model (shared/stores/tinker_usage.py), and the
+trained, sampled, saved and stored, per UTC hour, session and base model (shared/stores/tinker_usage.py), and the
 checkpoints it stores now. A self-hosted server has no rate card: every cost and rate is null."""
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from datetime import UTC, datetime, timedelta
 from typing import Annotated
@@ -15,12 +16,13 @@ from services.api.errors import ApiError
 from services.api.routers.tinker.callers import Key, store
 from services.api.routers.tinker.checkpoints import stored_bytes
 from shared.contracts.tinker_run import session_of_model
-from shared.stores.tinker_usage import usage
+from shared.stores.tinker_usage import UsageCount, held_byte_seconds, usage
 
 router = APIRouter()
 
 MAX_WINDOW = timedelta(days=14)  # the SDK's documented longest window
 GIGABYTE = 10**9
+BYTE_SECONDS_PER_GB_HOUR = GIGABYTE * 3600
 
 
 def _hour(value: datetime, field: str) -> int:
@@ -48,23 +50,53 @@ def billing_usage(caller: Key, request: Request, starting_on: Annotated[datetime
                        f"{(end - first)} hours)", field="ending_before", hint="ask for 14 days at a time at most")
     tinker = store(request)
     sessions = dict(tinker.session_records(caller.owner))
+    counts = usage(request.app.state.redis, caller.owner, first, end) + held_now(tinker, caller.owner, first, end)
     events = []
-    for c in sorted(usage(request.app.state.redis, caller.owner, first, end),
-                    key=lambda c: (c.hour, -c.count, c.kind, c.session_id or "", c.base_model or "")):
-        kind = "sampling_prefill" if c.kind == "sampling_prefill_cached" else c.kind
-        info = {"type": kind, **({"count": c.count} if kind == "checkpoint" else {"token_count": c.count})}
-        if kind == "sampling_prefill":
-            info["cached"] = c.kind == "sampling_prefill_cached"
-        session = sessions.get(c.session_id or "", {})
-        start = datetime.fromtimestamp(c.hour * 3600, UTC)
-        events.append({"bucket_start": start.isoformat(), "bucket_end": (start + timedelta(hours=1)).isoformat(),
-                       "base_model": c.base_model, "user_id": caller.owner,
-                       "user_name": session.get("owner_name") or caller.principal.name, "session_id": c.session_id,
-                       "project_id": session.get("project_id"), "event_info": info})
+    for c in sorted(merged(counts), key=lambda c: (c.hour, -c.count, c.kind, c.session_id or "", c.base_model or "")):
+        events.append(event(c, caller, sessions))
     seen = {e["session_id"] for e in events if e["session_id"] in sessions}
     return {"data": events, "cost_data_through": None,
             "sessions": {s: {"user_metadata": {k: str(v) for k, v in sessions[s]["user_metadata"].items()} or None}
                          for s in sorted(seen)}}
+
+
+def held_now(tinker, owner: str, first: int, end: int) -> list[UsageCount]:
+    """The storage of the checkpoints still recorded (live, or deleted and not yet removed by the trainer, which
+    counts a checkpoint's storage when it removes it), in hours first..end."""
+    now = time.time()
+    counts = []
+    for record in tinker.checkpoints(owner, expired=True):
+        size = stored_bytes(record)
+        until = min(now, record.get("expires_at") or now)
+        for hour, n in held_byte_seconds(size or 0, record["created_at"], until).items():
+            if first <= hour < end:
+                counts.append(UsageCount(hour, "storage", None, record.get("base_model"), n))
+    return counts
+
+
+def merged(counts: list[UsageCount]) -> list[UsageCount]:
+    """One count per hour, kind, session and base model."""
+    totals: dict[tuple, int] = defaultdict(int)
+    for c in counts:
+        totals[c[:4]] += c.count
+    return [UsageCount(*key, n) for key, n in totals.items()]
+
+
+def event(c: UsageCount, caller, sessions: dict) -> dict:
+    """A count as the SDK's BillingUsageEvent."""
+    if c.kind == "storage":
+        info = {"type": "storage", "free": False, "gigabyte_hours": c.count / BYTE_SECONDS_PER_GB_HOUR}
+    else:
+        kind = "sampling_prefill" if c.kind == "sampling_prefill_cached" else c.kind
+        info = {"type": kind, **({"count": c.count} if kind == "checkpoint" else {"token_count": c.count})}
+        if kind == "sampling_prefill":
+            info["cached"] = c.kind == "sampling_prefill_cached"
+    session = sessions.get(c.session_id or "", {})
+    start = datetime.fromtimestamp(c.hour * 3600, UTC)
+    return {"bucket_start": start.isoformat(), "bucket_end": (start + timedelta(hours=1)).isoformat(),
+            "base_model": c.base_model, "user_id": caller.owner,
+            "user_name": session.get("owner_name") or caller.principal.name, "session_id": c.session_id,
+            "project_id": session.get("project_id"), "event_info": info}
 
 
 @router.get("/billing/usage/checkpoints/current")
