@@ -90,9 +90,8 @@ demo-agent: install
 # four, load ~5, every test passing). The chaos scenarios mostly wait out their faults, each on a Redis and a
 # Postgres of its own: the two chaos files (the network ones share namespaces, so they stay in one) and the
 # browser test run side by side, and the learning tier (which would fill the cores alone) beside them, its output
-# shown when it ends. `--no-loadscope-reorder` keeps the collection's order, which puts the modules of `slow`
-# tests first (tests/conftest.py); xdist's own order (most tests first) left a vLLM stack module to end the run.
-XDIST ?= -n 4 --dist loadfile --no-loadscope-reorder
+# shown when it ends.
+XDIST ?= -n 4 --dist loadfile
 CHAOS_XDIST ?= -n 2 --dist loadfile
 TEST_DESELECT := -m "not gpu and not container"
 test: install vllm-venv browser-deps chaos-deps

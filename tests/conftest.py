@@ -83,14 +83,6 @@ def pytest_collection_modifyitems(config, items) -> None:
         if parts[0] not in TIERS:
             raise pytest.UsageError(f"{item.nodeid}: a test lives in a tier folder of tests/ ({', '.join(TIERS)})")
         item.add_marker(parts[0])
-    items[:] = slow_modules_first(items)
-
-
-def slow_modules_first(items: list) -> list:
-    """The modules holding a `slow` test (minutes each) first, each kept whole and in order: xdist's loadfile
-    hands modules out in this order, so a slow one starts early instead of ending the run on a worker alone."""
-    slow = {item.path for item in items if item.get_closest_marker("slow")}
-    return sorted(items, key=lambda item: item.path not in slow)
 
 
 def _scratch_folder(kind: str) -> Path:

@@ -44,7 +44,7 @@ from shared.platform.bus import StreamBus
 from shared.platform.db.session import make_engine
 from tests.support.procs import REPO, ServiceGroup, stop, wait_until_async
 
-pytestmark = pytest.mark.slow  # minutes: started first under xdist (tests/conftest.py)
+pytestmark = pytest.mark.slow  # minutes of processes
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from shared.contracts.run_config import POLICY_LOSSES, AlgorithmConfig
 from tests.support.tiny_model import build_number_model
 from tests.support.trainer_batches import spread_batch
 
-pytestmark = pytest.mark.slow  # minutes: started first under xdist (tests/conftest.py)
+pytestmark = pytest.mark.slow  # minutes of processes
 
 # the trainer service's settings: several micro-batches, none the padded path's; verl's fused log-prob kernel
 FUSED = {"fused_backend": "torch"}

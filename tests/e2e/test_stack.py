@@ -34,7 +34,7 @@ from shared.contracts.db.models import Dataset, Run
 from shared.contracts.streams import heartbeat_key
 from tests.support.procs import wait_until
 
-pytestmark = pytest.mark.slow  # minutes: started first under xdist (tests/conftest.py)
+pytestmark = pytest.mark.slow  # minutes of processes
 
 # A minimal service on the real runtime: /healthz, /metrics and a heartbeat, nothing else. It exercises the
 # stack's mechanics (ports, restart, signals) independently of how far the real services have come.

@@ -17,7 +17,7 @@ import pytest
 from sqlalchemy import create_engine, text
 from tinker_testlib import tinker_stack
 
-pytestmark = pytest.mark.slow  # minutes: started first under xdist (tests/conftest.py)
+pytestmark = pytest.mark.slow  # minutes of processes
 
 pytest.importorskip("tinker_cookbook")
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"

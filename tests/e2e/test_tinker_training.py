@@ -33,7 +33,7 @@ tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
 from tinker.proto.request_conv import forward_backward_request_to_proto  # noqa: E402
 
-pytestmark = pytest.mark.slow  # minutes: started first under xdist (tests/conftest.py)
+pytestmark = pytest.mark.slow  # minutes of processes
 
 SEQS = [[5, 9, 13, 17, 21, 25, 29, 33, 37], [40, 44, 48, 52, 56, 60, 64, 68, 72]]
 

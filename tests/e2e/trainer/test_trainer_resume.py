@@ -36,7 +36,7 @@ from shared.platform import leases
 from shared.weights.manifest import ADAPTER_CONFIG, ADAPTER_WEIGHTS, MANIFEST
 from tests.support.procs import wait_until
 
-pytestmark = pytest.mark.slow  # minutes: started first under xdist (tests/conftest.py)
+pytestmark = pytest.mark.slow  # minutes of processes
 
 
 @pytest.mark.timeout(600)  # three trainer starts, two of them killed: 70-85 s alone, 160 s beside the suite

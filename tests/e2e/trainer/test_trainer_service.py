@@ -72,7 +72,11 @@ def test_trainer_trains_whole_groups_reports_and_publishes(stack, redis_url, dat
     proc = start_trainer(redis_url, database_url, stack, tmp_path)
     try:
         wait_version(database_url, run_id, 2, proc)
-        time.sleep(1.0)
+        # the commit comes first; the publish and the report of version 2 follow it (seconds under load)
+        wait_until(lambda: published_versions(redis_url, run_id) == [1, 2] and
+                   max((m.version for m in reports(redis_url, run_id)), default=0) == 2, 60,
+                   "version 2 published and reported",
+                   procs=[proc])
         errors = [m.error for m in reports(redis_url, unloadable)]
         assert len(errors) == 1 and "no-such-model" in errors[0], errors
         with create_engine(database_url).connect() as c:
