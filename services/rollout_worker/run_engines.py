@@ -5,8 +5,9 @@ joined late, engine without in-place update, or a delta that does not verify) th
 weights: the snapshot, or the nearest snapshot before it with the deltas since applied and verified.
 
 LoRA runs (`algorithm.lora`) naming the same model (and engine settings) share one engine: one copy of the base,
-each run served through an `AdapterView` with its own adapter. Their versions are adapters (the manifest names
-the base), loaded for that run only; an adapter of another base is refused and the old version keeps serving."""
+each run through an `AdapterView` with its own adapter (versions are adapters, the manifest naming the base; one
+of another base is refused), and an older version asked for (a Tinker sampler of a model's earlier sampler
+weights) through an adapter of its own beside the newest (`older_version`)."""
 
 from __future__ import annotations
 
@@ -54,6 +55,7 @@ class RunUnavailable(RuntimeError):
     controller's fail-fast sees one reason again and again) instead of each retrying the loader."""
 
 
+OLDER_VERSIONS_MAX = 8  # older adapter versions a worker keeps loaded (least recently used dropped first)
 BUILD_FAILURE_HOLD_S = 30.0  # how long a failed build answers for the run before it is tried again
 ENDED = ("stopped", "failed", "completed")  # a run in one of these has no work left on any worker
 
@@ -126,6 +128,8 @@ class RunRegistry:
         self._manifests: dict[str, CheckpointManifest] = {}  # sha256 -> verified manifest
         self._manifests_lock = threading.Lock()
         self.failed: dict[str, tuple[float, str]] = {}  # run -> (monotonic time, why) of its last failed build
+        self.older: dict[tuple[str, int], RunContext] = {}  # (LoRA run, older version) -> its own adapter, by use
+        self._older_lock = asyncio.Lock()
 
     async def get(self, run_id: str) -> RunContext:
         if run_id not in self.contexts:
@@ -150,6 +154,9 @@ class RunRegistry:
         turn; each context can hold a model). A task of such a run that comes back builds it again, loading the
         newest checkpoint."""
         now = time.monotonic()
+        for key, older in list(self.older.items()):
+            if older.running == 0 and now - older.last_used > idle_s:
+                await self._drop_older(key)
         idle = [c for c in self.contexts.values()
                 if c.running == 0 and now - c.last_used > idle_s and not c.reload_lock.locked()]
         for ctx in idle:
@@ -159,6 +166,8 @@ class RunRegistry:
                 WEIGHT_VERSION.remove(ctx.run_id)
             try:
                 await ctx.engine.close()
+                for key in [k for k in self.older if k[0] == ctx.run_id]:
+                    await self._drop_older(key)
                 await self._close_unused_bases()
             except Exception:
                 log.warning("closing the engine of run %s failed", ctx.run_id, exc_info=True)
@@ -220,7 +229,9 @@ class RunRegistry:
             with contextlib.suppress(KeyError):
                 WEIGHT_VERSION.remove(run_id)
             await ctx.engine.close()
-            await self._close_unused_bases()
+        for key in [k for k in self.older if k[0] == run_id]:
+            await self._drop_older(key)
+        await self._close_unused_bases()
 
     def load_config(self, run_id: str) -> RunConfig | TinkerRunConfig:
         with self.db.connect() as conn:
@@ -229,9 +240,12 @@ class RunRegistry:
             raise RunNotFound(f"run {run_id} not found in the runs table")
         return TinkerRunConfig.model_validate(row.config) if row.kind == "tinker" else RunConfig.model_validate(row.config)
 
-    def newest_checkpoint(self, run_id: str) -> WeightsPublished | None:
-        query = (select(Checkpoint).where(Checkpoint.run_id == uuid.UUID(run_id), Checkpoint.status == "available")
-                 .order_by(Checkpoint.version.desc()).limit(1))
+    def checkpoint(self, run_id: str, version: int | None = None) -> WeightsPublished | None:
+        """The run's newest available checkpoint, or its `version` while the weight server keeps it."""
+        query = select(Checkpoint).where(Checkpoint.run_id == uuid.UUID(run_id), Checkpoint.status == "available")
+        if version is not None:
+            query = query.where(Checkpoint.version == version)
+        query = query.order_by(Checkpoint.version.desc()).limit(1)
         with Session(self.db) as session:
             c = session.scalars(query).first()
         if c is None:
@@ -242,11 +256,46 @@ class RunRegistry:
                                 bytes=c.bytes, created_at=time.time())
 
     async def load_newest(self, ctx: RunContext) -> None:
-        candidates = [await asyncio.to_thread(self.newest_checkpoint, ctx.run_id), self.announced.get(ctx.run_id)]
+        candidates = [await asyncio.to_thread(self.checkpoint, ctx.run_id), self.announced.get(ctx.run_id)]
         candidates = [c for c in candidates if c is not None]
         if candidates:
             await self.reload(ctx, max(candidates, key=lambda c: c.version))
         WEIGHT_VERSION.labels(ctx.run_id).set(ctx.engine.version)
+
+    async def older_version(self, ctx: RunContext, version: int) -> RunContext:
+        """Run ctx at `version`, older than the adapter it serves now: an adapter of its own on the same base
+        (key `<run>-v<version>`), loaded from the weight server once and kept while used (the OLDER_VERSIONS_MAX
+        used least recently beyond that are dropped, never one serving a request). LookupError when the weight
+        server no longer keeps that version (its retention, KEEP_LAST); ValueError for a run of full weights."""
+        if not isinstance(ctx.engine, AdapterView):
+            raise ValueError(f"run {ctx.run_id} trains full weights: only its newest version is served")
+        key = (ctx.run_id, version)
+        async with self._older_lock:
+            older = self.older.pop(key, None)
+            if older is None:
+                msg = await asyncio.to_thread(self.checkpoint, ctx.run_id, version)
+                if msg is None:
+                    raise LookupError(f"version {version} of run {ctx.run_id} is no longer on the weight server "
+                                      "(it keeps each run's newest KEEP_LAST versions and what they are built on)")
+                if self.relay is not None:
+                    msg = msg.model_copy(update={"path": None})
+                manifest = await asyncio.to_thread(self._manifest, msg)
+                folder = await asyncio.to_thread(materialize, msg, self.weights_cache, relay=self.relay)
+                view = AdapterView(ctx.engine.base, f"{ctx.run_id}-v{version}")
+                await view.load_adapter(folder, version, manifest.base_model)
+                older = RunContext(ctx.run_id, ctx.config, ctx.chat, view, None, None, asyncio.Lock())
+                log.info("serving run %s's older version %d beside v%d", ctx.run_id, version, ctx.engine.version,
+                         extra={"run_id": ctx.run_id})
+            self.older[key] = older  # the most recently used last
+            older.last_used = time.monotonic()
+            for old in [k for k, c in self.older.items() if c.running == 0][:max(0, len(self.older) - OLDER_VERSIONS_MAX)]:
+                await self._drop_older(old)
+        return older
+
+    async def _drop_older(self, key: tuple[str, int]) -> None:
+        older = self.older.pop(key, None)
+        if older is not None:
+            await older.engine.close()
 
     async def on_weights(self, msg: WeightsPublished) -> None:
         if self.relay is not None and msg.path:  # remote from the weight server's volume: over HTTP only
@@ -317,14 +366,15 @@ class RunRegistry:
         return WeightUpdate.load(fetch_checkpoint(msg, self.weights_cache, relay=self.relay), manifest, base)
 
     async def _close_unused_bases(self) -> None:
-        used = {id(c.engine.base) for c in self.contexts.values() if isinstance(c.engine, AdapterView)}
+        used = {id(c.engine.base) for c in [*self.contexts.values(), *self.older.values()]
+                if isinstance(c.engine, AdapterView)}
         for key, base in list(self.bases.items()):
             if id(base) not in used:
                 del self.bases[key]
                 await base.close()
 
     async def close(self) -> None:
-        for ctx in self.contexts.values():
+        for ctx in [*self.contexts.values(), *self.older.values()]:
             await ctx.engine.close()
         for base in self.bases.values():
             await base.close()

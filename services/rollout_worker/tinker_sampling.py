@@ -1,5 +1,6 @@
 """Tinker samples on the rollout workers: `tinker.samples` (group `rollout`). Each request is served by the
-engine of its run (a training model's adapter at the version its sampler checkpoint named, or a base model's),
+engine of its run (a training model's adapter at the version its sampler checkpoint named, an older one beside
+the newest, or a base model's),
 its samples go to `trajectories` (stored as the run's episodes: SQL works over Tinker work), then the answer
 goes into the request's future. A request its client cancelled (`cancel_future`) is dropped, before or while it
 is generated; one dead-lettered is answered with the reason. More: docs/tinker.md#sampling
@@ -209,23 +210,32 @@ class TinkerSampling:
 
     async def generate(self, msg: TinkerSample) -> list[Generation]:
         ctx = await self.worker.runs.get(msg.run_id)
-        with ctx.in_use():
-            await self.at_version(ctx, msg.version)
-            return await asyncio.gather(*(ctx.engine.generate(msg.prompt, sample_params(msg, i), msg.max_tokens)
-                                          for i in range(msg.num_samples)))
+        with ctx.in_use():  # the run (and so its older versions) is not released while a request waits on it
+            served = await self.at_version(ctx, msg.version)
+            with served.in_use():
+                return await asyncio.gather(*(served.engine.generate(msg.prompt, sample_params(msg, i),
+                                                                     msg.max_tokens)
+                                              for i in range(msg.num_samples)))
 
-    async def at_version(self, ctx: RunContext, version: int) -> None:
-        """Serve `version` of the run's weights: wait for it to arrive (announced on `weights`), refuse when the
-        run has moved past it (only a run's newest adapter is served)."""
+    async def at_version(self, ctx: RunContext, version: int) -> RunContext:
+        """The run at `version` of its weights: waited for while it has not arrived (announced on `weights`); an
+        adapter of its own when the run has moved past it (a sampler of a model's earlier sampler weights)."""
         if ctx.engine.version < version:
             await self.worker.runs.load_newest(ctx)
         deadline = time.monotonic() + VERSION_WAIT_S
         while ctx.engine.version < version and time.monotonic() < deadline:
             await asyncio.sleep(0.2)
-        if ctx.engine.version != version:
-            raise SampleRefused(f"the sampler weights asked for are version {version} of run {ctx.run_id}; this "
-                                f"worker serves version {ctx.engine.version}: a model's newest sampler weights are "
-                                "served (sample from the newest save_weights_for_sampler)")
+        if ctx.engine.version == version:
+            return ctx
+        if ctx.engine.version < version:
+            raise SampleRefused(f"the sampler weights asked for are version {version} of run {ctx.run_id}; it has "
+                                f"not reached this worker in {VERSION_WAIT_S:.0f}s (it serves version "
+                                f"{ctx.engine.version})")
+        try:
+            return await self.worker.runs.older_version(ctx, version)
+        except (LookupError, ValueError) as e:
+            raise SampleRefused(f"the sampler weights asked for cannot be served: {e}; sample from a newer "
+                                "save_weights_for_sampler") from e
 
     def episode(self, msg: TinkerSample, i: int, ids: list[int], logprobs: list[float], reason: str, version: int,
                 started: float) -> EpisodeResult:

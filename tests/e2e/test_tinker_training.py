@@ -466,6 +466,30 @@ def test_samples_of_a_base_model_and_of_trained_weights_are_served_and_stored(ap
     engine.dispose()
 
 
+def test_a_sampler_of_older_sampler_weights_serves_them_beside_newer_ones(api):
+    """The cookbook's async RL samples from a model's earlier sampler weights while the trainer moves on: a sampler
+    keeps serving the version it was made of after newer ones are published, side by side with the newest (a
+    version the weight server no longer keeps is refused with the reason: tests/unit/rollout)."""
+    tc = training_client(api)
+    datums = [sft_datum(s) for s in SEQS]
+    scored = types.ModelInput.from_ints(SEQS[1])
+    train(tc, datums, 2)
+    first = tc.save_weights_and_get_sampling_client().result(timeout=300)
+    first_lp = first.compute_logprobs(scored).result(timeout=300)[1:]
+    train(tc, datums, 2)
+    second = tc.save_weights_and_get_sampling_client().result(timeout=300)
+    second_lp = second.compute_logprobs(scored).result(timeout=300)[1:]
+    assert not close([first_lp], [second_lp], tol=1e-3)  # training moved the adapter
+
+    both = [first.compute_logprobs(scored), second.compute_logprobs(scored)]  # served together
+    assert close([both[0].result(timeout=300)[1:]], [first_lp], tol=1e-5)
+    assert close([both[1].result(timeout=300)[1:]], [second_lp], tol=1e-5)
+
+    # the newest again, and the older one still loaded beside it
+    assert close([second.compute_logprobs(scored).result(timeout=300)[1:]], [second_lp], tol=1e-5)
+    assert close([first.compute_logprobs(scored).result(timeout=300)[1:]], [first_lp], tol=1e-5)
+
+
 def test_a_sample_cancelled_before_the_rollout_worker_reads_it_is_dropped(api, database_url, redis_url):
     """A sample the client abandons while the rollout worker is paused (SIGSTOP) is cancelled (`cancel_future`);
     resumed, the worker acknowledges it without generating or storing anything, and its future keeps the
