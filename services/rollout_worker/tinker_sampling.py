@@ -247,7 +247,7 @@ class TinkerSampling:
         traj = TrajectoryRecord(uid=uuid.uuid4().hex, name="tinker_sample", termination_reason=termination,
                                 steps=[step], prompt_ids=msg.prompt, response_ids=ids, logprobs=logprobs,
                                 loss_mask=[1] * len(ids), versions=[version] * len(ids))
-        return EpisodeResult(run_id=msg.run_id, task_id=msg.request_id, sample_idx=i, status="completed",
+        return EpisodeResult(run_id=msg.store_run_id or msg.run_id, task_id=msg.request_id, sample_idx=i, status="completed",
                              termination_reason=termination, trajectories=[traj], worker_id=self.worker.worker_id,
                              info={"sequence_id": msg.sequence_ids[i], "tinker": True}, started_at=started,
                              finished_at=time.time())

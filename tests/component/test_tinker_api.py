@@ -411,7 +411,10 @@ def saved_checkpoint(api, redis_url, token: str, name: str, kind: str = "weights
     model_id = post(api, "/api/v1/create_model", {"session_id": session_id, "model_seq_id": 0, "base_model": "tiny-qwen",
                                                   "lora_config": {"rank": 4}}, token).json()["model_id"]
     path = f"tinker://{model_id}/{kind}/{name}"
-    record = TinkerCheckpoint(owner=hashlib.sha256(token.encode()).hexdigest(), model_id=model_id, run_id="r",
+    with api.client() as admin:
+        runs = admin.get("/v1/runs", params={"kind": "tinker", "limit": 200}).json()["data"]
+    run_id = next(r["id"] for r in runs if r["name"] == f"tinker {model_id}")
+    record = TinkerCheckpoint(owner=hashlib.sha256(token.encode()).hexdigest(), model_id=model_id, run_id=run_id,
                               kind=kind, name=name, base_model="tiny-qwen", lora={"rank": 4}, seq_id=1,
                               folder="/nowhere" if kind == "weights" else None,
                               version=None if kind == "weights" else 1, created_at=time.time(),

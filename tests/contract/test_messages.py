@@ -79,7 +79,7 @@ SAMPLES["tinker_sample"] = TinkerSample(request_id="f2", owner="ab" * 32, run_id
                                         sequence_ids=["f2:0", "f2:1"], prompt=[1, 2, 3], num_samples=2, max_tokens=8,
                                         temperature=0.7, stop_strings=["\n"], stop_tokens=[2], sent_at=NOW,
                                         target_prompt_ids=[[5, -1], [-1, 7]], target_sparse=True,
-                                        prompt_alt_tokens_k=2)
+                                        prompt_alt_tokens_k=2, store_run_id="r2")
 
 
 def test_every_message_type_has_a_sample():
@@ -185,11 +185,13 @@ def test_a_message_is_stamped_with_the_oldest_version_that_reads_all_it_carries(
     """A rolling upgrade: a newer writer's message that uses nothing new is read by a reader not yet upgraded;
     one that uses a newer field is refused by it (dead-lettered), never read without that field."""
     plain = SAMPLES["tinker_sample"].model_copy(update={"target_prompt_ids": None, "target_sparse": False,
-                                                        "prompt_alt_tokens_k": 0})
+                                                        "prompt_alt_tokens_k": 0, "store_run_id": None})
     assert encode(plain)[b"v"] == b"1"
     assert encode(plain.model_copy(update={"seed": 3}))[b"v"] == b"2"
     assert encode(plain.model_copy(update={"topk_prompt_logprobs": 2}))[b"v"] == b"2"
-    assert encode(SAMPLES["tinker_sample"])[b"v"] == b"3"  # target prompt logprobs
+    targets = SAMPLES["tinker_sample"].model_copy(update={"store_run_id": None})
+    assert encode(targets)[b"v"] == b"3"  # target prompt logprobs
+    assert encode(SAMPLES["tinker_sample"])[b"v"] == b"4"  # stored in another run than the one serving it
     assert encode(plain.model_copy(update={"prompt_alt_tokens_k": 1}))[b"v"] == b"3"
 
     op = SAMPLES["tinker_op"]
@@ -205,4 +207,7 @@ def test_a_message_is_stamped_with_the_oldest_version_that_reads_all_it_carries(
     monkeypatch.setattr(TinkerSample, "SCHEMA_VERSION", 2)  # a rollout worker not yet upgraded
     assert decode(encode(plain)) == plain
     with pytest.raises(MessageDecodeError, match="schema version 3 unsupported"):
+        decode(encode(targets))
+    monkeypatch.setattr(TinkerSample, "SCHEMA_VERSION", 3)  # one that would store the samples in the serving run
+    with pytest.raises(MessageDecodeError, match="schema version 4 unsupported"):
         decode(encode(SAMPLES["tinker_sample"]))

@@ -287,7 +287,7 @@ def test_save_state_load_state_and_sampler_weights(api, redis_url):
     assert r.status_code == 404, r.text  # neither her model nor her checkpoint
 
 
-def test_a_published_checkpoint_is_loaded_and_sampled_by_another_key_until_unpublished(api):
+def test_a_published_checkpoint_is_loaded_and_sampled_by_another_key_until_unpublished(api, database_url):
     tc = training_client(api)
     datums = [sft_datum(s) for s in SEQS]
     train(tc, datums, 2)
@@ -320,6 +320,15 @@ def test_a_published_checkpoint_is_loaded_and_sampled_by_another_key_until_unpub
     sampled = eve.create_sampling_client(model_path=sampler).result(timeout=120)
     out = sampled.sample(prompt, 1, types.SamplingParams(max_tokens=4)).result(timeout=300)
     assert 1 <= len(out.sequences[0].tokens) <= 4
+    # her samples are hers: stored in a run of her key's, not in the publisher's run that served them
+    engine = create_engine(database_url)
+
+    def stored_by() -> str | None:
+        with engine.connect() as c:
+            return c.execute(text("SELECT r.config->>'owner_name' FROM episodes e JOIN runs r ON r.id = e.run_id "
+                                  "WHERE e.info->>'sequence_id' = :id"), {"id": out.sequences[0].sequence_id}).scalar()
+    assert wait_until(stored_by, timeout_s=60, what="her sample stored") == "tinker-eve-public"
+    engine.dispose()
 
     owner.unpublish_checkpoint_from_tinker_path(state).result(timeout=60)
     owner.unpublish_checkpoint_from_tinker_path(sampler).result(timeout=60)

@@ -86,13 +86,17 @@ class TinkerWake(Message):
 class TinkerSample(Message):
     TYPE = "tinker_sample"
     # 2: logprob requests (prompt, top-k) and seed; 3: target prompt logprobs and prompt alt tokens (a reader of an
-    # older version would answer without what it does not know)
-    SCHEMA_VERSION = 3
+    # older version would answer without what it does not know); 4: store_run_id (one would store the samples in
+    # the publisher's run)
+    SCHEMA_VERSION = 4
     MIN_SCHEMA_VERSION = 1
 
     request_id: str  # the future the result goes to
     owner: str
     run_id: str  # the run whose engine serves it: a training model's (its adapter) or a base sampling session's
+    # the run its samples are stored in when not `run_id`: another key's sampler of published weights (the
+    # publisher's run serves them; the samples are the sampling key's own)
+    store_run_id: str | None = None
     version: int = Field(0, ge=0, description="the run's weight version to sample from (0: the base)")
     sequence_ids: list[str]  # one per sample: the SDK's sample_sequence_ids, the stored episodes' task ids
     prompt: TokenIds
@@ -123,6 +127,8 @@ class TinkerSample(Message):
     base_model: str | None = None
 
     def wire_version(self) -> int:
+        if self.store_run_id is not None:
+            return 4
         if self.target_prompt_ids or self.prompt_alt_tokens_k:
             return 3
         asked = (self.prompt_logprobs, self.prompt_logprobs_last_n, self.topk_prompt_logprobs,

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from pydantic import Field
+from sqlalchemy import select
 
 from services.api.auth import needs
 from services.api.deps import DB, Config
@@ -18,6 +20,7 @@ from services.api.routers.tinker import audit
 from services.api.routers.tinker.callers import Key, Wire, owned_session, store
 from services.api.routers.tinker.sessions import offered_model
 from services.api.routers.tinker.training import store_run
+from shared.contracts.db.models import Run
 from shared.contracts.messages import TinkerSample
 from shared.contracts.messages.tinker import MAX_TOPK_LOGPROBS
 from shared.contracts.streams import TINKER_SAMPLES
@@ -42,8 +45,9 @@ class CreateSamplingSession(Wire):
 @router.post("/create_sampling_session")
 def create_sampling_session(body: CreateSamplingSession, caller: Key, request: Request, config: Config,
                             db: DB) -> dict:
-    """A sampler of saved sampler weights (`model_path`) or of a base model (a run of its own, its samples
-    stored as that run's episodes)."""
+    """A sampler of saved sampler weights (`model_path`: served by the model's run, its samples stored there, or,
+    for another key's published weights, in a run of the caller's own) or of a base model (a run of its own, its
+    samples stored as that run's episodes)."""
     session = owned_session(request, caller, body.session_id, "session_id")
     if session["finished"] is not None:
         raise ApiError(400, f"session {body.session_id} has finished", field="session_id")
@@ -58,19 +62,28 @@ def create_sampling_session(body: CreateSamplingSession, caller: Key, request: R
             raise ApiError(404, f"sampler weights {body.model_path} do not exist", field="model_path")
         record = {"run_id": saved["run_id"], "version": saved["version"], "base_model": saved["base_model"],
                   "model_path": body.model_path}
+        run_owner = db.scalar(select(Run.config["owner"].astext).where(Run.id == uuid.UUID(saved["run_id"])))
+        if run_owner != caller.owner:  # another key's weights (published, or a copy of them): the caller's samples
+            record["store_run_id"] = sampler_run(request, caller, config, db, sampler_id, body.session_id,
+                                                 offered_model(config, saved["base_model"]))
         audit.record(request, caller, "checkpoint_read", saved["owner"], tinker_path=body.model_path,
                      model_id=parsed[0], purpose="sample", sampling_session_id=sampler_id)
     elif body.base_model is not None:
         base = offered_model(config, body.base_model)
-        run = TinkerRunConfig(name=f"tinker sampler {sampler_id}", model_id=sampler_id, session_id=body.session_id,
-                              owner=caller.owner, owner_name=caller.principal.name, base_model=base.name,
-                              model=base.source, lora=None, engine=config.tinker_engine)
-        record = {"run_id": store_run(request, caller, config, db, run), "version": 0, "base_model": base.name,
-                  "model_path": None}
+        record = {"run_id": sampler_run(request, caller, config, db, sampler_id, body.session_id, base),
+                  "version": 0, "base_model": base.name, "model_path": None}
     else:
         raise ApiError(400, "give base_model or model_path", field="base_model")
     store(request).put_sampler(caller.owner, sampler_id, body.session_id, record)
     return {"type": "create_sampling_session", "sampling_session_id": sampler_id}
+
+
+def sampler_run(request: Request, caller: Key, config, db, sampler_id: str, session_id: str, base) -> str:
+    """A run of the caller's for a sampling session's samples (kind `tinker`, no adapter of its own)."""
+    run = TinkerRunConfig(name=f"tinker sampler {sampler_id}", model_id=sampler_id, session_id=session_id,
+                          owner=caller.owner, owner_name=caller.principal.name, base_model=base.name,
+                          model=base.source, lora=None, engine=config.tinker_engine)
+    return store_run(request, caller, config, db, run)
 
 
 @router.get("/samplers/{sampler_id}")
@@ -196,6 +209,7 @@ def asample(body: SampleRequest, caller: Key, request: Request) -> dict:
         sequence_ids = [f"{request_id}:{i}" for i in range(body.num_samples)]
         announce(request.app.state.redis, TINKER_SAMPLES, TinkerSample(
             request_id=request_id, owner=caller.owner, run_id=sampler["run_id"], version=sampler["version"],
+            store_run_id=sampler.get("store_run_id"),
             sequence_ids=sequence_ids, prompt=prompt, num_samples=body.num_samples,
             max_tokens=p.max_tokens or DEFAULT_MAX_TOKENS, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
             stop_strings=[x for x in stop if isinstance(x, str)], stop_tokens=[x for x in stop if isinstance(x, int)],
