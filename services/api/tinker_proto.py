@@ -1,9 +1,11 @@
 """The protobuf messages of the Tinker wire (package `tinker_public`) that this server reads and writes: the
 `forward_backward` request and its output. The schema is declared here, field numbers as the SDK (0.38.0) sends
-them; the server never imports the SDK. Fields it does not read (provenance spans, image chunks' contents)
-are left out: protobuf skips unknown fields."""
+them; the server never imports the SDK. Fields it does not read (image chunks' contents) are left out: protobuf
+skips unknown fields."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
@@ -61,7 +63,15 @@ def _schema() -> dict[str, type]:
         _message("Chunk", ("encoded_text", 1, M, ".tinker_public.EncodedTextChunk", False, 0),
                  ("image", 2, M, ".tinker_public.OtherChunk", False, 0),
                  ("dmel", 3, M, ".tinker_public.OtherChunk", False, 0), oneofs=("chunk",)),
+        _message("PromptProvenanceSpan", ("sequence_id", 1, S, None, False, None), ("offset", 2, I64, None, False, None),
+                 ("length", 3, I64, None, False, None)),
+        _message("SampledProvenanceSpan", ("sequence_id", 1, S, None, False, None),
+                 ("offset", 2, I64, None, False, None), ("length", 3, I64, None, False, None)),
+        _message("ProvenanceSpan", ("prompt_tokens", 1, M, ".tinker_public.PromptProvenanceSpan", False, 0),
+                 ("sampled_tokens", 2, M, ".tinker_public.SampledProvenanceSpan", False, 0), oneofs=("span",)),
         _message("Datum", ("model_input", 1, M, ".tinker_public.Chunk", True, None),
+                 ("model_input_spans", 3, M, ".tinker_public.ProvenanceSpan", True, None),
+                 ("loss_fn_input_spans", 4, M, ".tinker_public.ProvenanceSpan", True, None),
                  maps=(("loss_fn_inputs", 2, "LossFnInputsEntry", M, ".tinker_public.Tensor"),)),
         _message("LossConfigValue", ("number", 1, D, None, False, 0), ("text", 2, S, None, False, 0),
                  oneofs=("value",)),
@@ -164,6 +174,41 @@ def decode_datums(request, loss_inputs: dict[str, tuple[str, ...]]) -> list[Tink
                                  "is tokens[:-1] of (tinker_cookbook's datum helpers build them so)")
         out.append(TinkerDatum(tokens=tokens, target_tokens=targets,
                                **{k: v.astype(np.float32).tolist() for k, v in inputs.items()}))
+    return out
+
+
+@dataclass(frozen=True)
+class SampledSpan:
+    """Datum positions [start, start + length) reproduce sampled tokens [offset, offset + length) of a sample."""
+    sequence_id: str
+    start: int
+    offset: int
+    length: int
+
+
+def sampled_spans(request, data: list[TinkerDatum]) -> list[list[SampledSpan]]:
+    """Per datum (`data`: the request's, decoded), the runs of its targets that its provenance
+    (`loss_fn_input_spans`, which tile the targets) says were sampled; WireError when a datum has none or its runs
+    do not tile its targets."""
+    out = []
+    for i, (datum, decoded) in enumerate(zip(request.data, data, strict=True)):
+        field = f"forward_backward_input.data[{i}].loss_fn_input_spans"
+        start, spans = 0, []
+        for span in datum.loss_fn_input_spans:
+            kind = span.WhichOneof("span")
+            run = getattr(span, kind) if kind else None
+            if run is None or not run.sequence_id or run.offset < 0 or run.length < 0:
+                raise WireError(field, "a provenance span without a sequence id, or with a negative offset or length")
+            if kind == "sampled_tokens" and run.length:
+                spans.append(SampledSpan(run.sequence_id, start, run.offset, run.length))
+            start += run.length
+        targets = len(decoded.target_tokens)
+        if not spans or start != targets:
+            raise WireError(field, f"loss {request.loss_fn!r} needs provenance on every datum: spans that tile its "
+                            f"{targets} targets, some of them sampled (these cover {start}, "
+                            f"{len(spans)} sampled)", hint="build datums from samples that carry their sequence_id, "
+                            "with Datum.with_provenance (tinker_cookbook does for its RL datums)")
+        out.append(spans)
     return out
 
 

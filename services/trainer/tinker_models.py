@@ -88,8 +88,19 @@ def dro(logp: torch.Tensor, d: dict[str, torch.Tensor], config: dict) -> torch.T
     return -(logp * d["advantages"] - 0.5 * config["beta"] * (logp - d["logprobs"]) ** 2)
 
 
+def stable_reinforce(logp: torch.Tensor, d: dict[str, torch.Tensor], config: dict) -> torch.Tensor:
+    # REINFORCE at the sampled positions (`weights`, set by the API from the datum's provenance), weighed by the
+    # truncated importance ratio over the sampler's recorded logprobs (a stop-gradient weight: ratios above the cap
+    # count as the cap, as verl's token-level rollout correction does), plus an optional KL(sampler || policy)
+    # penalty (the k3 estimator, unbiased and non-negative)
+    log_ratio = logp - d["logprobs"]
+    weight = torch.exp(log_ratio).clamp(max=config["truncation"]).detach()
+    kl = torch.exp(-log_ratio) + log_ratio - 1
+    return (-weight * logp * d["advantages"] + config["kl_coeff"] * kl) * d["weights"]
+
+
 LOSSES: dict[str, Callable] = {"cross_entropy": cross_entropy, "importance_sampling": importance_sampling, "ppo": ppo,
-                               "gspo": gspo, "cispo": cispo, "dro": dro}
+                               "gspo": gspo, "cispo": cispo, "dro": dro, "stable_reinforce": stable_reinforce}
 INPUTS = ("weights", "advantages", "logprobs", "sequence_ratio_mask")  # a datum's per-token loss inputs, padded like the responses
 
 

@@ -22,7 +22,10 @@ LOSS_INPUTS: dict[str, tuple[str, ...]] = {
     "gspo": ("logprobs", "advantages"),
     "cispo": ("logprobs", "advantages"),
     "dro": ("logprobs", "advantages"),
+    "stable_reinforce": ("logprobs", "advantages"),
 }
+# Losses trained against the samples their datums' provenance names (the API fills in the recorded logprobs)
+SAMPLED_LOSSES = ("stable_reinforce",)
 # The inputs a loss takes when given: gspo's sequence ratio covers the tokens `sequence_ratio_mask` marks, by default
 # those with a nonzero advantage (the tinker-cookbook's RL datums send no mask and give prompt tokens advantage 0)
 LOSS_OPTIONAL_INPUTS: dict[str, tuple[str, ...]] = {"gspo": ("sequence_ratio_mask",)}
@@ -32,6 +35,8 @@ LOSS_CONFIG: dict[str, dict[str, float | None]] = {
     "gspo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},  # ppo's; the GSPO paper's are 1 - 3e-4, 1 + 4e-4
     "cispo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
     "dro": {"beta": None},
+    # the importance weight's cap (verl's rollout-correction default) and the KL-to-sampler penalty's weight
+    "stable_reinforce": {"truncation": 2.0, "kl_coeff": 0.0},
 }
 CHECKPOINT_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
 CHECKPOINT_KINDS = ("weights", "sampler_weights", "external_weights")  # tinker://<model id>/<kind>/<name>

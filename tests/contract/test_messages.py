@@ -198,6 +198,7 @@ def test_a_message_is_stamped_with_the_oldest_version_that_reads_all_it_carries(
     assert encode(op.model_copy(update={"loss_fn": "cross_entropy"}))[b"v"] == b"1"
     assert encode(op.model_copy(update={"op": "save_weights_external", "data": []}))[b"v"] == b"2"
     assert encode(op.model_copy(update={"loss_fn": "gspo"}))[b"v"] == b"3"
+    assert encode(op.model_copy(update={"loss_fn": "stable_reinforce"}))[b"v"] == b"4"
 
     whole = SAMPLES["episode_result"].expanded()
     two_steps = whole.trajectories[0].model_copy(update={"steps": whole.trajectories[0].steps * 2})

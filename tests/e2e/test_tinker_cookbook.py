@@ -69,7 +69,8 @@ def test_the_cookbook_supervised_loop_learns_and_saves_checkpoints(stack, tmp_pa
 
 def test_the_cookbook_math_rl_recipe_runs_on_arithmetic(stack, tmp_path):
     log_path = tmp_path / "rl"
-    run(stack, math_rl(stack, log_path, "max_steps=3", "groups_per_batch=4"), tmp_path / "rl.log")
+    run(stack, math_rl(stack, log_path, "max_steps=3", "groups_per_batch=4", "loss_fn=importance_sampling"),
+        tmp_path / "rl.log")
     rows = metrics(log_path)
     assert len([r for r in rows if "env/all/reward/total" in r]) >= 3, rows[-1:]
     # every rollout the recipe sampled is a stored trajectory
@@ -81,9 +82,10 @@ def test_the_cookbook_math_rl_recipe_runs_on_arithmetic(stack, tmp_path):
     assert stored >= 3 * 4 * 4
 
 
-def test_the_cookbook_math_rl_recipes_async_loop_samples_from_earlier_steps_weights(stack, tmp_path):
+def test_the_cookbook_math_rl_recipes_async_loop_trains_with_its_default_loss(stack, tmp_path):
     """`max_steps_off_policy`: rollouts go on sampling from the sampler weights of earlier steps while the trainer
-    moves on, and each step trains on groups sampled by older and newer weights."""
+    moves on, and each step trains on groups sampled by older and newer weights, with the recipe's default loss
+    (`stable_reinforce`: its datums' provenance names the samples, trained against their recorded logprobs)."""
     log_path = tmp_path / "rl-async"
     run(stack, math_rl(stack, log_path, "max_steps=4", "groups_per_batch=2", "max_steps_off_policy=1"),
         tmp_path / "rl-async.log")
@@ -95,6 +97,6 @@ def test_the_cookbook_math_rl_recipes_async_loop_samples_from_earlier_steps_weig
 
 def math_rl(stack, log_path: Path, *args: str) -> list[str]:
     return ["-m", "tinker_cookbook.recipes.math_rl.train", f"model_name={stack.model_dir}", "renderer_name=role_colon",
-            f"base_url={stack.url}", "env=arithmetic", "loss_fn=importance_sampling", "group_size=4", "max_tokens=3",
+            f"base_url={stack.url}", "env=arithmetic", "group_size=4", "max_tokens=3",
             "learning_rate=1e-3", "lora_rank=8", "eval_every=0", "save_every=0", f"log_path={log_path}",
             "behavior_if_log_dir_exists=delete", *args]

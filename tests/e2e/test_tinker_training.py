@@ -127,6 +127,48 @@ def test_importance_sampling_raises_the_advantaged_sequence_and_lowers_the_other
     assert up > 0 > down, (up, down)
 
 
+def test_stable_reinforce_trains_sampled_spans_against_the_samplers_recorded_logprobs(api):
+    """A datum built from a sample with its provenance: the sampled positions are trained against the logprobs the
+    sampler recorded (the client's are replaced: zeros here), the prompt positions not at all; a span whose tokens
+    are not its sample's, or that names another key's sample, is a 400 naming it."""
+    tc = training_client(api)
+    sampler = tc.save_weights_and_get_sampling_client().result(timeout=300)
+    prompt = SEQS[0][:4]
+    sample = sampler.sample(types.ModelInput.from_ints(prompt), 1, types.SamplingParams(max_tokens=4)).result(
+        timeout=300).sequences[0]
+    full = prompt + list(sample.tokens)
+    n = len(full) - 1
+
+    def datum(tokens: list[int], sequence_id: str) -> types.Datum:
+        return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={
+            "target_tokens": tokens[1:], "logprobs": [0.0] * n, "advantages": [1.0] * n}).with_provenance(
+            model_input=[types.PromptProvenanceSpan(sequence_id=sequence_id, length=len(prompt)),
+                         types.SampledProvenanceSpan(sequence_id=sequence_id, length=n - len(prompt))],
+            loss_fn_inputs=[types.PromptProvenanceSpan(sequence_id=sequence_id, offset=1, length=len(prompt) - 1),
+                            types.SampledProvenanceSpan(sequence_id=sequence_id, length=len(sample.tokens))])
+
+    out = tc.forward_backward([datum(full, sample.sequence_id)], "stable_reinforce").result(timeout=300)
+    logp = out.loss_fn_outputs[0]["logprobs"].tolist()
+    loss = out.loss_fn_outputs[0]["elementwise_loss"].tolist()
+    k = len(prompt) - 1
+    assert loss[:k] == [0.0] * k  # prompt positions: not trained
+    # the weights have not moved since sampling: the ratio over the recorded logprobs is 1, so each sampled position's
+    # loss is -logp (with the client's zeros it would be -exp(logp) * logp)
+    assert close([loss[k:]], [[-x for x in logp[k:]]], tol=1e-3), (loss, logp)
+    assert close([list(sample.logprobs)], [logp[k:]], tol=1e-3)
+
+    altered = full[:-1] + [(full[-1] + 1) % 64]
+    with pytest.raises(tinker.BadRequestError, match="as it was sampled"):
+        tc.forward_backward([datum(altered, sample.sequence_id)], "stable_reinforce").result(timeout=300)
+    other = training_client(api, new_token(api, "tinker-mallory"))
+    with pytest.raises(tinker.BadRequestError, match="not a stored sample of this key's"):
+        other.forward_backward([datum(full, sample.sequence_id)], "stable_reinforce").result(timeout=300)
+    bare = types.Datum(model_input=types.ModelInput.from_ints(full[:-1]), loss_fn_inputs={
+        "target_tokens": full[1:], "logprobs": [0.0] * n, "advantages": [1.0] * n})
+    with pytest.raises(tinker.BadRequestError, match="needs provenance on every datum"):
+        tc.forward_backward([bare], "stable_reinforce").result(timeout=300)
+
+
 def test_forward_backward_custom_trains_with_the_clients_own_loss(api):
     """The SDK's client-side custom loss: forward for the logprobs, the loss and its gradient computed by the
     client, sent back as the weights of a cross_entropy step. A custom NLL gives cross_entropy's gradients."""

@@ -27,7 +27,7 @@ class TinkerDatum(BaseModel):
 
     tokens: TokenIds
     target_tokens: TokenIds
-    weights: Logprobs | None = None  # cross_entropy (None: every token weighs 1)
+    weights: Logprobs | None = None  # cross_entropy (None: every token weighs 1); stable_reinforce: 1 where sampled
     advantages: Logprobs | None = None  # importance_sampling, ppo
     logprobs: Logprobs | None = None  # the sampler's logprobs of target_tokens: importance_sampling, ppo
     sequence_ratio_mask: Logprobs | None = None  # gspo: nonzero at the tokens its ratio covers (None: advantage != 0)
@@ -46,7 +46,9 @@ class AdamStep(BaseModel):
 
 class TinkerOp(Message):
     TYPE = "tinker_op"
-    SCHEMA_VERSION = 3  # 2: save_weights_external, 3: gspo (a reader of an older version refuses what it does not know)
+    # 2: save_weights_external, 3: gspo, 4: stable_reinforce (a reader of an older version refuses what it does not
+    # know)
+    SCHEMA_VERSION = 4
     MIN_SCHEMA_VERSION = 1
 
     request_id: str  # the future the result goes to
@@ -70,6 +72,8 @@ class TinkerOp(Message):
     sent_at: float = 0.0
 
     def wire_version(self) -> int:
+        if self.loss_fn == "stable_reinforce":
+            return 4
         if self.loss_fn == "gspo" or any(d.sequence_ratio_mask is not None for d in self.data):
             return 3
         return 2 if self.op == "save_weights_external" else 1

@@ -52,6 +52,18 @@ def test_gspo_gives_every_token_its_sequence_ratio_over_the_masked_tokens_and_cl
     assert grad("gspo", {}, sequence_ratio_mask=[1, 1, 1]) == pytest.approx([0.0, whole, 0.0], abs=1e-6)
 
 
+def test_stable_reinforce_weighs_reinforce_by_the_truncated_ratio_at_the_sampled_positions_alone():
+    # ratios e (2.72, above the cap 2: counts as 2), 1 and e^-0.3; the last position was not sampled (weight 0)
+    ratios = torch.exp(torch.tensor(LOGP) - torch.tensor(SAMPLER)).clamp(max=2.0)
+    expected = [-ratios[0].item() * 1.0, -1.0 * -1.0, 0.0]
+    assert grad("stable_reinforce", {}, weights=[1, 1, 0]) == pytest.approx(expected, abs=1e-6)
+    assert grad("stable_reinforce", {"truncation": 3.0}, weights=[1, 0, 0])[0] == pytest.approx(-2.718282, abs=1e-5)
+    # the KL penalty's gradient, d/dlogp (e^(q - logp) + logp - q - 1) = 1 - e^(q - logp), pulls toward the sampler
+    kl = grad("stable_reinforce", {"kl_coeff": 0.5}, weights=[1, 1, 0])
+    assert kl[0] - expected[0] == pytest.approx(0.5 * (1 - torch.exp(torch.tensor(-1.0)).item()), abs=1e-6)
+    assert kl[1] - expected[1] == pytest.approx(0.0, abs=1e-6)  # at the sampler's logprob: no pull
+
+
 def test_usage_counts_input_tokens_of_forward_passes_and_one_checkpoint_per_save():
     from services.trainer.tinker_models import usage_of
     from shared.contracts.messages import TinkerOp

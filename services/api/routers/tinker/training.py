@@ -21,6 +21,7 @@ from services.api.routers.runs import commanding
 from services.api.routers.tinker import audit
 from services.api.routers.tinker.callers import Caller, Key, Wire, owned_model, owned_session, store
 from services.api.routers.tinker.checkpoints import MAX_TTL_S
+from services.api.routers.tinker.provenance import recorded_samples, with_recorded_logprobs
 from services.api.routers.tinker.sessions import offered_model
 from services.api.tinker_proto import (
     ForwardBackwardRequest,
@@ -28,6 +29,7 @@ from services.api.tinker_proto import (
     decode_datums,
     encode_output,
     encode_samples,
+    sampled_spans,
 )
 from shared.clients.run_commands import run_command
 from shared.contracts.messages import TinkerOp, TinkerWake
@@ -38,6 +40,7 @@ from shared.contracts.tinker_run import (
     LOSS_INPUTS,
     MAX_AGE_RECIPIENTS,
     MODEL_TTL_S,
+    SAMPLED_LOSSES,
     TinkerRunConfig,
     checkpoint_name_ok,
     checkpoint_path,
@@ -197,7 +200,7 @@ def send_op(request: Request, caller: Caller, model: dict, **op) -> dict:
 
 
 @router.post("/forward_backward")
-async def forward_backward(request: Request, caller: Key) -> dict:
+async def forward_backward(request: Request, caller: Key, db: DB) -> dict:
     """The SDK's protobuf ForwardBackwardRequest (`forward_only` for `forward`), checked here datum by datum."""
     if request.headers.get("content-encoding"):
         raise ApiError(415, f"Content-Encoding {request.headers['content-encoding']!r} is not accepted",
@@ -208,10 +211,10 @@ async def forward_backward(request: Request, caller: Key) -> dict:
     except DecodeError as e:
         raise ApiError(400, f"the body is not a protobuf ForwardBackwardRequest ({e})",
                        hint="send it as the tinker SDK does (Content-Type: application/x-protobuf)") from e
-    return await run_in_threadpool(_forward_backward, request, caller, msg)
+    return await run_in_threadpool(_forward_backward, request, caller, msg, db)
 
 
-def _forward_backward(request: Request, caller: Caller, msg) -> dict:
+def _forward_backward(request: Request, caller: Caller, msg, db) -> dict:
     model = owned_model(request, caller, msg.model_id)
     if msg.loss_fn not in LOSS_INPUTS:
         raise ApiError(400, f"loss {msg.loss_fn!r} is not served", field="forward_backward_input.loss_fn",
@@ -220,6 +223,7 @@ def _forward_backward(request: Request, caller: Caller, msg) -> dict:
         raise ApiError(400, "no datums", field="forward_backward_input.data")
     try:
         data = decode_datums(msg, LOSS_INPUTS)
+        spans = sampled_spans(msg, data) if msg.loss_fn in SAMPLED_LOSSES else None
     except WireError as e:
         raise ApiError(400, e.message, field=e.field, hint=e.hint) from e
     config = {k: v.number for k, v in msg.loss_fn_config_v2.items() if v.WhichOneof("value") == "number"}
@@ -229,6 +233,9 @@ def _forward_backward(request: Request, caller: Caller, msg) -> dict:
         raise ApiError(400, f"loss {msg.loss_fn!r} {'has no' if key in config else 'needs the'} loss_fn_config "
                        f"{key!r}", field=f"forward_backward_input.loss_fn_config.{key}",
                        hint=f"its config: {', '.join(known) or 'none'}")
+    if spans is not None:  # trained against what the sampler recorded
+        recorded = recorded_samples(db, caller.owner, {s.sequence_id for runs in spans for s in runs})
+        data = with_recorded_logprobs(data, spans, recorded)
     return send_op(request, caller, model, model_id=msg.model_id, seq_id=msg.seq_id, data=data,
                    op="forward" if msg.forward_only else "forward_backward", loss_fn=msg.loss_fn,
                    loss_fn_config=config)
