@@ -2,10 +2,39 @@
 
 from __future__ import annotations
 
-from pydantic import Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from shared.contracts.run_config import EngineConfig
 from shared.platform.settings import ServiceSettings
+
+
+class TinkerRates(BaseModel):
+    """One base model's prices in USD (None: not priced): tokens per million, storage per GB-month (720 GB-hours)."""
+    model_config = ConfigDict(extra="forbid")
+
+    training: float | None = Field(None, ge=0)
+    sampling_prefill: float | None = Field(None, ge=0)
+    sampling_prefill_cached: float | None = Field(None, ge=0, description="unset: sampling_prefill's")
+    sampling_sample: float | None = Field(None, ge=0)
+    storage_gb_month: float | None = Field(None, ge=0)
+
+
+class TinkerRateCard(BaseModel):
+    """The operator's prices for Tinker usage: `default` for every base model, `models` per base model name (a
+    rate a model's entry leaves unset is the default's)."""
+    model_config = ConfigDict(extra="forbid")
+
+    default: TinkerRates = Field(default_factory=TinkerRates)
+    models: dict[str, TinkerRates] = Field(default_factory=dict)
+
+    def rate(self, base_model: str | None, kind: str) -> float | None:
+        """USD per million tokens of usage `kind`, or per GB-month for `storage_gb_month`; None: not priced."""
+        for rates in (self.models.get(base_model or ""), self.default):
+            if rates is not None and (value := getattr(rates, kind)) is not None:
+                return value
+        if kind == "sampling_prefill_cached":  # cached prefill costs what prefill does unless priced apart
+            return self.rate(base_model, "sampling_prefill")
+        return None
 
 
 class ApiSettings(ServiceSettings):
@@ -53,6 +82,11 @@ class ApiSettings(ServiceSettings):
     tinker_jwt_ttl_s: int = Field(3600, ge=0, le=86400, description="TINKER_JWT_TTL_S: how long a JWT the Tinker "
                                   "SDK exchanges its key for is valid (it refreshes at half that); 0: no exchange, "
                                   "the SDK sends its tml- key with every request")
+    tinker_rate_card: TinkerRateCard = Field(
+        default_factory=TinkerRateCard, description="TINKER_RATE_CARD: prices of Tinker usage in JSON, e.g. "
+        '{"default": {"training": 0.4, "sampling_prefill": 0.1, "sampling_sample": 0.3, "storage_gb_month": 0.02}, '
+        '"models": {"my-model": {"training": 0.8}}} (USD per million tokens, storage per GB-month); unset: '
+        "usage reports carry no costs")
     tinker_engine: EngineConfig = Field(
         default_factory=EngineConfig, description="TINKER_ENGINE: the rollout workers' engine for Tinker samples, "
         'as a run\'s `engine` in JSON (e.g. {"type": "vllm", "device": "cuda"}); default: hf on cpu')

@@ -22,13 +22,17 @@ from tests.support.tiny_model import build_tiny_model
 tinker = pytest.importorskip("tinker")
 
 
+RATES = {"training": 0.5, "sampling_prefill": 0.2, "sampling_sample": 1.0, "storage_gb_month": 0.05}  # USD
+
+
 @pytest.fixture(scope="module")
 def api(database_url, redis_url, tmp_path_factory):
     data_dir = tmp_path_factory.mktemp("tinker-api")
     shutil.copytree(CONFIG_ONLY_MODEL, data_dir / "models" / "tiny-qwen")
     build_tiny_model(data_dir / "models" / "tiny-qwen2")  # with a tokenizer, for get_tokenizer
     (data_dir / "models" / "not-a-model").mkdir()  # no config.json: not offered
-    with running_api(database_url, redis_url, data_dir) as live:  # its controller stores the runs of create_model
+    with running_api(database_url, redis_url, data_dir,  # its controller stores the runs of create_model
+                     TINKER_RATE_CARD=json.dumps({"default": RATES})) as live:
         live.data_dir = data_dir
         yield live
 
@@ -581,7 +585,19 @@ def test_usage_is_reported_per_hour_session_and_base_model_each_request_counted_
                     (later, "sampling_prefill", 40, session_id, "tiny-qwen"),
                     (later, "sampling_prefill", 24, session_id, "tiny-qwen")]
     assert [e.event_info.cached for e in got.data if e.event_info.type == "sampling_prefill"] == [False, True]
-    assert all(e.user_name == "billed" and e.estimated_cost_usd is None for e in got.data)
+    assert all(e.user_name == "billed" for e in got.data)
+    # priced by the rate card: tokens per million, storage per GB-month of 720 hours, checkpoints not at all
+    rates = {"training": 0.5, "sampling_sample": 1.0, "sampling_prefill": 0.2, "checkpoint": None}
+    for e in got.data:
+        quantity = getattr(e.event_info, "token_count", None) or getattr(e.event_info, "gigabyte_hours", None)
+        if e.event_info.type == "storage":
+            assert e.effective_rate_usd_per_gigabyte_month == 0.05
+            assert e.estimated_cost_usd == pytest.approx(0.05 * quantity / 720)
+        elif rates[e.event_info.type] is None:
+            assert e.estimated_cost_usd is None and e.effective_rate_usd_per_million_tokens is None
+        else:  # cached prefill: prefill's rate, none set apart
+            assert e.effective_rate_usd_per_million_tokens == rates[e.event_info.type]
+            assert e.estimated_cost_usd == pytest.approx(rates[e.event_info.type] * quantity / 1e6)
     assert got.sessions[session_id].user_metadata == {"team": "rl"}
     assert admin.get_billing_usage(later, later + timedelta(hours=1)).result(timeout=30).data[0].event_info.type \
         == "sampling_sample"
@@ -603,6 +619,7 @@ def test_usage_is_reported_per_hour_session_and_base_model_each_request_counted_
     assert r.status_code == 204, r.text
     rows = admin.get_current_checkpoint_storage_usage().result(timeout=30).data
     assert [(r.project_id, r.checkpoint_count, r.size_bytes) for r in rows] == [(None, 1, 0), ("p1", 1, 1234)]
+    assert [r.estimated_monthly_cost_usd for r in rows] == [0.0, pytest.approx(0.05 * 1234 / 1e9)]
     [p1] = admin.get_current_checkpoint_storage_usage(project_id="p1").result(timeout=30).data
     assert (p1.size_bytes, p1.size_gigabytes) == (1234, 1234 / 1e9)
     assert admin.get_current_checkpoint_storage_usage(project_id="elsewhere").result(timeout=30).data == []
