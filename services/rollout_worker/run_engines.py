@@ -277,8 +277,6 @@ class RunRegistry:
                 if msg is None:
                     raise LookupError(f"version {version} of run {ctx.run_id} is no longer on the weight server "
                                       "(it keeps each run's newest KEEP_LAST versions and what they are built on)")
-                if self.relay is not None:
-                    msg = msg.model_copy(update={"path": None})
                 manifest = await asyncio.to_thread(self._manifest, msg)
                 folder = await asyncio.to_thread(materialize, msg, self.weights_cache, relay=self.relay)
                 view = AdapterView(ctx.engine.base, f"{ctx.run_id}-v{version}")
@@ -288,7 +286,8 @@ class RunRegistry:
                          extra={"run_id": ctx.run_id})
             self.older[key] = older  # the most recently used last
             older.last_used = time.monotonic()
-            for old in [k for k, c in self.older.items() if c.running == 0][:max(0, len(self.older) - OLDER_VERSIONS_MAX)]:
+            idle = [k for k, c in self.older.items() if c.running == 0 and k != key]  # least recently used first
+            for old in idle[:max(0, len(self.older) - OLDER_VERSIONS_MAX)]:
                 await self._drop_older(old)
         return older
 

@@ -82,8 +82,19 @@ async def test_the_least_recently_used_are_dropped_but_never_one_serving(registr
         assert len(registry.older) == OLDER_VERSIONS_MAX
         assert ("run", 1) in registry.older and base.adapters["run-v1"] == 1  # in use: kept
         assert ("run", 2) not in registry.older and "run-v2" not in base.adapters  # least recently used: dropped
-    newest = sorted(v for _, v in registry.older)[-(OLDER_VERSIONS_MAX - 1):]
-    assert newest == list(range(OLDER_VERSIONS_MAX + 4 - len(newest), OLDER_VERSIONS_MAX + 4))
+    kept = sorted(v for _, v in registry.older)
+    assert kept == [1, *range(OLDER_VERSIONS_MAX + 5 - OLDER_VERSIONS_MAX, OLDER_VERSIONS_MAX + 4)]
+
+
+async def test_one_asked_for_while_all_serve_is_loaded_beyond_the_bound(registry):
+    base = Base()
+    ctx = lora_run(registry, base, 100)
+    busy = [await registry.older_version(ctx, v) for v in range(1, OLDER_VERSIONS_MAX + 1)]
+    for c in busy:
+        c.running += 1  # each serving a request
+    extra = await registry.older_version(ctx, 20)
+    assert extra.engine.version == 20 and base.adapters["run-v20"] == 20  # returned loaded, not dropped
+    assert len(registry.older) == OLDER_VERSIONS_MAX + 1 and all(c.engine.version for c in busy)
 
 
 async def test_a_version_the_weight_server_dropped_or_a_full_weight_run_is_refused_with_the_reason(registry):
