@@ -15,34 +15,46 @@ from services.api.tinker_proto import SampledSpan
 from shared.contracts.db.models import EpisodeRow, Run, TokenArrayRow, TrajectoryRow
 from shared.contracts.messages import TinkerDatum
 
-RECORD_WAIT_S = 30.0  # how long a datum's samples may take to be stored (they are stored before they are answered)
+RECORD_WAIT_S = 30.0  # how long an answered sample may take to reach Postgres (the store writes it asynchronously)
 
 
-def recorded_samples(db: Session, owner: str, ids: set[str], wait_s: float = RECORD_WAIT_S
+def recorded_samples(db: Session, tinker, owner: str, ids: set[str], wait_s: float = RECORD_WAIT_S
                      ) -> dict[str, tuple[list[int], list[float]]]:
-    """The stored samples of `ids` among the key's own: sequence id -> (tokens, logprobs). Waits up to `wait_s`
-    for those not stored yet (the store writes what the rollout worker put on `trajectories` moments before)."""
-    wanted: dict[tuple[str, int], str] = {}
+    """The stored samples of `ids` among the key's own: sequence id -> (tokens, logprobs). Those not stored yet
+    are waited for up to `wait_s` when their request is the key's and answered (the rollout worker hands samples
+    to the store before it answers); any other is missing at once."""
+    found = stored_samples(db, owner, ids)
+    waiting = {sid for sid in ids - found.keys() if answered_sample(tinker, owner, sid.rpartition(":")[0])}
+    deadline = time.monotonic() + wait_s
+    while waiting and time.monotonic() < deadline:
+        time.sleep(0.2)
+        more = stored_samples(db, owner, waiting)
+        found |= more
+        waiting -= more.keys()
+    return found
+
+
+def answered_sample(tinker, owner: str, request_id: str) -> bool:
+    future = tinker.future(owner, request_id) or {}
+    return future.get("result", {}).get("type") == "sample"
+
+
+def stored_samples(db: Session, owner: str, ids: set[str]) -> dict[str, tuple[list[int], list[float]]]:
+    wanted = {}
     for sid in ids:
         request_id, _, idx = sid.rpartition(":")
         if request_id and idx.isdigit():
             wanted[(request_id, int(idx))] = sid
+    if not wanted:
+        return {}
     own_runs = select(Run.id).where(Run.kind == "tinker", Run.config["owner"].astext == owner)
     query = (select(EpisodeRow.task_id, EpisodeRow.sample_idx, TokenArrayRow.response_ids, TokenArrayRow.logprobs)
              .join(TrajectoryRow, TrajectoryRow.episode_id == EpisodeRow.id)
              .join(TokenArrayRow, and_(TokenArrayRow.trajectory_id == TrajectoryRow.id, TokenArrayRow.step_idx == -1))
              .where(EpisodeRow.run_id.in_(own_runs), EpisodeRow.task_id.in_({r for r, _ in wanted})))
-    found: dict[str, tuple[list[int], list[float]]] = {}
-    deadline = time.monotonic() + wait_s
-    while wanted:
-        for task_id, idx, tokens, logprobs in db.execute(query).all():
-            if (sid := wanted.pop((task_id, idx), None)) is not None:
-                found[sid] = (list(tokens), list(logprobs))
-        db.rollback()  # ends the read: nothing held open while waiting
-        if not wanted or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    return found
+    rows = db.execute(query).all()
+    db.rollback()  # ends the read: nothing held open while waiting
+    return {wanted[(t, i)]: (list(tokens), list(logprobs)) for t, i, tokens, logprobs in rows if (t, i) in wanted}
 
 
 def with_recorded_logprobs(data: list[TinkerDatum], spans: list[list[SampledSpan]],

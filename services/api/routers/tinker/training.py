@@ -234,7 +234,7 @@ def _forward_backward(request: Request, caller: Caller, msg, db) -> dict:
                        f"{key!r}", field=f"forward_backward_input.loss_fn_config.{key}",
                        hint=f"its config: {', '.join(known) or 'none'}")
     if spans is not None:  # trained against what the sampler recorded
-        recorded = recorded_samples(db, caller.owner, {s.sequence_id for runs in spans for s in runs})
+        recorded = recorded_samples(db, store(request), caller.owner, {s.sequence_id for runs in spans for s in runs})
         data = with_recorded_logprobs(data, spans, recorded)
     return send_op(request, caller, model, model_id=msg.model_id, seq_id=msg.seq_id, data=data,
                    op="forward" if msg.forward_only else "forward_backward", loss_fn=msg.loss_fn,
