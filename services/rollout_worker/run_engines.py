@@ -266,7 +266,7 @@ class RunRegistry:
         """Run ctx at `version`, older than the adapter it serves now: an adapter of its own on the same base
         (key `<run>-v<version>`), loaded from the weight server once and kept while used (the OLDER_VERSIONS_MAX
         used least recently beyond that are dropped, never one serving a request). LookupError when the weight
-        server no longer keeps that version (its retention, KEEP_LAST); ValueError for a run of full weights."""
+        server no longer keeps that version (its retention: KEEP_LAST, pins); ValueError for a run of full weights."""
         if not isinstance(ctx.engine, AdapterView):
             raise ValueError(f"run {ctx.run_id} trains full weights: only its newest version is served")
         key = (ctx.run_id, version)
@@ -276,7 +276,8 @@ class RunRegistry:
                 msg = await asyncio.to_thread(self.checkpoint, ctx.run_id, version)
                 if msg is None:
                     raise LookupError(f"version {version} of run {ctx.run_id} is no longer on the weight server "
-                                      "(it keeps each run's newest KEEP_LAST versions and what they are built on)")
+                                      "(it keeps each run's newest KEEP_LAST versions, pinned ones such as named "
+                                      "sampler checkpoints, and what they are built on)")
                 manifest = await asyncio.to_thread(self._manifest, msg)
                 folder = await asyncio.to_thread(materialize, msg, self.weights_cache, relay=self.relay)
                 view = AdapterView(ctx.engine.base, f"{ctx.run_id}-v{version}")

@@ -73,22 +73,24 @@ class WeightPublisher:
         return folder
 
     def publish_adapter(self, run_id: str, version: int, engine, base_model: str, metrics: dict[str, float],
-                        dtype: str = "auto", best_metric: str | None = None) -> WeightsPublished:
+                        dtype: str = "auto", best_metric: str | None = None, pinned: bool = False) -> WeightsPublished:
         """A LoRA engine's adapter as `version`, tied to the base model it was trained on (a run's step, a Tinker
         model's sampler weights)."""
         folder = self.staging_folder(run_id, version)
         tensors = engine.export_adapter(folder, dtype)
         return self.publish(run_id, version, folder, metrics, best_metric, tensors=tensors,
-                            base_model=BaseModelRef(name=base_model, sha256=base_model_digest(base_model)))
+                            base_model=BaseModelRef(name=base_model, sha256=base_model_digest(base_model)),
+                            pinned=pinned)
 
     def publish(self, run_id: str, version: int, folder: Path, metrics: dict[str, float],
                 best_metric: str | None = None, tensors: dict | None = None,
-                base_model: BaseModelRef | None = None) -> WeightsPublished:
+                base_model: BaseModelRef | None = None, pinned: bool = False) -> WeightsPublished:
         """Publish the exported HF `folder` (consumed) as `version`: as a delta when possible, else in full.
         `tensors`: the exported weights, when the folder was written without them (the trainer's export_hf
         with weights=False): written to model.safetensors only if a full snapshot is sent. `base_model`: the
         folder is a LoRA adapter (PEFT layout) for this base; always sent whole (every element of an adapter
-        changes at each step, and it is small: a delta would save nothing)."""
+        changes at each step, and it is small: a delta would save nothing). `pinned`: the weight server's
+        retention keeps the version until `unpin`."""
         if tensors is None:
             tensors = read_safetensors(folder)
         written = any(folder.glob("*.safetensors"))
@@ -98,7 +100,7 @@ class WeightPublisher:
         plan = self._retry(lambda c: c.get(f"{self.url}/v1/runs/{run_id}/versions/{version}/plan"))
         clock.lap("plan_s")
         last = self.last.pop(run_id, None)
-        body = {"metrics": metrics, "best_metric": best_metric, "full_bytes": full_bytes}
+        body = {"metrics": metrics, "best_metric": best_metric, "full_bytes": full_bytes, "pinned": pinned}
         digests: dict[str, str] = {}  # file name -> sha256, for files hashed before they were written
         if base_model is not None:
             body["base_model"] = base_model.model_dump()
@@ -160,6 +162,10 @@ class WeightPublisher:
         sizes = self._retry(lambda c: c.post(f"{base}/commit", json={"files": files}))["files"]
         shutil.rmtree(folder, ignore_errors=True)
         return sizes
+
+    def unpin(self, run_id: str, version: int) -> list[int]:
+        """Let the weight server's retention remove `version` again; the versions its pass deleted."""
+        return self._retry(lambda c: c.delete(f"{self.url}/v1/runs/{run_id}/versions/{version}/pin"))["deleted"]
 
     def delete_export(self, run_id: str, name: str) -> None:
         self._retry(lambda c: c.delete(f"{self.url}/v1/exports/{run_id}/{name}"), json=False)

@@ -173,12 +173,14 @@ class TinkerModel:
 
 
 def stored_in(record: TinkerCheckpoint) -> tuple | None:
-    """What of the trainer's a checkpoint's storage is, shared by its copies: a save_state's folder, an export;
-    None for sampler weights (versions on the weight server, removed by its retention)."""
+    """Where a checkpoint's storage is, shared by its copies: a save_state's folder, an export, or the weight
+    server's version of sampler weights (pinned there when the save was named)."""
     if record.folder:
         return ("folder", str(Path(record.folder).resolve()))
     if record.kind == "external_weights":
         return ("export", record.run_id, record.name)
+    if record.kind == "sampler_weights" and record.version is not None:
+        return ("version", record.run_id, record.version)
     return None
 
 
@@ -356,9 +358,12 @@ class TinkerModels:
 
     def save_for_sampler(self, model: TinkerModel, op: TinkerOp) -> TinkerCheckpoint:
         """The adapter, published on the weight server as version `seq_id` of the model's run (rollout workers
-        load it like any LoRA run's version)."""
+        load it like any LoRA run's version). A named save is pinned there: kept until the sweep finds no live
+        record naming it (a sampler's own save, `save_weights_and_get_sampling_client`, is kept as retention
+        keeps the run's newest versions)."""
         published = self.trainer.publisher.publish_adapter(model.run_id, op.seq_id, model.engine,
-                                                           model.config.model, {})
+                                                           model.config.model, {},
+                                                           pinned=op.sampling_session_id is None)
         return self.checkpoint_record(model, op, "sampler_weights", version=op.seq_id, size_bytes=published.bytes)
 
     def save_external(self, model: TinkerModel, op: TinkerOp) -> TinkerCheckpoint:
@@ -401,8 +406,8 @@ class TinkerModels:
 
     async def sweep_checkpoints(self) -> None:
         """Remove what expired checkpoints hold: a save_state's folder under this trainer's STATE_DIR, an export on
-        the weight server, then the record (sampler weights are versions on the weight server, which its retention
-        removes). Storage a live record shares (a copy_weights copy, or its source) is kept. A folder under
+        the weight server, the pin of sampler weights' version (the weight server's retention then removes it),
+        then the record. Storage a live record shares (a copy_weights copy, or its source) is kept. A folder under
         another STATE_DIR is left, record and all, to the trainer that wrote it. Redis out of reach: the next
         sweep tries again (training goes on)."""
         try:
@@ -429,11 +434,14 @@ class TinkerModels:
                     if root not in folder.parents:
                         continue
                     await asyncio.to_thread(shutil.rmtree, folder, True)
-                if record.kind == "external_weights":
+                if storage[0] in ("export", "version"):
+                    publisher = self.trainer.publisher
+                    call = ((publisher.delete_export, record.run_id, record.name) if storage[0] == "export"
+                            else (publisher.unpin, record.run_id, record.version))
                     try:
-                        await asyncio.to_thread(self.trainer.publisher.delete_export, record.run_id, record.name)
+                        await asyncio.to_thread(*call)
                     except (TimeoutError, httpx.HTTPError) as e:  # the weight server is away: the next sweep tries
-                        log.warning("tinker export %s not removed yet: %r", key, e)
+                        log.warning("tinker checkpoint %s not removed yet: %r", key, e)
                         continue
             path = checkpoint_path(record.model_id, record.kind, record.name)
             pipe = self.trainer.redis.pipeline(transaction=True)  # its storage counted as it goes: once, whole

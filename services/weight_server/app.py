@@ -39,6 +39,8 @@ class PublishRequest(BaseModel):
     full_bytes: int = Field(0, ge=0, description="size of the full weights this version stands for")
     base_model: BaseModelRef | None = Field(
         None, description="a LoRA version (the adapter alone, PEFT layout): the base model it belongs to")
+    pinned: bool = Field(False, description="kept by retention, with what it is built on, until DELETE .../pin "
+                         "(a named Tinker sampler checkpoint)")
 
 
 class PublishPlan(BaseModel):
@@ -102,7 +104,7 @@ def build_router(store: CheckpointStore, chains: RelayChains | None = None) -> A
             layout = body.model_dump(include={"kind", "base_version", "tensors", "full_bytes", "base_model"})
             with PUBLISH_SECONDS.time():
                 msg = await run_in_threadpool(store.publish, _run(run_id), version, body.files, body.metrics,
-                                              body.staging_path, body.best_metric, layout)
+                                              body.staging_path, body.best_metric, layout, body.pinned)
         except (PublishError, ChecksumError) as e:
             REJECTED.labels("checksum" if "sha256" in str(e) else "bad_request").inc()
             raise HTTPException(422, str(e)) from None
@@ -120,6 +122,11 @@ def build_router(store: CheckpointStore, chains: RelayChains | None = None) -> A
     @router.post("/retain", response_model=RetainResult)
     async def retain(run_id: str, body: RetainRequest) -> RetainResult:
         return RetainResult(deleted=await asyncio.wrap_future(store.retain(_run(run_id), body.keep_last)))
+
+    @router.delete("/{version}/pin", response_model=RetainResult)
+    async def unpin(run_id: str, version: int) -> RetainResult:
+        """Retention may remove the version again; the pass this runs says what it deleted."""
+        return RetainResult(deleted=await asyncio.wrap_future(store.unpin(_run(run_id), version)))
 
     @router.get("/{version}/sources/{name}", response_model=RelaySource)
     def source(run_id: str, version: int, name: str, peer: str, failed: str | None = None) -> RelaySource:

@@ -140,12 +140,14 @@ class CheckpointStore:
 
     def publish(self, run_id: str, version: int, files: dict[str, str], metrics: dict[str, float],
                 staging_path: str | None = None, best_metric: str | None = None,
-                layout: dict | None = None) -> WeightsPublished:
+                layout: dict | None = None, pinned: bool = False) -> WeightsPublished:
         """Make version `version` of `run_id` durable and announce it. Idempotent for the same version.
         `layout`: the manifest's kind, base_version, tensors and full_bytes (default: a full snapshot without
-        per-tensor hashes)."""
+        per-tensor hashes). `pinned`: retention keeps it until `unpin`."""
         existing = self._row(run_id, version)
         if existing is not None and self.folder(run_id, version).is_dir():
+            if pinned and not existing.pinned:  # a retried publish that now asks for the pin
+                self._set_pinned(run_id, version, True)
             return self._message(existing)
         layout = self._check_layout(run_id, version, dict(layout or {}))
         if layout.get("base_model") and not {ADAPTER_CONFIG, ADAPTER_WEIGHTS} <= set(files):
@@ -160,7 +162,7 @@ class CheckpointStore:
             shutil.rmtree(final)
         os.replace(tmp, final)
         fsync_path(final.parent)
-        msg = self._register(run_id, version, final, metrics)
+        msg = self._register(run_id, version, final, metrics, pinned)
         self.schedule_retention(run_id, best_metric)
         return msg
 
@@ -212,14 +214,17 @@ class CheckpointStore:
                                       piece_bytes=PIECE_BYTES)
         return entries
 
-    def _register(self, run_id: str, version: int, folder: Path, metrics: dict[str, float]) -> WeightsPublished:
+    def _register(self, run_id: str, version: int, folder: Path, metrics: dict[str, float],
+                  pinned: bool = False) -> WeightsPublished:
         manifest_sha = hashlib.sha256((folder / MANIFEST).read_bytes()).hexdigest()
         manifest = read_manifest(folder, manifest_sha)
         row = dict(run_id=uuid.UUID(run_id), version=version, uri=self.uri(run_id, version), path=str(folder),
-                   sha256=manifest_sha, bytes=manifest.total_bytes, metrics=metrics, status="available")
+                   sha256=manifest_sha, bytes=manifest.total_bytes, metrics=metrics, status="available",
+                   pinned=pinned)
+        again = ["uri", "path", "sha256", "bytes", "status"] + (["pinned"] if pinned else [])  # reconcile keeps a pin
         with self.engine.begin() as c:
             c.execute(insert(Checkpoint).values(**row).on_conflict_do_update(
-                index_elements=["run_id", "version"], set_={k: row[k] for k in ("uri", "path", "sha256", "bytes")}))
+                index_elements=["run_id", "version"], set_={k: row[k] for k in again}))
         msg = self._message(row)
         announce(self.redis, WEIGHTS, msg, maxlen=10_000)
         log.info("published run %s v%d (%d bytes)", run_id, version, manifest.total_bytes)
@@ -256,24 +261,39 @@ class CheckpointStore:
         return self._retention.submit(self.apply_retention, run_id, None, keep_last)
 
     def apply_retention(self, run_id: str, best_metric: str | None, keep_last: int | None = None) -> list[int]:
-        """Keep the last `keep_last` versions (default: this server's KEEP_LAST) and the best by `best_metric`
-        (higher is better), each with the snapshot and deltas it is built on."""
+        """Keep the last `keep_last` versions (default: this server's KEEP_LAST), the best by `best_metric`
+        (higher is better) and every pinned one, each with the snapshot and deltas it is built on."""
         with self.engine.connect() as c:
-            rows = c.execute(select(Checkpoint.version, Checkpoint.metrics).where(
+            rows = c.execute(select(Checkpoint.version, Checkpoint.metrics, Checkpoint.pinned).where(
                 Checkpoint.run_id == uuid.UUID(run_id), Checkpoint.status == "available")
                 .order_by(Checkpoint.version)).all()
-        keep = {v for v, _ in rows[-(keep_last or self.keep_last):]}
-        scored = [(m[best_metric], v) for v, m in rows if best_metric and best_metric in (m or {})]
+        keep = {v for v, _, _ in rows[-(keep_last or self.keep_last):]} | {v for v, _, pinned in rows if pinned}
+        scored = [(m[best_metric], v) for v, m, _ in rows if best_metric and best_metric in (m or {})]
         if scored:
             keep.add(max(scored)[1])
         keep = {v for kept in keep for v in self._chain(run_id, kept)}
-        doomed = [v for v, _ in rows if v not in keep]
-        for v in doomed:
-            with self.engine.begin() as c:
-                c.execute(update(Checkpoint).where(Checkpoint.run_id == uuid.UUID(run_id), Checkpoint.version == v)
-                          .values(status="deleted"))
+        deleted = []
+        for v in (v for v, _, _ in rows if v not in keep):
+            with self.engine.begin() as c:  # a pin set since the read above wins: the version is then kept
+                if not c.execute(update(Checkpoint).where(
+                        Checkpoint.run_id == uuid.UUID(run_id), Checkpoint.version == v, Checkpoint.pinned.is_(False))
+                        .values(status="deleted")).rowcount:
+                    continue
             shutil.rmtree(self.folder(run_id, v), ignore_errors=True)
-        return doomed
+            deleted.append(v)
+        return deleted
+
+    def unpin(self, run_id: str, version: int) -> Future:
+        """Clear `version`'s pin (no record names it any more) and run a retention pass on the retention thread,
+        after those already asked for; its future gives the versions deleted. The pass keeps no best version:
+        pins are Tinker sampler checkpoints', whose runs have none."""
+        self._set_pinned(run_id, version, False)
+        return self._retention.submit(self.apply_retention, run_id, None)
+
+    def _set_pinned(self, run_id: str, version: int, pinned: bool) -> None:
+        with self.engine.begin() as c:
+            c.execute(update(Checkpoint).where(Checkpoint.run_id == uuid.UUID(run_id), Checkpoint.version == version)
+                      .values(pinned=pinned))
 
     # -- restart ----------------------------------------------------------------------------------------------
     def reconcile(self) -> int:

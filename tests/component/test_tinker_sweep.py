@@ -1,7 +1,7 @@
 """The trainer's sweep of expired Tinker checkpoints against real Redis: an expired checkpoint's folder under the
 trainer's STATE_DIR goes, then its record; a live one stays; a folder under another STATE_DIR is left, record and
-all, to the trainer that wrote it; storage a live copy shares is kept until the last record sharing it expires; Redis
-out of reach skips the sweep instead of failing the trainer's loop."""
+all, to the trainer that wrote it; storage a live copy shares (a folder, an export, a pinned sampler version) is kept
+until the last record sharing it expires; Redis out of reach skips the sweep instead of failing the trainer's loop."""
 
 from __future__ import annotations
 
@@ -55,9 +55,10 @@ async def test_storage_a_live_copy_shares_is_kept_until_the_last_record_goes(red
     state, now = tmp_path / "state", time.time()
     folder = state / "tinker" / "run" / "w"
     folder.mkdir(parents=True)
-    exports = []
+    exports, unpinned = [], []
     models = sweeper(redis, state)
-    models.trainer.publisher = SimpleNamespace(delete_export=lambda run_id, name: exports.append((run_id, name)))
+    models.trainer.publisher = SimpleNamespace(delete_export=lambda run_id, name: exports.append((run_id, name)),
+                                               unpin=lambda run_id, version: unpinned.append((run_id, version)))
 
     def record(model: str, kind: str, expires_at, **where) -> tuple[str, TinkerCheckpoint]:
         r = TinkerCheckpoint(owner="o", model_id=model, run_id="run", kind=kind, name="w", base_model="b",
@@ -69,20 +70,23 @@ async def test_storage_a_live_copy_shares_is_kept_until_the_last_record_goes(red
         record(f"c{tag}:train:0", "weights", now + 3600, folder=str(folder))
     export, export_copy = record(f"s{tag}:train:0", "external_weights", now - 1, files={"a": 1}), \
         record(f"c{tag}:train:0", "external_weights", None, files={"a": 1})
-    keys = [k for k, _ in (source, copy, export, export_copy)]
+    sampler, sampler_copy = record(f"s{tag}:train:0", "sampler_weights", now - 1, version=7), \
+        record(f"c{tag}:train:0", "sampler_weights", None, version=7)
+    pairs = (source, copy, export, export_copy, sampler, sampler_copy)
+    keys = [k for k, _ in pairs]
     try:
-        for key, r in (source, copy, export, export_copy):
+        for key, r in pairs:
             await redis.set(key, r.model_dump_json())
         await models.sweep_checkpoints()
-        # the expired sources' records go; what their live copies share stays
-        assert [bool(await redis.exists(k)) for k in keys] == [False, True, False, True]
-        assert folder.exists() and exports == []
+        # the expired sources' records go; what their live copies share stays (the sampler weights stay pinned)
+        assert [bool(await redis.exists(k)) for k in keys] == [False, True] * 3
+        assert folder.exists() and exports == [] and unpinned == []
 
-        for key, r in (copy, export_copy):  # the copies expire (deleted) too: now the storage goes
+        for key, r in (copy, export_copy, sampler_copy):  # the copies expire (deleted) too: now the storage goes
             await redis.set(key, r.model_copy(update={"expires_at": now - 1}).model_dump_json())
         await models.sweep_checkpoints()
         assert not any([await redis.exists(k) for k in keys])
-        assert not folder.exists() and exports == [("run", "w")]
+        assert not folder.exists() and exports == [("run", "w")] and unpinned == [("run", 7)]
     finally:
         await redis.delete(*keys)
         await redis.aclose()
@@ -98,11 +102,14 @@ async def test_a_removed_checkpoints_storage_is_counted_once_as_its_owners_usage
                               base_model="b", lora={"rank": 2}, seq_id=1, version=1, size_bytes=1000,
                               created_at=hour * 3600 + 1800, expires_at=(hour + 1) * 3600 + 900)
     key = tinker_key("checkpoint", checkpoint_path(model, "sampler_weights", "v"))
+    models, unpinned = sweeper(redis, tmp_path), []
+    models.trainer.publisher = SimpleNamespace(unpin=lambda run_id, version: unpinned.append(version))
     try:
         for _ in range(2):  # removed twice (a record written back meanwhile): counted once
             await redis.set(key, record.model_dump_json())
-            await sweeper(redis, tmp_path).sweep_checkpoints()
+            await models.sweep_checkpoints()
             assert not await redis.exists(key)
+        assert unpinned == [1, 1]  # unpinning is idempotent on the weight server
         field = b'["storage", null, "b"]'
         assert [await redis.hget(usage_key(owner, h), field) for h in (hour, hour + 1)] == [b"1800000", b"900000"]
     finally:

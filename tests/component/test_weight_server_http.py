@@ -186,6 +186,32 @@ def test_staging_publish_retention_and_restart(server, run_id, redis_url, tmp_pa
     assert r.status_code == 200 and r.json()["version"] == 4
 
 
+def test_a_pinned_version_outlives_retention_until_unpinned(server, run_id, database_url, tmp_path):
+    """A pinned version (a named Tinker sampler checkpoint) is kept however many newer versions come; once
+    unpinned, the pass that DELETE .../pin runs removes it, files and all, and says so."""
+    def versions() -> list[int]:
+        return [v["version"] for v in httpx.get(f"{server.url}/v1/runs/{run_id}/versions").json()]
+
+    for v in range(1, 6):
+        files = _files(1, 1000)
+        assert _upload(server.url, run_id, v, files) == [200] * len(files)
+        assert _publish(server.url, run_id, v, files, pinned=v == 1).status_code == 200
+    deadline = time.monotonic() + 30
+    while (kept := versions()) != [1, 4, 5]:  # the newest two and the pinned one
+        assert time.monotonic() < deadline, f"retention left {kept}"
+        time.sleep(0.05)
+    with create_engine(database_url).connect() as c:
+        pins = dict(c.execute(select(Checkpoint.version, Checkpoint.pinned).where(
+            Checkpoint.run_id == uuid.UUID(run_id))).all())
+    assert pins == {v: v == 1 for v in range(1, 6)}
+
+    r = httpx.delete(f"{server.url}/v1/runs/{run_id}/versions/1/pin", timeout=30)
+    assert r.status_code == 200 and r.json() == {"deleted": [1]}
+    assert versions() == [4, 5] and not (tmp_path / "weights" / run_id / "v1").exists()
+    again = httpx.delete(f"{server.url}/v1/runs/{run_id}/versions/1/pin", timeout=30)  # idempotent
+    assert again.status_code == 200 and again.json() == {"deleted": []}
+
+
 def test_trusting_server_records_declared_hashes_and_hashes_undeclared_files(redis_url, database_url, run_id,
                                                                               tmp_path):
     ws = WeightServer(redis_url, database_url, tmp_path / "weights").start()  # the default trusts declared hashes

@@ -541,6 +541,44 @@ def test_a_sampler_of_older_sampler_weights_serves_them_beside_newer_ones(api):
     assert close([first.compute_logprobs(scored).result(timeout=300)[1:]], [first_lp], tol=1e-5)
 
 
+def test_a_named_sampler_checkpoint_outlives_retention_until_deleted(api):
+    """A named save_weights_for_sampler checkpoint is pinned on the weight server: once the model has published
+    more newer versions than the weight server keeps (KEEP_LAST), a sampler made from it still serves its weights;
+    deleted, the trainer's sweep unpins it and retention removes the version."""
+    tc = training_client(api)
+    datums = [sft_datum(s) for s in SEQS]
+    scored = types.ModelInput.from_ints(SEQS[1])
+    train(tc, datums, 1)
+    path = tc.save_weights_for_sampler("keep-me").result(timeout=300).path
+    service = tinker.ServiceClient(base_url=api.url, api_key="tml-" + api.token)
+    OPEN.append(service)
+    pinned_lp = service.create_sampling_client(model_path=path).result(timeout=60) \
+        .compute_logprobs(scored).result(timeout=300)[1:]
+    with api.client() as admin:
+        runs = admin.get("/v1/runs", params={"kind": "tinker", "limit": 200}).json()["data"]
+    run_id = next(r["id"] for r in runs if r["name"] == f"tinker {tc.model_id}")
+
+    def versions() -> list[int]:
+        return [v["version"] for v in httpx.get(f"{api.ws.url}/v1/runs/{run_id}/versions", timeout=30).json()]
+
+    (pinned,) = versions()
+    train(tc, datums, 2)
+    keep_last = int(api.ws.env["KEEP_LAST"])
+    for _ in range(keep_last + 1):  # a sampler's own (unnamed) weights: kept only among the newest
+        newest = tc.save_weights_and_get_sampling_client().result(timeout=300)
+    wait_until(lambda: len(versions()) == keep_last + 1, 30, "retention of the unnamed versions")
+    assert versions()[0] == pinned
+    again = service.create_sampling_client(model_path=path).result(timeout=60) \
+        .compute_logprobs(scored).result(timeout=300)[1:]
+    assert close([again], [pinned_lp], tol=1e-5)
+    assert not close([newest.compute_logprobs(scored).result(timeout=300)[1:]], [pinned_lp], tol=1e-3)
+
+    tinker.RestClient(base_url=api.url, api_key="tml-" + api.token).delete_checkpoint_from_tinker_path(path) \
+        .result(timeout=60)
+    wait_until(lambda: pinned not in versions(), 60, "the trainer's sweep to unpin the deleted checkpoint")
+    assert len(versions()) == keep_last
+
+
 def test_a_sample_cancelled_before_the_rollout_worker_reads_it_is_dropped(api, database_url, redis_url):
     """A sample the client abandons while the rollout worker is paused (SIGSTOP) is cancelled (`cancel_future`);
     resumed, the worker acknowledges it without generating or storing anything, and its future keeps the

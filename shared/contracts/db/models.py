@@ -333,6 +333,8 @@ class Checkpoint(Base):
     bytes: Mapped[int] = mapped_column(BigInteger, nullable=False)
     metrics: Mapped[dict] = mapped_column(JSONB, nullable=False, default=dict)
     status: Mapped[str] = mapped_column(String(16), nullable=False, default="available")  # available | deleted
+    # kept by retention whatever its age, with the versions it is built on (a named Tinker sampler checkpoint)
+    pinned: Mapped[bool] = mapped_column(Boolean, nullable=False, default=False, server_default="false")
     created_at: Mapped[datetime] = _now()
 
 

@@ -51,8 +51,9 @@ OWNERS: dict[str, TableOwner] = {
     "train_samples": TableOwner("trainer", (), "each policy version's step (which samples it trained on)"),
     "checkpoints": TableOwner(
         "weight_server", ("api", "jobs", "rollout_worker", "trainer"),
-        "the trainer's uploads (PUT, then commit); retention after each publish and the jobs worker's GC "
-        "(POST .../versions/retain), which keep what kept versions are built on"),
+        "the trainer's uploads (PUT, then commit); retention after each publish, after an unpin (DELETE .../pin) "
+        "and the jobs worker's GC (POST .../versions/retain), which keep pinned versions and what kept versions "
+        "are built on"),
     "datasets": TableOwner(
         "jobs", ("api", "controller"), "jobs: an import (`POST /v1/datasets/import`, `flywheel datasets import`), "
         "an upload (`POST /v1/datasets`, imported from the file the API wrote), a delete (`DELETE /v1/datasets/...`)"),
