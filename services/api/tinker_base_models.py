@@ -13,25 +13,25 @@ CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length",
 
 
 @dataclass(frozen=True)
-class BaseModel:
+class OfferedModel:
     name: str  # what a client passes as `base_model`
     source: str  # the folder or hub id a worker loads (also the tokenizer id the SDK is given)
     arch: str | None = None
     max_context_length: int | None = None
 
 
-def _described(name: str, source: str) -> BaseModel:
+def _described(name: str, source: str) -> OfferedModel:
     config_file = Path(source) / "config.json"
     try:
         config = json.loads(config_file.read_text())
     except (OSError, ValueError):
-        return BaseModel(name, source)
+        return OfferedModel(name, source)
     arch = (config.get("architectures") or [None])[0]
     context = next((config[k] for k in CONTEXT_KEYS if isinstance(config.get(k), int)), None)
-    return BaseModel(name, str(Path(source).resolve()), arch, context)
+    return OfferedModel(name, str(Path(source).resolve()), arch, context)
 
 
-def base_models(setting: str | None, data_dir: Path) -> dict[str, BaseModel]:
+def base_models(setting: str | None, data_dir: Path) -> dict[str, OfferedModel]:
     """{name: model}, in the order offered."""
     if setting is not None and setting.strip():
         entries = [e.strip() for e in setting.split(",") if e.strip()]

@@ -105,3 +105,15 @@ def parse_checkpoint_path(path: str) -> tuple[str, str, str] | None:
     if not path.startswith("tinker://") or len(parts) != 3 or parts[1] not in CHECKPOINT_KINDS or not all(parts):
         return None
     return parts[0], parts[1], parts[2]
+
+
+def sequence_id(request_id: str, index: int) -> str:
+    """A sampled sequence's id (the SDK's `sequence_id`): the stored episode with task id `request_id` and sample
+    index `index`."""
+    return f"{request_id}:{index}"
+
+
+def parse_sequence_id(sid: str) -> tuple[str, int] | None:
+    """(request id, sample index) of a sequence id, None if it is not one."""
+    request_id, _, index = sid.rpartition(":")
+    return (request_id, int(index)) if request_id and index.isdigit() else None

@@ -1,8 +1,11 @@
-"""The Tinker ids the API, trainer and rollout worker agree on: a training model's id and its checkpoints' paths."""
+"""The Tinker ids the API, trainer and rollout worker agree on: a training model's id, its checkpoints' paths and a
+sampled sequence's id."""
 
 from shared.contracts.tinker_run import (
     checkpoint_path,
     parse_checkpoint_path,
+    parse_sequence_id,
+    sequence_id,
     session_of_model,
     training_model_id,
 )
@@ -22,3 +25,10 @@ def test_a_checkpoint_path_round_trips_and_others_are_refused():
     for bad in ("tinker://s:train:1/bogus/x", "tinker://s:train:1/weights/", "s:train:1/weights/x",
                 "tinker://s:train:1/weights/x/y"):
         assert parse_checkpoint_path(bad) is None, bad
+
+
+def test_a_sequence_id_names_its_request_and_sample_and_others_are_refused():
+    request_id = "0b6f6c1e-2a4d-4f7e-9c3b-5d8e7f6a1b2c"  # a future's id
+    assert parse_sequence_id(sequence_id(request_id, 3)) == (request_id, 3)
+    for bad in ("no-index", ":3", "req:", "req:-1", "req:x"):
+        assert parse_sequence_id(bad) is None, bad

@@ -14,6 +14,7 @@ from services.api.errors import ApiError
 from services.api.tinker_proto import SampledSpan
 from shared.contracts.db.models import EpisodeRow, Run, TokenArrayRow, TrajectoryRow
 from shared.contracts.messages import TinkerDatum
+from shared.contracts.tinker_run import parse_sequence_id
 
 RECORD_WAIT_S = 30.0  # how long an answered sample may take to reach Postgres (the store writes it asynchronously)
 
@@ -24,7 +25,8 @@ def recorded_samples(db: Session, tinker, owner: str, ids: set[str], wait_s: flo
     are waited for up to `wait_s` when their request is the key's and answered (the rollout worker hands samples
     to the store before it answers); any other is missing at once."""
     found = stored_samples(db, owner, ids)
-    waiting = {sid for sid in ids - found.keys() if answered_sample(tinker, owner, sid.rpartition(":")[0])}
+    waiting = {sid for sid in ids - found.keys()
+               if (parsed := parse_sequence_id(sid)) and answered_sample(tinker, owner, parsed[0])}
     deadline = time.monotonic() + wait_s
     while waiting and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -40,11 +42,7 @@ def answered_sample(tinker, owner: str, request_id: str) -> bool:
 
 
 def stored_samples(db: Session, owner: str, ids: set[str]) -> dict[str, tuple[list[int], list[float]]]:
-    wanted = {}
-    for sid in ids:
-        request_id, _, idx = sid.rpartition(":")
-        if request_id and idx.isdigit():
-            wanted[(request_id, int(idx))] = sid
+    wanted = {parsed: sid for sid in ids if (parsed := parse_sequence_id(sid))}
     if not wanted:
         return {}
     own_runs = select(Run.id).where(Run.kind == "tinker", Run.config["owner"].astext == owner)

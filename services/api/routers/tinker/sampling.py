@@ -20,6 +20,7 @@ from services.api.routers.tinker import audit
 from services.api.routers.tinker.callers import Key, Wire, owned_session, store
 from services.api.routers.tinker.sessions import offered_model
 from services.api.routers.tinker.training import store_run
+from services.api.tinker_base_models import OfferedModel
 from shared.contracts.db.models import Run
 from shared.contracts.messages import TinkerSample
 from shared.contracts.messages.tinker import MAX_TOPK_LOGPROBS
@@ -29,6 +30,7 @@ from shared.contracts.tinker_run import (
     TinkerRunConfig,
     completion_queue,
     parse_checkpoint_path,
+    sequence_id,
 )
 from shared.platform.bus import RedisError, announce
 
@@ -78,7 +80,8 @@ def create_sampling_session(body: CreateSamplingSession, caller: Key, request: R
     return {"type": "create_sampling_session", "sampling_session_id": sampler_id}
 
 
-def sampler_run(request: Request, caller: Key, config, db, sampler_id: str, session_id: str, base) -> str:
+def sampler_run(request: Request, caller: Key, config, db, sampler_id: str, session_id: str,
+                base: OfferedModel) -> str:
     """A run of the caller's for a sampling session's samples (kind `tinker`, no adapter of its own)."""
     run = TinkerRunConfig(name=f"tinker sampler {sampler_id}", model_id=sampler_id, session_id=session_id,
                           owner=caller.owner, owner_name=caller.principal.name, base_model=base.name,
@@ -206,7 +209,7 @@ def asample(body: SampleRequest, caller: Key, request: Request) -> dict:
     try:
         request_id = store(request).pending(caller.owner, None, sampler["session_id"], "sample",
                                             body.sampling_session_id)
-        sequence_ids = [f"{request_id}:{i}" for i in range(body.num_samples)]
+        sequence_ids = [sequence_id(request_id, i) for i in range(body.num_samples)]
         announce(request.app.state.redis, TINKER_SAMPLES, TinkerSample(
             request_id=request_id, owner=caller.owner, run_id=sampler["run_id"], version=sampler["version"],
             store_run_id=sampler.get("store_run_id"),

@@ -20,7 +20,7 @@ from services.api.routers.runs import commanding
 from services.api.routers.tinker import audit
 from services.api.routers.tinker.callers import KEY_HINT, Caller, Key, Wire, jwt_key, owned_session, store
 from services.api.routers.tinker.not_served import NOT_SERVED
-from services.api.tinker_base_models import base_models
+from services.api.tinker_base_models import OfferedModel, base_models
 from shared.clients.run_commands import run_command
 from shared.contracts.db.models import ApiToken
 from shared.contracts.messages.control import MAX_REASON_CHARS, CommandAction
@@ -142,7 +142,7 @@ def get_server_capabilities(_: Key, config: Config) -> dict:
                                   "trainable": True, "sampleable": True} for m in models]}
 
 
-def offered_model(config, name: str):
+def offered_model(config, name: str) -> OfferedModel:
     offered = base_models(config.tinker_base_models, config.data_dir)
     if name not in offered:
         supported = ", ".join(offered) or "none (set TINKER_BASE_MODELS or add model folders to DATA_DIR/models)"
