@@ -27,6 +27,7 @@ from shared.platform.bus.connect import (
     data_lost,
     dead_letter_entry,
     decode_or_skip,
+    parse_stream_id,
     redis_time,
     surviving_data_loss,
 )
@@ -39,6 +40,6 @@ __all__ = [
     "ANSWER_GRACE_S", "ANSWER_TTL_S", "DEFAULT_MAXLEN", "REDIS_DOWN", "REPLY_RETRY", "BroadcastReader", "CommandBatcher",
     "DataLoss", "DeadLetterHook", "Delivery", "GroupStats", "Handler", "Redis", "RedisError", "RequestClient",
     "RequestServer", "StreamBus", "StreamConsumer", "StreamStats", "SyncRedis", "announce", "ask", "await_answer",
-    "connect", "connect_sync", "data_lost", "dead_letter_entry", "decode_or_skip", "redis_time", "stream_stats",
+    "connect", "connect_sync", "data_lost", "dead_letter_entry", "decode_or_skip", "parse_stream_id", "redis_time", "stream_stats",
     "surviving_data_loss",
 ]

@@ -165,7 +165,8 @@ async def _stream_end(redis: aioredis.Redis, stream: str) -> bytes | str:
         return "0-0"
 
 
-def _parse_id(value: bytes | str) -> tuple[int, int]:
+def parse_stream_id(value: bytes | str) -> tuple[int, int]:
+    """A stream entry id `<ms>-<seq>` as (ms, seq)."""
     s = value.decode() if isinstance(value, bytes) else value
     ms, _, seq = s.partition("-")
     return int(ms), int(seq or 0)

@@ -18,7 +18,7 @@ from shared.platform.bus.connect import (
     MESSAGES_PUBLISHED,
     M,
     _next_id,
-    _parse_id,
+    parse_stream_id,
 )
 
 
@@ -118,11 +118,11 @@ class StreamBus:
             return 0
         floor: tuple[int, int] | None = None
         for g in groups:
-            need = _next_id(_parse_id(g["last-delivered-id"]))
+            need = _next_id(parse_stream_id(g["last-delivered-id"]))
             if g["pending"]:
                 summary = await self.redis.xpending(stream, g["name"])
                 if summary["min"] is not None:  # None: the pending entries were acked since XINFO
-                    need = min(need, _parse_id(summary["min"]))
+                    need = min(need, parse_stream_id(summary["min"]))
             floor = need if floor is None else min(floor, need)
         assert floor is not None
         return await self.redis.xtrim(stream, minid=f"{floor[0]}-{floor[1]}", approximate=False)

@@ -32,7 +32,7 @@ from shared.contracts.tinker_run import (
     parse_checkpoint_path,
     sequence_id,
 )
-from shared.platform.bus import RedisError, announce
+from shared.platform.bus import RedisError, announce, parse_stream_id
 
 router = APIRouter()
 
@@ -255,8 +255,8 @@ def text(fields: dict, name: str) -> str:
 
 
 def cursor_of(entry_id: bytes | str) -> int:
-    ms, seq = (entry_id.decode() if isinstance(entry_id, bytes) else entry_id).split("-")
-    return int(ms) * 1_000_000 + int(seq)
+    ms, seq = parse_stream_id(entry_id)
+    return ms * 1_000_000 + seq
 
 
 @router.post("/retrieve_futures")
